@@ -1,0 +1,352 @@
+"""A virtual worker: host-side scheduler driving pipelined model parallelism over its stages (HetPipe §4–§5).
+
+Runtime layer. One :class:`VirtualWorker` per VW. It keeps per-stage FIFO ready queues through the pure rules of
+:mod:`hetpipe_jax.schedule`, dispatches each ready task asynchronously to its stage's device (JAX async dispatch is
+the overlap), observes completions by polling ``is_ready()`` on the task's transferred output, and injects new
+minibatches under the local rule (Nm in flight) and the WSP rule of :mod:`hetpipe_jax.wsp`.
+
+Weight versions: minibatch p is injected with the VW's current :class:`WeightVersion` (immutable per-stage params
+on each stage's device) and uses it on every stage; the weights change only when a minibatch completes, on all
+stages together, or when pulled global weights are installed. Old versions are freed by reference counting once no
+in-flight minibatch holds them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hetpipe_jax import schedule, wsp
+from hetpipe_jax.param_layout import ParamLayout
+from hetpipe_jax.schedule import Task, TaskKind
+from hetpipe_jax.stages import Stage
+
+
+class PSClient(Protocol):
+  """What a VW needs from the parameter server (in-process or over MPI)."""
+
+  def push(self, wave_id: int, flat_delta: np.ndarray, loss_sum: float, num_minibatches: int) -> None:
+    """Sends wave ``wave_id``'s aggregated update (float32 ``[num_params]``)."""
+
+  def request_pull(self, required_clock: int) -> None:
+    """Asks for the global weights once the global clock is >= ``required_clock``."""
+
+  def poll_pull(self) -> tuple[int, np.ndarray] | None:
+    """Non-blocking: ``(global_clock, float32 [num_params])`` if a pull reply arrived, else None."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightVersion:
+  """One consistent version of a VW's weights.
+
+  Attributes:
+    params: per stage, that stage's per-layer params on its device.
+    local_updates: how many of this VW's own minibatch updates it includes (minibatches ``0..local_updates-1``).
+    global_clock: the global clock of the last pulled global weights it includes (every VW's waves
+      ``0..global_clock-1``).
+    version_id: increments on every change.
+  """
+
+  params: tuple
+  local_updates: int
+  global_clock: int
+  version_id: int
+
+
+@dataclasses.dataclass
+class MinibatchRecord:
+  """What happened to one minibatch (written to ``minibatches.jsonl``)."""
+
+  vw_id: int
+  minibatch_id: int
+  wave_id: int
+  local_clock_at_injection: int
+  version_id: int
+  version_local_updates: int
+  version_global_clock: int
+  inject_time_s: float
+  complete_time_s: float = float("nan")
+  loss: float = float("nan")
+
+
+@dataclasses.dataclass
+class VWStats:
+  """Per-VW timing: seconds waiting for the PS (WSP bound) and seconds with no runnable task."""
+
+  wait_s: float = 0.0
+  idle_s: float = 0.0
+  wall_time_s: float = 0.0
+  num_pulls: int = 0
+  num_pushes: int = 0
+  peak_inflight_per_stage: list[int] = dataclasses.field(default_factory=list)
+  max_concurrent_tasks: int = 0
+
+
+@dataclasses.dataclass
+class _InFlight:
+  version: WeightVersion
+  images: jax.Array
+  labels: jax.Array
+  activations: dict  # stage -> input activation on that stage's device
+  residuals: dict  # stage -> vjp closure
+  grad_in: dict  # stage -> gradient arriving from stage + 1
+  grads: dict  # stage -> param grads
+  loss: Any = None
+  record: MinibatchRecord | None = None
+
+
+class VirtualWorker:
+  """Runs one VW's pipeline for a fixed number of minibatches.
+
+  Args:
+    vw_id: 0-based VW index.
+    stages: built by :func:`hetpipe_jax.stages.build_stages`.
+    layout: flat weight layout shared with the PS.
+    initial_layer_params: per-layer host params (the global initial weights W0).
+    optimizer: optax transformation (each stage keeps its own state on its device).
+    num_inflight: Nm >= 1.
+    staleness_bound: D >= 0.
+    ps: the parameter-server client.
+    get_minibatch: ``minibatch_id -> (images [b, ...] float32, labels [b] int32)`` numpy arrays.
+    pull_every_wave: also pull (without waiting) at every wave end; False pulls only when the bound forces it.
+    poll_interval_s: host sleep when nothing progressed.
+    on_minibatch: optional callback ``(MinibatchRecord) -> None`` at each completion.
+
+  Raises:
+    ValueError: ``num_inflight < 1`` or ``staleness_bound < 0``.
+  """
+
+  def __init__(self, vw_id: int, stages: Sequence[Stage], layout: ParamLayout, initial_layer_params: Sequence[Any],
+               optimizer: optax.GradientTransformation, num_inflight: int, staleness_bound: int, ps: PSClient,
+               get_minibatch: Callable[[int], tuple[np.ndarray, np.ndarray]], pull_every_wave: bool = True,
+               poll_interval_s: float = 5e-5, on_minibatch: Callable[[MinibatchRecord], None] | None = None):
+    if num_inflight < 1:
+      raise ValueError(f"num_inflight must be >= 1, got {num_inflight}")
+    if staleness_bound < 0:
+      raise ValueError(f"staleness_bound must be >= 0, got {staleness_bound}")
+    self.vw_id = vw_id
+    self.stages = list(stages)
+    self.layout = layout
+    self.num_inflight = num_inflight
+    self.staleness_bound = staleness_bound
+    self.ps = ps
+    self.get_minibatch = get_minibatch
+    self.pull_every_wave = pull_every_wave
+    self.poll_interval_s = poll_interval_s
+    self.on_minibatch = on_minibatch
+    self.optimizer = optimizer
+    params = tuple(self._place_stage(initial_layer_params, st) for st in self.stages)
+    # Constant outputs (Adam's step count, zeros) are not committed by jit: place them explicitly.
+    self.opt_states = [jax.device_put(jax.jit(optimizer.init)(p), st.device) for st, p in zip(self.stages, params)]
+    self._zeros = [jax.device_put(jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t))(p), st.device)
+                   for st, p in zip(self.stages, params)]
+    self.version = WeightVersion(params, 0, 0, 0)
+    self.wave_delta = list(self._zeros)
+    self.own_waves: dict[int, list] = {}  # wave -> per-stage delta, own waves not yet in pulled global weights
+    self.local_clock = 0
+    self.records: list[MinibatchRecord] = []
+    self.task_log: list[tuple[str, float, float]] = []  # (task, dispatch time, observed completion time)
+    self.stats = VWStats()
+    self._pull_required: int | None = None  # requirement of the outstanding pull, if any
+    self._wave_loss_sum = 0.0
+
+  # ---------------------------------------------------------------- placement helpers
+  def _place_stage(self, layer_params: Sequence[Any], st: Stage):
+    start, end = st.layer_range
+    return jax.device_put(list(layer_params[start:end]), st.device)
+
+  def _new_version(self, params, *, local_updates=None, global_clock=None) -> WeightVersion:
+    v = self.version
+    return WeightVersion(tuple(params), v.local_updates if local_updates is None else local_updates,
+                         v.global_clock if global_clock is None else global_clock, v.version_id + 1)
+
+  # ---------------------------------------------------------------- main loop
+  def run(self, num_minibatches: int) -> VWStats:
+    """Trains ``num_minibatches`` (a multiple of Nm, so every wave is whole) and returns the VW's stats.
+
+    Raises:
+      ValueError: ``num_minibatches`` is not a positive multiple of Nm.
+      FloatingPointError: a loss is NaN or Inf.
+    """
+    if num_minibatches <= 0 or num_minibatches % self.num_inflight:
+      raise ValueError(f"num_minibatches={num_minibatches} must be a positive multiple of num_inflight="
+                       f"{self.num_inflight} (whole waves)")
+    num_stages = len(self.stages)
+    rules = schedule.PipelineRules(num_stages, self.num_inflight)
+    inflight: dict[int, _InFlight] = {}
+    # Per stage, dispatched tasks not yet observed done: (task, completion marker, dispatch time).
+    running = [collections.deque() for _ in range(num_stages)]
+    self._t0 = t0 = time.perf_counter()
+    wait_since = idle_since = None
+    with jax.transfer_guard("disallow"):
+      while rules.num_completed < num_minibatches:
+        progressed = False
+        # 1. PS replies.
+        reply = self.ps.poll_pull()
+        if reply is not None:
+          self._install_pull(*reply)
+          progressed = True
+        # 2. Completions, per stage in dispatch order (a stage is one in-order device queue; transfers may
+        #    finish out of order, so a later task of a stage is not observed done before an earlier one).
+        for queue in running:
+          while queue and queue[0][1].is_ready():
+            task, _, t_dispatch = queue.popleft()
+            now = time.perf_counter() - t0
+            self.task_log.append((str(task), t_dispatch, now))
+            rules.complete(task)
+            if schedule.completes_minibatch(task):
+              self._complete_minibatch(inflight.pop(task.minibatch_id), now)
+            progressed = True
+        # 3. Injection under the local rule and WSP.
+        while rules.can_inject() and rules.num_injected < num_minibatches:
+          if not wsp.may_inject(self.local_clock, self.version.global_clock, self.staleness_bound):
+            need = wsp.required_global_clock(self.local_clock, self.staleness_bound)
+            if self._pull_required is None:
+              self._request_pull(need)
+            if wait_since is None:
+              wait_since = time.perf_counter()
+            break
+          if wait_since is not None:
+            self.stats.wait_s += time.perf_counter() - wait_since
+            wait_since = None
+          p = rules.num_injected
+          rules.inject()
+          inflight[p] = self._inject(p, time.perf_counter() - t0)
+          progressed = True
+        # 4. Dispatch every ready task, FIFO per stage.
+        for s in range(num_stages):
+          while rules.has_ready(s):
+            task = rules.pop_ready(s)
+            marker = self._dispatch(task, inflight[task.minibatch_id])
+            running[s].append((task, marker, time.perf_counter() - t0))
+            progressed = True
+        num_running = sum(len(q) for q in running)
+        self.stats.max_concurrent_tasks = max(self.stats.max_concurrent_tasks, num_running)
+        # 5. Idle accounting and back-off.
+        if not num_running and rules.num_completed < num_minibatches:
+          if idle_since is None:
+            idle_since = time.perf_counter()
+        elif idle_since is not None:
+          self.stats.idle_s += time.perf_counter() - idle_since
+          idle_since = None
+        if not progressed:
+          time.sleep(self.poll_interval_s)
+    if idle_since is not None:
+      self.stats.idle_s += time.perf_counter() - idle_since
+    self.stats.wall_time_s = time.perf_counter() - t0
+    self.stats.peak_inflight_per_stage = list(rules.peak_held)
+    return self.stats
+
+  # ---------------------------------------------------------------- tasks
+  def _inject(self, p: int, now: float) -> _InFlight:
+    images, labels = self.get_minibatch(p)
+    first, last = self.stages[0], self.stages[-1]
+    v = self.version
+    rec = MinibatchRecord(self.vw_id, p, wsp.wave_of(p, self.num_inflight), self.local_clock, v.version_id,
+                          v.local_updates, v.global_clock, now)
+    self.records.append(rec)
+    x = jax.device_put(images, first.device)
+    y = jax.device_put(labels, last.device)
+    return _InFlight(v, x, y, {0: x}, {}, {}, {}, record=rec)
+
+  def _dispatch(self, task: Task, mb: _InFlight):
+    """Dispatches ``task`` asynchronously; returns an array that is ready when its output has reached its consumer."""
+    s = task.stage_id
+    st = self.stages[s]
+    params = mb.version.params[s]
+    if task.kind is TaskKind.FORWARD:
+      out, vjp = st.forward(params, mb.activations.pop(s))
+      mb.residuals[s] = vjp
+      nxt = jax.device_put(out, self.stages[s + 1].device)
+      mb.activations[s + 1] = nxt
+      return nxt
+    if task.kind is TaskKind.FORWARD_BACKWARD:
+      loss, gp, gx = st.forward_backward(params, mb.activations.pop(s), mb.labels)
+      mb.loss = loss
+      mb.grads[s] = gp
+      if s == 0:
+        return loss
+      g = jax.device_put(gx, self.stages[s - 1].device)
+      mb.grad_in[s - 1] = g
+      return g
+    gp, gx = st.backward(mb.residuals.pop(s), mb.grad_in.pop(s))
+    mb.grads[s] = gp
+    if s == 0:
+      return jax.tree.leaves(gp)[0]
+    g = jax.device_put(gx, self.stages[s - 1].device)
+    mb.grad_in[s - 1] = g
+    return g
+
+  def _complete_minibatch(self, mb: _InFlight, now: float) -> None:
+    """Applies minibatch p's update on every stage (a new weight version) and ends the wave if p is its last."""
+    new_params, new_states, new_deltas = [], [], []
+    for s, st in enumerate(self.stages):
+      p, o, d = st.update(self.version.params[s], self.opt_states[s], mb.grads[s], self.wave_delta[s])
+      new_params.append(p)
+      new_states.append(o)
+      new_deltas.append(d)
+    self.opt_states = new_states
+    self.wave_delta = new_deltas
+    self.version = self._new_version(new_params, local_updates=self.version.local_updates + 1)
+    rec = mb.record
+    rec.complete_time_s = now
+    rec.loss = float(jax.device_get(mb.loss))
+    if not np.isfinite(rec.loss):
+      raise FloatingPointError(f"[VW {self.vw_id}] loss is {rec.loss} at minibatch {rec.minibatch_id}: training "
+                               "diverged; lower config.learning_rate")
+    self._wave_loss_sum += rec.loss
+    if self.on_minibatch is not None:
+      self.on_minibatch(rec)
+    if wsp.is_wave_end(rec.minibatch_id, self.num_inflight):
+      self._end_wave(wsp.wave_of(rec.minibatch_id, self.num_inflight))
+
+  def _end_wave(self, wave_id: int) -> None:
+    host = jax.device_get(self.wave_delta)
+    flat = np.concatenate([self.layout.flatten(h, st.layer_range[0]) for h, st in zip(host, self.stages)])
+    self.ps.push(wave_id, flat, self._wave_loss_sum, self.num_inflight)
+    self.stats.num_pushes += 1
+    self._wave_loss_sum = 0.0
+    self.own_waves[wave_id] = self.wave_delta
+    self.wave_delta = list(self._zeros)
+    self.local_clock = wave_id + 1
+    if self.pull_every_wave and self._pull_required is None:
+      self._request_pull(0)
+
+  def _request_pull(self, required_clock: int) -> None:
+    self._pull_required = required_clock
+    self.ps.request_pull(required_clock)
+
+  def _install_pull(self, global_clock: int, flat: np.ndarray) -> None:
+    """Local weights := pulled global weights + own completed updates the global weights do not hold yet."""
+    self._pull_required = None
+    self.stats.num_pulls += 1
+    if global_clock < self.version.global_clock:
+      raise AssertionError(f"pull went back in time: clock {global_clock} < {self.version.global_clock}")
+    for c in [c for c in self.own_waves if c < global_clock]:
+      del self.own_waves[c]
+    params = []
+    for s, st in enumerate(self.stages):
+      start, end = st.layer_range
+      p = jax.device_put(self.layout.unflatten(flat, start, end), st.device)
+      for c in sorted(self.own_waves):
+        p = st.add(p, self.own_waves[c][s])
+      params.append(st.add(p, self.wave_delta[s]))
+    self.version = self._new_version(params, global_clock=global_clock)
+    logging.log_every_n_seconds(logging.INFO, "[VW %d] pulled global clock %d (local clock %d)", 10, self.vw_id,
+                                global_clock, self.local_clock)
+
+  # ---------------------------------------------------------------- results
+  def layer_params(self) -> list[Any]:
+    """The VW's current weights as host per-layer params (for tests and checkpoints)."""
+    out = []
+    for p in jax.device_get(list(self.version.params)):
+      out.extend(p)
+    return out
