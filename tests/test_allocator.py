@@ -1,0 +1,121 @@
+"""Allocation policies NP/ED/HD/auto, the system Nm, and parameter placement traffic (HetPipe §4, §8.1)."""
+
+import json
+
+import pytest
+
+from hetpipe_jax import allocator, cluster as cluster_lib, cost_model, inflight, profile_format, ps_placement
+
+PAPER = cluster_lib.load_cluster("hetpipe_paper")
+
+
+def saved_profile(model):
+  return profile_format.load_profile(profile_format.default_profile_path(model, 32, "cpu", False))
+
+
+@pytest.fixture(scope="module")
+def resnet_costs():
+  return cost_model.build_stage_costs(saved_profile("resnet152_imagenet"), PAPER)
+
+
+def letters(vws):
+  return sorted("".join(sorted(g.node for g in vw)) for vw in vws)
+
+
+def test_np_ed_hd_groupings_match_table_3():
+  assert letters(allocator.allocate_np(PAPER, 4)) == ["GGGG", "QQQQ", "RRRR", "VVVV"]
+  assert letters(allocator.allocate_ed(PAPER, 4)) == ["GQRV"] * 4
+  assert letters(allocator.allocate_hd(PAPER, 4)) == ["GGRR", "GGRR", "QQVV", "QQVV"]
+  assert sorted(map(sorted, allocator.hd_node_pairs(PAPER))) == [["G", "R"], ["Q", "V"]]
+
+
+@pytest.mark.parametrize("fn, num_vws, message", [
+    (allocator.allocate_np, 3, "num_vws must be 4"),
+    (allocator.allocate_ed, 3, "not divisible into 3 virtual workers"),
+    (allocator.allocate_hd, 3, "not a multiple of the 2 node pairs"),
+])
+def test_policy_errors(fn, num_vws, message):
+  with pytest.raises(allocator.AllocationError, match=message):
+    fn(PAPER, num_vws)
+
+
+def test_unknown_policy(resnet_costs):
+  with pytest.raises(allocator.AllocationError, match="unknown policy 'XY'"):
+    allocator.allocate(PAPER, resnet_costs, "XY", 4)
+
+
+@pytest.mark.parametrize("policy", ["NP", "ED", "HD"])
+def test_system_nm_is_within_every_max_m_and_total_is_slowest_times_vws(resnet_costs, policy):
+  plan = allocator.allocate(PAPER, resnet_costs, policy, 4)
+  assert 1 <= plan.num_inflight <= min(vw.max_num_inflight for vw in plan.virtual_workers)
+  thr = [vw.partition.throughput_per_s for vw in plan.virtual_workers]
+  assert plan.predicted_total_minibatches_per_s == pytest.approx(4 * min(thr))
+  assert all(vw.partition.fits and vw.partition.num_inflight == plan.num_inflight for vw in plan.virtual_workers)
+  used = sorted(g.gpu_id for vw in plan.virtual_workers for g in vw.partition.gpus)
+  assert used == sorted(g.gpu_id for g in PAPER.gpus())
+
+
+def test_max_m_is_the_feasibility_edge(resnet_costs):
+  planner = inflight.VwPlanner(resnet_costs, allocator.allocate_np(PAPER, 4)[2])  # GGGG
+  m = planner.max_num_inflight()
+  assert m >= 1 and planner.partition(m) is not None and planner.partition(m + 1) is None
+  assert 1 <= planner.saturating_num_inflight() <= m
+
+
+def small_cluster(memory_bytes=12 * 2**30):
+  d = {"name": "two_by_two", "gpu_types": [
+      {"name": "fast", "peak_fp32_flops_per_s": 15e12, "peak_fp16_flops_per_s": 1e14,
+       "memory_bytes": memory_bytes, "memory_bandwidth_bytes_per_s": 6e11},
+      {"name": "slow", "peak_fp32_flops_per_s": 5e12, "peak_fp16_flops_per_s": 1e14,
+       "memory_bytes": memory_bytes // 2, "memory_bandwidth_bytes_per_s": 2.5e11}],
+       "nodes": [{"name": "a", "gpus": ["fast", "fast"]}, {"name": "b", "gpus": ["slow", "slow"]}],
+       "intra_node_link": {"name": "pcie", "bandwidth_bytes_per_s": 15.75e9, "efficiency": 0.75},
+       "inter_node_link": {"name": "ib", "bandwidth_bytes_per_s": 7e9, "efficiency": 0.7}}
+  return cluster_lib.cluster_from_dict(d)
+
+
+@pytest.mark.parametrize("memory_gib", [12, 16])
+def test_auto_is_the_best_of_all_allocations(memory_gib):
+  cl = small_cluster(memory_gib * 2**30)
+  costs = cost_model.build_stage_costs(saved_profile("resnet152_imagenet"), cl)
+  g = {x.gpu_id: x for x in cl.gpus()}
+  candidates = [[[g["a/0"], g["a/1"]], [g["b/0"], g["b/1"]]], [[g["a/0"], g["b/0"]], [g["a/1"], g["b/1"]]]]
+  totals = []
+  for c in candidates:
+    try:
+      totals.append(allocator.plan_system(costs, c, "x").predicted_total_minibatches_per_s)
+    except allocator.AllocationError:
+      totals.append(0.0)
+  auto = allocator.allocate(cl, costs, "auto", 2)
+  assert auto.predicted_total_minibatches_per_s == pytest.approx(max(totals))
+
+
+def test_model_that_fits_no_allocation():
+  cl = small_cluster(memory_bytes=2**28)
+  costs = cost_model.build_stage_costs(saved_profile("vgg19_imagenet"), cl)
+  with pytest.raises(allocator.AllocationError, match=r"fits no partition even with num_inflight=1.*exceeds by"):
+    allocator.allocate(cl, costs, "NP", 2)
+  with pytest.raises(allocator.AllocationError, match="fits no allocation"):
+    allocator.allocate(cl, costs, "auto", 2)
+
+
+def test_ed_local_placement_moves_no_parameters_across_nodes(resnet_costs):
+  prof = saved_profile("resnet152_imagenet")
+  plan = allocator.allocate(PAPER, resnet_costs, "ED", 4)
+  parts = [vw.partition for vw in plan.virtual_workers]
+  local = ps_placement.place("local", PAPER, prof, parts, plan.num_inflight)
+  default = ps_placement.place("default", PAPER, prof, parts, plan.num_inflight)
+  assert local.ps_bytes_crossing_nodes_per_wave == 0
+  param_bytes = sum(l.param_bytes for l in prof.layers)
+  # Round-robin over 4 shards: about 3/4 of every VW's push + pull crosses nodes.
+  assert 0.5 * 4 * 2 * param_bytes < default.ps_bytes_crossing_nodes_per_wave < 4 * 2 * param_bytes
+  assert local.activation_bytes_crossing_nodes_per_wave == default.activation_bytes_crossing_nodes_per_wave > 0
+  with pytest.raises(ValueError, match="unknown parameter placement 'near'"):
+    ps_placement.place("near", PAPER, prof, parts, 1)
+
+
+def test_np_has_no_activation_traffic_across_nodes(resnet_costs):
+  prof = saved_profile("resnet152_imagenet")
+  plan = allocator.allocate(PAPER, resnet_costs, "NP", 4)
+  p = ps_placement.place("default", PAPER, prof, [vw.partition for vw in plan.virtual_workers], plan.num_inflight)
+  assert p.activation_bytes_crossing_nodes_per_wave == 0

@@ -1,0 +1,166 @@
+"""Cost model: stage time and memory formulas, roofline estimates, in-flight bound (HetPipe §4, §7)."""
+
+import dataclasses
+import heapq
+
+import numpy as np
+import pytest
+
+from hetpipe_jax import cluster as cluster_lib
+from hetpipe_jax import cost_model, profile_format
+
+
+def tiny_profile(measured=False):
+  layers = tuple(profile_format.LayerProfile(
+      name=f"{i}:L", fwd_time_ms=1.0 + i if measured else None, bwd_time_ms=2.0 + i if measured else None,
+      fwd_flops=1e9 * (i + 1), bwd_flops=2e9 * (i + 1), fwd_bytes_accessed=1e6, bwd_bytes_accessed=2e6,
+      param_bytes=1000 * (i + 1), optimizer_state_bytes=2000 * (i + 1), output_activation_bytes=10_000 * (i + 1),
+      stash_bytes=50_000, workspace_bytes=7 * (i + 1)) for i in range(4))
+  return profile_format.ModelProfile("tiny", 8, "cpu", measured, 5_000, "adam", layers)
+
+
+def test_roofline_and_measured_times():
+  paper = cluster_lib.load_cluster("hetpipe_paper")
+  titan_v = paper.gpu_types["TITAN V"]
+  t = cost_model.layer_times_ms(tiny_profile(), titan_v, cost_model.CostModelConfig(compute_efficiency=0.5))
+  expected0 = 1e3 * (1e9 / (titan_v.peak_fp32_flops_per_s * 0.5) + 2e9 / (titan_v.peak_fp32_flops_per_s * 0.5))
+  assert t[0] == pytest.approx(expected0)
+  cpu = cluster_lib.load_cluster("local_cpu").gpu_types["cpu"]
+  np.testing.assert_allclose(cost_model.layer_times_ms(tiny_profile(True), cpu, cost_model.CostModelConfig()),
+                             [3.0, 5.0, 7.0, 9.0])
+
+
+def test_calibrated_efficiency_reproduces_measured_total():
+  cpu = cluster_lib.load_cluster("local_cpu").gpu_types["cpu"]
+  prof = tiny_profile(True)
+  e = cost_model.calibrate_efficiency(prof, cpu)
+  est = cost_model.layer_times_ms(prof, dataclasses.replace(cpu, measured_device_kind=None),
+                                  cost_model.CostModelConfig(compute_efficiency=min(e, 1.0),
+                                                             memory_efficiency=min(e, 1.0)))
+  if e <= 1.0:
+    assert est.sum() == pytest.approx(24.0)
+  with pytest.raises(ValueError, match="no measured times"):
+    cost_model.calibrate_efficiency(tiny_profile(False), cpu)
+
+
+def test_stage_time_adds_receives_over_the_right_links():
+  paper = cluster_lib.load_cluster("hetpipe_paper")
+  costs = cost_model.build_stage_costs(tiny_profile(), paper)
+  compute = costs.compute_ms("TITAN V", 1, 3)
+  intra = paper.intra_node_link.transfer_time_s(10_000) * 1e3  # cut 1: output of layer 0
+  inter = paper.inter_node_link.transfer_time_s(30_000) * 1e3  # cut 3: output of layer 2
+  assert costs.stage_time_ms("TITAN V", 1, 3, cost_model.INTRA, cost_model.INTER) == pytest.approx(
+      compute + intra + inter)
+  assert costs.stage_time_ms("TITAN V", 0, 4, None, None) == pytest.approx(costs.compute_ms("TITAN V", 0, 4))
+
+
+def test_stage_memory_formula():
+  costs = cost_model.build_stage_costs(tiny_profile(), cluster_lib.load_cluster("hetpipe_paper"))
+  nm = 3
+  # Non-last stage [0, 2): holds Nm; params (3000) x (1 + Nm versions + accumulator) + optimizer (6000)
+  # + Nm x (max(stash 100000, input 5000) + gradient at cut 2 (20000)) + workspace max(7, 14).
+  assert costs.stage_memory_bytes(0, 2, False, 2, nm) == 3000 * (1 + nm + 1) + 6000 + nm * (100_000 + 20_000) + 14
+  # Last stage [2, 4): holds 1, no extra versions, Nm - 1 queued inputs at cut 2 (20000).
+  assert costs.stage_memory_bytes(2, 4, True, 2, nm) == 7000 * 2 + 14000 + 100_000 + (nm - 1) * 20_000 + 28
+
+
+def test_max_inflight_bound_values_and_errors():
+  assert cost_model.max_inflight_per_stage(4, 6) == [6, 6, 6, 1]
+  assert cost_model.max_inflight_per_stage(1, 5) == [1]
+  with pytest.raises(ValueError, match="num_inflight"):
+    cost_model.max_inflight_per_stage(3, 0)
+  with pytest.raises(ValueError, match="num_stages"):
+    cost_model.max_inflight_per_stage(0, 2)
+
+
+def simulate_peak_held(stage_ms, num_inflight, num_minibatches=40):
+  """Event simulation of HetPipe §4's rules (forwards in order, backwards in order, FIFO among ready tasks,
+  last stage F+B as one task, <= Nm in flight); returns per-stage peak of held minibatches."""
+  s_count = len(stage_ms)
+  ready = [[] for _ in range(s_count)]  # heap of (ready_time, seq, kind, mb)
+  seq = [0]
+  running = [False] * s_count
+  held = [0] * s_count
+  peak = [0] * s_count
+  next_f = [0] * s_count
+  next_b = [0] * s_count
+  events = []  # (time, seq, stage, kind, mb) completions
+  injected = completed = 0
+
+  def push(stage, kind, mb, t):
+    seq[0] += 1
+    heapq.heappush(ready[stage], (t, seq[0], kind, mb))
+
+  def start(stage, now):
+    if running[stage]:
+      return
+    # FIFO among ready tasks that satisfy in-order rules.
+    for idx, (t, sq, kind, mb) in enumerate(sorted(ready[stage])):
+      if t > now:
+        break
+      if (kind in ("F", "FB") and mb == next_f[stage]) or (kind == "B" and mb == next_b[stage]):
+        ready[stage].remove((t, sq, kind, mb))
+        heapq.heapify(ready[stage])
+        running[stage] = True
+        seq[0] += 1
+        heapq.heappush(events, (now + stage_ms[stage], seq[0], stage, kind, mb))
+        if kind in ("F", "FB"):
+          next_f[stage] += 1
+        if kind in ("B", "FB"):
+          next_b[stage] += 1
+        if kind == "FB":
+          held[stage] += 1
+          peak[stage] = max(peak[stage], held[stage])
+        return
+
+  now = 0.0
+  while injected < min(num_inflight, num_minibatches):
+    push(0, "F" if s_count > 1 else "FB", injected, now)
+    injected += 1
+  for s in range(s_count):
+    start(s, now)
+  while events:
+    now, _, s, kind, mb = heapq.heappop(events)
+    running[s] = False
+    if kind == "F":
+      held[s] += 1
+      peak[s] = max(peak[s], held[s])
+      push(s + 1, "FB" if s + 1 == s_count - 1 else "F", mb, now)
+    else:
+      held[s] -= 1
+      if s > 0:
+        push(s - 1, "B", mb, now)
+      else:
+        completed += 1
+        if injected < num_minibatches:
+          push(0, "F" if s_count > 1 else "FB", injected, now)
+          injected += 1
+    for st in range(s_count):
+      start(st, now)
+  assert completed == num_minibatches
+  return peak
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_simulated_peaks_never_exceed_the_bound(seed):
+  rng = np.random.default_rng(seed)
+  s_count = int(rng.integers(1, 6))
+  nm = int(rng.integers(1, 8))
+  stage_ms = list(rng.uniform(0.1, 10.0, size=s_count))
+  peak = simulate_peak_held(stage_ms, nm)
+  bound = cost_model.max_inflight_per_stage(s_count, nm)
+  assert all(p <= b for p, b in zip(peak, bound)), (stage_ms, nm, peak, bound)
+
+
+def test_bound_is_reached_and_min_nm_s_minus_s_is_not_safe():
+  # Fast stages before a slow stage 2: it runs all Nm forwards before its first backward, and so do 0 and 1.
+  assert simulate_peak_held([0.1, 0.1, 10.0, 0.1], num_inflight=6) == cost_model.max_inflight_per_stage(4, 6)
+  # Even equal stage times exceed the tempting closed form min(Nm, S - s) (which allows 3 on stage 1).
+  assert simulate_peak_held([1.0, 1.0, 1.0, 1.0], num_inflight=6)[1] == 6 > min(6, 4 - 1)
+
+
+def test_throughput_closed_form_and_saturation():
+  assert cost_model.vw_throughput_per_s([100.0, 100.0, 100.0, 100.0], 1) == pytest.approx(2.5)
+  assert cost_model.vw_throughput_per_s([100.0, 100.0, 100.0, 100.0], 4) == pytest.approx(10.0)
+  assert cost_model.vw_throughput_per_s([100.0, 100.0, 100.0, 100.0], 9) == pytest.approx(10.0)
+  assert cost_model.saturating_num_inflight([100.0, 50.0, 50.0]) == 2

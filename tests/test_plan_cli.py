@@ -1,0 +1,111 @@
+"""The planner CLI (``python -m hetpipe_jax.plan``), the plan file, and bad-input errors (HetPipe §4, §7, §8.1)."""
+
+import ast
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hetpipe_jax import cluster as cluster_lib, plan_format
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PLANNING_MODULES = ["cluster", "cost_model", "partitioner", "partition_check", "inflight", "allocator",
+                    "ps_placement", "plan_format", "planner", "profile_format"]
+
+
+def run_plan(*args, timeout=120):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  return subprocess.run([sys.executable, "-m", "hetpipe_jax.plan", *args], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("model", ["resnet152_imagenet", "vgg19_imagenet"])
+@pytest.mark.parametrize("policy", ["NP", "ED", "HD"])
+def test_paper_plans(tmp_path, model, policy):
+  out = tmp_path / "plan.json"
+  t0 = time.perf_counter()
+  r = run_plan("--cluster=hetpipe_paper", f"--model={model}", "--batch_size=32", f"--policy={policy}",
+               "--num_vws=4", f"--output={out}")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert time.perf_counter() - t0 < 10.0
+  assert f"policy={policy}" in r.stdout and "minibatches/s" in r.stdout and "bytes crossing nodes" in r.stdout
+  plan = plan_format.load_plan(str(out), expected_model=model)
+  assert len(plan.virtual_workers) == 4 and plan.num_inflight >= 1
+  d = json.loads(out.read_text())
+  for key in ("format_version", "model", "batch_size", "cluster", "policy", "num_inflight", "virtual_workers",
+              "predicted_total_minibatches_per_s", "ps_placement"):
+    assert key in d
+  for key in ("vw_id", "gpus", "gpu_types", "devices", "partition", "stage_time_ms", "stage_memory_bytes",
+              "max_num_inflight", "predicted_minibatches_per_s"):
+    assert key in d["virtual_workers"][0]
+
+
+def write_cluster(tmp_path, mutate):
+  d = json.loads((ROOT / "experiments/clusters/hetpipe_paper.json").read_text())
+  mutate(d)
+  p = tmp_path / "c.json"
+  p.write_text(json.dumps(d))
+  return str(p)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["nodes"][2]["gpus"].__setitem__(1, "GTX 480"), "unknown GPU type 'GTX 480'"),
+    (lambda d: d["intra_node_link"].__setitem__("bandwidth_bytes_per_s", -1), "bandwidth_bytes_per_s must be positive"),
+    (lambda d: d["gpu_types"][3].__setitem__("memory_bytes", 0), "'Quadro P4000': memory_bytes must be positive"),
+    (lambda d: [t.__setitem__("memory_bytes", 2**30) for t in d["gpu_types"]] and
+     [t.__setitem__("reserved_bytes", 0) for t in d["gpu_types"]], "fits no partition even with num_inflight=1"),
+])
+def test_bad_cluster_inputs(tmp_path, mutate, message):
+  r = run_plan(f"--cluster={write_cluster(tmp_path, mutate)}", "--model=vgg19_imagenet", "--policy=NP")
+  assert r.returncode != 0
+  assert message in r.stderr
+
+
+def test_unknown_model():
+  r = run_plan("--cluster=hetpipe_paper", "--model=alexnet_imagenet")
+  assert r.returncode != 0 and "unknown model 'alexnet_imagenet'" in r.stderr
+
+
+def test_unknown_cluster():
+  r = run_plan("--cluster=moon_base", "--model=vgg19_imagenet")
+  assert r.returncode != 0 and "unknown cluster 'moon_base'" in r.stderr
+
+
+def test_plan_for_another_model_is_rejected(tmp_path):
+  out = tmp_path / "plan.json"
+  assert run_plan("--cluster=hetpipe_paper", "--model=vgg19_imagenet", "--policy=ED", f"--output={out}").returncode == 0
+  with pytest.raises(ValueError, match=r"'vgg19_imagenet'.*'resnet152_imagenet'"):
+    plan_format.load_plan(str(out), expected_model="resnet152_imagenet")
+  d = json.loads(out.read_text())
+  d["virtual_workers"][1]["partition"][1][0] += 1
+  bad = tmp_path / "bad.json"
+  bad.write_text(json.dumps(d))
+  with pytest.raises(ValueError, match="virtual worker 1: partition .* does not cover"):
+    plan_format.load_plan(str(bad))
+  d = json.loads(out.read_text())
+  d["format_version"] = 99
+  bad.write_text(json.dumps(d))
+  with pytest.raises(ValueError, match="format_version 99"):
+    plan_format.load_plan(str(bad))
+
+
+def test_shipped_local_cpu_plan_is_valid():
+  plan = plan_format.load_plan(str(ROOT / "experiments/plans/local_cpu_cnn_b64.json"), expected_model="cnn")
+  assert plan.cluster == "local_cpu" and plan.profile["measured"]
+  assert [vw.devices for vw in plan.virtual_workers] == [(0, 1), (2, 3)]
+
+
+@pytest.mark.parametrize("module", PLANNING_MODULES)
+def test_planning_layer_imports_no_jax(module):
+  tree = ast.parse((ROOT / "hetpipe_jax" / f"{module}.py").read_text())
+  names = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names |= {a.name.split(".")[0] for a in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      names.add(node.module.split(".")[0])
+  assert not names & {"jax", "jaxlib", "flax", "optax", "mpi4py"}, (module, names)
