@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+from absl import logging
 import numpy as np
 
 
@@ -20,9 +21,14 @@ def save_weights(directory: str | pathlib.Path, layer_params: list[Any]) -> path
   if path.exists():
     raise FileExistsError(f"checkpoint {path} already exists; choose a new --workdir")
   tree = {f"layer_{i:03d}": p for i, p in enumerate(layer_params)}
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(path, tree)
-    ckptr.wait_until_finished()
+  verbosity = logging.get_verbosity()
+  logging.set_verbosity(logging.WARNING)  # orbax logs every step of a save at INFO
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(path, tree)
+      ckptr.wait_until_finished()
+  finally:
+    logging.set_verbosity(verbosity)
   return path
 
 

@@ -34,7 +34,7 @@ class ParamLayout:
     for p in layer_params:
       leaves, treedef = jax.tree.flatten(p)
       treedefs.append(treedef)
-      shapes.append(tuple(tuple(int(d) for d in np.shape(leaf)) for leaf in leaves))
+      shapes.append(tuple(tuple(int(d) for d in leaf.shape) for leaf in leaves))
       offsets.append(offsets[-1] + sum(int(np.prod(s)) for s in shapes[-1]))
     return ParamLayout(tuple(treedefs), tuple(shapes), tuple(offsets))
 

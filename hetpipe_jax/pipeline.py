@@ -277,10 +277,12 @@ class VirtualWorker:
       g = jax.device_put(gx, self.stages[s - 1].device)
       mb.grad_in[s - 1] = g
       return g
-    gp, gx = st.backward(mb.residuals.pop(s), mb.grad_in.pop(s))
+    grad_out = mb.grad_in.pop(s)
+    gp, gx = st.backward(mb.residuals.pop(s), grad_out)
     mb.grads[s] = gp
     if s == 0:
-      return jax.tree.leaves(gp)[0]
+      leaves = jax.tree.leaves(gp)
+      return leaves[0] if leaves else grad_out  # a parameter-free stage 0 has nothing left to compute
     g = jax.device_put(gx, self.stages[s - 1].device)
     mb.grad_in[s - 1] = g
     return g

@@ -1,0 +1,42 @@
+"""Default HetPipe job: 2 VWs x 2 stages on CPU devices, Nm = 2, D = 1, the default CNN on Fashion-MNIST.
+
+Run (from the repo root):
+  .venv/bin/mpiexec -n 3 .venv/bin/python -m mpi4py -m hetpipe_jax.train \
+      --config=experiments/configs/default.py --workdir=runs/default
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  # Model and data.
+  c.model = "cnn"  # see hetpipe_jax.models.available_models()
+  c.data_dir = ""  # "" -> $HETPIPE_DATA_DIR, then /usr/share/datasets/fashion-mnist
+  c.seed = 0
+  c.batch_size = 64  # minibatch size per VW (examples)
+  # Cluster layout: ranks = 1 PS + num_virtual_workers VWs.
+  c.num_virtual_workers = 2
+  c.num_stages = 2
+  c.partition = "0:3,3:7"  # "start:end" layer range per stage; "" -> even split by layer count
+  c.stage_devices = ""  # local device index per stage, e.g. "0,1"; "" -> 0..num_stages-1
+  c.platform = "cpu"  # "cpu" (each VW process gets forced host devices) or "gpu"
+  c.num_cpu_devices = 0  # host devices per process on "cpu"; 0 -> as many as the stages need
+  c.plan = ""  # a plan JSON from `python -m hetpipe_jax.plan`; overrides the layout fields above
+  # HetPipe pipeline and WSP (HetPipe §4-§5).
+  c.num_inflight = 2  # Nm: minibatches in flight per VW; a wave is Nm minibatches
+  c.staleness_bound = 1  # D: a VW may run at most D waves ahead of the slowest
+  c.pull_every_wave = True  # also pull (without waiting) at every wave end; False: only when D forces it
+  # Optimizer (optax), applied by every VW to its own minibatches.
+  c.optimizer = "adam"  # "adam" | "sgd" | "momentum"
+  c.learning_rate = 1e-3
+  c.momentum = 0.9
+  # Length, logging, evaluation.
+  c.num_epochs = 3.0  # passes over the training set (all VWs together)
+  c.num_minibatches = 0  # > 0: minibatches per VW instead of num_epochs (rounded down to whole waves)
+  c.log_every_waves = 20  # a metrics.jsonl line every this many global-clock ticks
+  c.eval_every_epochs = 1.0  # test-set evaluation on the PS
+  c.eval_batch_size = 1000
+  c.progress = True  # progress bar on rank 0
+  c.save_task_trace = False  # write per-task dispatch/completion times (tasks.jsonl)
+  return c

@@ -1,0 +1,201 @@
+"""One HetPipe training job over MPI: rank 0 runs the parameter server, ranks 1..N run one VW each.
+
+Runtime layer; :mod:`hetpipe_jax.train` is its thin absl entry point. Everything that can be checked is checked on
+every rank before training starts (settings, world size, model, partition, devices, data), so bad input ends every
+rank with the same clear message and no rank waits on another.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import numpy as np
+import optax
+
+from hetpipe_jax import checkpoint, data as data_lib, models, stages as stages_lib
+from hetpipe_jax.job_config import (ConfigError, JobSettings, check_devices, check_world_size, config_to_json,
+                                    load_plan_dict)
+from hetpipe_jax.param_layout import ParamLayout
+
+
+def make_optimizer(config: Any) -> optax.GradientTransformation:
+  if config.optimizer == "adam":
+    return optax.adam(config.learning_rate)
+  if config.optimizer == "momentum":
+    return optax.sgd(config.learning_rate, momentum=config.momentum)
+  return optax.sgd(config.learning_rate)
+
+
+def minibatches_per_vw(config: Any, settings: JobSettings, num_train: int) -> int:
+  """Minibatches each VW trains, rounded down to whole waves of Nm.
+
+  Raises:
+    ConfigError: fewer than one wave.
+  """
+  if config.num_minibatches > 0:
+    total = config.num_minibatches
+  else:
+    shard = num_train // settings.num_virtual_workers
+    total = int(config.num_epochs * (shard // config.batch_size))
+  total -= total % settings.num_inflight
+  if total < settings.num_inflight:
+    raise ConfigError(f"the job trains fewer than one wave ({settings.num_inflight} minibatches) per VW: raise "
+                      "config.num_epochs or config.num_minibatches")
+  return total
+
+
+def prepare(config: Any, settings: JobSettings, world_size: int) -> tuple[models.ModelSpec, list]:
+  """Checks everything that needs jax (model, partition, devices); returns the model and per-VW partitions."""
+  check_world_size(settings, world_size)
+  spec = models.get_model(settings.model)
+  if config.model != settings.model:
+    raise ConfigError(f"the plan was made for model {settings.model!r} but config.model={config.model!r}")
+  partitions = []
+  for vw in settings.vws:
+    if vw.partition is None:
+      partitions.append(stages_lib.even_partition(spec.num_layers, len(vw.devices)))
+    else:
+      partitions.append(stages_lib.validate_partition(vw.partition, spec.num_layers))
+  check_devices(settings, len(jax.local_devices()))
+  return spec, partitions
+
+
+def run(config: Any, workdir: str, comm) -> dict | None:
+  """Runs the job on this rank; returns the summary on rank 0, None on VW ranks.
+
+  Raises:
+    ConfigError: invalid settings (raised identically on every rank before any work).
+    data_lib.DataError: missing or corrupt dataset files.
+  """
+  from hetpipe_jax.job_config import settings_from_config
+
+  rank, world = comm.Get_rank(), comm.Get_size()
+  plan = load_plan_dict(config)
+  settings = settings_from_config(config, plan)
+  spec, partitions = prepare(config, settings, world)
+  dataset = data_lib.load_fashion_mnist(config.data_dir or None)
+  num_mb = minibatches_per_vw(config, settings, dataset.num_train)
+  out = pathlib.Path(workdir)
+  if rank == 0:
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "summary.json").exists() or (out / "checkpoint").exists():
+      raise ConfigError(f"--workdir={workdir} already holds a finished run; choose a new --workdir")
+  comm.Barrier()  # every rank passed validation (a failing rank aborts the job before this)
+
+  layout = ParamLayout.from_layer_params(
+      jax.eval_shape(lambda: models.init_layer_params(spec, jax.random.key(config.seed))))
+  if rank == 0:
+    flat0 = layout.flatten(jax.device_get(models.init_layer_params(spec, jax.random.key(config.seed))))
+  else:
+    flat0 = np.empty(layout.num_params, np.float32)
+  comm.Bcast(flat0, root=0)  # every VW starts from rank 0's W0, bit for bit
+  if rank == 0:
+    return _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, out, comm)
+  _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partitions[rank - 1], rank - 1, comm)
+  return None
+
+
+def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, vw_id, comm) -> None:
+  from hetpipe_jax.pipeline import VirtualWorker
+  from hetpipe_jax.transport import MPIPSClient
+
+  devices = [jax.local_devices()[d] for d in settings.vws[vw_id].devices]
+  optimizer = make_optimizer(config)
+  stages = stages_lib.build_stages(spec, partition, devices, optimizer)
+  source = data_lib.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
+  client = MPIPSClient(comm, vw_id, layout.num_params)
+  vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, settings.num_inflight,
+                     settings.staleness_bound, client, source.get, pull_every_wave=config.pull_every_wave)
+  logging.info("[VW %d] %d stages %s on %s, %d minibatches", vw_id, len(stages), partition,
+               [str(d) for d in devices], num_mb)
+  stats = vw.run(num_mb)
+  report = {
+      "records": [r.__dict__ for r in vw.records],
+      "stats": stats.__dict__,
+      "partition": [list(r) for r in partition],
+      "trace_counts": {s.stage_id: dict(s.trace_counts) for s in stages},
+      "tasks": vw.task_log if config.save_task_trace else [],
+  }
+  client.finish(num_mb // settings.num_inflight, report)
+  logging.info("[VW %d] done: %.1f s, wait %.2f s, idle %.2f s", vw_id, stats.wall_time_s, stats.wait_s,
+               stats.idle_s)
+
+
+def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, out, comm) -> dict:
+  from hetpipe_jax.evaluation import Evaluator
+  from hetpipe_jax.param_server import ParameterServer
+  from hetpipe_jax.ps_service import ParameterServerService
+
+  (out / "config.json").write_text(config_to_json(config))
+  evaluator = Evaluator(spec, layout, dataset.test_images, dataset.test_labels, config.eval_batch_size,
+                        jax.local_devices()[0])
+  waves_per_epoch = (dataset.num_train // settings.num_virtual_workers // config.batch_size) / settings.num_inflight
+  eval_every = int(round(config.eval_every_epochs * waves_per_epoch)) if config.eval_every_epochs > 0 else 0
+  server = ParameterServer(flat0, settings.num_virtual_workers)
+  service = ParameterServerService(comm, server, num_minibatches_per_vw=num_mb, num_inflight=settings.num_inflight,
+                                   evaluate=evaluator.evaluate, eval_every_waves=eval_every,
+                                   log_every_waves=config.log_every_waves, metrics_path=out / "metrics.jsonl",
+                                   progress=config.progress)
+  logging.info("[PS] %d VWs x %d minibatches (Nm=%d, D=%d), model %s with %d parameters", settings.num_virtual_workers,
+               num_mb, settings.num_inflight, settings.staleness_bound, spec.name, layout.num_params)
+  t0 = time.perf_counter()
+  service.run()
+  wall = time.perf_counter() - t0
+  final = evaluator.evaluate(server.weights)
+  service.last_eval = final
+  service.log_metrics(server.global_clock, evaluated=True)
+  service.close()
+  records = sorted((r for rep in service.reports.values() for r in rep["records"]),
+                   key=lambda r: (r["vw_id"], r["minibatch_id"]))
+  with open(out / "minibatches.jsonl", "w", encoding="utf-8") as f:
+    for r in records:
+      f.write(json.dumps(r) + "\n")
+  if config.save_task_trace:
+    with open(out / "tasks.jsonl", "w", encoding="utf-8") as f:
+      for vw in sorted(service.reports):
+        for task, t_dispatch, t_done in service.reports[vw]["tasks"]:
+          f.write(json.dumps({"vw_id": vw, "task": task, "dispatch_s": t_dispatch, "done_s": t_done}) + "\n")
+  ckpt = checkpoint.save_weights(out / "checkpoint", layout.unflatten(server.weights))
+  total = settings.num_virtual_workers * num_mb
+  per_vw = {str(vw): {k: rep["stats"][k] for k in ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes",
+                                                   "peak_inflight_per_stage", "max_concurrent_tasks")}
+            for vw, rep in sorted(service.reports.items())}
+  summary = {
+      "test_accuracy": final["test_accuracy"],
+      "test_loss": final["test_loss"],
+      "final_train_loss": service.last_loss,
+      "num_minibatches": total,
+      "num_minibatches_per_vw": num_mb,
+      "wall_time_s": wall,
+      "minibatches_per_s": total / wall,
+      "images_per_s": total * config.batch_size / wall,
+      "num_virtual_workers": settings.num_virtual_workers,
+      "num_stages": settings.num_stages,
+      "num_inflight": settings.num_inflight,
+      "local_staleness": settings.num_inflight - 1,
+      "staleness_bound": settings.staleness_bound,
+      "global_clock": server.global_clock,
+      "applied_waves": [list(x) for x in server.state.applied],
+      "partitions": {str(vw): rep["partition"] for vw, rep in sorted(service.reports.items())},
+      "trace_counts": {str(vw): rep["trace_counts"] for vw, rep in sorted(service.reports.items())},
+      "evaluations": service.evals,
+      "per_vw": per_vw,
+      "wait_s": {vw: v["wait_s"] for vw, v in per_vw.items()},
+      "idle_s": {vw: v["idle_s"] for vw, v in per_vw.items()},
+      "checkpoint": str(ckpt),
+      "model": spec.name,
+      "batch_size": config.batch_size,
+  }
+  if not math.isfinite(summary["test_loss"]):
+    logging.warning("[PS] final test loss is not finite")
+  (out / "summary.json").write_text(json.dumps(summary, indent=2))
+  logging.info("[PS] done: test accuracy %.4f, %d minibatches in %.1f s (%.1f minibatches/s)",
+               final["test_accuracy"], total, wall, total / wall)
+  return summary
+

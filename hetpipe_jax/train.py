@@ -1,0 +1,55 @@
+"""Entry point: HetPipe training over MPI (rank 0 = parameter server, ranks 1..N = virtual workers).
+
+  mpiexec -n <1+N> python -m mpi4py -m hetpipe_jax.train --config=experiments/configs/default.py \
+      --workdir=runs/default [--config.staleness_bound=2 ...]
+
+jax is imported only after the config is read, so the forced host-device count for CPU stages is set first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Job config file (ml_collections).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics, summary and checkpoint.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _set_platform(config) -> None:
+  """Sets JAX_PLATFORMS / XLA_FLAGS for this process before jax is imported (CPU: forced host devices)."""
+  from hetpipe_jax.job_config import load_plan_dict, settings_from_config
+  settings = settings_from_config(config, load_plan_dict(config))
+  if config.platform == "cpu":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    count = config.num_cpu_devices or settings.devices_needed
+    flag = f"--xla_force_host_platform_device_count={count}"
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in xla_flags:
+      os.environ["XLA_FLAGS"] = f"{xla_flags} {flag}".strip()
+
+
+def main(argv) -> None:
+  del argv
+  from mpi4py import MPI
+  from hetpipe_jax.job_config import ConfigError
+  from hetpipe_jax.data import DataError
+  comm = MPI.COMM_WORLD
+  rank = comm.Get_rank()
+  logging.set_verbosity(logging.INFO if rank == 0 else logging.WARNING)
+  config = _CONFIG.value
+  try:
+    _set_platform(config)
+    from hetpipe_jax import job
+    job.run(config, _WORKDIR.value, comm)
+  except (ConfigError, DataError, FileExistsError) as e:
+    if rank == 0:
+      print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(main)
