@@ -140,3 +140,14 @@ def test_identical_gpus_in_one_node_give_balanced_cuts():
   two_a = tuple(g for g in cl.gpus() if g.gpu_type == "A")
   p = partitioner.partition_dp(partitioner.PartitionProblem(costs, two_a, 1))
   assert p.ranges == ((0, 4), (4, 8))
+
+
+def test_dp_equals_brute_force_on_resnet152_with_three_gpu_types():
+  cl = cluster_lib.load_cluster("hetpipe_paper")
+  prof = profile_format.load_profile(profile_format.default_profile_path("resnet152_imagenet", 32, "cpu", False))
+  costs = cost_model.build_stage_costs(prof, cl)
+  gpus = cl.gpus()
+  problem = partitioner.PartitionProblem(costs, (gpus[0], gpus[8], gpus[12]), 2)  # V, G, Q: 6 orders x C(52, 2)
+  brute = partition_check.partition_brute_force(problem)
+  np.testing.assert_allclose(partitioner.partition_dp(problem).max_stage_time_ms, brute.max_stage_time_ms,
+                             rtol=1e-9)

@@ -1,0 +1,63 @@
+"""Benchmarks the exact DP partitioner on the paper's setting and prints JSON.
+
+  .venv/bin/python scripts/bench_partitioner.py
+
+Cases: ResNet-152 (53 layers: stem, 50 bottleneck blocks, pool, dense; batch 32) on one virtual worker of four
+different GPUs (TITAN V, TITAN RTX, RTX 2060, P4000; the DP covers all 24 orderings), and on one virtual worker of
+all 16 hetpipe_paper GPUs; VGG-19 likewise; and full NP/ED/HD/auto plans. Times are wall-clock seconds (median
+of repeats). Targets (issue #3): 4 GPUs <= 1 s, 16 GPUs <= 10 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hetpipe_jax import cluster as cluster_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from hetpipe_jax import cost_model, partitioner, planner, profile_format  # pylint: disable=wrong-import-position
+
+
+def timed(fn, repeats):
+  times, out = [], None
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = fn()
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), out
+
+
+def main():
+  paper = cluster_lib.load_cluster("hetpipe_paper")
+  gpus = paper.gpus()
+  one_each = tuple(gpus[i] for i in (0, 4, 8, 12))
+  results = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count()}, "cases": []}
+  for model in ("resnet152_imagenet", "vgg19_imagenet"):
+    prof = profile_format.load_profile(profile_format.default_profile_path(model, 32, "cpu", False))
+    t_costs, costs = timed(lambda prof=prof: cost_model.build_stage_costs(prof, paper), 3)
+    for name, vw, repeats in (("4 different GPUs (VRGQ), all orderings", one_each, 5),
+                              ("16 GPUs (4 types x 4 nodes), exact", tuple(gpus), 3)):
+      for nm in (1, 4):
+        problem = partitioner.PartitionProblem(costs, vw, nm)
+        t, part = timed(lambda problem=problem: partitioner.partition_dp(problem), repeats)
+        results["cases"].append({
+            "model": model, "num_layers": prof.num_layers, "case": name, "num_inflight": nm,
+            "dp_seconds": round(t, 4), "build_costs_seconds": round(t_costs, 4),
+            "max_stage_time_ms": round(part.max_stage_time_ms, 3),
+            "order": [g.gpu_id for g in part.gpus] if len(vw) <= 4 else None})
+    for policy in ("NP", "ED", "HD", "auto"):
+      cfg = planner.PlannerConfig(policy=policy, num_vws=4)
+      t, plan = timed(lambda cfg=cfg, prof=prof: planner.make_plan(paper, prof, cfg), 1)
+      results["cases"].append({"model": model, "case": f"full plan {policy}, 4 VWs", "plan_seconds": round(t, 3),
+                               "num_inflight": plan.num_inflight,
+                               "predicted_total_minibatches_per_s": plan.predicted_total_minibatches_per_s})
+  print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+  main()
