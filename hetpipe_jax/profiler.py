@@ -10,6 +10,7 @@ models are profiled from cost analysis alone.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -133,17 +134,12 @@ def profile_model(spec: ModelSpec, batch_size: int, *, measure: bool, repeats: i
           workspace_bytes=max(_temp_bytes(fwd_c), _temp_bytes(bwd_c)))
       logging.info("[profiler] %s %s: fwd %.3g GFLOP, bwd %.3g GFLOP", spec.name, name, fwd_flops / 1e9,
                    bwd_flops / 1e9)
-    layers.append(dataclasses_replace_name(cache[key], name))
+    layers.append(dataclasses.replace(cache[key], name=name))
     x = y
   return profile_format.ModelProfile(
       model=spec.name, batch_size=batch_size, device_kind=device.platform if device.platform == "cpu"
       else device.device_kind, measured=measure, input_activation_bytes=input_bytes, optimizer=optimizer,
       layers=tuple(layers))
-
-
-def dataclasses_replace_name(layer: profile_format.LayerProfile, name: str) -> profile_format.LayerProfile:
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  return dataclasses.replace(layer, name=name)
 
 
 def load_or_profile(model: str, batch_size: int, *, measure: bool, path: str | None = None,
