@@ -53,15 +53,21 @@ def minibatches_per_vw(config: Any, settings: JobSettings, num_train: int) -> in
 def prepare(config: Any, settings: JobSettings, world_size: int) -> tuple[models.ModelSpec, list]:
   """Checks everything that needs jax (model, partition, devices); returns the model and per-VW partitions."""
   check_world_size(settings, world_size)
-  spec = models.get_model(settings.model)
+  try:
+    spec = models.get_model(settings.model)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   if config.model != settings.model:
     raise ConfigError(f"the plan was made for model {settings.model!r} but config.model={config.model!r}")
   partitions = []
   for vw in settings.vws:
-    if vw.partition is None:
-      partitions.append(stages_lib.even_partition(spec.num_layers, len(vw.devices)))
-    else:
-      partitions.append(stages_lib.validate_partition(vw.partition, spec.num_layers))
+    try:
+      if vw.partition is None:
+        partitions.append(stages_lib.even_partition(spec.num_layers, len(vw.devices)))
+      else:
+        partitions.append(stages_lib.validate_partition(vw.partition, spec.num_layers))
+    except ValueError as e:
+      raise ConfigError(f"config.partition: {e}") from None
   check_devices(settings, len(jax.local_devices()))
   return spec, partitions
 
@@ -79,7 +85,8 @@ def run(config: Any, workdir: str, comm) -> dict | None:
   plan = load_plan_dict(config)
   settings = settings_from_config(config, plan)
   spec, partitions = prepare(config, settings, world)
-  dataset = data_lib.load_fashion_mnist(config.data_dir or None)
+  dataset = data_lib.load_fashion_mnist(config.data_dir or None,
+                                       expected_counts=(60000, 10000) if config.check_counts else None)
   num_mb = minibatches_per_vw(config, settings, dataset.num_train)
   out = pathlib.Path(workdir)
   if rank == 0:

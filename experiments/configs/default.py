@@ -13,6 +13,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Model and data.
   c.model = "cnn"  # see hetpipe_jax.models.available_models()
   c.data_dir = ""  # "" -> $HETPIPE_DATA_DIR, then /usr/share/datasets/fashion-mnist
+  c.check_counts = True  # require the real 60,000 / 10,000 examples (False: any counts, for small test sets)
   c.seed = 0
   c.batch_size = 64  # minibatch size per VW (examples)
   # Cluster layout: ranks = 1 PS + num_virtual_workers VWs.

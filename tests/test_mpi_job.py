@@ -1,0 +1,111 @@
+"""End-to-end MPI runs of ``hetpipe_jax.train``: outputs, WSP guarantees, the BSP oracle, and bad input."""
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from hetpipe_jax import checkpoint, data, models, wsp
+from tests.mpi_util import read_jsonl, run_job
+from tests.pipeline_util import assert_params_close, loss_and_grad
+
+pytestmark = pytest.mark.mpi
+
+
+def _check_wsp(workdir, num_vws, num_minibatches, num_inflight, bound):
+  summary = json.loads((workdir / "summary.json").read_text())
+  records = read_jsonl(workdir / "minibatches.jsonl")
+  assert len(records) == num_vws * num_minibatches
+  num_waves = num_minibatches // num_inflight
+  # The PS applied every pushed wave exactly once (deterministic order: wave by wave, VW by VW).
+  assert summary["applied_waves"] == [[w, v] for w in range(num_waves) for v in range(num_vws)]
+  assert summary["global_clock"] == num_waves
+  for r in records:
+    # Global bound: weights include every VW's waves 0..c-D-1 (pulled at global clock >= c - D).
+    assert r["version_global_clock"] >= r["local_clock_at_injection"] - bound, r
+    # Local bound: minibatch p includes the VW's own updates 0..p-Nm.
+    assert r["version_local_updates"] >= r["minibatch_id"] - num_inflight + 1, r
+    assert r["local_clock_at_injection"] >= (r["minibatch_id"] + 1) // num_inflight - 1
+    assert r["wave_id"] == wsp.wave_of(r["minibatch_id"], num_inflight)
+  return summary, records
+
+
+def test_three_rank_run_writes_every_output(tmp_path, synthetic_data_dir):
+  workdir = tmp_path / "run"
+  proc = run_job(workdir, 3, {"data_dir": synthetic_data_dir, "num_minibatches": 24, "num_inflight": 2,
+                              "staleness_bound": 1, "eval_every_epochs": 1.0})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for name in ["config.json", "metrics.jsonl", "minibatches.jsonl", "summary.json", "checkpoint"]:
+    assert (workdir / name).exists(), name
+  summary, _ = _check_wsp(workdir, 2, 24, 2, 1)
+  for key in ["test_accuracy", "num_minibatches", "wall_time_s", "minibatches_per_s", "num_virtual_workers",
+              "num_stages", "num_inflight", "staleness_bound", "wait_s", "idle_s"]:
+    assert key in summary, key
+  assert summary["num_minibatches"] == 48 and summary["num_virtual_workers"] == 2
+  assert set(summary["wait_s"]) == set(summary["idle_s"]) == {"0", "1"}
+  metrics = read_jsonl(workdir / "metrics.jsonl")
+  assert metrics[-1]["test_accuracy"] == summary["test_accuracy"]
+  for line in metrics:
+    assert {"minibatches", "wave", "global_clock", "loss", "wall_time_s", "minibatches_per_s"} <= set(line)
+  # Every stage function compiled once on every VW.
+  for vw_counts in summary["trace_counts"].values():
+    assert all(c == 1 for stage in vw_counts.values() for c in stage.values()), vw_counts
+  restored = checkpoint.restore_weights(workdir / "checkpoint")
+  assert len(restored) == models.get_model("mlp_tiny").num_layers
+
+
+@pytest.mark.parametrize("bound,pull_every_wave", [(1, False), (2, True)])
+def test_wsp_bound_holds_with_three_vws(tmp_path, synthetic_data_dir, bound, pull_every_wave):
+  workdir = tmp_path / "run"
+  proc = run_job(workdir, 4, {"data_dir": synthetic_data_dir, "num_virtual_workers": 3, "num_minibatches": 30,
+                              "num_inflight": 3, "staleness_bound": bound, "pull_every_wave": pull_every_wave,
+                              "batch_size": 16})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  _check_wsp(workdir, 3, 30, 3, bound)
+
+
+def test_oracle3_bsp_equals_synchronous_data_parallelism(tmp_path, synthetic_data_dir):
+  num_vws, steps, lr, batch = 2, 8, 0.1, 16
+  workdir = tmp_path / "run"
+  proc = run_job(workdir, 1 + num_vws, {"data_dir": synthetic_data_dir, "num_virtual_workers": num_vws,
+                                        "num_minibatches": steps, "num_inflight": 1, "staleness_bound": 0,
+                                        "optimizer": "sgd", "learning_rate": lr, "batch_size": batch})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  _check_wsp(workdir, num_vws, steps, 1, 0)
+  # Reference: every step, all VWs take gradients at the same weights; the N SGD updates are added in VW order.
+  spec = models.get_model("mlp_tiny")
+  params = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
+  dataset = data.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
+  sources = [data.ShardedMinibatches(dataset, num_vws, v, batch, 0) for v in range(num_vws)]
+  grad_fn = loss_and_grad(spec)
+  tx = optax.sgd(lr)
+  for step in range(steps):
+    updates = []
+    for src in sources:
+      _, g = grad_fn(params, *src.get(step))
+      updates.append(tx.update(g, tx.init(params), params)[0])
+    for u in updates:
+      params = jax.device_get(optax.apply_updates(params, u))
+  assert_params_close(checkpoint.restore_weights(workdir / "checkpoint"), params)
+
+
+BAD_INPUTS = [
+    ({"num_inflight": 0}, 3, "num_inflight"),
+    ({"staleness_bound": -1}, 3, "staleness_bound"),
+    ({"num_stages": 3, "num_cpu_devices": 2}, 3, "num_stages"),
+    ({"partition": "0:1,2:4"}, 3, "does not cover every layer exactly once"),
+    ({}, 2, "MPI world size is 2"),
+    ({"model": "no_such_model"}, 3, "unknown model 'no_such_model'"),
+]
+
+
+@pytest.mark.parametrize("overrides,num_ranks,message", BAD_INPUTS)
+def test_bad_input_fails_fast_on_every_rank(tmp_path, synthetic_data_dir, overrides, num_ranks, message):
+  workdir = tmp_path / "run"
+  proc = run_job(workdir, num_ranks, {"data_dir": synthetic_data_dir, **overrides}, timeout=120)
+  assert proc.returncode != 0
+  assert message in proc.stderr, proc.stderr[-3000:]
+  assert proc.stderr.count("error:") == 1  # one clear message, not one per rank
+  assert not (workdir / "summary.json").exists()

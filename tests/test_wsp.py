@@ -1,0 +1,60 @@
+"""WSP rules (HetPipe §5) and the PS bookkeeping against brute-force definitions."""
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from hetpipe_jax import wsp
+from hetpipe_jax.param_server import ParameterServer
+
+
+def test_waves_and_bound():
+  assert [wsp.wave_of(p, 4) for p in range(9)] == [0, 0, 0, 0, 1, 1, 1, 1, 2]
+  assert [p for p in range(12) if wsp.is_wave_end(p, 4)] == [3, 7, 11]
+  # Paper example (Nm = 4, D = 0): after wave 0 completes (local clock 1) the VW needs every VW's wave 0.
+  assert wsp.required_global_clock(1, 0) == 1
+  assert wsp.may_inject(local_clock=1, weights_global_clock=0, staleness_bound=0) is False
+  assert wsp.may_inject(local_clock=1, weights_global_clock=0, staleness_bound=1) is True
+  for c, d, g in itertools.product(range(6), range(4), range(6)):
+    # Brute force of the definition: the weights must include every wave 0..c-D-1.
+    assert wsp.may_inject(c, g, d) == all(w < g for w in range(0, c - d))
+
+
+def test_ps_state_applies_each_wave_once_in_order():
+  rng = random.Random(0)
+  for n in (1, 2, 3):
+    state = wsp.ParameterServerState(n)
+    pushes = [(v, w) for v in range(n) for w in range(5)]
+    pending = {v: 0 for v in range(n)}
+    applied = []
+    while any(pending[v] < 5 for v in range(n)):
+      v = rng.choice([v for v in range(n) if pending[v] < 5])
+      applied += state.push(v, pending[v])
+      pending[v] += 1
+      assert state.global_clock == min(pending.values())
+    assert sorted(applied) == sorted((w, v) for v, w in pushes)
+    assert applied == [(w, v) for w in range(5) for v in range(n)]
+
+
+def test_ps_state_rejects_duplicates_and_gaps():
+  state = wsp.ParameterServerState(2)
+  state.push(0, 0)
+  with pytest.raises(ValueError, match="expected wave 1"):
+    state.push(0, 0)
+  with pytest.raises(ValueError, match="expected wave 0"):
+    state.push(1, 1)
+  with pytest.raises(ValueError, match="unknown VW"):
+    state.push(2, 0)
+
+
+def test_parameter_server_sums_waves_in_fixed_order():
+  ps = ParameterServer(np.zeros(3, np.float32), 2)
+  assert ps.push(1, 0, np.array([1, 2, 3], np.float32)) == 0  # held until VW 0 pushes wave 0
+  assert ps.snapshot()[0] == 0 and not ps.snapshot()[1].any()
+  assert ps.push(0, 0, np.array([10, 20, 30], np.float32)) == 2
+  clock, w = ps.snapshot()
+  assert clock == 1 and w.tolist() == [11, 22, 33]
+  with pytest.raises(ValueError, match="floats"):
+    ps.push(0, 1, np.zeros(2, np.float32))
