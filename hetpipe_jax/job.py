@@ -24,12 +24,16 @@ from hetpipe_jax.job_config import (ConfigError, JobSettings, check_devices, che
 from hetpipe_jax.param_layout import ParamLayout
 
 
-def make_optimizer(config: Any) -> optax.GradientTransformation:
+def make_optimizer(config: Any, num_minibatches: int) -> optax.GradientTransformation:
+  """The optax optimizer each VW applies to its own minibatches (``config.lr_schedule``: constant or cosine)."""
+  lr = config.learning_rate
+  if config.lr_schedule == "cosine":
+    lr = optax.cosine_decay_schedule(config.learning_rate, num_minibatches)
   if config.optimizer == "adam":
-    return optax.adam(config.learning_rate)
+    return optax.adam(lr)
   if config.optimizer == "momentum":
-    return optax.sgd(config.learning_rate, momentum=config.momentum)
-  return optax.sgd(config.learning_rate)
+    return optax.sgd(lr, momentum=config.momentum)
+  return optax.sgd(lr)
 
 
 def minibatches_per_vw(config: Any, settings: JobSettings, num_train: int) -> int:
@@ -113,7 +117,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
   from hetpipe_jax.transport import MPIPSClient
 
   devices = [jax.local_devices()[d] for d in settings.vws[vw_id].devices]
-  optimizer = make_optimizer(config)
+  optimizer = make_optimizer(config, num_mb)
   stages = stages_lib.build_stages(spec, partition, devices, optimizer)
   source = data_lib.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
   client = MPIPSClient(comm, vw_id, layout.num_params)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 from typing import Any
 
 
@@ -100,12 +101,18 @@ def settings_from_config(config: Any, plan: dict | None = None) -> JobSettings:
     raise ConfigError(f"config.platform={config.platform!r} must be 'cpu' or 'gpu'")
   if config.optimizer not in ("adam", "sgd", "momentum"):
     raise ConfigError(f"config.optimizer={config.optimizer!r} must be 'adam', 'sgd' or 'momentum'")
+  if config.lr_schedule not in ("constant", "cosine"):
+    raise ConfigError(f"config.lr_schedule={config.lr_schedule!r} must be 'constant' or 'cosine'")
   if not config.learning_rate > 0:
     raise ConfigError(f"config.learning_rate={config.learning_rate} must be > 0")
   if plan is not None:
+    if int(plan["batch_size"]) != config.batch_size:
+      raise ConfigError(f"the plan was made for batch size {plan['batch_size']} but config.batch_size="
+                        f"{config.batch_size}: re-plan or set --config.batch_size={plan['batch_size']}")
+    # On "cpu" every VW process forces its own host devices, so stage s runs on local device s; on "gpu" the
+    # plan's node-local device indices are used as they are.
     vws = tuple(VWLayout(tuple(tuple(r) for r in vw["partition"]),
-                         tuple(vw["devices"]) if vw.get("devices") and None not in vw["devices"]
-                         else tuple(range(len(vw["partition"]))))
+                         tuple(range(len(vw["partition"]))) if config.platform == "cpu" else tuple(vw["devices"]))
                 for vw in plan["virtual_workers"])
     return JobSettings(plan["model"], len(vws), int(plan["num_inflight"]), config.staleness_bound, vws,
                        config.platform)
@@ -150,9 +157,11 @@ def load_plan_dict(config: Any) -> dict | None:
   """
   if not config.plan:
     return None
+  from hetpipe_jax import plan_format
+  path = pathlib.Path(config.plan)
+  if not path.is_absolute() and not path.exists():
+    path = pathlib.Path(__file__).resolve().parents[1] / path  # relative to the repository root
   try:
-    from hetpipe_jax import plan_format
-    plan = plan_format.load_plan(config.plan, expected_model=config.model)
-    return plan if isinstance(plan, dict) else plan.to_dict()
+    return plan_format.plan_to_dict(plan_format.load_plan(str(path), expected_model=config.model))
   except (OSError, ValueError) as e:
-    raise ConfigError(f"config.plan={config.plan!r}: {e}") from e
+    raise ConfigError(f"config.plan={config.plan!r}: {e}") from None

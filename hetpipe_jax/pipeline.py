@@ -117,7 +117,7 @@ class VirtualWorker:
     ps: the parameter-server client.
     get_minibatch: ``minibatch_id -> (images [b, ...] float32, labels [b] int32)`` numpy arrays.
     pull_every_wave: also pull (without waiting) at every wave end; False pulls only when the bound forces it.
-    poll_interval_s: host sleep when nothing progressed.
+    poll_interval_s: the longest host sleep when nothing progressed (the sleep starts at 20 µs and doubles).
     on_minibatch: optional callback ``(MinibatchRecord) -> None`` at each completion.
 
   Raises:
@@ -127,7 +127,7 @@ class VirtualWorker:
   def __init__(self, vw_id: int, stages: Sequence[Stage], layout: ParamLayout, initial_layer_params: Sequence[Any],
                optimizer: optax.GradientTransformation, num_inflight: int, staleness_bound: int, ps: PSClient,
                get_minibatch: Callable[[int], tuple[np.ndarray, np.ndarray]], pull_every_wave: bool = True,
-               poll_interval_s: float = 5e-5, on_minibatch: Callable[[MinibatchRecord], None] | None = None):
+               poll_interval_s: float = 1e-3, on_minibatch: Callable[[MinibatchRecord], None] | None = None):
     if num_inflight < 1:
       raise ValueError(f"num_inflight must be >= 1, got {num_inflight}")
     if staleness_bound < 0:
@@ -186,6 +186,7 @@ class VirtualWorker:
     running = [collections.deque() for _ in range(num_stages)]
     self._t0 = t0 = time.perf_counter()
     wait_since = idle_since = None
+    backoff_s = 2e-5
     with jax.transfer_guard("disallow"):
       while rules.num_completed < num_minibatches:
         progressed = False
@@ -237,8 +238,11 @@ class VirtualWorker:
         elif idle_since is not None:
           self.stats.idle_s += time.perf_counter() - idle_since
           idle_since = None
-        if not progressed:
-          time.sleep(self.poll_interval_s)
+        if progressed:
+          backoff_s = 2e-5
+        else:
+          time.sleep(backoff_s)
+          backoff_s = min(2 * backoff_s, self.poll_interval_s)
     if idle_since is not None:
       self.stats.idle_s += time.perf_counter() - idle_since
     self.stats.wall_time_s = time.perf_counter() - t0

@@ -71,7 +71,7 @@ class ParameterServerService:
     while len(self.reports) < self.n:
       if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=transport.TAG_HEADER, status=status):
         self.sends = [(r, b) for r, b in self.sends if not r.Test()]
-        time.sleep(2e-4)
+        time.sleep(5e-4)
         continue
       src = status.Get_source()
       self.comm.Recv(header, source=src, tag=transport.TAG_HEADER)

@@ -23,7 +23,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.stage_devices = ""  # local device index per stage, e.g. "0,1"; "" -> 0..num_stages-1
   c.platform = "cpu"  # "cpu" (each VW process gets forced host devices) or "gpu"
   c.num_cpu_devices = 0  # host devices per process on "cpu"; 0 -> as many as the stages need
-  c.plan = ""  # a plan JSON from `python -m hetpipe_jax.plan`; overrides the layout fields above
+  # A plan from `python -m hetpipe_jax.plan --cluster=local_cpu --model=cnn --batch_size=64 --policy=ED
+  # --num_vws=2 --output=experiments/plans/local_cpu_cnn_b64.json`: VWs, partitions and Nm come from it and
+  # override num_virtual_workers / num_stages / partition / num_inflight below. "" -> use those fields.
+  c.plan = "experiments/plans/local_cpu_cnn_b64.json"
   # HetPipe pipeline and WSP (HetPipe §4-§5).
   c.num_inflight = 2  # Nm: minibatches in flight per VW; a wave is Nm minibatches
   c.staleness_bound = 1  # D: a VW may run at most D waves ahead of the slowest
@@ -31,9 +34,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Optimizer (optax), applied by every VW to its own minibatches.
   c.optimizer = "adam"  # "adam" | "sgd" | "momentum"
   c.learning_rate = 1e-3
+  c.lr_schedule = "cosine"  # "constant" | "cosine" (decays to 0 over each VW's minibatches)
   c.momentum = 0.9
   # Length, logging, evaluation.
-  c.num_epochs = 3.0  # passes over the training set (all VWs together)
+  c.num_epochs = 5.0  # passes over the training set (all VWs together)
   c.num_minibatches = 0  # > 0: minibatches per VW instead of num_epochs (rounded down to whole waves)
   c.log_every_waves = 20  # a metrics.jsonl line every this many global-clock ticks
   c.eval_every_epochs = 1.0  # test-set evaluation on the PS

@@ -10,9 +10,11 @@ from experiments.configs import default
 def get_config():
   c = default.get_config()
   c.model = "mlp_tiny"
+  c.plan = ""
   c.partition = ""
   c.batch_size = 32
   c.num_minibatches = 40
   c.log_every_waves = 5
   c.eval_every_epochs = 0.0
+  c.lr_schedule = "constant"
   return c
