@@ -91,7 +91,7 @@ class VWStats:
 
 
 @dataclasses.dataclass
-class _InFlight:
+class InFlightMinibatch:
   version: WeightVersion
   images: jax.Array
   labels: jax.Array
@@ -128,10 +128,7 @@ class VirtualWorker:
                optimizer: optax.GradientTransformation, num_inflight: int, staleness_bound: int, ps: PSClient,
                get_minibatch: Callable[[int], tuple[np.ndarray, np.ndarray]], pull_every_wave: bool = True,
                poll_interval_s: float = 1e-3, on_minibatch: Callable[[MinibatchRecord], None] | None = None):
-    if num_inflight < 1:
-      raise ValueError(f"num_inflight must be >= 1, got {num_inflight}")
-    if staleness_bound < 0:
-      raise ValueError(f"staleness_bound must be >= 0, got {staleness_bound}")
+    self.sync = wsp.VWSyncState(num_inflight, staleness_bound, pull_every_wave)  # validates Nm and D
     self.vw_id = vw_id
     self.stages = list(stages)
     self.layout = layout
@@ -139,7 +136,6 @@ class VirtualWorker:
     self.staleness_bound = staleness_bound
     self.ps = ps
     self.get_minibatch = get_minibatch
-    self.pull_every_wave = pull_every_wave
     self.poll_interval_s = poll_interval_s
     self.on_minibatch = on_minibatch
     self.optimizer = optimizer
@@ -151,11 +147,9 @@ class VirtualWorker:
     self.version = WeightVersion(params, 0, 0, 0)
     self.wave_delta = list(self._zeros)
     self.own_waves: dict[int, list] = {}  # wave -> per-stage delta, own waves not yet in pulled global weights
-    self.local_clock = 0
     self.records: list[MinibatchRecord] = []
     self.task_log: list[tuple[str, float, float]] = []  # (task, dispatch time, observed completion time)
     self.stats = VWStats()
-    self._pull_required: int | None = None  # requirement of the outstanding pull, if any
     self._wave_loss_sum = 0.0
 
   # ---------------------------------------------------------------- placement helpers
@@ -181,7 +175,7 @@ class VirtualWorker:
                        f"{self.num_inflight} (whole waves)")
     num_stages = len(self.stages)
     rules = schedule.PipelineRules(num_stages, self.num_inflight)
-    inflight: dict[int, _InFlight] = {}
+    inflight: dict[int, InFlightMinibatch] = {}
     # Per stage, dispatched tasks not yet observed done: (task, completion marker, dispatch time).
     running = [collections.deque() for _ in range(num_stages)]
     self._t0 = t0 = time.perf_counter()
@@ -193,7 +187,7 @@ class VirtualWorker:
         # 1. PS replies.
         reply = self.ps.poll_pull()
         if reply is not None:
-          self._install_pull(*reply)
+          self.install_pull(*reply)
           progressed = True
         # 2. Completions, per stage in dispatch order (a stage is one in-order device queue; transfers may
         #    finish out of order, so a later task of a stage is not observed done before an earlier one).
@@ -204,14 +198,14 @@ class VirtualWorker:
             self.task_log.append((str(task), t_dispatch, now))
             rules.complete(task)
             if schedule.completes_minibatch(task):
-              self._complete_minibatch(inflight.pop(task.minibatch_id), now)
+              self.complete_minibatch(inflight.pop(task.minibatch_id), now)
             progressed = True
         # 3. Injection under the local rule and WSP.
         while rules.can_inject() and rules.num_injected < num_minibatches:
-          if not wsp.may_inject(self.local_clock, self.version.global_clock, self.staleness_bound):
-            need = wsp.required_global_clock(self.local_clock, self.staleness_bound)
-            if self._pull_required is None:
-              self._request_pull(need)
+          allowed, pull = self.sync.injection_gate()
+          if pull is not None:
+            self.ps.request_pull(pull)
+          if not allowed:
             if wait_since is None:
               wait_since = time.perf_counter()
             break
@@ -220,13 +214,13 @@ class VirtualWorker:
             wait_since = None
           p = rules.num_injected
           rules.inject()
-          inflight[p] = self._inject(p, time.perf_counter() - t0)
+          inflight[p] = self.inject(p, time.perf_counter() - t0)
           progressed = True
         # 4. Dispatch every ready task, FIFO per stage.
         for s in range(num_stages):
           while rules.has_ready(s):
             task = rules.pop_ready(s)
-            marker = self._dispatch(task, inflight[task.minibatch_id])
+            marker = self.dispatch(task, inflight[task.minibatch_id])
             running[s].append((task, marker, time.perf_counter() - t0))
             progressed = True
         num_running = sum(len(q) for q in running)
@@ -250,18 +244,19 @@ class VirtualWorker:
     return self.stats
 
   # ---------------------------------------------------------------- tasks
-  def _inject(self, p: int, now: float) -> _InFlight:
+  def inject(self, p: int, now: float) -> "InFlightMinibatch":
+    """Starts minibatch ``p`` on the current weight version; ``now`` is its injection time in seconds."""
     images, labels = self.get_minibatch(p)
     first, last = self.stages[0], self.stages[-1]
     v = self.version
-    rec = MinibatchRecord(self.vw_id, p, wsp.wave_of(p, self.num_inflight), self.local_clock, v.version_id,
+    rec = MinibatchRecord(self.vw_id, p, wsp.wave_of(p, self.num_inflight), self.sync.local_clock, v.version_id,
                           v.local_updates, v.global_clock, now)
     self.records.append(rec)
     x = jax.device_put(images, first.device)
     y = jax.device_put(labels, last.device)
-    return _InFlight(v, x, y, {0: x}, {}, {}, {}, record=rec)
+    return InFlightMinibatch(v, x, y, {0: x}, {}, {}, {}, record=rec)
 
-  def _dispatch(self, task: Task, mb: _InFlight):
+  def dispatch(self, task: Task, mb: InFlightMinibatch):
     """Dispatches ``task`` asynchronously; returns an array that is ready when its output has reached its consumer."""
     s = task.stage_id
     st = self.stages[s]
@@ -291,7 +286,7 @@ class VirtualWorker:
     mb.grad_in[s - 1] = g
     return g
 
-  def _complete_minibatch(self, mb: _InFlight, now: float) -> None:
+  def complete_minibatch(self, mb: InFlightMinibatch, now: float) -> None:
     """Applies minibatch p's update on every stage (a new weight version) and ends the wave if p is its last."""
     new_params, new_states, new_deltas = [], [], []
     for s, st in enumerate(self.stages):
@@ -311,8 +306,11 @@ class VirtualWorker:
     self._wave_loss_sum += rec.loss
     if self.on_minibatch is not None:
       self.on_minibatch(rec)
-    if wsp.is_wave_end(rec.minibatch_id, self.num_inflight):
-      self._end_wave(wsp.wave_of(rec.minibatch_id, self.num_inflight))
+    wave, pull = self.sync.on_minibatch_complete(rec.minibatch_id)
+    if wave is not None:
+      self._end_wave(wave)
+    if pull is not None:
+      self.ps.request_pull(pull)
 
   def _end_wave(self, wave_id: int) -> None:
     host = jax.device_get(self.wave_delta)
@@ -322,20 +320,11 @@ class VirtualWorker:
     self._wave_loss_sum = 0.0
     self.own_waves[wave_id] = self.wave_delta
     self.wave_delta = list(self._zeros)
-    self.local_clock = wave_id + 1
-    if self.pull_every_wave and self._pull_required is None:
-      self._request_pull(0)
 
-  def _request_pull(self, required_clock: int) -> None:
-    self._pull_required = required_clock
-    self.ps.request_pull(required_clock)
-
-  def _install_pull(self, global_clock: int, flat: np.ndarray) -> None:
+  def install_pull(self, global_clock: int, flat: np.ndarray) -> None:
     """Local weights := pulled global weights + own completed updates the global weights do not hold yet."""
-    self._pull_required = None
+    self.sync.on_pull_reply(global_clock)
     self.stats.num_pulls += 1
-    if global_clock < self.version.global_clock:
-      raise AssertionError(f"pull went back in time: clock {global_clock} < {self.version.global_clock}")
     for c in [c for c in self.own_waves if c < global_clock]:
       del self.own_waves[c]
     params = []
@@ -347,7 +336,7 @@ class VirtualWorker:
       params.append(st.add(p, self.wave_delta[s]))
     self.version = self._new_version(params, global_clock=global_clock)
     logging.log_every_n_seconds(logging.INFO, "[VW %d] pulled global clock %d (local clock %d)", 10, self.vw_id,
-                                global_clock, self.local_clock)
+                                global_clock, self.sync.local_clock)
 
   # ---------------------------------------------------------------- results
   def layer_params(self) -> list[Any]:

@@ -86,3 +86,65 @@ class ParameterServerState:
   def can_serve_pull(self, required_clock: int) -> bool:
     """True when the global weights include waves ``0..required_clock-1``."""
     return self.global_clock >= required_clock
+
+
+@dataclasses.dataclass
+class VWSyncState:
+  """One VW's side of WSP, without tensors: its clocks and the pull it is waiting for (HetPipe §5).
+
+  The runtime (:mod:`hetpipe_jax.pipeline`) and the event engine drive the same object:
+
+  * :meth:`injection_gate` before injecting a minibatch: may it start, and which pull to request if not;
+  * :meth:`on_minibatch_complete` when a minibatch completes: whether a wave ended (push it) and which pull to
+    request without waiting (``pull_every_wave``);
+  * :meth:`on_pull_reply` when pulled global weights are installed.
+
+  Args:
+    num_inflight: Nm >= 1.
+    staleness_bound: D >= 0.
+    pull_every_wave: also pull, without waiting, at every wave end.
+  """
+
+  num_inflight: int
+  staleness_bound: int
+  pull_every_wave: bool = True
+  local_clock: int = 0
+  weights_global_clock: int = 0
+  pull_required: int | None = None  # requirement of the outstanding pull, None when none is outstanding
+
+  def __post_init__(self):
+    if self.num_inflight < 1:
+      raise ValueError(f"num_inflight must be >= 1, got {self.num_inflight}")
+    if self.staleness_bound < 0:
+      raise ValueError(f"staleness_bound must be >= 0, got {self.staleness_bound}")
+
+  def injection_gate(self) -> tuple[bool, int | None]:
+    """Returns ``(may_inject, pull_to_request)``; a pull is requested (and recorded) only when none is outstanding."""
+    if may_inject(self.local_clock, self.weights_global_clock, self.staleness_bound):
+      return True, None
+    if self.pull_required is None:
+      self.pull_required = required_global_clock(self.local_clock, self.staleness_bound)
+      return False, self.pull_required
+    return False, None
+
+  def on_minibatch_complete(self, minibatch_id: int) -> tuple[int | None, int | None]:
+    """Returns ``(wave_to_push, pull_to_request)`` after ``minibatch_id`` completed (None for no action)."""
+    if not is_wave_end(minibatch_id, self.num_inflight):
+      return None, None
+    wave = wave_of(minibatch_id, self.num_inflight)
+    self.local_clock = wave + 1
+    if self.pull_every_wave and self.pull_required is None:
+      self.pull_required = 0
+      return wave, 0
+    return wave, None
+
+  def on_pull_reply(self, global_clock: int) -> None:
+    """Pulled weights of ``global_clock`` are installed.
+
+    Raises:
+      AssertionError: the reply goes back in time.
+    """
+    if global_clock < self.weights_global_clock:
+      raise AssertionError(f"pull went back in time: clock {global_clock} < {self.weights_global_clock}")
+    self.weights_global_clock = global_clock
+    self.pull_required = None

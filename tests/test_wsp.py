@@ -58,3 +58,33 @@ def test_parameter_server_sums_waves_in_fixed_order():
   assert clock == 1 and w.tolist() == [11, 22, 33]
   with pytest.raises(ValueError, match="floats"):
     ps.push(0, 1, np.zeros(2, np.float32))
+
+
+def test_vw_sync_state_paper_example():
+  # Nm = 4, D = 0 (HetPipe §5, Figure 1): minibatches 4..6 of wave 1 start without global weights; minibatch 7 needs
+  # every VW's wave 0, so after wave 0 completes the VW requests a pull that must reach global clock 1.
+  s = wsp.VWSyncState(num_inflight=4, staleness_bound=0, pull_every_wave=False)
+  for p in range(4):
+    assert s.injection_gate() == (True, None)
+  assert s.on_minibatch_complete(0) == (None, None)
+  assert s.injection_gate() == (True, None)  # minibatch 4 (local clock still 0)
+  for p in (1, 2):
+    s.on_minibatch_complete(p)
+  assert s.on_minibatch_complete(3) == (0, None)  # wave 0 ends: push it
+  assert s.local_clock == 1
+  assert s.injection_gate() == (False, 1)  # blocked: pull at global clock >= 1
+  assert s.injection_gate() == (False, None)  # already requested
+  s.on_pull_reply(1)
+  assert s.injection_gate() == (True, None)
+  with pytest.raises(AssertionError, match="back in time"):
+    s.on_pull_reply(0)
+
+
+def test_vw_sync_state_pulls_every_wave_without_waiting():
+  s = wsp.VWSyncState(num_inflight=2, staleness_bound=3, pull_every_wave=True)
+  assert s.on_minibatch_complete(1) == (0, 0)
+  assert s.on_minibatch_complete(3) == (1, None)  # one pull outstanding at a time
+  s.on_pull_reply(0)
+  assert s.on_minibatch_complete(5) == (2, 0)
+  with pytest.raises(ValueError, match="staleness_bound"):
+    wsp.VWSyncState(1, -1)
