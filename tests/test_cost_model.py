@@ -1,13 +1,12 @@
 """Cost model: stage time and memory formulas, roofline estimates, in-flight bound (HetPipe §4, §7)."""
 
 import dataclasses
-import heapq
 
 import numpy as np
 import pytest
 
 from hetpipe_jax import cluster as cluster_lib
-from hetpipe_jax import cost_model, profile_format
+from hetpipe_jax import cost_model, engine, profile_format, task_times
 
 
 def tiny_profile(measured=False):
@@ -74,71 +73,16 @@ def test_max_inflight_bound_values_and_errors():
 
 
 def simulate_peak_held(stage_ms, num_inflight, num_minibatches=40):
-  """Event simulation of HetPipe §4's rules (forwards in order, backwards in order, FIFO among ready tasks,
-  last stage F+B as one task, <= Nm in flight); returns per-stage peak of held minibatches."""
-  s_count = len(stage_ms)
-  ready = [[] for _ in range(s_count)]  # heap of (ready_time, seq, kind, mb)
-  seq = [0]
-  running = [False] * s_count
-  held = [0] * s_count
-  peak = [0] * s_count
-  next_f = [0] * s_count
-  next_b = [0] * s_count
-  events = []  # (time, seq, stage, kind, mb) completions
-  injected = completed = 0
-
-  def push(stage, kind, mb, t):
-    seq[0] += 1
-    heapq.heappush(ready[stage], (t, seq[0], kind, mb))
-
-  def start(stage, now):
-    if running[stage]:
-      return
-    # FIFO among ready tasks that satisfy in-order rules.
-    for idx, (t, sq, kind, mb) in enumerate(sorted(ready[stage])):
-      if t > now:
-        break
-      if (kind in ("F", "FB") and mb == next_f[stage]) or (kind == "B" and mb == next_b[stage]):
-        ready[stage].remove((t, sq, kind, mb))
-        heapq.heapify(ready[stage])
-        running[stage] = True
-        seq[0] += 1
-        heapq.heappush(events, (now + stage_ms[stage], seq[0], stage, kind, mb))
-        if kind in ("F", "FB"):
-          next_f[stage] += 1
-        if kind in ("B", "FB"):
-          next_b[stage] += 1
-        if kind == "FB":
-          held[stage] += 1
-          peak[stage] = max(peak[stage], held[stage])
-        return
-
-  now = 0.0
-  while injected < min(num_inflight, num_minibatches):
-    push(0, "F" if s_count > 1 else "FB", injected, now)
-    injected += 1
-  for s in range(s_count):
-    start(s, now)
-  while events:
-    now, _, s, kind, mb = heapq.heappop(events)
-    running[s] = False
-    if kind == "F":
-      held[s] += 1
-      peak[s] = max(peak[s], held[s])
-      push(s + 1, "FB" if s + 1 == s_count - 1 else "F", mb, now)
-    else:
-      held[s] -= 1
-      if s > 0:
-        push(s - 1, "B", mb, now)
-      else:
-        completed += 1
-        if injected < num_minibatches:
-          push(0, "F" if s_count > 1 else "FB", injected, now)
-          injected += 1
-    for st in range(s_count):
-      start(st, now)
-  assert completed == num_minibatches
-  return peak
+  """Runs HetPipe §4's rules (``schedule.PipelineRules`` through the event engine) with every task of stage s
+  (forward, backward or the last stage's forward+backward) taking ``stage_ms[s]``; returns per-stage peak held."""
+  per_task_s = [t * 1e-3 for t in stage_ms]
+  no_send = (0.0,) * (len(stage_ms) - 1)
+  times = task_times.VWTaskTimes(forward_s=tuple(per_task_s[:-1]), backward_s=tuple(per_task_s[:-1]),
+                                 forward_backward_s=per_task_s[-1], send_activation_s=no_send,
+                                 send_gradient_s=no_send, push_s=0.0, pull_s=0.0)
+  config = engine.EngineConfig(num_waves=-(-num_minibatches // num_inflight), num_inflight=num_inflight,
+                               staleness_bound=0, records=False)
+  return engine.run([times], config).vws[0].peak_inflight_per_stage
 
 
 @pytest.mark.parametrize("seed", range(20))

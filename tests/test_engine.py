@@ -1,0 +1,284 @@
+"""Event engine and task times: closed forms, WSP bounds, hooks order, peak in-flight (HetPipe §4, §5, §8)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from hetpipe_jax import cluster as cluster_lib
+from hetpipe_jax import cost_model, engine, planner, profile_format, task_times
+from hetpipe_jax.schedule import Task, TaskKind
+
+REL = 1e-9  # virtual-time arithmetic is exact up to float rounding
+
+
+def run(times, **kw):
+  kw.setdefault("num_waves", 10)
+  kw.setdefault("num_inflight", 2)
+  return engine.run(times, engine.EngineConfig(**kw))
+
+
+def mid_run_rate(report, vw_id, k):
+  """Minibatches/s over the k completions before the middle one: no pipeline fill, no drain."""
+  c = [r.complete_time_s for r in report.minibatch_records if r.vw_id == vw_id]
+  m = len(c) // 2
+  return k / (c[m] - c[m - k])
+
+
+# ----------------------------------------------------------------------------------------- task times
+def test_task_duration_is_compute_plus_send_of_its_output():
+  tt = task_times.VWTaskTimes(forward_s=(1.0, 2.0), backward_s=(3.0, 4.0), forward_backward_s=5.0,
+                              send_activation_s=(0.1, 0.2), send_gradient_s=(0.3, 0.4), push_s=0.0, pull_s=0.0)
+  assert tt.task_duration_s(Task(0, TaskKind.FORWARD, 7)) == pytest.approx(1.1)
+  assert tt.task_duration_s(Task(1, TaskKind.FORWARD, 7)) == pytest.approx(2.2)
+  assert tt.task_duration_s(Task(2, TaskKind.FORWARD_BACKWARD, 7)) == pytest.approx(5.4)
+  assert tt.task_duration_s(Task(1, TaskKind.BACKWARD, 7)) == pytest.approx(4.3)
+  assert tt.task_duration_s(Task(0, TaskKind.BACKWARD, 7)) == pytest.approx(3.0)  # stage 0 sends nothing back
+  with pytest.raises(ValueError, match="last stage"):
+    tt.task_duration_s(Task(1, TaskKind.FORWARD_BACKWARD, 0))
+  with pytest.raises(ValueError, match="stages 0..1"):
+    tt.task_duration_s(Task(2, TaskKind.FORWARD, 0))
+
+
+def test_task_times_validation():
+  with pytest.raises(ValueError, match="backward_s has 1 entries, expected 2"):
+    task_times.VWTaskTimes((1.0, 1.0), (1.0,), 1.0, (0.0, 0.0), (0.0, 0.0), 0.0, 0.0)
+  with pytest.raises(ValueError, match=r"push_s\[0\] must be a finite non-negative"):
+    task_times.VWTaskTimes((), (), 1.0, (), (), -1.0, 0.0)
+  with pytest.raises(ValueError, match="stage_ms is empty"):
+    task_times.uniform_task_times([])
+  with pytest.raises(ValueError, match="fwd_fraction"):
+    task_times.uniform_task_times([1.0], fwd_fraction=1.5)
+  with pytest.raises(ValueError, match=r"stage_ms\[1\]"):
+    task_times.uniform_task_times([1.0, float("nan")])
+
+
+def test_task_times_from_plan_sum_to_the_plans_stage_times():
+  cluster = cluster_lib.load_cluster("hetpipe_paper")
+  profile = profile_format.load_profile(profile_format.default_profile_path("resnet152_imagenet", 32, "cpu", False))
+  plan = planner.make_plan(cluster, profile, planner.PlannerConfig(policy="HD", num_vws=4))
+  times = task_times.task_times_from_plan(plan, profile, cluster)
+  for vw, tt in zip(plan.virtual_workers, times):
+    got = [tt.stage_time_s(s) * 1e3 for s in range(tt.num_stages)]
+    np.testing.assert_allclose(got, vw.stage_time_ms, rtol=1e-6)
+    assert all(b > f for f, b in zip(tt.forward_s, tt.backward_s))  # backward costs more than forward
+    remote, local = task_times.ps_transfer_bytes(plan, profile, cluster, vw.vw_id)
+    assert remote + local == sum(l.param_bytes for l in profile.layers)
+    assert tt.push_s == tt.pull_s > cluster.inter_node_link.transfer_time_s(remote) > 0
+  with pytest.raises(ValueError, match="cluster 'local_cpu' is not the plan's cluster"):
+    task_times.task_times_from_plan(plan, profile, cluster_lib.load_cluster("local_cpu"))
+
+
+# ----------------------------------------------------------------------------------------- closed forms
+@pytest.mark.parametrize("num_stages,num_inflight,fwd_fraction", [
+    (1, 1, 0.3), (1, 3, 0.3), (3, 1, 1 / 3), (4, 1, 0.5), (4, 2, 1 / 3), (4, 3, 0.5), (4, 4, 1 / 3), (4, 6, 0.5),
+    (5, 5, 1 / 3), (2, 8, 0.1)])
+def test_single_vw_equal_stages_steady_state_closed_form(num_stages, num_inflight, fwd_fraction):
+  # Equal stage times t, no transfers: Nm minibatches per round trip of S*t, at most one per t (bottleneck stage
+  # does fwd + bwd = t per minibatch): rate = min(1/t, Nm/(S*t)) = cost_model.vw_throughput_per_s.
+  t_ms = 10.0
+  tt = task_times.uniform_task_times([t_ms] * num_stages, fwd_fraction=fwd_fraction)
+  r = run([tt], num_waves=max(8, 240 // num_inflight), num_inflight=num_inflight, staleness_bound=0)
+  expected = min(1 / (t_ms * 1e-3), num_inflight / (num_stages * t_ms * 1e-3))
+  assert expected == pytest.approx(cost_model.vw_throughput_per_s([t_ms] * num_stages, num_inflight), rel=REL)
+  assert mid_run_rate(r, 0, 4 * num_inflight) == pytest.approx(expected, rel=REL)
+  assert r.vws[0].wait_s == 0.0
+
+
+@pytest.mark.parametrize("n,pull_every_wave", [(1, True), (1, False), (3, False)])
+def test_nm1_round_trip_includes_push_and_pull(n, pull_every_wave):
+  # Nm = 1, D = 0: minibatch k+1 starts only when wave k's push has reached the PS and the pull came back:
+  # period = S*t + push + pull; the VW waits (and idles) push + pull per wave, except after the last.
+  # (With n > 1 and pull_every_wave, the wave-end pull of all but the last VW is served before the last push
+  # arrives, returns the old clock and costs one more pull: see test_lockstep_wave_end_pull_costs_a_second_pull.)
+  s_count, t_ms, push_ms, pull_ms, waves = 3, 10.0, 4.0, 6.0, 12
+  tt = task_times.uniform_task_times([t_ms] * s_count, push_ms=push_ms, pull_ms=pull_ms)
+  r = run([tt] * n, num_waves=waves, num_inflight=1, staleness_bound=0, pull_every_wave=pull_every_wave)
+  period = (s_count * t_ms + push_ms + pull_ms) * 1e-3
+  for v in r.vws:
+    assert v.minibatches_per_s == pytest.approx(1 / period, rel=REL)
+    assert v.wait_s == pytest.approx((waves - 1) * (push_ms + pull_ms) * 1e-3, rel=REL)
+    assert v.idle_s == pytest.approx(v.wait_s, rel=REL)
+  assert r.total_minibatches_per_s == pytest.approx(n / period, rel=1e-6)
+
+
+def test_lockstep_wave_end_pull_costs_a_second_pull():
+  s_count, t_ms, push_ms, pull_ms, waves = 3, 10.0, 4.0, 6.0, 12
+  tt = task_times.uniform_task_times([t_ms] * s_count, push_ms=push_ms, pull_ms=pull_ms)
+  r = run([tt] * 3, num_waves=waves, num_inflight=1, staleness_bound=0, pull_every_wave=True)
+  # A non-waiting wave-end pull served before the other VWs' pushes of the same instant arrive returns the old
+  # clock; the gate then needs a second pull: more pulls than waves and a lower rate than pulling on demand.
+  on_demand = run([tt] * 3, num_waves=waves, num_inflight=1, staleness_bound=0, pull_every_wave=False)
+  assert sum(v.num_pulls for v in r.vws) > 3 * waves > sum(v.num_pulls for v in on_demand.vws) - 3
+  assert r.total_minibatches_per_s < 0.9 * on_demand.total_minibatches_per_s
+
+
+def test_identical_vws_run_exactly_like_one_vw_d0():
+  # D = 0 and identical VWs: every VW's timing equals a single VW's with the same PS costs (the PS sync cost is
+  # the only thing that separates them from the pure pipeline rate).
+  tt = task_times.uniform_task_times([10.0, 12.0, 8.0, 11.0], send_ms=0.5, push_ms=7.0, pull_ms=7.0)
+  # On-demand pulls (the wave-end pull of lock-stepped VWs races the other pushes, see the lockstep test above).
+  one = run([tt], num_waves=20, num_inflight=3, staleness_bound=0, pull_every_wave=False)
+  four = run([tt] * 4, num_waves=20, num_inflight=3, staleness_bound=0, pull_every_wave=False)
+  base = [r.complete_time_s for r in one.minibatch_records]
+  for v in range(4):
+    got = [r.complete_time_s for r in four.minibatch_records if r.vw_id == v]
+    np.testing.assert_allclose(got, base, rtol=REL)
+  assert four.total_minibatches_per_s == pytest.approx(4 * one.vws[0].minibatches_per_s, rel=1e-6)
+  free = run([dataclasses.replace(tt, push_s=0.0, pull_s=0.0)], num_waves=20, num_inflight=3, staleness_bound=0,
+             pull_every_wave=False)
+  assert one.vws[0].minibatches_per_s < free.vws[0].minibatches_per_s  # the PS sync cost
+
+
+def test_slow_vw_holds_the_others_to_its_speed():
+  fast = task_times.uniform_task_times([10.0, 10.0, 10.0])
+  slow = task_times.uniform_task_times([20.0, 20.0, 20.0])
+  waves, d = 60, 1
+  r = run([fast, slow, fast], num_waves=waves, num_inflight=3, staleness_bound=d)
+  rates = [v.minibatches_per_s for v in r.vws]
+  assert rates[0] == pytest.approx(rates[1], rel=0.05) and rates[2] == pytest.approx(rates[1], rel=0.05)
+  assert r.max_clock_distance <= d + 1
+  assert all(dist <= d + 1 for _, dist, _, _ in r.clock_distance_samples)
+  assert r.vws[0].wait_s > 0.4 * r.makespan_s and r.vws[1].wait_s == 0.0
+  free = run([fast, slow, fast], num_waves=waves, num_inflight=3, staleness_bound=waves)
+  assert free.vws[0].minibatches_per_s > 1.8 * free.vws[1].minibatches_per_s  # unbounded: no holding back
+
+
+# ----------------------------------------------------------------------------------------- WSP invariants
+def check_wsp_invariants(report, num_vws, num_waves, nm, d):
+  recs = report.minibatch_records
+  assert len(recs) == num_vws * num_waves * nm
+  for r in recs:
+    assert r.version_global_clock >= r.local_clock_at_injection - d, r  # global staleness bound (HetPipe §5)
+    assert r.version_local_updates >= r.minibatch_id - (nm - 1), r  # local staleness s_local = Nm - 1
+    assert r.wave_id == r.minibatch_id // nm
+    assert r.inject_time_s <= r.complete_time_s
+  assert report.ps_applied == [(w, v) for w in range(num_waves) for v in range(num_vws)]  # each wave once, in order
+  assert report.final_global_clock == num_waves
+  assert report.max_clock_distance <= d + 1
+  for v in report.vws:
+    assert v.num_pushes == num_waves
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_heterogeneous_runs_obey_every_bound(seed):
+  rng = np.random.default_rng(seed)
+  n, s_count, nm, d = int(rng.integers(1, 5)), int(rng.integers(1, 6)), int(rng.integers(1, 6)), int(rng.integers(0, 4))
+  times = [task_times.uniform_task_times(list(rng.uniform(1.0, 4.0, s_count)), fwd_fraction=float(rng.uniform(0.2, 0.5)),
+                                         send_ms=float(rng.uniform(0, 0.5)), push_ms=float(rng.uniform(0, 5)),
+                                         pull_ms=float(rng.uniform(0, 5))) for _ in range(n)]
+  waves = 15
+  contention = bool(seed % 2)
+  r = run(times, num_waves=waves, num_inflight=nm, staleness_bound=d, pull_every_wave=bool(seed % 3),
+          ps_link_contention=contention)
+  check_wsp_invariants(r, n, waves, nm, d)
+  bound = cost_model.max_inflight_per_stage(s_count, nm)
+  for v in r.vws:
+    assert all(p <= b for p, b in zip(v.peak_inflight_per_stage, bound))
+  # Every GPU is busy exactly its tasks' durations; utilisation in [0, 1].
+  for g in r.gpus:
+    tt = times[g.vw_id]
+    assert g.busy_s == pytest.approx(waves * nm * tt.stage_time_s(g.stage_id), rel=1e-9)
+    assert 0 < g.utilization <= 1 + 1e-12
+  timing_only = engine.run(times, engine.EngineConfig(waves, nm, d, bool(seed % 3), records=False,
+                                                      ps_link_contention=contention))
+  assert timing_only.makespan_s == r.makespan_s and timing_only.minibatch_records == []
+
+
+def test_task_events_follow_the_schedule_rules():
+  tt = task_times.uniform_task_times([3.0, 1.0, 2.0, 1.5], send_ms=0.2)
+  r = run([tt], num_waves=6, num_inflight=4, staleness_bound=0)
+  by_stage = {}
+  for e in r.task_events:
+    by_stage.setdefault(e.stage_id, []).append(e)
+  for s, events in by_stage.items():
+    for a, b in zip(events, events[1:]):
+      assert a.end_s <= b.start_s + 1e-15  # one in-order device per stage
+  end = {(e.stage_id, e.task[len(str(e.stage_id)):-len(str(e.minibatch_id))], e.minibatch_id): e.end_s
+         for e in r.task_events}
+  for e in r.task_events:  # a task starts after its predecessor's output has arrived
+    kind = e.task[len(str(e.stage_id)):-len(str(e.minibatch_id))]
+    if kind in ("F", "FB") and e.stage_id > 0:
+      assert e.start_s >= end[(e.stage_id - 1, "F", e.minibatch_id)]
+    if kind == "B":
+      nxt = "FB" if e.stage_id + 1 == 3 else "B"
+      assert e.start_s >= end[(e.stage_id + 1, nxt, e.minibatch_id)]
+
+
+def test_record_fields_match_the_runtime_records():
+  pipeline = pytest.importorskip("hetpipe_jax.pipeline")
+  ours = [f.name for f in dataclasses.fields(engine.MinibatchRecord)]
+  theirs = [f.name for f in dataclasses.fields(pipeline.MinibatchRecord)]
+  assert ours == theirs
+
+
+# ----------------------------------------------------------------------------------------- hooks
+class RecordingHooks:
+
+  def __init__(self):
+    self.calls = []
+
+  def on_inject(self, vw_id, minibatch_id, t):
+    self.calls.append(("inject", vw_id, minibatch_id, t))
+
+  def on_task_start(self, vw_id, task, t):
+    self.calls.append(("start", vw_id, str(task), t))
+
+  def on_minibatch_complete(self, vw_id, minibatch_id, t):
+    self.calls.append(("complete", vw_id, minibatch_id, t))
+
+  def on_push(self, vw_id, wave_id, t):
+    self.calls.append(("push", vw_id, wave_id, t))
+
+  def on_pull_reply(self, vw_id, global_clock, t):
+    self.calls.append(("pull", vw_id, global_clock, t))
+
+
+def test_hooks_are_called_in_the_documented_order():
+  nm, waves, d = 2, 5, 0
+  times = [task_times.uniform_task_times([2.0, 3.0, 1.0], push_ms=1.0, pull_ms=1.5),
+           task_times.uniform_task_times([4.0, 1.0, 1.0], push_ms=0.5, pull_ms=0.5)]
+  hooks = RecordingHooks()
+  r = engine.run(times, engine.EngineConfig(waves, nm, d), hooks=hooks)
+  calls = hooks.calls
+  assert [c[3] for c in calls] == sorted(c[3] for c in calls)  # event order = virtual-time order
+  index = {c[:3]: i for i, c in enumerate(calls)}
+  for rec in r.minibatch_records:
+    v, p = rec.vw_id, rec.minibatch_id
+    assert calls[index[("inject", v, p)]][3] == rec.inject_time_s
+    assert calls[index[("complete", v, p)]][3] == rec.complete_time_s
+    assert index[("inject", v, p)] < index[("start", v, f"0F{p}")] < index[("complete", v, p)]
+    if p + nm < waves * nm:  # p's completion lets p + Nm in: complete comes first (same event or earlier)
+      assert index[("complete", v, p)] < index[("inject", v, p + nm)]
+  for v in range(2):
+    pushes = [c for c in calls if c[0] == "push" and c[1] == v]
+    assert [c[2] for c in pushes] == list(range(waves))
+    for c in pushes:  # a push arrives after its wave's last minibatch completed
+      assert index[("complete", v, (c[2] + 1) * nm - 1)] < index[c[:3]]
+    clocks = [c[2] for c in calls if c[0] == "pull" and c[1] == v]
+    assert clocks == sorted(clocks) and len(clocks) == r.vws[v].num_pulls
+  # Each record's version_global_clock is the last pull reply delivered to that VW before its injection.
+  for rec in r.minibatch_records:
+    pulls = [c[2] for c in calls[:index[("inject", rec.vw_id, rec.minibatch_id)]] if c[0] == "pull" and c[1] == rec.vw_id]
+    assert rec.version_global_clock == (pulls[-1] if pulls else 0)
+
+
+# ----------------------------------------------------------------------------------------- in-flight bound
+def test_peak_inflight_reaches_the_cost_model_bound():
+  # Fast stages before a slow stage 2: every non-last stage runs all Nm forwards before any backward.
+  tt = task_times.uniform_task_times([0.1, 0.1, 10.0, 0.1], fwd_fraction=0.5)
+  r = run([tt], num_waves=5, num_inflight=6, staleness_bound=0, records=False)
+  assert r.vws[0].peak_inflight_per_stage == cost_model.max_inflight_per_stage(4, 6)
+
+
+def test_config_and_input_errors():
+  with pytest.raises(ValueError, match="num_waves"):
+    engine.EngineConfig(num_waves=0, num_inflight=1)
+  with pytest.raises(ValueError, match="num_inflight"):
+    engine.EngineConfig(num_waves=1, num_inflight=0)
+  with pytest.raises(ValueError, match="staleness_bound"):
+    engine.EngineConfig(num_waves=1, num_inflight=1, staleness_bound=-1)
+  with pytest.raises(ValueError, match="task_times is empty"):
+    engine.run([], engine.EngineConfig(1, 1))
+  with pytest.raises(ValueError, match="gpu_ids"):
+    engine.run([task_times.uniform_task_times([1.0])], engine.EngineConfig(1, 1), gpu_ids=[["a", "b"]])
