@@ -1,9 +1,11 @@
 """A virtual worker: host-side scheduler driving pipelined model parallelism over its stages (HetPipe §4–§5).
 
 Runtime layer. One :class:`VirtualWorker` per VW. It keeps per-stage FIFO ready queues through the pure rules of
-:mod:`hetpipe_jax.schedule`, dispatches each ready task asynchronously to its stage's device (JAX async dispatch is
-the overlap), observes completions by polling ``is_ready()`` on the task's transferred output, and injects new
-minibatches under the local rule (Nm in flight) and the WSP rule of :mod:`hetpipe_jax.wsp`.
+:mod:`hetpipe_jax.schedule`, hands each ready task to its stage's in-order executor thread
+(:mod:`hetpipe_jax.stage_executor`), which dispatches it to the stage's device (JAX async dispatch; explicit
+``device_put`` of the output to the consumer's device) and reports when the output has arrived, and injects new
+minibatches under the local rule (Nm in flight) and the WSP rule of :mod:`hetpipe_jax.wsp`
+(:class:`~hetpipe_jax.wsp.VWSyncState`).
 
 Weight versions: minibatch p is injected with the VW's current :class:`WeightVersion` (immutable per-stage params
 on each stage's device) and uses it on every stage; the weights change only when a minibatch completes, on all
@@ -13,8 +15,9 @@ in-flight minibatch holds them.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import functools
+import queue
 import time
 from typing import Any, Callable, Protocol, Sequence
 
@@ -27,6 +30,7 @@ import optax
 from hetpipe_jax import schedule, wsp
 from hetpipe_jax.param_layout import ParamLayout
 from hetpipe_jax.schedule import Task, TaskKind
+from hetpipe_jax.stage_executor import OVERRUN_TOLERANCE_S, StageExecutor
 from hetpipe_jax.stages import Stage
 
 
@@ -88,6 +92,10 @@ class VWStats:
   num_pushes: int = 0
   peak_inflight_per_stage: list[int] = dataclasses.field(default_factory=list)
   max_concurrent_tasks: int = 0
+  num_tasks: int = 0
+  host_busy_s: float = 0.0  # scheduler time outside sleeps (host overhead incl. dispatch)
+  num_overruns: int = 0  # emulated tasks whose real work outlasted their target duration
+  overrun_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -117,8 +125,12 @@ class VirtualWorker:
     ps: the parameter-server client.
     get_minibatch: ``minibatch_id -> (images [b, ...] float32, labels [b] int32)`` numpy arrays.
     pull_every_wave: also pull (without waiting) at every wave end; False pulls only when the bound forces it.
-    poll_interval_s: the longest host sleep when nothing progressed (the sleep starts at 20 µs and doubles).
+    poll_interval_s: the longest the scheduler blocks waiting for a completion before polling the PS again.
     on_minibatch: optional callback ``(MinibatchRecord) -> None`` at each completion.
+    task_time_s: emulated devices: ``Task -> seconds`` the task should take on the GPU its stage stands in for
+      (compute + sending its output). A task is then observed done no earlier than its emulated start
+      (``max(dispatch, previous emulated end on the stage)``) plus that duration, so the VW runs like the mixed
+      cluster in wall time; real work that takes longer is counted in ``VWStats.num_overruns`` / ``overrun_s``.
 
   Raises:
     ValueError: ``num_inflight < 1`` or ``staleness_bound < 0``.
@@ -127,7 +139,8 @@ class VirtualWorker:
   def __init__(self, vw_id: int, stages: Sequence[Stage], layout: ParamLayout, initial_layer_params: Sequence[Any],
                optimizer: optax.GradientTransformation, num_inflight: int, staleness_bound: int, ps: PSClient,
                get_minibatch: Callable[[int], tuple[np.ndarray, np.ndarray]], pull_every_wave: bool = True,
-               poll_interval_s: float = 1e-3, on_minibatch: Callable[[MinibatchRecord], None] | None = None):
+               poll_interval_s: float = 1e-3, on_minibatch: Callable[[MinibatchRecord], None] | None = None,
+               task_time_s: Callable[[Task], float] | None = None):
     self.sync = wsp.VWSyncState(num_inflight, staleness_bound, pull_every_wave)  # validates Nm and D
     self.vw_id = vw_id
     self.stages = list(stages)
@@ -138,6 +151,7 @@ class VirtualWorker:
     self.get_minibatch = get_minibatch
     self.poll_interval_s = poll_interval_s
     self.on_minibatch = on_minibatch
+    self.task_time_s = task_time_s
     self.optimizer = optimizer
     params = tuple(self._place_stage(initial_layer_params, st) for st in self.stages)
     # Constant outputs (Adam's step count, zeros) are not committed by jit: place them explicitly.
@@ -176,69 +190,83 @@ class VirtualWorker:
     num_stages = len(self.stages)
     rules = schedule.PipelineRules(num_stages, self.num_inflight)
     inflight: dict[int, InFlightMinibatch] = {}
-    # Per stage, dispatched tasks not yet observed done: (task, completion marker, dispatch time).
-    running = [collections.deque() for _ in range(num_stages)]
+    done: queue.SimpleQueue = queue.SimpleQueue()
     self._t0 = t0 = time.perf_counter()
+    executors = [StageExecutor(s, done, t0) for s in range(num_stages)]
+    num_running = 0
+    first = None
     wait_since = idle_since = None
-    backoff_s = 2e-5
-    with jax.transfer_guard("disallow"):
-      while rules.num_completed < num_minibatches:
-        progressed = False
-        # 1. PS replies.
-        reply = self.ps.poll_pull()
-        if reply is not None:
-          self.install_pull(*reply)
-          progressed = True
-        # 2. Completions, per stage in dispatch order (a stage is one in-order device queue; transfers may
-        #    finish out of order, so a later task of a stage is not observed done before an earlier one).
-        for queue in running:
-          while queue and queue[0][1].is_ready():
-            task, _, t_dispatch = queue.popleft()
-            now = time.perf_counter() - t0
-            self.task_log.append((str(task), t_dispatch, now))
-            rules.complete(task)
-            if schedule.completes_minibatch(task):
-              self.complete_minibatch(inflight.pop(task.minibatch_id), now)
-            progressed = True
-        # 3. Injection under the local rule and WSP.
-        while rules.can_inject() and rules.num_injected < num_minibatches:
-          allowed, pull = self.sync.injection_gate()
-          if pull is not None:
-            self.ps.request_pull(pull)
-          if not allowed:
-            if wait_since is None:
-              wait_since = time.perf_counter()
-            break
-          if wait_since is not None:
-            self.stats.wait_s += time.perf_counter() - wait_since
-            wait_since = None
-          p = rules.num_injected
-          rules.inject()
-          inflight[p] = self.inject(p, time.perf_counter() - t0)
-          progressed = True
-        # 4. Dispatch every ready task, FIFO per stage.
-        for s in range(num_stages):
-          while rules.has_ready(s):
-            task = rules.pop_ready(s)
-            marker = self.dispatch(task, inflight[task.minibatch_id])
-            running[s].append((task, marker, time.perf_counter() - t0))
-            progressed = True
-        num_running = sum(len(q) for q in running)
-        self.stats.max_concurrent_tasks = max(self.stats.max_concurrent_tasks, num_running)
-        # 5. Idle accounting and back-off.
-        if not num_running and rules.num_completed < num_minibatches:
-          if idle_since is None:
-            idle_since = time.perf_counter()
-        elif idle_since is not None:
-          self.stats.idle_s += time.perf_counter() - idle_since
-          idle_since = None
-        if progressed:
-          backoff_s = 2e-5
-        else:
-          time.sleep(backoff_s)
-          backoff_s = min(2 * backoff_s, self.poll_interval_s)
-    if idle_since is not None:
-      self.stats.idle_s += time.perf_counter() - idle_since
+    stats = self.stats
+    try:
+      with jax.transfer_guard("disallow"):
+        while rules.num_completed < num_minibatches:
+          loop_start = time.perf_counter()
+          # 1. PS replies.
+          reply = self.ps.poll_pull()
+          if reply is not None:
+            self.install_pull(*reply)
+          # 2. Completions (each stage reports in its own order; the queue keeps completion order).
+          while True:
+            if first is not None:
+              c, first = first, None
+            else:
+              try:
+                c = done.get_nowait()
+              except queue.Empty:
+                break
+            num_running -= 1
+            if c.error is not None:
+              raise c.error
+            self.task_log.append((str(c.task), c.start_s, c.end_s))
+            if c.overrun_s > OVERRUN_TOLERANCE_S:
+              stats.num_overruns += 1
+              stats.overrun_s += c.overrun_s
+            rules.complete(c.task)
+            stats.num_tasks += 1
+            if schedule.completes_minibatch(c.task):
+              self.complete_minibatch(inflight.pop(c.task.minibatch_id), c.end_s)
+          # 3. Injection under the local rule and WSP.
+          while rules.can_inject() and rules.num_injected < num_minibatches:
+            allowed, pull = self.sync.injection_gate()
+            if pull is not None:
+              self.ps.request_pull(pull)
+            if not allowed:
+              if wait_since is None:
+                wait_since = time.perf_counter()
+              break
+            if wait_since is not None:
+              stats.wait_s += time.perf_counter() - wait_since
+              wait_since = None
+            p = rules.num_injected
+            rules.inject()
+            inflight[p] = self.inject(p, time.perf_counter() - t0)
+          # 4. Hand every ready task to its stage's executor, FIFO per stage.
+          for s in range(num_stages):
+            while rules.has_ready(s):
+              task = rules.pop_ready(s)
+              mb = inflight[task.minibatch_id]
+              duration = self.task_time_s(task) if self.task_time_s is not None else None
+              executors[s].submit(task, functools.partial(self.dispatch, task, mb), duration)
+              num_running += 1
+          stats.max_concurrent_tasks = max(stats.max_concurrent_tasks, num_running)
+          # 5. Idle accounting, then block until a task completes (or time out to poll the PS).
+          if not num_running:
+            if idle_since is None:
+              idle_since = time.perf_counter()
+          elif idle_since is not None:
+            stats.idle_s += time.perf_counter() - idle_since
+            idle_since = None
+          stats.host_busy_s += time.perf_counter() - loop_start
+          if rules.num_completed < num_minibatches:
+            try:
+              first = done.get(timeout=self.poll_interval_s)  # processed first in the next iteration
+            except queue.Empty:
+              pass
+      if idle_since is not None:
+        stats.idle_s += time.perf_counter() - idle_since
+    finally:
+      for ex in executors:
+        ex.close()
     self.stats.wall_time_s = time.perf_counter() - t0
     self.stats.peak_inflight_per_stage = list(rules.peak_held)
     return self.stats
@@ -257,7 +285,10 @@ class VirtualWorker:
     return InFlightMinibatch(v, x, y, {0: x}, {}, {}, {}, record=rec)
 
   def dispatch(self, task: Task, mb: InFlightMinibatch):
-    """Dispatches ``task`` asynchronously; returns an array that is ready when its output has reached its consumer."""
+    """Dispatches ``task``; returns an array that is ready when its output has reached its consumer.
+
+    Called on the stage's executor thread; it touches only this task's entries of ``mb``.
+    """
     s = task.stage_id
     st = self.stages[s]
     params = mb.version.params[s]

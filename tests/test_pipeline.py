@@ -74,3 +74,16 @@ def test_bad_arguments_raise(synthetic_data_dir):
   vw, *_ = build_vw(synthetic_data_dir, partition=TWO_STAGES, num_inflight=2)
   with pytest.raises(ValueError, match="multiple of num_inflight"):
     vw.run(3)
+
+
+def test_emulated_devices_never_finish_early(synthetic_data_dir):
+  target = {0: 0.004, 1: 0.012}  # seconds per task on stage 0 / stage 1 (a 3x slower GPU)
+  vw, *_ = build_vw(synthetic_data_dir, partition=TWO_STAGES, num_inflight=2)
+  vw.task_time_s = lambda task: target[task.stage_id]
+  stats = vw.run(8)
+  assert stats.num_tasks == 8 * 3
+  emulated_end = {0: 0.0, 1: 0.0}  # each stage is an in-order emulated device
+  for task, dispatched, done in sorted(vw.task_log, key=lambda t: t[1]):
+    stage = int(task[0])
+    emulated_end[stage] = max(dispatched, emulated_end[stage]) + target[stage]
+    assert done >= emulated_end[stage] - 1e-9, (task, emulated_end[stage], done)
