@@ -41,13 +41,14 @@ class MinibatchRecord:
 
 @dataclasses.dataclass(frozen=True)
 class TaskEvent:
-  """One task run: ``task`` prints as ``2F0``; ``[start_s, end_s)`` in virtual seconds."""
+  """One task run: ``task`` prints as ``2F0``; ``[start_s, end_s)`` in seconds (virtual, or the runtime's wall
+  time); ``wave_id`` None when unknown."""
 
   vw_id: int
   task: str
   stage_id: int
   minibatch_id: int
-  wave_id: int
+  wave_id: int | None
   start_s: float
   end_s: float
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Sequence
 
 import numpy as np
 
-from hetpipe_jax import cost_model
+from hetpipe_jax import cost_model, profile_format
 from hetpipe_jax.cluster import ClusterSpec
 from hetpipe_jax.plan_format import Plan
 from hetpipe_jax.profile_format import ModelProfile
@@ -211,3 +212,24 @@ def task_times_from_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec
     out.append(VWTaskTimes(forward_s=tuple(fwd), backward_s=tuple(bwd), forward_backward_s=fb_ms * S_PER_MS,
                            send_activation_s=tuple(send), send_gradient_s=tuple(send), push_s=ps_s, pull_s=ps_s))
   return out
+
+
+def profile_for_plan(plan: Plan, path: str | None = None) -> ModelProfile:
+  """The profile ``plan`` was made with: ``path`` when given, else the saved default profile for the plan's model,
+  batch size, device kind and measured flag (``profile_format.default_profile_path``).
+
+  Raises:
+    ValueError: the file is missing (the message names it) or is for another model or batch size.
+  """
+  if path is None:
+    path = profile_format.default_profile_path(plan.model, plan.batch_size, plan.profile["device_kind"],
+                                               bool(plan.profile["measured"]))
+    if not os.path.isfile(path):
+      raise ValueError(f"no saved profile for plan model {plan.model!r} at batch {plan.batch_size} "
+                       f"({plan.profile['device_kind']}, measured={plan.profile['measured']}): expected {path}; pass "
+                       "the profile the plan was made with")
+  profile = profile_format.load_profile(path)
+  if profile.model != plan.model or profile.batch_size != plan.batch_size:
+    raise ValueError(f"profile {path} is for {profile.model!r} at batch {profile.batch_size}, the plan for "
+                     f"{plan.model!r} at batch {plan.batch_size}")
+  return profile
