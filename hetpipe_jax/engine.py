@@ -5,9 +5,10 @@ Planning layer: standard library only. The engine executes exactly the rules the
 (which task a stage runs next, Nm in flight) and a :class:`wsp.VWSyncState` (may a minibatch be injected, what to
 push and pull), and one :class:`wsp.ParameterServerState` for the PS. Only time is simulated:
 
-* every stage is one in-order device: a task starts when its device is free and it is the head of the stage's FIFO
-  ready queue (``PipelineRules.pop_ready``); it lasts ``VWTaskTimes.task_duration_s`` (compute + sending its
-  output), and its successor becomes ready when it ends (its output has arrived);
+* every stage is one in-order device: as in the runtime, a ready task is handed to its stage's device queue at once
+  (``PipelineRules.pop_ready``, FIFO) and starts when the device is free; it lasts ``VWTaskTimes.task_duration_s``
+  (compute + sending its output), and its successor becomes ready when it ends (its output has arrived). So
+  ``peak_inflight_per_stage`` (``PipelineRules.peak_held``) counts a forward from its dispatch, like the runtime's;
 * a minibatch completes when its backward on stage 0 ends; then the VW's weights update, and at a wave end the VW
   sends the wave's push, which arrives at the PS ``push_s`` later, and (``pull_every_wave``) a non-waiting pull
   request;
@@ -37,6 +38,7 @@ virtual time, ties in the order they were created. Within one event:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import time
@@ -86,9 +88,9 @@ class EngineConfig:
 class _VW:
   """One virtual worker's engine state (rules + devices + accounting)."""
 
-  __slots__ = ("vw_id", "times", "rules", "sync", "num_stages", "total", "dur_fwd", "dur_bwd", "running", "started",
-               "busy_s", "num_tasks", "active", "idle_since", "idle_s", "wait_since", "wait_s", "completions",
-               "version_id", "num_pushes", "num_pulls", "last_push_arrival", "records")
+  __slots__ = ("vw_id", "times", "rules", "sync", "num_stages", "total", "dur_fwd", "dur_bwd", "queued", "running",
+               "started", "busy_s", "num_tasks", "active", "idle_since", "idle_s", "wait_since", "wait_s",
+               "completions", "version_id", "num_pushes", "num_pulls", "last_push_arrival", "records")
 
   def __init__(self, vw_id: int, times: VWTaskTimes, config: EngineConfig):
     s_count = times.num_stages
@@ -104,6 +106,7 @@ class _VW:
                     for s in range(s_count)]
     self.dur_bwd = [times.task_duration_s(Task(s, TaskKind.BACKWARD, 0)) if s < last else 0.0
                     for s in range(s_count)]
+    self.queued = [collections.deque() for _ in range(s_count)]  # popped (dispatched), waiting for the device
     self.running: list[Task | None] = [None] * s_count
     self.started = [0.0] * s_count
     self.busy_s = [0.0] * s_count
@@ -216,11 +219,16 @@ class Engine:
         on_inject(vw.vw_id, p, t)
 
   def _start_ready(self, vw: _VW, t: float) -> None:
-    rules, running = vw.rules, vw.running
+    """Hands every ready task to its stage's device queue (``pop_ready``, FIFO, as the runtime hands it to the
+    stage's executor) and starts the head of each free device's queue."""
+    rules, running, queued = vw.rules, vw.running, vw.queued
     on_task_start = self.hooks["on_task_start"]
     for s in range(vw.num_stages):
-      if running[s] is None and rules.has_ready(s):
-        task = rules.pop_ready(s)
+      q = queued[s]
+      while rules.has_ready(s):
+        q.append(rules.pop_ready(s))
+      if running[s] is None and q:
+        task = q.popleft()
         running[s] = task
         vw.started[s] = t
         self._seq += 1
