@@ -93,7 +93,11 @@ class VWStats:
   peak_inflight_per_stage: list[int] = dataclasses.field(default_factory=list)
   max_concurrent_tasks: int = 0
   num_tasks: int = 0
-  host_busy_s: float = 0.0  # scheduler time outside sleeps (host overhead incl. dispatch)
+  host_busy_s: float = 0.0  # scheduler thread's time not blocked waiting for completions
+  update_s: float = 0.0  # ... of which applying minibatch updates and pushing waves (weights' compute/transfers)
+  sync_s: float = 0.0  # ... of which installing pulled global weights
+  inject_s: float = 0.0  # ... of which reading minibatches and placing them on stage devices
+  dispatch_s: float = 0.0  # stage executors' time inside task dispatch calls
   num_overruns: int = 0  # emulated tasks whose real work outlasted their target duration
   overrun_s: float = 0.0
 
@@ -126,7 +130,8 @@ class VirtualWorker:
     get_minibatch: ``minibatch_id -> (images [b, ...] float32, labels [b] int32)`` numpy arrays.
     pull_every_wave: also pull (without waiting) at every wave end; False pulls only when the bound forces it.
     poll_interval_s: the longest the scheduler blocks waiting for a completion before polling the PS again.
-    on_minibatch: optional callback ``(MinibatchRecord) -> None`` at each completion.
+    on_minibatch: optional callback ``(MinibatchRecord) -> None`` for each completed minibatch, called at its
+      wave's end (when the wave's losses are read back).
     task_time_s: emulated devices: ``Task -> seconds`` the task should take on the GPU its stage stands in for
       (compute + sending its output). A task is then observed done no earlier than its emulated start
       (``max(dispatch, previous emulated end on the stage)``) plus that duration, so the VW runs like the mixed
@@ -164,7 +169,7 @@ class VirtualWorker:
     self.records: list[MinibatchRecord] = []
     self.task_log: list[tuple[str, float, float]] = []  # (task, dispatch time, observed completion time)
     self.stats = VWStats()
-    self._wave_loss_sum = 0.0
+    self._wave_losses: list = []  # (record, loss array) of the current wave
 
   # ---------------------------------------------------------------- placement helpers
   def _place_stage(self, layer_params: Sequence[Any], st: Stage):
@@ -204,7 +209,9 @@ class VirtualWorker:
           # 1. PS replies.
           reply = self.ps.poll_pull()
           if reply is not None:
+            t = time.perf_counter()
             self.install_pull(*reply)
+            stats.sync_s += time.perf_counter() - t
           # 2. Completions (each stage reports in its own order; the queue keeps completion order).
           while True:
             if first is not None:
@@ -223,8 +230,11 @@ class VirtualWorker:
               stats.overrun_s += c.overrun_s
             rules.complete(c.task)
             stats.num_tasks += 1
+            stats.dispatch_s += c.dispatch_s
             if schedule.completes_minibatch(c.task):
+              t = time.perf_counter()
               self.complete_minibatch(inflight.pop(c.task.minibatch_id), c.end_s)
+              stats.update_s += time.perf_counter() - t
           # 3. Injection under the local rule and WSP.
           while rules.can_inject() and rules.num_injected < num_minibatches:
             allowed, pull = self.sync.injection_gate()
@@ -239,7 +249,9 @@ class VirtualWorker:
               wait_since = None
             p = rules.num_injected
             rules.inject()
-            inflight[p] = self.inject(p, time.perf_counter() - t0)
+            t = time.perf_counter()
+            inflight[p] = self.inject(p, t - t0)
+            stats.inject_s += time.perf_counter() - t
           # 4. Hand every ready task to its stage's executor, FIFO per stage.
           for s in range(num_stages):
             while rules.has_ready(s):
@@ -330,13 +342,7 @@ class VirtualWorker:
     self.version = self._new_version(new_params, local_updates=self.version.local_updates + 1)
     rec = mb.record
     rec.complete_time_s = now
-    rec.loss = float(jax.device_get(mb.loss))
-    if not np.isfinite(rec.loss):
-      raise FloatingPointError(f"[VW {self.vw_id}] loss is {rec.loss} at minibatch {rec.minibatch_id}: training "
-                               "diverged; lower config.learning_rate")
-    self._wave_loss_sum += rec.loss
-    if self.on_minibatch is not None:
-      self.on_minibatch(rec)
+    self._wave_losses.append((rec, mb.loss))  # read back once per wave, not once per minibatch
     wave, pull = self.sync.on_minibatch_complete(rec.minibatch_id)
     if wave is not None:
       self._end_wave(wave)
@@ -344,11 +350,20 @@ class VirtualWorker:
       self.ps.request_pull(pull)
 
   def _end_wave(self, wave_id: int) -> None:
-    host = jax.device_get(self.wave_delta)
+    host, losses = jax.device_get((self.wave_delta, [loss for _, loss in self._wave_losses]))
+    loss_sum = 0.0
+    for (rec, _), loss in zip(self._wave_losses, losses):
+      rec.loss = float(loss)
+      if not np.isfinite(rec.loss):
+        raise FloatingPointError(f"[VW {self.vw_id}] loss is {rec.loss} at minibatch {rec.minibatch_id}: "
+                                 "training diverged; lower config.learning_rate")
+      loss_sum += rec.loss
+      if self.on_minibatch is not None:
+        self.on_minibatch(rec)
+    self._wave_losses = []
     flat = np.concatenate([self.layout.flatten(h, st.layer_range[0]) for h, st in zip(host, self.stages)])
-    self.ps.push(wave_id, flat, self._wave_loss_sum, self.num_inflight)
+    self.ps.push(wave_id, flat, loss_sum, self.num_inflight)
     self.stats.num_pushes += 1
-    self._wave_loss_sum = 0.0
     self.own_waves[wave_id] = self.wave_delta
     self.wave_delta = list(self._zeros)
 

@@ -31,6 +31,7 @@ class Completion:
   start_s: float
   end_s: float
   overrun_s: float = 0.0  # real work beyond the emulated duration (0 when not emulated or on time)
+  dispatch_s: float = 0.0  # time inside the dispatch call (Python + launch; on CPU small kernels run inline)
   error: BaseException | None = None
 
 
@@ -73,6 +74,7 @@ class StageExecutor:
         start = time.perf_counter()
         try:
           marker = dispatch()
+          dispatched = time.perf_counter()
           marker.block_until_ready()
         except BaseException as e:  # reported to the scheduler, which re-raises it
           self._done.put(Completion(task, start - self._t0, time.perf_counter() - self._t0, error=e))
@@ -85,4 +87,5 @@ class StageExecutor:
             time.sleep(target - now)
           else:
             overrun = now - target
-        self._done.put(Completion(task, start - self._t0, time.perf_counter() - self._t0, overrun))
+        self._done.put(Completion(task, start - self._t0, time.perf_counter() - self._t0, overrun,
+                                  dispatch_s=dispatched - start))
