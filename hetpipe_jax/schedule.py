@@ -102,7 +102,7 @@ class PipelineRules:
     self._ready = [collections.deque() for _ in range(num_stages)]
     self._next_forward = [0] * num_stages  # next forward (or FB) minibatch each stage may start
     self._next_backward = [0] * num_stages
-    self._running: set[Task] = set()
+    self._running = [collections.deque() for _ in range(num_stages)]  # started, not completed (in order)
     # Minibatches whose forward is done on a stage and whose backward there is not (what the stage holds).
     self._held = [0] * num_stages
     self.peak_held = [0] * num_stages
@@ -151,14 +151,17 @@ class PipelineRules:
         self.peak_held[stage_id] = max(self.peak_held[stage_id], self._held[stage_id] + 1)
     if p != expected:
       raise AssertionError(f"schedule rule violated on stage {stage_id}: {task} started, expected minibatch {expected}")
-    self._running.add(task)
+    self._running[stage_id].append(task)
     return task
 
   def complete(self, task: Task) -> list[Task]:
     """Marks a started task done; returns the tasks it made ready (already enqueued, FIFO)."""
-    if task not in self._running:
-      raise AssertionError(f"task {task} completed but was not running")
-    self._running.remove(task)
+    running = self._running[task.stage_id]
+    if not running or running[0] != task:
+      head = running[0] if running else None
+      raise AssertionError(f"task {task} completed but the oldest running task on its stage is {head} (a stage "
+                           "completes its tasks in the order they started)")
+    running.popleft()
     if task.kind is TaskKind.BACKWARD:
       self._held[task.stage_id] -= 1
     if completes_minibatch(task):
@@ -172,4 +175,4 @@ class PipelineRules:
 
   def idle(self) -> bool:
     """True when no task is running or ready."""
-    return not self._running and not any(self._ready)
+    return not any(self._running) and not any(self._ready)

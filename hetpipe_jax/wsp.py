@@ -96,7 +96,8 @@ class VWSyncState:
 
   * :meth:`injection_gate` before injecting a minibatch: may it start, and which pull to request if not;
   * :meth:`on_minibatch_complete` when a minibatch completes: whether a wave ended (push it) and which pull to
-    request without waiting (``pull_every_wave``);
+    request without waiting (``pull_every_wave``; it asks for the clock the bound will require during the next
+    wave, so the VW blocks only if that is not there when it needs it);
   * :meth:`on_pull_reply` when pulled global weights are installed.
 
   Args:
@@ -134,8 +135,11 @@ class VWSyncState:
     wave = wave_of(minibatch_id, self.num_inflight)
     self.local_clock = wave + 1
     if self.pull_every_wave and self.pull_required is None:
-      self.pull_required = 0
-      return wave, 0
+      # Answered as soon as the PS holds what the bound requires during the next wave (never later than an
+      # injection would need it), with the freshest global weights at that moment. Asking for clock 0 instead
+      # is answered at once and, with VWs in step, before the other VWs' pushes of this wave have arrived.
+      self.pull_required = required_global_clock(self.local_clock, self.staleness_bound)
+      return wave, self.pull_required
     return wave, None
 
   def on_pull_reply(self, global_clock: int) -> None:

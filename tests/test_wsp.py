@@ -81,10 +81,13 @@ def test_vw_sync_state_paper_example():
 
 
 def test_vw_sync_state_pulls_every_wave_without_waiting():
-  s = wsp.VWSyncState(num_inflight=2, staleness_bound=3, pull_every_wave=True)
-  assert s.on_minibatch_complete(1) == (0, 0)
+  s = wsp.VWSyncState(num_inflight=2, staleness_bound=1, pull_every_wave=True)
+  assert s.on_minibatch_complete(1) == (0, 0)  # local clock 1: the next wave needs global clock >= 0
   assert s.on_minibatch_complete(3) == (1, None)  # one pull outstanding at a time
   s.on_pull_reply(0)
-  assert s.on_minibatch_complete(5) == (2, 0)
+  assert s.on_minibatch_complete(5) == (2, 2)  # local clock 3: the next wave needs global clock >= 2
+  assert s.injection_gate() == (False, None)  # blocked until that pull arrives; nothing new to request
+  s.on_pull_reply(2)
+  assert s.injection_gate() == (True, None)
   with pytest.raises(ValueError, match="staleness_bound"):
     wsp.VWSyncState(1, -1)
