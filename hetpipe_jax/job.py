@@ -20,7 +20,7 @@ import optax
 
 from hetpipe_jax import checkpoint, data as data_lib, models, stages as stages_lib
 from hetpipe_jax.job_config import (ConfigError, JobSettings, check_devices, check_world_size, config_to_json,
-                                    load_plan_dict)
+                                    emulated_task_times, load_plan_dict)
 from hetpipe_jax.param_layout import ParamLayout
 
 
@@ -89,6 +89,7 @@ def run(config: Any, workdir: str, comm) -> dict | None:
   plan = load_plan_dict(config)
   settings = settings_from_config(config, plan)
   spec, partitions = prepare(config, settings, world)
+  emulated_task_times(config, settings)  # bad emulation settings fail here, on every rank
   dataset = data_lib.load_fashion_mnist(config.data_dir or None,
                                        expected_counts=(60000, 10000) if config.check_counts else None)
   num_mb = minibatches_per_vw(config, settings, dataset.num_train)
@@ -121,8 +122,10 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
   stages = stages_lib.build_stages(spec, partition, devices, optimizer)
   source = data_lib.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
   client = MPIPSClient(comm, vw_id, layout.num_params)
+  emulated = emulated_task_times(config, settings)
   vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, settings.num_inflight,
-                     settings.staleness_bound, client, source.get, pull_every_wave=config.pull_every_wave)
+                     settings.staleness_bound, client, source.get, pull_every_wave=config.pull_every_wave,
+                     task_time_s=emulated[vw_id].task_duration_s if emulated else None)
   logging.info("[VW %d] %d stages %s on %s, %d minibatches", vw_id, len(stages), partition,
                [str(d) for d in devices], num_mb)
   stats = vw.run(num_mb)
@@ -175,7 +178,8 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, out, comm) -
   ckpt = checkpoint.save_weights(out / "checkpoint", layout.unflatten(server.weights))
   total = settings.num_virtual_workers * num_mb
   per_vw = {str(vw): {k: rep["stats"][k] for k in ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes",
-                                                   "peak_inflight_per_stage", "max_concurrent_tasks")}
+                                                   "peak_inflight_per_stage", "max_concurrent_tasks", "num_tasks",
+                                                   "num_overruns", "overrun_s", "host_busy_s")}
             for vw, rep in sorted(service.reports.items())}
   summary = {
       "test_accuracy": final["test_accuracy"],

@@ -165,3 +165,53 @@ def load_plan_dict(config: Any) -> dict | None:
     return plan_format.plan_to_dict(plan_format.load_plan(str(path), expected_model=config.model))
   except (OSError, ValueError) as e:
     raise ConfigError(f"config.plan={config.plan!r}: {e}") from None
+
+
+def parse_stage_ms(text: str, num_vws: int, num_stages: int) -> list[list[float]] | None:
+  """``"20,40"`` (every VW) or ``"20,40;30,30"`` (per VW) → per-VW per-stage milliseconds; ``""`` → None.
+
+  Raises:
+    ConfigError: malformed, wrong counts, or a non-positive time.
+  """
+  if not text.strip():
+    return None
+  try:
+    rows = [[float(v) for v in part.split(",")] for part in text.split(";")]
+  except ValueError:
+    raise ConfigError(f"config.emulate_stage_ms={text!r} is malformed: write per-stage milliseconds, e.g. "
+                      "'20,40' for every VW or '20,40;30,30' per VW") from None
+  if len(rows) == 1:
+    rows = rows * num_vws
+  if len(rows) != num_vws or any(len(r) != num_stages for r in rows):
+    raise ConfigError(f"config.emulate_stage_ms={text!r} needs {num_stages} times per VW for {num_vws} VWs")
+  if any(v <= 0 for r in rows for v in r):
+    raise ConfigError(f"config.emulate_stage_ms={text!r}: every time must be > 0")
+  return rows
+
+
+def emulated_task_times(config: Any, settings: "JobSettings") -> list | None:
+  """Per-VW :class:`hetpipe_jax.task_times.VWTaskTimes` for emulated devices, or None when not emulating.
+
+  ``config.emulate_stage_ms`` gives synthetic per-stage times (a third forward, two thirds backward);
+  ``config.emulate_plan`` uses the cost model's times for the GPU types the plan's devices stand in for.
+
+  Raises:
+    ConfigError: both set, ``emulate_plan`` without a plan, or malformed times.
+  """
+  from hetpipe_jax import task_times
+  rows = parse_stage_ms(config.emulate_stage_ms, settings.num_virtual_workers, settings.num_stages)
+  if rows is not None and config.emulate_plan:
+    raise ConfigError("set config.emulate_stage_ms or config.emulate_plan, not both")
+  if rows is not None:
+    return [task_times.uniform_task_times(r) for r in rows]
+  if not config.emulate_plan:
+    return None
+  if not config.plan:
+    raise ConfigError("config.emulate_plan needs config.plan (the plan's GPU types give the task times)")
+  from hetpipe_jax import cluster as cluster_lib, plan_format
+  plan = plan_format.plan_from_dict(load_plan_dict(config))
+  try:
+    profile = task_times.profile_for_plan(plan)
+    return task_times.task_times_from_plan(plan, profile, cluster_lib.load_cluster(plan.cluster))
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"config.emulate_plan: {e}") from None

@@ -27,6 +27,9 @@ def get_config() -> ml_collections.ConfigDict:
   # --num_vws=2 --output=experiments/plans/local_cpu_cnn_b64.json`: VWs, partitions and Nm come from it and
   # override num_virtual_workers / num_stages / partition / num_inflight below. "" -> use those fields.
   c.plan = "experiments/plans/local_cpu_cnn_b64.json"
+  # Emulated heterogeneous devices: pad every task to the time it would take on the GPU its device stands in for.
+  c.emulate_stage_ms = ""  # e.g. "20,80" (ms per minibatch per stage, every VW) or "20,80;40,40" (per VW)
+  c.emulate_plan = False  # True: the cost model's times for the plan's GPU types (needs config.plan)
   # HetPipe pipeline and WSP (HetPipe §4-§5).
   c.num_inflight = 2  # Nm: minibatches in flight per VW; a wave is Nm minibatches
   c.staleness_bound = 1  # D: a VW may run at most D waves ahead of the slowest
