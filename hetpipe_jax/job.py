@@ -54,7 +54,8 @@ def minibatches_per_vw(config: Any, settings: JobSettings, num_train: int) -> in
   return total
 
 
-def prepare(config: Any, settings: JobSettings, world_size: int) -> tuple[models.ModelSpec, list]:
+def prepare(config: Any, settings: JobSettings, world_size: int,
+            check_local_devices: bool = True) -> tuple[models.ModelSpec, list]:
   """Checks everything that needs jax (model, partition, devices); returns the model and per-VW partitions."""
   check_world_size(settings, world_size)
   try:
@@ -72,7 +73,8 @@ def prepare(config: Any, settings: JobSettings, world_size: int) -> tuple[models
         partitions.append(stages_lib.validate_partition(vw.partition, spec.num_layers))
     except ValueError as e:
       raise ConfigError(f"config.partition: {e}") from None
-  check_devices(settings, len(jax.local_devices()))
+  if check_local_devices:
+    check_devices(settings, len(jax.local_devices()))
   return spec, partitions
 
 

@@ -16,6 +16,9 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Job config file (ml_collections).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics, summary and checkpoint.")
+_MODE = flags.DEFINE_enum("mode", "mpi", ["mpi", "virtual"],
+                          "mpi: rank 0 = PS, ranks 1..N = VWs, wall time. virtual: one process runs every VW in "
+                          "simulated time (the event engine's schedule, real numerics).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -25,7 +28,10 @@ def _set_platform(config) -> None:
   settings = settings_from_config(config, load_plan_dict(config))
   if config.platform == "cpu":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    count = config.num_cpu_devices or settings.devices_needed
+    needed = settings.devices_needed
+    if _MODE.value == "virtual":  # every VW's stages in this one process (round-robin beyond 16)
+      needed = min(16, sum(len(v.devices) for v in settings.vws))
+    count = config.num_cpu_devices or needed
     flag = f"--xla_force_host_platform_device_count={count}"
     xla_flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in xla_flags:
@@ -43,8 +49,15 @@ def main(argv) -> None:
   config = _CONFIG.value
   try:
     _set_platform(config)
-    from hetpipe_jax import job
-    job.run(config, _WORKDIR.value, comm)
+    if _MODE.value == "virtual":
+      if comm.Get_size() != 1:
+        raise ConfigError(f"--mode=virtual runs in one process; launch it without mpiexec (world size is "
+                          f"{comm.Get_size()})")
+      from hetpipe_jax import virtual_job
+      virtual_job.run(config, _WORKDIR.value)
+    else:
+      from hetpipe_jax import job
+      job.run(config, _WORKDIR.value, comm)
   except (ConfigError, DataError, FileExistsError) as e:
     if rank == 0:
       print(f"error: {e}", file=sys.stderr, flush=True)

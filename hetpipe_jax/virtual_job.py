@@ -1,0 +1,155 @@
+"""``hetpipe_jax.train --mode=virtual``: one process trains every VW of a (possibly large) cluster in simulated time.
+
+Runtime layer. Same settings, validation and outputs as the MPI job (:mod:`hetpipe_jax.job`), with times in
+simulated seconds (labelled ``simulated_*``) from the cost model's task durations (``config.emulate_stage_ms``, or
+``config.plan`` with the GPU types of its cluster), driven by :mod:`hetpipe_jax.virtual_time`.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import numpy as np
+
+from hetpipe_jax import checkpoint, data as data_lib, models, stages as stages_lib, virtual_time
+from hetpipe_jax.evaluation import Evaluator
+from hetpipe_jax.job import make_optimizer, minibatches_per_vw, prepare
+from hetpipe_jax.job_config import (ConfigError, config_to_json, emulated_task_times, load_plan_dict,
+                                    settings_from_config)
+from hetpipe_jax.param_layout import ParamLayout
+from hetpipe_jax.param_server import ParameterServer
+from hetpipe_jax.pipeline import VirtualWorker
+
+
+def run(config: Any, workdir: str) -> dict:
+  """Trains in virtual time; writes config.json, metrics.jsonl, minibatches.jsonl, summary.json, checkpoint/.
+
+  Raises:
+    ConfigError: invalid settings, or no task times (set ``config.emulate_stage_ms`` or use a plan).
+  """
+  settings = settings_from_config(config, load_plan_dict(config))
+  spec, partitions = prepare(config, settings, world_size=settings.world_size, check_local_devices=False)
+  times = emulated_task_times(config, settings)
+  if times is None:
+    if not config.plan:
+      raise ConfigError("--mode=virtual needs task durations: set config.emulate_stage_ms or config.plan")
+    config.unlock()
+    config.emulate_plan = True
+    config.lock()
+    times = emulated_task_times(config, settings)
+  dataset = data_lib.load_fashion_mnist(config.data_dir or None,
+                                        expected_counts=(60000, 10000) if config.check_counts else None)
+  num_mb = minibatches_per_vw(config, settings, dataset.num_train)
+  out = pathlib.Path(workdir)
+  out.mkdir(parents=True, exist_ok=True)
+  if (out / "summary.json").exists() or (out / "checkpoint").exists():
+    raise ConfigError(f"--workdir={workdir} already holds a finished run; choose a new --workdir")
+  (out / "config.json").write_text(config_to_json(config))
+
+  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(config.seed)))
+  layout = ParamLayout.from_layer_params(params0)
+  server = ParameterServer(layout.flatten(params0), settings.num_virtual_workers)
+  devices = jax.local_devices()
+  outbox: dict = {}
+  vws, next_device = [], 0
+  for v, partition in enumerate(partitions):
+    stage_devices = [devices[(next_device + s) % len(devices)] for s in range(len(partition))]
+    next_device += len(partition)
+    optimizer = make_optimizer(config, num_mb)
+    stages = stages_lib.build_stages(spec, partition, stage_devices, optimizer)
+    source = data_lib.ShardedMinibatches(dataset, settings.num_virtual_workers, v, config.batch_size, config.seed)
+    vws.append(VirtualWorker(v, stages, layout, layout.unflatten(server.weights), optimizer, settings.num_inflight,
+                             settings.staleness_bound, virtual_time.RecordingPSClient(v, outbox), source.get,
+                             pull_every_wave=config.pull_every_wave))
+
+  evaluator = Evaluator(spec, layout, dataset.test_images, dataset.test_labels, config.eval_batch_size, devices[0])
+  num_waves = num_mb // settings.num_inflight
+  waves_per_epoch = (dataset.num_train // settings.num_virtual_workers // config.batch_size) / settings.num_inflight
+  eval_every = int(round(config.eval_every_epochs * waves_per_epoch)) if config.eval_every_epochs > 0 else 0
+  metrics = open(out / "metrics.jsonl", "w", encoding="utf-8")
+  bar = None
+  if config.progress:
+    from tqdm import tqdm
+    bar = tqdm(total=num_waves, desc="[virtual] global clock", unit="wave", mininterval=1.0, dynamic_ncols=True)
+  state: dict[str, Any] = {"loss": float("nan"), "losses": [], "evals": []}
+  host_t0 = time.perf_counter()
+
+  def on_clock(clock: int, t: float, losses: list) -> None:
+    state["losses"] += [s / max(n, 1) for _, s, n in losses]
+    evaluated = eval_every > 0 and clock % eval_every == 0
+    if clock % max(1, config.log_every_waves) and not evaluated:
+      return
+    if state["losses"]:
+      state["loss"] = float(np.mean(state["losses"]))
+      state["losses"] = []
+    line = {"minibatches": clock * settings.num_inflight * settings.num_virtual_workers, "wave": clock - 1,
+            "global_clock": clock, "loss": state["loss"], "simulated_time_s": t,
+            "minibatches_per_simulated_s": clock * settings.num_inflight * settings.num_virtual_workers / t,
+            "host_wall_time_s": time.perf_counter() - host_t0}
+    if evaluated:
+      line.update(evaluator.evaluate(server.weights))
+      state["evals"].append({"global_clock": clock, "simulated_time_s": t, **{k: line[k] for k in
+                                                                             ("test_accuracy", "test_loss")}})
+    metrics.write(json.dumps(line) + "\n")
+    metrics.flush()
+    if bar is not None:
+      bar.update(clock - bar.n)
+      bar.set_postfix({"loss": f"{state['loss']:.3f}", "sim_s": f"{t:.1f}"}, refresh=False)
+
+  logging.info("[virtual] %d VWs x %d minibatches (Nm=%d, D=%d) of %s in simulated time", len(vws), num_mb,
+               settings.num_inflight, settings.staleness_bound, spec.name)
+  report, host_s = virtual_time.run(vws, server, outbox, times, num_waves, settings.staleness_bound,
+                                    config.pull_every_wave, on_clock)
+  if bar is not None:
+    bar.update(num_waves - bar.n)
+    bar.close()
+  final = evaluator.evaluate(server.weights)
+  metrics.write(json.dumps({"minibatches": num_mb * len(vws), "global_clock": server.global_clock,
+                            "simulated_time_s": report.makespan_s, **final}) + "\n")
+  metrics.close()
+  with open(out / "minibatches.jsonl", "w", encoding="utf-8") as f:
+    for vw in vws:
+      for r in vw.records:
+        f.write(json.dumps(r.__dict__) + "\n")
+  if config.save_task_trace:
+    from hetpipe_jax import gantt, trace
+    trace.write_trace(trace.report_trace(report), str(out / "trace.json"))
+    gantt.plot_report(report, str(out / "gantt.png"))
+  ckpt = checkpoint.save_weights(out / "checkpoint", layout.unflatten(server.weights))
+  total = num_mb * len(vws)
+  summary = {
+      "mode": "virtual",
+      "time_unit": "simulated seconds",
+      "test_accuracy": final["test_accuracy"],
+      "test_loss": final["test_loss"],
+      "num_minibatches": total,
+      "num_minibatches_per_vw": num_mb,
+      "simulated_time_s": report.makespan_s,
+      "wall_time_s": report.makespan_s,
+      "minibatches_per_s": total / report.makespan_s,
+      "steady_minibatches_per_s": report.total_minibatches_per_s,
+      "host_wall_time_s": host_s,
+      "num_virtual_workers": len(vws),
+      "num_stages": settings.num_stages,
+      "num_inflight": settings.num_inflight,
+      "staleness_bound": settings.staleness_bound,
+      "global_clock": server.global_clock,
+      "applied_waves": [list(x) for x in server.state.applied],
+      "partitions": {str(v): [list(r) for r in p] for v, p in enumerate(partitions)},
+      "evaluations": state["evals"],
+      "wait_s": {str(v.vw_id): v.wait_s for v in report.vws},
+      "idle_s": {str(v.vw_id): v.idle_s for v in report.vws},
+      "max_clock_distance": report.max_clock_distance,
+      "checkpoint": str(ckpt),
+      "model": spec.name,
+      "batch_size": config.batch_size,
+  }
+  (out / "summary.json").write_text(json.dumps(summary, indent=2))
+  logging.info("[virtual] done: test accuracy %.4f, %d minibatches in %.1f simulated s (%.1f host s)",
+               final["test_accuracy"], total, report.makespan_s, host_s)
+  return summary
