@@ -87,3 +87,15 @@ def test_emulated_devices_never_finish_early(synthetic_data_dir):
     stage = int(task[0])
     emulated_end[stage] = max(dispatched, emulated_end[stage]) + target[stage]
     assert done >= emulated_end[stage] - 1e-9, (task, emulated_end[stage], done)
+
+
+def test_measured_peak_inflight_obeys_cost_model_bound(synthetic_data_dir):
+  from hetpipe_jax import cost_model
+  target = {0: 0.002, 1: 0.002, 2: 0.012}  # a slow last stage makes the earlier stages hold the most
+  vw, *_ = build_vw(synthetic_data_dir, partition=THREE_STAGES, num_inflight=4)
+  vw.task_time_s = lambda task: target[task.stage_id]
+  stats = vw.run(16)
+  bound = cost_model.max_inflight_per_stage(3, 4)
+  assert all(peak <= b for peak, b in zip(stats.peak_inflight_per_stage, bound)), (stats.peak_inflight_per_stage, bound)
+  assert stats.peak_inflight_per_stage[0] == bound[0] == 4
+  assert stats.peak_inflight_per_stage[-1] == bound[-1] == 1
