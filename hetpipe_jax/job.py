@@ -173,10 +173,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, out, comm) -
     for r in records:
       f.write(json.dumps(r) + "\n")
   if config.save_task_trace:
-    with open(out / "tasks.jsonl", "w", encoding="utf-8") as f:
-      for vw in sorted(service.reports):
-        for task, t_dispatch, t_done in service.reports[vw]["tasks"]:
-          f.write(json.dumps({"vw_id": vw, "task": task, "dispatch_s": t_dispatch, "done_s": t_done}) + "\n")
+    _write_runtime_trace(service.reports, settings.num_inflight, out)
   ckpt = checkpoint.save_weights(out / "checkpoint", layout.unflatten(server.weights))
   total = settings.num_virtual_workers * num_mb
   per_vw = {str(vw): {k: rep["stats"][k] for k in ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes",
@@ -216,3 +213,21 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, out, comm) -
                final["test_accuracy"], total, wall, total / wall)
   return summary
 
+
+
+def _write_runtime_trace(reports: dict, num_inflight: int, out: pathlib.Path) -> None:
+  """tasks.jsonl, a Chrome trace (Perfetto) and a Figure-1-style Gantt PNG of every VW's measured tasks."""
+  from hetpipe_jax import gantt, trace
+  events = []
+  with open(out / "tasks.jsonl", "w", encoding="utf-8") as f:
+    for vw in sorted(reports):
+      for task, start_s, end_s in reports[vw]["tasks"]:
+        f.write(json.dumps({"vw_id": vw, "task": task, "start_s": start_s, "end_s": end_s}) + "\n")
+      events += trace.runtime_events(reports[vw]["tasks"], vw, num_inflight)
+  trace.write_trace(trace.chrome_trace(events), str(out / "trace.json"))
+  # About a second from the middle of the run (the first waves include JIT compilation).
+  starts = sorted(e.start_s for e in events)
+  start = starts[len(starts) // 2]
+  end = min(max(e.end_s for e in events), start + 1.0)
+  gantt.plot_gantt(events, str(out / "gantt.png"), num_inflight=num_inflight, time_window_s=(start, end),
+                   title="runtime (wall time, middle of the run)")

@@ -16,6 +16,7 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Job config file (ml_collections).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics, summary and checkpoint.")
+_PLAN = flags.DEFINE_string("plan", None, "Plan JSON from `python -m hetpipe_jax.plan` (same as --config.plan).")
 _MODE = flags.DEFINE_enum("mode", "mpi", ["mpi", "virtual"],
                           "mpi: rank 0 = PS, ranks 1..N = VWs, wall time. virtual: one process runs every VW in "
                           "simulated time (the event engine's schedule, real numerics).")
@@ -47,6 +48,8 @@ def main(argv) -> None:
   rank = comm.Get_rank()
   logging.set_verbosity(logging.INFO if rank == 0 else logging.WARNING)
   config = _CONFIG.value
+  if _PLAN.value is not None:
+    config.plan = _PLAN.value
   try:
     _set_platform(config)
     if _MODE.value == "virtual":

@@ -38,9 +38,7 @@ def run(config: Any, workdir: str) -> dict:
   if times is None:
     if not config.plan:
       raise ConfigError("--mode=virtual needs task durations: set config.emulate_stage_ms or config.plan")
-    config.unlock()
     config.emulate_plan = True
-    config.lock()
     times = emulated_task_times(config, settings)
   dataset = data_lib.load_fashion_mnist(config.data_dir or None,
                                         expected_counts=(60000, 10000) if config.check_counts else None)
