@@ -1,8 +1,8 @@
 """What an event-engine run reports: throughput, utilisation, WSP waits, clock distance, records (HetPipe §8).
 
 Planning layer: standard library only. Built by :mod:`hetpipe_jax.engine`; rendered as JSON (:meth:`to_dict`) and as
-a text table (:func:`format_table`). Minibatch records use the field names of ``pipeline.MinibatchRecord`` so one
-checker serves the runtime's ``minibatches.jsonl`` and the engine's records.
+a text table (:func:`format_table`). Minibatch records are :class:`hetpipe_jax.records.MinibatchRecord`, as in the
+runtime, so one checker serves the runtime's ``minibatches.jsonl`` and the engine's records.
 """
 
 from __future__ import annotations
@@ -12,31 +12,7 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-
-@dataclasses.dataclass
-class MinibatchRecord:
-  """One minibatch in virtual time (same field names as ``pipeline.MinibatchRecord``; times in seconds).
-
-  Attributes:
-    vw_id, minibatch_id, wave_id: which minibatch.
-    local_clock_at_injection: the VW's local clock (completed waves) when it was injected.
-    version_id: the VW's weight version (increments at every minibatch completion and every installed pull).
-    version_local_updates: own minibatch updates in that version (minibatches ``0..n-1``).
-    version_global_clock: global clock of the last pulled weights in that version.
-    inject_time_s, complete_time_s: virtual times.
-    loss: NaN (the engine has no tensors).
-  """
-
-  vw_id: int
-  minibatch_id: int
-  wave_id: int
-  local_clock_at_injection: int
-  version_id: int
-  version_local_updates: int
-  version_global_clock: int
-  inject_time_s: float
-  complete_time_s: float = float("nan")
-  loss: float = float("nan")
+from hetpipe_jax.records import MinibatchRecord
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ import optax
 
 from hetpipe_jax import schedule, wsp
 from hetpipe_jax.param_layout import ParamLayout
+from hetpipe_jax.records import MinibatchRecord
 from hetpipe_jax.schedule import Task, TaskKind
 from hetpipe_jax.stage_executor import OVERRUN_TOLERANCE_S, StageExecutor
 from hetpipe_jax.stages import Stage
@@ -63,22 +64,6 @@ class WeightVersion:
   local_updates: int
   global_clock: int
   version_id: int
-
-
-@dataclasses.dataclass
-class MinibatchRecord:
-  """What happened to one minibatch (written to ``minibatches.jsonl``)."""
-
-  vw_id: int
-  minibatch_id: int
-  wave_id: int
-  local_clock_at_injection: int
-  version_id: int
-  version_local_updates: int
-  version_global_clock: int
-  inject_time_s: float
-  complete_time_s: float = float("nan")
-  loss: float = float("nan")
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ from hetpipe_jax import cluster as cluster_lib, plan_format
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PLANNING_MODULES = ["cluster", "cost_model", "partitioner", "partition_check", "inflight", "allocator",
                     "ps_placement", "plan_format", "planner", "profile_format", "schedule", "wsp", "job_config",
-                    "task_times", "engine", "engine_report", "trace"]
+                    "task_times", "engine", "engine_report", "trace", "records"]
 
 
 def run_plan(*args, timeout=120):
