@@ -1,6 +1,6 @@
 """Runtime benchmarks (prints JSON): host overhead per task, and emulated-VW throughput vs the engine.
 
-  .venv/bin/python scripts/bench_runtime.py [--minibatches=200]
+  .venv/bin/python scripts/bench_runtime.py [--minibatches=200] [--emulated_minibatches=60] [--stage_ms=40,80,60,50]
 
 * ``host_overhead_us_per_task``: scheduler + dispatch time per task (the VW loop's time outside sleeps divided by
   tasks), with trivial stage functions (the tiny MLP at batch 1, 4 stages on 4 CPU devices). Goal <= 100 µs.
@@ -23,6 +23,11 @@ from absl import app, flags  # noqa: E402
 
 _MINIBATCHES = flags.DEFINE_integer("minibatches", 200, "Minibatches per measurement (a multiple of Nm).")
 _NUM_INFLIGHT = flags.DEFINE_integer("num_inflight", 4, "Nm.")
+_EMULATED_MINIBATCHES = flags.DEFINE_integer("emulated_minibatches", 60,
+                                             "Minibatches of the emulated-VW measurement (a multiple of Nm).")
+_STAGE_MS = flags.DEFINE_list("stage_ms", ["40", "80", "60", "50"],
+                              "Emulated per-stage ms of the 4-stage VW (half forward, half backward: every task of "
+                              "a non-last stage lasts half its stage time, so >= 40 ms keeps every task >= 20 ms).")
 
 
 def _build(data_dir, batch_size, num_inflight, task_time_s=None, stages=None):
@@ -63,11 +68,43 @@ def host_overhead(data_dir, n, nm) -> dict:
   }
 
 
+def emulated_vs_engine(data_dir, n, nm, stage_ms) -> dict:
+  """Steady minibatches/s of a 4-stage VW whose tasks are padded to ``uniform_task_times(stage_ms, 0.5)`` against
+  the engine's prediction for the same task times (``engine_report.steady_rates``'s per-VW rule on both sides:
+  completions after the first wave over the time from its end to the last completion)."""
+  from hetpipe_jax import engine, engine_report, task_times
+  times = task_times.uniform_task_times([float(t) for t in stage_ms], fwd_fraction=0.5)
+  warm = _build(data_dir, 32, nm)
+  warm.run(nm * 2)  # compiles every stage function, the update and the pull rebase
+  vw = _build(data_dir, 32, nm, task_time_s=times.task_duration_s, stages=warm.stages)
+  stats = vw.run(n)
+  measured_times = sorted(r.complete_time_s for r in vw.records)
+  (measured,), _, _ = engine_report.steady_rates([measured_times], nm)
+  report = engine.run([times], engine.EngineConfig(num_waves=n // nm, num_inflight=nm, staleness_bound=0))
+  predicted = report.vws[0].minibatches_per_s
+  return {
+      "stage_ms": [float(t) for t in stage_ms],
+      "fwd_fraction": 0.5,
+      "shortest_task_ms": 1e3 * min(min(times.forward_s), min(times.backward_s), times.forward_backward_s),
+      "num_inflight": nm,
+      "num_minibatches": n,
+      "measured_mb_per_s": measured,
+      "predicted_mb_per_s": predicted,
+      "ratio": measured / predicted,
+      "goal_ratio": 0.93,
+      "num_overruns": stats.num_overruns,
+      "overrun_s": stats.overrun_s,
+      "wall_s": stats.wall_time_s,
+  }
+
+
 def main(argv):
   del argv
   from hetpipe_jax import testing_data
   data_dir = testing_data.write_synthetic_fashion_mnist(tempfile.mkdtemp(prefix="bench_runtime_"), 2048, 64)
-  result = {"host_overhead": host_overhead(data_dir, _MINIBATCHES.value, _NUM_INFLIGHT.value)}
+  result = {"host_overhead": host_overhead(data_dir, _MINIBATCHES.value, _NUM_INFLIGHT.value),
+            "emulated_vs_engine": emulated_vs_engine(data_dir, _EMULATED_MINIBATCHES.value, _NUM_INFLIGHT.value,
+                                                     _STAGE_MS.value)}
   print(json.dumps(result, indent=2))
 
 

@@ -1,0 +1,408 @@
+"""Engine validation: the event engine's predicted throughput against the real MPI runtime (HetPipe §8).
+
+For each configuration (1-3 VWs, 2-4 stages, Nm 1-6, D 0-4, stage speed ratios up to 4x, homogeneous and
+heterogeneous VWs) it runs
+
+* the real job under MPI (``hetpipe_jax.train`` with ``tiny.py``: ``mlp_tiny`` whose real compute is negligible,
+  every task padded to its emulated duration by ``config.emulate_stage_ms``), and reads ``minibatches.jsonl``;
+* the event engine (:mod:`hetpipe_jax.engine`) on the same task times (``task_times.uniform_task_times`` per VW,
+  as ``job_config.emulated_task_times`` builds them), ``EngineConfig(num_waves=M/Nm, num_inflight=Nm,
+  staleness_bound=D, pull_every_wave=True)``;
+
+and compares steady-state minibatches/s. Run from the repo root:
+
+  .venv/bin/python experiments/validate_engine.py [--quick] [--output=validation.json] [--cases=a,b]
+
+Steady state (both sides, the same rule): per VW, ``engine_report.steady_rates``'s per-VW rule (completions after
+the end of the skipped warm-up waves, over the time from that end to the VW's last completion) with the warm-up
+widened from one to ``--warmup_waves`` waves: the runtime compiles the optimizer update and the pulled-weights
+rebase only once the first minibatch completes and the first pull arrives, so that compilation lands in wave 1,
+not wave 0 (``--warmup_waves=1`` is exactly the engine report's per-VW rule). The total is the sum of the per-VW
+rates: ``minibatches.jsonl`` gives each VW's times since *its own* start, so the engine report's common-window
+total (which needs one clock for all VWs) cannot be formed from it; the engine's own common-window total is
+reported beside it for reference.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Sequence
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+  sys.path.insert(0, str(REPO))
+
+from absl import app, flags, logging  # noqa: E402
+
+from hetpipe_jax import engine, task_times  # noqa: E402
+from hetpipe_jax.job_config import parse_stage_ms  # noqa: E402
+
+_QUICK = flags.DEFINE_bool("quick", False, "Fewer minibatches per VW (about half the run time).")
+_OUTPUT = flags.DEFINE_string("output", "", "Write the results as JSON here (also printed).")
+_CASES = flags.DEFINE_list("cases", [], "Run only these case names (default: all).")
+_WARMUP_WAVES = flags.DEFINE_integer("warmup_waves", 3, "Waves per VW excluded from the steady state (>= 1).")
+_LATENCY = flags.DEFINE_bool("latency", True, "Measure the runtime's hand-off and PS round-trip latency with a probe "
+                             "job and pass them to the engine as send_ms and push_ms / pull_ms (else all are 0).")
+_TOLERANCE = flags.DEFINE_float("tolerance_pct", 10.0, "A row passes when |error| <= this.")
+_TIMEOUT_S = flags.DEFINE_integer("timeout_s", 180, "Wall-clock limit of one MPI run.")
+_RUNS_DIR = flags.DEFINE_string("runs_dir", "", "Where the runs' outputs go (default: a new /tmp/validate_* dir).")
+
+_JOB_ENV = "HETPIPE_VALIDATE_ENGINE_JOB"  # set: this file runs as an MPI rank of the job (see _job_main)
+_PYTHON = REPO / ".venv" / "bin" / "python"
+_MPIEXEC = REPO / ".venv" / "bin" / "mpiexec"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One validation configuration.
+
+  Attributes:
+    name: short id.
+    num_vws: N virtual workers.
+    num_stages: S stages per VW (the tiny MLP has 4 layers, so S <= 4; partition is even).
+    stage_ms: ``config.emulate_stage_ms``: per-stage ms for every VW, or ``;``-separated per VW.
+    num_inflight: Nm.
+    staleness_bound: D.
+  """
+
+  name: str
+  num_vws: int
+  num_stages: int
+  stage_ms: str
+  num_inflight: int
+  staleness_bound: int
+
+  def vw_stage_ms(self) -> list[list[float]]:
+    """Per VW, per stage ms (as ``job_config.parse_stage_ms`` reads ``config.emulate_stage_ms``)."""
+    return parse_stage_ms(self.stage_ms, self.num_vws, self.num_stages)
+
+
+# Every non-last stage >= 60 ms, so its forward (a third) is >= 20 ms; last-stage F+B tasks are >= 60 ms. Stage
+# speed ratios up to 4x inside a VW and across VWs. Where VWs differ in speed, either the bound couples them from the
+# first waves (D <= 1) or they are never D waves apart in the run (the D >= 2 cases), so the steady state does not
+# depend on the VWs' start phase, which the runtime's compile warm-up shifts and the engine cannot know.
+CASES = (
+    Case("1vw_2s_nm1_d0", 1, 2, "60,120", 1, 0),
+    Case("1vw_2s_nm4_d0", 1, 2, "60,240", 4, 0),
+    Case("1vw_3s_nm3_d0", 1, 3, "60,120,240", 3, 0),
+    Case("1vw_4s_nm4_d0", 1, 4, "60,60,120,240", 4, 0),
+    Case("2vw_2s_het_nm2_d0", 2, 2, "60,120;120,240", 2, 0),
+    Case("2vw_3s_nm3_d1", 2, 3, "60,120,60", 3, 1),
+    Case("2vw_4s_het_nm4_d1", 2, 4, "60,60,120,240;120,120,60,60", 4, 1),
+    Case("2vw_2s_het_nm6_d2", 2, 2, "60,120;120,60", 6, 2),
+    Case("2vw_2s_het_nm2_d4", 2, 2, "60,100;90,120", 2, 4),
+    Case("3vw_2s_nm2_d1", 3, 2, "60,90", 2, 1),
+    Case("3vw_2s_het_nm5_d3", 3, 2, "60,120;120,120;120,60", 5, 3),
+    Case("3vw_3s_het_nm3_d0", 3, 3, "60,120,60;120,120,120;240,120,60", 3, 0),
+)
+
+
+# ------------------------------------------------------------------------------------------------ steady state
+def steady_rate(completion_times: Sequence[float], num_inflight: int, warmup_waves: int) -> float:
+  """Minibatches/s of one VW after its first ``warmup_waves`` waves (``engine_report.steady_rates``'s per-VW rule
+  with ``warmup_waves = 1``).
+
+  Args:
+    completion_times: the VW's minibatch completion times in seconds, in minibatch order.
+    num_inflight: Nm (minibatches per wave).
+    warmup_waves: waves excluded (>= 1).
+
+  Returns:
+    completions after the end of wave ``warmup_waves - 1`` divided by the time from that end to the last
+    completion; NaN when no minibatch is left after the warm-up.
+  """
+  if warmup_waves < 1:
+    raise ValueError(f"warmup_waves must be >= 1, got {warmup_waves}")
+  k = warmup_waves * num_inflight
+  if len(completion_times) <= k:
+    return float("nan")
+  start, end = completion_times[k - 1], completion_times[-1]
+  return (len(completion_times) - k) / (end - start) if end > start else float("nan")
+
+
+def steady_total(completion_times: Sequence[Sequence[float]], num_inflight: int, warmup_waves: int
+                 ) -> tuple[float, tuple[float, float]]:
+  """Total minibatches/s of all VWs inside the common steady window (``engine_report.steady_rates``'s total with
+  ``warmup_waves = 1``): from the latest end of a VW's warm-up waves to the earliest last completion.
+
+  Args:
+    completion_times: per VW, its completion times on one clock shared by all VWs (seconds, minibatch order).
+    num_inflight: Nm.
+    warmup_waves: waves excluded (>= 1).
+
+  Returns:
+    ``(minibatches/s, (window start, window end))``; NaN when the window is empty.
+  """
+  if warmup_waves < 1:
+    raise ValueError(f"warmup_waves must be >= 1, got {warmup_waves}")
+  k = warmup_waves * num_inflight
+  if any(len(t) <= k for t in completion_times):
+    return float("nan"), (float("nan"), float("nan"))
+  start = max(t[k - 1] for t in completion_times)
+  end = min(t[-1] for t in completion_times)
+  if end <= start:
+    return float("nan"), (start, end)
+  count = sum(bisect.bisect_right(t, end) - bisect.bisect_right(t, start) for t in completion_times)
+  return count / (end - start), (start, end)
+
+
+def completion_times_by_vw(records: Sequence[dict], num_vws: int, common_clock: bool = False) -> list[list[float]]:
+  """Per VW, its minibatches' completion times in minibatch order (records as in ``minibatches.jsonl``).
+
+  Args:
+    records: minibatch records (``vw_id``, ``minibatch_id``, ``complete_time_s`` in seconds since the VW's start).
+    num_vws: N.
+    common_clock: shift every VW's times by its ``vw_start_perf_counter_s`` (stamped in job mode) so all VWs share
+      one axis, zero at the earliest VW start.
+
+  Raises:
+    ValueError: a VW has no records, a minibatch is missing or has no completion time, or ``common_clock`` without
+      start stamps.
+  """
+  by_vw: list[dict[int, float]] = [{} for _ in range(num_vws)]
+  starts = [0.0] * num_vws
+  for r in records:
+    v = int(r["vw_id"])
+    by_vw[v][int(r["minibatch_id"])] = r["complete_time_s"]
+    if common_clock:
+      if "vw_start_perf_counter_s" not in r:
+        raise ValueError("common_clock needs vw_start_perf_counter_s in the records (run the job in job mode)")
+      starts[v] = r["vw_start_perf_counter_s"]
+  origin = min(starts)
+  out = []
+  for v, d in enumerate(by_vw):
+    if not d or sorted(d) != list(range(len(d))):
+      raise ValueError(f"VW {v}: minibatch ids are not 0..n-1 (got {len(d)} records)")
+    times = [d[p] for p in range(len(d))]
+    if any(t is None or not math.isfinite(t) for t in times):
+      raise ValueError(f"VW {v}: a minibatch has no completion time")
+    out.append([t + starts[v] - origin for t in times])
+  return out
+
+
+def rates(completions: Sequence[Sequence[float]], num_inflight: int, warmup_waves: int) -> dict:
+  """Per-VW (:func:`steady_rate`) and total (:func:`steady_total`) steady minibatches/s of completions on one
+  clock; the total falls back to the sum of the per-VW rates when the common window is empty."""
+  per_vw = [steady_rate(c, num_inflight, warmup_waves) for c in completions]
+  total, window = steady_total(completions, num_inflight, warmup_waves)
+  fallback = not math.isfinite(total)
+  return {"per_vw_mb_per_s": per_vw, "total_mb_per_s": sum(per_vw) if fallback else total,
+          "total_is_sum_of_per_vw": fallback, "steady_window_s": list(window)}
+
+
+def error_pct(predicted: float, measured: float) -> float:
+  """``100 * (measured - predicted) / predicted`` (positive: the runtime is faster than predicted)."""
+  return 100.0 * (measured - predicted) / predicted
+
+
+def num_minibatches(case: Case, quick: bool, warmup_waves: int) -> int:
+  """Minibatches per VW: whole waves, at least ``warmup_waves + 6`` (``+ 4`` with ``quick``) and at least 40 (24)
+  minibatches."""
+  extra, least = (4, 24) if quick else (6, 40)
+  waves = max(warmup_waves + extra, -(-least // case.num_inflight))
+  return waves * case.num_inflight
+
+
+# ------------------------------------------------------------------------------------------------ the two sides
+def predict(case: Case, minibatches: int, warmup_waves: int, send_ms: float = 0.0, push_ms: float = 0.0,
+            pull_ms: float = 0.0) -> dict:
+  """The engine's prediction for ``case``: :func:`rates` of its virtual completion times (as :func:`measure`)."""
+  times = [task_times.uniform_task_times(r, send_ms=send_ms, push_ms=push_ms, pull_ms=pull_ms)
+           for r in case.vw_stage_ms()]
+  config = engine.EngineConfig(num_waves=minibatches // case.num_inflight, num_inflight=case.num_inflight,
+                               staleness_bound=case.staleness_bound, pull_every_wave=True)
+  report = engine.run(times, config)
+  completions = completion_times_by_vw([dataclasses.asdict(r) for r in report.minibatch_records], case.num_vws)
+  return {**rates(completions, case.num_inflight, warmup_waves),
+          "engine_report_total_mb_per_s": report.total_minibatches_per_s,
+          "engine_report_per_vw_mb_per_s": [v.minibatches_per_s for v in report.vws],
+          "wait_s": [v.wait_s for v in report.vws], "makespan_s": report.makespan_s}
+
+
+def run_job(case: Case, minibatches: int, data_dir: pathlib.Path, workdir: pathlib.Path, timeout_s: int,
+            extra_flags: Sequence[str] = ()) -> tuple[list[dict], dict, float]:
+  """Runs ``case`` as a real MPI job; returns ``(minibatches.jsonl records, summary.json, wall seconds)``.
+
+  Raises:
+    RuntimeError: the job failed (the message holds the tail of its output).
+  """
+  cmd = [str(_MPIEXEC), "-n", str(1 + case.num_vws), str(_PYTHON), "-m", "mpi4py", str(pathlib.Path(__file__)),
+         "--config=experiments/configs/tiny.py", f"--workdir={workdir}",
+         f"--config.num_virtual_workers={case.num_vws}", f"--config.num_stages={case.num_stages}",
+         "--config.partition=", f"--config.num_inflight={case.num_inflight}",
+         f"--config.staleness_bound={case.staleness_bound}", f"--config.emulate_stage_ms={case.stage_ms}",
+         f"--config.num_minibatches={minibatches}", "--config.progress=False", "--config.check_counts=False",
+         f"--config.data_dir={data_dir}", *extra_flags]
+  env = dict(os.environ, PYTHONPATH=str(REPO), **{_JOB_ENV: "1"})
+  t0 = time.perf_counter()
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+  wall = time.perf_counter() - t0
+  if proc.returncode != 0:
+    raise RuntimeError(f"case {case.name}: job exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+  with open(workdir / "minibatches.jsonl", encoding="utf-8") as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  summary = json.loads((workdir / "summary.json").read_text())
+  return records, summary, wall
+
+
+def measure(case: Case, minibatches: int, warmup_waves: int, data_dir: pathlib.Path, workdir: pathlib.Path,
+            timeout_s: int) -> dict:
+  """The runtime's :func:`rates` for ``case`` on the VWs' common clock (the same rules as :func:`predict`)."""
+  records, summary, wall = run_job(case, minibatches, data_dir, workdir, timeout_s)
+  completions = completion_times_by_vw(records, case.num_vws, common_clock=True)
+  stats = summary["per_vw"]
+  return {**rates(completions, case.num_inflight, warmup_waves), "job_wall_s": wall,
+          "first_completion_skew_s": max(c[0] for c in completions) - min(c[0] for c in completions),
+          "wait_s": [stats[str(v)]["wait_s"] for v in range(case.num_vws)],
+          "num_overruns": [stats[str(v)]["num_overruns"] for v in range(case.num_vws)],
+          "overrun_s": [stats[str(v)]["overrun_s"] for v in range(case.num_vws)]}
+
+
+# ------------------------------------------------------------------------------------------------ latency probe
+PROBE = Case("latency_probe", 1, 2, "60,60", 1, 0)
+PROBE_MINIBATCHES = 30
+
+
+def latency_from_probe(records: Sequence[dict], stage_ms: Sequence[float] = (60.0, 60.0), skip: int = 4) -> dict:
+  """The runtime's latencies, in ms, from a 1-VW, 2-stage, Nm = 1, D = 0 run (:data:`PROBE`); medians, so that CPU
+  stalls from other processes on the machine do not count.
+
+  * A minibatch's inject-to-complete time exceeds its three tasks' emulated sum by the hand-offs between them
+    (executor → scheduler → next stage's executor); the engine has this as a send on each of the two cuts, so
+    ``send_ms`` is half the excess.
+  * With Nm = 1 and D = 0 the next minibatch waits after each completion for the wave's push, the PS and the pull
+    reply (and the update, the wave-end read-back, the rebase): the completion-to-next-injection gap, which the
+    engine has as ``push_s + pull_s``; split evenly.
+
+  Args:
+    records: the probe's minibatch records, one VW.
+    stage_ms: the probe's stage times.
+    skip: leading minibatches left out (compilation).
+  """
+  records = sorted(records, key=lambda r: r["minibatch_id"])[skip:]
+  busy = sorted(1e3 * (r["complete_time_s"] - r["inject_time_s"]) - sum(stage_ms) for r in records)
+  gaps = sorted(1e3 * (b["inject_time_s"] - a["complete_time_s"]) for a, b in zip(records, records[1:]))
+  median = lambda xs: xs[len(xs) // 2]  # noqa: E731
+  handoff, round_trip = max(0.0, median(busy)), max(0.0, median(gaps))
+  return {"handoff_excess_ms_median": handoff, "ps_round_trip_ms_median": round_trip,
+          "ps_round_trip_ms_max": gaps[-1], "send_ms": handoff / 2, "push_ms": round_trip / 2,
+          "pull_ms": round_trip / 2}
+
+
+# ------------------------------------------------------------------------------------------------ main
+def _json_safe(x):
+  """NaN / Inf become None so the output is strict JSON."""
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  if isinstance(x, dict):
+    return {k: _json_safe(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_json_safe(v) for v in x]
+  return x
+
+
+def format_table(rows: Sequence[dict], tolerance_pct: float) -> str:
+  """One line per case: Nm, D, stage ms, predicted and measured total minibatches/s, error %, per-VW errors."""
+  lines = [f"{'case':<22} {'N':>1} {'S':>1} {'Nm':>2} {'D':>1} {'stage ms':<34} {'pred mb/s':>9} {'meas mb/s':>9} "
+           f"{'err %':>6}  per-VW err %"]
+  for r in rows:
+    c = r["case"]
+    ok = "" if abs(r["error_pct"]) <= tolerance_pct else "  MISS"
+    lines.append(f"{c['name']:<22} {c['num_vws']:>1} {c['num_stages']:>1} {c['num_inflight']:>2} "
+                 f"{c['staleness_bound']:>1} {c['stage_ms']:<34} {r['predicted']['total_mb_per_s']:>9.3f} "
+                 f"{r['measured']['total_mb_per_s']:>9.3f} {r['error_pct']:>+6.1f}  "
+                 f"{' '.join(f'{e:+.1f}' for e in r['per_vw_error_pct'])}{ok}")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  from hetpipe_jax import testing_data
+  wall0 = time.perf_counter()
+  warmup = _WARMUP_WAVES.value
+  root = pathlib.Path(_RUNS_DIR.value or tempfile.mkdtemp(prefix="validate_engine_", dir="/tmp"))
+  root.mkdir(parents=True, exist_ok=True)
+  data_dir = testing_data.write_synthetic_fashion_mnist(root / "data", 2048, 64)
+  cases = [c for c in CASES if not _CASES.value or c.name in _CASES.value]
+  unknown = set(_CASES.value) - {c.name for c in CASES}
+  if unknown:
+    raise app.UsageError(f"unknown --cases {sorted(unknown)}; known: {[c.name for c in CASES]}")
+  latency = {"send_ms": 0.0, "push_ms": 0.0, "pull_ms": 0.0}
+  if _LATENCY.value:
+    records, _, _ = run_job(PROBE, PROBE_MINIBATCHES, data_dir, root / PROBE.name, _TIMEOUT_S.value)
+    latency = latency_from_probe(records)
+    logging.info("latency probe: %s", latency)
+  rows = []
+  for case in cases:
+    m = num_minibatches(case, _QUICK.value, warmup)
+    predicted = predict(case, m, warmup, latency["send_ms"], latency["push_ms"], latency["pull_ms"])
+    predicted["no_latency_total_mb_per_s"] = predict(case, m, warmup)["total_mb_per_s"]
+    measured = measure(case, m, warmup, data_dir, root / case.name, _TIMEOUT_S.value)
+    row = {"case": dataclasses.asdict(case), "num_minibatches_per_vw": m, "predicted": predicted,
+           "measured": measured, "error_pct": error_pct(predicted["total_mb_per_s"], measured["total_mb_per_s"]),
+           "per_vw_error_pct": [error_pct(p, q) for p, q in zip(predicted["per_vw_mb_per_s"],
+                                                                 measured["per_vw_mb_per_s"])]}
+    rows.append(row)
+    logging.info("%s: predicted %.3f, measured %.3f mb/s (%+.1f%%), job %.1f s", case.name,
+                 predicted["total_mb_per_s"], measured["total_mb_per_s"], row["error_pct"], measured["job_wall_s"])
+  tol = _TOLERANCE.value
+  result = {
+      "quick": _QUICK.value, "warmup_waves": warmup, "tolerance_pct": tol, "latency": latency,
+      "num_pass": sum(abs(r["error_pct"]) <= tol for r in rows), "num_cases": len(rows),
+      "max_abs_error_pct": max(abs(r["error_pct"]) for r in rows),
+      "total_wall_s": time.perf_counter() - wall0, "rows": rows,
+  }
+  print(format_table(rows, tol))
+  print(f"{result['num_pass']}/{len(rows)} within ±{tol:g}%; max |error| {result['max_abs_error_pct']:.1f}%; "
+        f"latency: send {latency['send_ms']:.2f} ms, push {latency['push_ms']:.2f} ms, pull {latency['pull_ms']:.2f} ms; "
+        f"total {result['total_wall_s']:.0f} s")
+  text = json.dumps(_json_safe(result), indent=2)
+  if _OUTPUT.value:
+    pathlib.Path(_OUTPUT.value).write_text(text)
+  print(text)
+
+
+# ------------------------------------------------------------------------------------------------ job mode
+def _stamp_vw_start() -> None:
+  """Makes every VW add its run's start (``time.perf_counter()``, CLOCK_MONOTONIC: one clock for all processes on
+  the machine) to its minibatch records as ``vw_start_perf_counter_s``, so the VWs' times can share one axis."""
+  from hetpipe_jax import pipeline
+  run = pipeline.VirtualWorker.run
+
+  def run_with_start(self, num_minibatches):
+    stats = run(self, num_minibatches)
+    for rec in self.records:
+      rec.vw_start_perf_counter_s = self._t0  # pylint: disable=protected-access
+    return stats
+
+  pipeline.VirtualWorker.run = run_with_start
+
+
+def _job_main() -> None:
+  """One MPI rank of the job: exactly ``python -m hetpipe_jax.train``, plus :func:`_stamp_vw_start` (installed once
+  ``train`` has set the platform, before jax is imported by the pipeline)."""
+  from hetpipe_jax import train
+  set_platform = train._set_platform  # pylint: disable=protected-access
+
+  def set_platform_and_stamp(config):
+    set_platform(config)
+    _stamp_vw_start()
+
+  train._set_platform = set_platform_and_stamp  # pylint: disable=protected-access
+  app.run(train.main)
+
+
+if __name__ == "__main__":
+  if os.environ.get(_JOB_ENV):
+    _job_main()
+  else:
+    app.run(main)
