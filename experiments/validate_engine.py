@@ -13,14 +13,17 @@ and compares steady-state minibatches/s. Run from the repo root:
 
   .venv/bin/python experiments/validate_engine.py [--quick] [--output=validation.json] [--cases=a,b]
 
-Steady state (both sides, the same rule): per VW, ``engine_report.steady_rates``'s per-VW rule (completions after
-the end of the skipped warm-up waves, over the time from that end to the VW's last completion) with the warm-up
-widened from one to ``--warmup_waves`` waves: the runtime compiles the optimizer update and the pulled-weights
-rebase only once the first minibatch completes and the first pull arrives, so that compilation lands in wave 1,
-not wave 0 (``--warmup_waves=1`` is exactly the engine report's per-VW rule). The total is the sum of the per-VW
-rates: ``minibatches.jsonl`` gives each VW's times since *its own* start, so the engine report's common-window
-total (which needs one clock for all VWs) cannot be formed from it; the engine's own common-window total is
-reported beside it for reference.
+Steady state, the same rules on both sides: the engine report's (``engine_report.steady_rates``) with its one
+warm-up wave widened (:func:`case_warmup_waves`): ``--warmup_waves`` (3) because the runtime compiles the optimizer
+update and the pulled-weights rebase only at the first completion and the first pull, so that compilation lands in
+wave 1, not wave 0; plus ``2 (D + 1)`` where the bound throttles a VW (the run-ahead transient). The total is the
+engine report's: all VWs' completions inside the common window (latest warm-up end to earliest last completion).
+That needs one clock for all VWs, and ``minibatches.jsonl`` has each VW's times since its own start, so the job runs
+this file as its MPI ranks (job mode, :func:`_job_main`): ``hetpipe_jax.train`` unchanged except that each VW
+stamps its start (``time.perf_counter``, CLOCK_MONOTONIC, machine-wide) into its records.
+
+Latency (``--latency``): a probe job (1 VW, 2 stages, Nm = 1, D = 0) measures the runtime's hand-off latency between
+tasks and its push/PS/pull round trip (medians); the engine gets them as ``send_ms`` and ``push_ms`` / ``pull_ms``.
 """
 
 from __future__ import annotations
@@ -46,10 +49,11 @@ from absl import app, flags, logging  # noqa: E402
 from hetpipe_jax import engine, task_times  # noqa: E402
 from hetpipe_jax.job_config import parse_stage_ms  # noqa: E402
 
-_QUICK = flags.DEFINE_bool("quick", False, "Fewer minibatches per VW (about half the run time).")
+_QUICK = flags.DEFINE_bool("quick", False, "Fewer minibatches per VW and 10 of the 12 cases (about 3 minutes).")
 _OUTPUT = flags.DEFINE_string("output", "", "Write the results as JSON here (also printed).")
 _CASES = flags.DEFINE_list("cases", [], "Run only these case names (default: all).")
-_WARMUP_WAVES = flags.DEFINE_integer("warmup_waves", 3, "Waves per VW excluded from the steady state (>= 1).")
+_WARMUP_WAVES = flags.DEFINE_integer("warmup_waves", 3, "Waves per VW excluded from the steady state (>= 1; more "
+                                     "where the staleness bound throttles a VW, see case_warmup_waves).")
 _LATENCY = flags.DEFINE_bool("latency", True, "Measure the runtime's hand-off and PS round-trip latency with a probe "
                              "job and pass them to the engine as send_ms and push_ms / pull_ms (else all are 0).")
 _TOLERANCE = flags.DEFINE_float("tolerance_pct", 10.0, "A row passes when |error| <= this.")
@@ -72,6 +76,7 @@ class Case:
     stage_ms: ``config.emulate_stage_ms``: per-stage ms for every VW, or ``;``-separated per VW.
     num_inflight: Nm.
     staleness_bound: D.
+    in_quick: also run with ``--quick`` (which keeps 10 cases that still span the ranges above).
   """
 
   name: str
@@ -80,6 +85,7 @@ class Case:
   stage_ms: str
   num_inflight: int
   staleness_bound: int
+  in_quick: bool = True
 
   def vw_stage_ms(self) -> list[list[float]]:
     """Per VW, per stage ms (as ``job_config.parse_stage_ms`` reads ``config.emulate_stage_ms``)."""
@@ -93,10 +99,10 @@ class Case:
 CASES = (
     Case("1vw_2s_nm1_d0", 1, 2, "60,120", 1, 0),
     Case("1vw_2s_nm4_d0", 1, 2, "60,240", 4, 0),
-    Case("1vw_3s_nm3_d0", 1, 3, "60,120,240", 3, 0),
+    Case("1vw_3s_nm3_d0", 1, 3, "60,120,240", 3, 0, in_quick=False),
     Case("1vw_4s_nm4_d0", 1, 4, "60,60,120,240", 4, 0),
     Case("2vw_2s_het_nm2_d0", 2, 2, "60,120;120,240", 2, 0),
-    Case("2vw_3s_nm3_d1", 2, 3, "60,120,60", 3, 1),
+    Case("2vw_3s_nm3_d1", 2, 3, "60,120,60", 3, 1, in_quick=False),
     Case("2vw_4s_het_nm4_d1", 2, 4, "60,60,120,240;120,120,60,60", 4, 1),
     Case("2vw_2s_het_nm6_d2", 2, 2, "60,120;120,60", 6, 2),
     Case("2vw_2s_het_nm2_d4", 2, 2, "60,100;90,120", 2, 4),
@@ -205,11 +211,20 @@ def error_pct(predicted: float, measured: float) -> float:
 
 
 def num_minibatches(case: Case, quick: bool, warmup_waves: int) -> int:
-  """Minibatches per VW: whole waves, at least ``warmup_waves + 6`` (``+ 4`` with ``quick``) and at least 40 (24)
+  """Minibatches per VW: whole waves, at least ``warmup_waves + 6`` (``+ 3`` with ``quick``) and at least 40 (20)
   minibatches."""
-  extra, least = (4, 24) if quick else (6, 40)
+  extra, least = (3, 20) if quick else (6, 40)
   waves = max(warmup_waves + extra, -(-least // case.num_inflight))
   return waves * case.num_inflight
+
+
+def case_warmup_waves(case: Case, base: int) -> int:
+  """Waves excluded from ``case``'s steady state: ``base`` (compilation), plus ``2 (D + 1)`` when the staleness bound
+  throttles a VW in the engine (a VW faster than the others runs ahead at its own rate until it is D + 1 waves
+  ahead; in the runtime that run-ahead starts only after the compile warm-up, which holds the VWs in step, so it
+  must be outside the window on both sides)."""
+  probe = predict(case, num_minibatches(case, False, base), base)
+  return base + (2 * (case.staleness_bound + 1) if max(probe["wait_s"]) > 0 else 0)
 
 
 # ------------------------------------------------------------------------------------------------ the two sides
@@ -312,13 +327,14 @@ def _json_safe(x):
 
 def format_table(rows: Sequence[dict], tolerance_pct: float) -> str:
   """One line per case: Nm, D, stage ms, predicted and measured total minibatches/s, error %, per-VW errors."""
-  lines = [f"{'case':<22} {'N':>1} {'S':>1} {'Nm':>2} {'D':>1} {'stage ms':<34} {'pred mb/s':>9} {'meas mb/s':>9} "
-           f"{'err %':>6}  per-VW err %"]
+  lines = [f"{'case':<22} {'N':>1} {'S':>1} {'Nm':>2} {'D':>1} {'stage ms':<34} {'M':>3} {'W':>2} {'pred mb/s':>9} "
+           f"{'meas mb/s':>9} {'err %':>6}  per-VW err %"]
   for r in rows:
     c = r["case"]
     ok = "" if abs(r["error_pct"]) <= tolerance_pct else "  MISS"
     lines.append(f"{c['name']:<22} {c['num_vws']:>1} {c['num_stages']:>1} {c['num_inflight']:>2} "
-                 f"{c['staleness_bound']:>1} {c['stage_ms']:<34} {r['predicted']['total_mb_per_s']:>9.3f} "
+                 f"{c['staleness_bound']:>1} {c['stage_ms']:<34} {r['num_minibatches_per_vw']:>3} {r['warmup_waves']:>2} "
+                 f"{r['predicted']['total_mb_per_s']:>9.3f} "
                  f"{r['measured']['total_mb_per_s']:>9.3f} {r['error_pct']:>+6.1f}  "
                  f"{' '.join(f'{e:+.1f}' for e in r['per_vw_error_pct'])}{ok}")
   return "\n".join(lines)
@@ -332,7 +348,7 @@ def main(argv):
   root = pathlib.Path(_RUNS_DIR.value or tempfile.mkdtemp(prefix="validate_engine_", dir="/tmp"))
   root.mkdir(parents=True, exist_ok=True)
   data_dir = testing_data.write_synthetic_fashion_mnist(root / "data", 2048, 64)
-  cases = [c for c in CASES if not _CASES.value or c.name in _CASES.value]
+  cases = [c for c in CASES if (c.name in _CASES.value if _CASES.value else c.in_quick or not _QUICK.value)]
   unknown = set(_CASES.value) - {c.name for c in CASES}
   if unknown:
     raise app.UsageError(f"unknown --cases {sorted(unknown)}; known: {[c.name for c in CASES]}")
@@ -343,11 +359,12 @@ def main(argv):
     logging.info("latency probe: %s", latency)
   rows = []
   for case in cases:
-    m = num_minibatches(case, _QUICK.value, warmup)
-    predicted = predict(case, m, warmup, latency["send_ms"], latency["push_ms"], latency["pull_ms"])
-    predicted["no_latency_total_mb_per_s"] = predict(case, m, warmup)["total_mb_per_s"]
-    measured = measure(case, m, warmup, data_dir, root / case.name, _TIMEOUT_S.value)
-    row = {"case": dataclasses.asdict(case), "num_minibatches_per_vw": m, "predicted": predicted,
+    w = case_warmup_waves(case, warmup)
+    m = num_minibatches(case, _QUICK.value, w)
+    predicted = predict(case, m, w, latency["send_ms"], latency["push_ms"], latency["pull_ms"])
+    predicted["no_latency_total_mb_per_s"] = predict(case, m, w)["total_mb_per_s"]
+    measured = measure(case, m, w, data_dir, root / case.name, _TIMEOUT_S.value)
+    row = {"case": dataclasses.asdict(case), "num_minibatches_per_vw": m, "warmup_waves": w, "predicted": predicted,
            "measured": measured, "error_pct": error_pct(predicted["total_mb_per_s"], measured["total_mb_per_s"]),
            "per_vw_error_pct": [error_pct(p, q) for p, q in zip(predicted["per_vw_mb_per_s"],
                                                                  measured["per_vw_mb_per_s"])]}
