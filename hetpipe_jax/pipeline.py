@@ -73,6 +73,7 @@ class VWStats:
   wait_s: float = 0.0
   idle_s: float = 0.0
   wall_time_s: float = 0.0
+  start_unix_s: float = 0.0  # the run's start on the machine clock (record times are relative to it)
   num_pulls: int = 0
   num_pushes: int = 0
   peak_inflight_per_stage: list[int] = dataclasses.field(default_factory=list)
@@ -148,6 +149,9 @@ class VirtualWorker:
     self.opt_states = [jax.device_put(jax.jit(optimizer.init)(p), st.device) for st, p in zip(self.stages, params)]
     self._zeros = [jax.device_put(jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t))(p), st.device)
                    for st, p in zip(self.stages, params)]
+    # Compile the update and the rebase now, not at the first completion / pull (a stall inside wave 1).
+    jax.block_until_ready([(st.update(p, o, z, z), st.add(p, z))
+                           for st, p, o, z in zip(self.stages, params, self.opt_states, self._zeros)])
     self.version = WeightVersion(params, 0, 0, 0)
     self.wave_delta = list(self._zeros)
     self.own_waves: dict[int, list] = {}  # wave -> per-stage delta, own waves not yet in pulled global weights
@@ -181,12 +185,13 @@ class VirtualWorker:
     rules = schedule.PipelineRules(num_stages, self.num_inflight)
     inflight: dict[int, InFlightMinibatch] = {}
     done: queue.SimpleQueue = queue.SimpleQueue()
+    stats = self.stats
     self._t0 = t0 = time.perf_counter()
+    stats.start_unix_s = time.time()
     executors = [StageExecutor(s, done, t0) for s in range(num_stages)]
     num_running = 0
     first = None
     wait_since = idle_since = None
-    stats = self.stats
     try:
       with jax.transfer_guard("disallow"):
         while rules.num_completed < num_minibatches:
