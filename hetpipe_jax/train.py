@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -21,6 +22,7 @@ _MODE = flags.DEFINE_enum("mode", "mpi", ["mpi", "virtual"],
                           "mpi: rank 0 = PS, ranks 1..N = VWs, wall time. virtual: one process runs every VW in "
                           "simulated time (the event engine's schedule, real numerics).")
 flags.mark_flags_as_required(["config", "workdir"])
+_REPORT_GRACE_S = 3.0
 
 
 def _set_platform(config) -> None:
@@ -62,8 +64,11 @@ def main(argv) -> None:
       from hetpipe_jax import job
       job.run(config, _WORKDIR.value, comm)
   except (ConfigError, DataError, FileExistsError) as e:
-    if rank == 0:
-      print(f"error: {e}", file=sys.stderr, flush=True)
+    # Every rank validates the same settings; rank 0 reports and its exit aborts the job. Another rank reports
+    # only if it is still alive after a moment (its failure was its own, e.g. a data file missing on its node).
+    if rank != 0:
+      time.sleep(_REPORT_GRACE_S)
+    print(f"error: {e}" if rank == 0 else f"error: [rank {rank}] {e}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 

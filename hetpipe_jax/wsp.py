@@ -96,8 +96,8 @@ class VWSyncState:
 
   * :meth:`injection_gate` before injecting a minibatch: may it start, and which pull to request if not;
   * :meth:`on_minibatch_complete` when a minibatch completes: whether a wave ended (push it) and which pull to
-    request without waiting (``pull_every_wave``; it asks for the clock the bound will require during the next
-    wave, so the VW blocks only if that is not there when it needs it);
+    request without waiting (``pull_every_wave``; it asks for the clock the bound requires during the next wave,
+    or during the one after when the weights already satisfy the next, so the reply arrives before it is needed);
   * :meth:`on_pull_reply` when pulled global weights are installed.
 
   Args:
@@ -135,10 +135,13 @@ class VWSyncState:
     wave = wave_of(minibatch_id, self.num_inflight)
     self.local_clock = wave + 1
     if self.pull_every_wave and self.pull_required is None:
-      # Answered as soon as the PS holds what the bound requires during the next wave (never later than an
-      # injection would need it), with the freshest global weights at that moment. Asking for clock 0 instead
-      # is answered at once and, with VWs in step, before the other VWs' pushes of this wave have arrived.
-      self.pull_required = required_global_clock(self.local_clock, self.staleness_bound)
+      # Ask for what the bound requires during the next wave, answered as soon as the PS holds it (with the
+      # freshest global weights then). When the weights already satisfy the coming wave, look one wave further
+      # ahead, so the reply is in hand before it is needed and VWs in step never wait for a pull; never ask beyond
+      # the coming wave's need otherwise, so a VW at the bound does not wait for more than it needs (and, with
+      # D = 0, never for its own unfinished wave).
+      ahead = 1 if may_inject(self.local_clock, self.weights_global_clock, self.staleness_bound) else 0
+      self.pull_required = required_global_clock(self.local_clock + ahead, self.staleness_bound)
       return wave, self.pull_required
     return wave, None
 

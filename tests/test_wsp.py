@@ -82,12 +82,19 @@ def test_vw_sync_state_paper_example():
 
 def test_vw_sync_state_pulls_every_wave_without_waiting():
   s = wsp.VWSyncState(num_inflight=2, staleness_bound=1, pull_every_wave=True)
-  assert s.on_minibatch_complete(1) == (0, 0)  # local clock 1: the next wave needs global clock >= 0
+  # Local clock 1: the next wave needs global clock >= 0, which the weights have, so it asks one wave ahead (1).
+  assert s.on_minibatch_complete(1) == (0, 1)
   assert s.on_minibatch_complete(3) == (1, None)  # one pull outstanding at a time
-  s.on_pull_reply(0)
-  assert s.on_minibatch_complete(5) == (2, 2)  # local clock 3: the next wave needs global clock >= 2
+  s.on_pull_reply(1)
+  # Local clock 3: the next wave needs 2 and the weights hold 1: ask exactly for 2, not more.
+  assert s.on_minibatch_complete(5) == (2, 2)
   assert s.injection_gate() == (False, None)  # blocked until that pull arrives; nothing new to request
   s.on_pull_reply(2)
   assert s.injection_gate() == (True, None)
+  # D = 0 never looks ahead (it would wait for its own unfinished wave).
+  s0 = wsp.VWSyncState(num_inflight=1, staleness_bound=0, pull_every_wave=True)
+  assert s0.on_minibatch_complete(0) == (0, 1)
+  s0.on_pull_reply(1)
+  assert s0.on_minibatch_complete(1) == (1, 2)
   with pytest.raises(ValueError, match="staleness_bound"):
     wsp.VWSyncState(1, -1)
