@@ -46,7 +46,7 @@ if str(REPO) not in sys.path:
 
 from absl import app, flags, logging  # noqa: E402
 
-from hetpipe_jax import engine, task_times  # noqa: E402
+from hetpipe_jax import engine, engine_report, task_times  # noqa: E402
 from hetpipe_jax.job_config import parse_stage_ms  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer minibatches per VW and 10 of the 12 cases (about 3 minutes).")
@@ -314,17 +314,6 @@ def latency_from_probe(records: Sequence[dict], stage_ms: Sequence[float] = (60.
 
 
 # ------------------------------------------------------------------------------------------------ main
-def _json_safe(x):
-  """NaN / Inf become None so the output is strict JSON."""
-  if isinstance(x, float) and not math.isfinite(x):
-    return None
-  if isinstance(x, dict):
-    return {k: _json_safe(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_json_safe(v) for v in x]
-  return x
-
-
 def format_table(rows: Sequence[dict], tolerance_pct: float) -> str:
   """One line per case: Nm, D, stage ms, predicted and measured total minibatches/s, error %, per-VW errors."""
   lines = [f"{'case':<22} {'N':>1} {'S':>1} {'Nm':>2} {'D':>1} {'stage ms':<34} {'M':>3} {'W':>2} {'pred mb/s':>9} "
@@ -382,7 +371,7 @@ def main(argv):
   print(f"{result['num_pass']}/{len(rows)} within ±{tol:g}%; max |error| {result['max_abs_error_pct']:.1f}%; "
         f"latency: send {latency['send_ms']:.2f} ms, push {latency['push_ms']:.2f} ms, pull {latency['pull_ms']:.2f} ms; "
         f"total {result['total_wall_s']:.0f} s")
-  text = json.dumps(_json_safe(result), indent=2)
+  text = json.dumps(engine_report.json_safe(result), indent=2)
   if _OUTPUT.value:
     pathlib.Path(_OUTPUT.value).write_text(text)
   print(text)

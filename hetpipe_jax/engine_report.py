@@ -112,16 +112,17 @@ class EngineReport:
     if not include_records:
       for k in ("minibatch_records", "task_events", "ps_applied", "clock_distance_samples"):
         d.pop(k)
-    return _json_safe(d)
+    return json_safe(d)
 
 
-def _json_safe(x):
+def json_safe(x):
+  """NaN / Inf become None (recursively) so the output is strict JSON."""
   if isinstance(x, float) and not math.isfinite(x):
     return None
   if isinstance(x, dict):
-    return {k: _json_safe(v) for k, v in x.items()}
+    return {k: json_safe(v) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
-    return [_json_safe(v) for v in x]
+    return [json_safe(v) for v in x]
   return x
 
 

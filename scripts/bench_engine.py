@@ -13,25 +13,17 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_util import timed  # pylint: disable=wrong-import-position
+
 import numpy as np  # pylint: disable=wrong-import-position
 
 from hetpipe_jax import cluster as cluster_lib  # pylint: disable=wrong-import-position
 from hetpipe_jax import engine, planner, profile_format, task_times  # pylint: disable=wrong-import-position
-
-
-def timed(fn, repeats):
-  times, out = [], None
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times), out
 
 
 def case(name, times, config, target_s, repeats):
