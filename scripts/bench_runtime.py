@@ -4,6 +4,9 @@
 
 * ``host_overhead_us_per_task``: scheduler + dispatch time per task (the VW loop's time outside sleeps divided by
   tasks), with trivial stage functions (the tiny MLP at batch 1, 4 stages on 4 CPU devices). Goal <= 100 µs.
+* ``single_thread_launch``: per-call jit launch of a trivial stage forward/backward and one activation
+  ``device_put``, measured on one thread (in the threaded run the executors' time per task also holds waiting
+  for the GIL and the 2 cores).
 * ``emulated_vs_engine``: a 4-stage heterogeneous VW with emulated task durations >= 20 ms; measured minibatches/s
   divided by the engine's prediction for the same task times, in the same run. Goal >= 0.93.
 """
@@ -98,11 +101,41 @@ def emulated_vs_engine(data_dir, n, nm, stage_ms) -> dict:
   }
 
 
+def launch_costs(repeats: int = 300) -> dict:
+  """Single-threaded per-call costs of the trivial stage functions: jit launch (with its tiny compute) and the
+  explicit device_put of an activation (a transfer), so the threaded run's executor time can be read."""
+  import time
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from hetpipe_jax import models, stages as stages_lib
+  spec = models.get_model("mlp_tiny")
+  params = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
+  ranges = [(0, 1), (1, 2), (2, 3), (3, 4)]
+  stages = stages_lib.build_stages(spec, ranges, jax.devices()[:4], optax.sgd(0.1))
+  p1 = jax.device_put(list(params[1:2]), stages[1].device)
+  h = jax.device_put(jnp.ones((1, 784)), stages[1].device)
+  out, vjp = stages[1].forward(p1, h)
+
+  def per_call_us(fn):
+    jax.block_until_ready(fn())
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+      r = fn()
+    jax.block_until_ready(r)
+    return 1e6 * (time.perf_counter() - t0) / repeats
+
+  return {"forward_launch_us": per_call_us(lambda: stages[1].forward(p1, h)),
+          "backward_launch_us": per_call_us(lambda: stages[1].backward(vjp, out)),
+          "device_put_us": per_call_us(lambda: jax.device_put(out, stages[2].device))}
+
+
 def main(argv):
   del argv
   from hetpipe_jax import testing_data
   data_dir = testing_data.write_synthetic_fashion_mnist(tempfile.mkdtemp(prefix="bench_runtime_"), 2048, 64)
   result = {"host_overhead": host_overhead(data_dir, _MINIBATCHES.value, _NUM_INFLIGHT.value),
+            "single_thread_launch": launch_costs(),
             "emulated_vs_engine": emulated_vs_engine(data_dir, _EMULATED_MINIBATCHES.value, _NUM_INFLIGHT.value,
                                                      _STAGE_MS.value)}
   print(json.dumps(result, indent=2))
