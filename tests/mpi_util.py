@@ -18,12 +18,12 @@ def mpiexec() -> str:
 
 
 def run_job(workdir, num_ranks: int, overrides: dict, config: str = "experiments/configs/tiny.py",
-            timeout: float = 240) -> subprocess.CompletedProcess:
+            timeout: float = 240, extra_args: tuple = ()) -> subprocess.CompletedProcess:
   """Runs ``hetpipe_jax.train`` on ``num_ranks`` ranks; returns the completed process (never hangs past timeout)."""
   args = [mpiexec(), "-n", str(num_ranks), sys.executable, "-m", "mpi4py", "-m", "hetpipe_jax.train",
           f"--config={config}", f"--workdir={workdir}"]
   overrides = {"check_counts": False, "progress": False, **overrides}
-  args += [f"--config.{k}={v}" for k, v in overrides.items()]
+  args += [f"--config.{k}={v}" for k, v in overrides.items()] + list(extra_args)
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
   env["PYTHONPATH"] = str(REPO)
   return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

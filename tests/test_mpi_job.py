@@ -132,3 +132,26 @@ def test_multi_vw_run_equals_sequential_replay_of_its_versions(tmp_path, synthet
   from hetpipe_jax.param_layout import ParamLayout
   actual = ParamLayout.from_layer_params(params0).flatten(checkpoint.restore_weights(workdir / "checkpoint"))
   np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_runs_from_a_planner_made_plan(tmp_path, synthetic_data_dir):
+  from hetpipe_jax import plan_format
+  plan_path = "experiments/plans/local_cpu_cnn_b64.json"
+  plan = plan_format.load_plan(plan_path, expected_model="cnn")
+  workdir = tmp_path / "run"
+  proc = run_job(workdir, 1 + len(plan.virtual_workers),
+                 {"data_dir": synthetic_data_dir, "model": "cnn", "batch_size": 64,
+                  "num_minibatches": 2 * plan.num_inflight, "plan": ""}, extra_args=(f"--plan={plan_path}",))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["num_inflight"] == plan.num_inflight
+  assert summary["partitions"] == {str(vw.vw_id): [list(r) for r in vw.partition] for vw in plan.virtual_workers}
+
+
+def test_an_exception_on_a_vw_rank_ends_the_job(tmp_path, synthetic_data_dir):
+  workdir = tmp_path / "run"
+  proc = run_job(workdir, 3, {"data_dir": synthetic_data_dir, "optimizer": "sgd", "learning_rate": 1e38,
+                              "num_minibatches": 40}, timeout=120)
+  assert proc.returncode != 0
+  assert "training diverged" in proc.stderr, proc.stderr[-3000:]
+  assert not (workdir / "summary.json").exists()
