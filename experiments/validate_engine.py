@@ -322,7 +322,8 @@ def format_table(rows: Sequence[dict], tolerance_pct: float) -> str:
     c = r["case"]
     ok = "" if abs(r["error_pct"]) <= tolerance_pct else "  MISS"
     lines.append(f"{c['name']:<22} {c['num_vws']:>1} {c['num_stages']:>1} {c['num_inflight']:>2} "
-                 f"{c['staleness_bound']:>1} {c['stage_ms']:<34} {r['num_minibatches_per_vw']:>3} {r['warmup_waves']:>2} "
+                 f"{c['staleness_bound']:>1} {c['stage_ms']:<34} {r['num_minibatches_per_vw']:>3} "
+                 f"{r['warmup_waves']:>2} "
                  f"{r['predicted']['total_mb_per_s']:>9.3f} "
                  f"{r['measured']['total_mb_per_s']:>9.3f} {r['error_pct']:>+6.1f}  "
                  f"{' '.join(f'{e:+.1f}' for e in r['per_vw_error_pct'])}{ok}")
@@ -369,7 +370,8 @@ def main(argv):
   }
   print(format_table(rows, tol))
   print(f"{result['num_pass']}/{len(rows)} within ±{tol:g}%; max |error| {result['max_abs_error_pct']:.1f}%; "
-        f"latency: send {latency['send_ms']:.2f} ms, push {latency['push_ms']:.2f} ms, pull {latency['pull_ms']:.2f} ms; "
+        f"latency: send {latency['send_ms']:.2f} ms, push {latency['push_ms']:.2f} ms, "
+        f"pull {latency['pull_ms']:.2f} ms; "
         f"total {result['total_wall_s']:.0f} s")
   text = json.dumps(engine_report.json_safe(result), indent=2)
   if _OUTPUT.value:

@@ -91,7 +91,7 @@ def run(config: Any, workdir: str, comm) -> dict | None:
   plan = load_plan_dict(config)
   settings = settings_from_config(config, plan)
   spec, partitions = prepare(config, settings, world)
-  emulated_task_times(config, settings)  # bad emulation settings fail here, on every rank
+  emulated = emulated_task_times(config, settings)  # bad emulation settings fail here, on every rank
   dataset = data_lib.load_fashion_mnist(config.data_dir or None,
                                        expected_counts=(60000, 10000) if config.check_counts else None)
   num_mb = minibatches_per_vw(config, settings, dataset.num_train)
@@ -111,11 +111,12 @@ def run(config: Any, workdir: str, comm) -> dict | None:
   comm.Bcast(flat0, root=0)  # every VW starts from rank 0's W0, bit for bit
   if rank == 0:
     return _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, out, comm)
-  _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partitions[rank - 1], rank - 1, comm)
+  _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partitions[rank - 1], rank - 1, comm,
+          emulated[rank - 1] if emulated else None)
   return None
 
 
-def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, vw_id, comm) -> None:
+def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, vw_id, comm, task_times) -> None:
   from hetpipe_jax.pipeline import VirtualWorker
   from hetpipe_jax.transport import MPIPSClient
 
@@ -124,10 +125,9 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
   stages = stages_lib.build_stages(spec, partition, devices, optimizer)
   source = data_lib.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
   client = MPIPSClient(comm, vw_id, layout.num_params)
-  emulated = emulated_task_times(config, settings)
   vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, settings.num_inflight,
                      settings.staleness_bound, client, source.get, pull_every_wave=config.pull_every_wave,
-                     task_time_s=emulated[vw_id].task_duration_s if emulated else None)
+                     task_time_s=task_times.task_duration_s if task_times else None)
   logging.info("[VW %d] %d stages %s on %s, %d minibatches", vw_id, len(stages), partition,
                [str(d) for d in devices], num_mb)
   stats = vw.run(num_mb)

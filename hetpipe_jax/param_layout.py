@@ -48,7 +48,8 @@ class ParamLayout:
     for i, p in enumerate(layer_params):
       leaves = jax.tree.leaves(p)
       if len(leaves) != len(self.shapes[start + i]):
-        raise ValueError(f"layer {start + i} has {len(leaves)} parameter arrays, layout expects {len(self.shapes[start + i])}")
+        raise ValueError(f"layer {start + i} has {len(leaves)} parameter arrays, layout expects "
+                         f"{len(self.shapes[start + i])}")
       parts.extend(np.asarray(leaf, np.float32).ravel() for leaf in leaves)
     if not parts:
       return np.zeros((0,), np.float32)

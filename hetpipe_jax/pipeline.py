@@ -186,7 +186,7 @@ class VirtualWorker:
     inflight: dict[int, InFlightMinibatch] = {}
     done: queue.SimpleQueue = queue.SimpleQueue()
     stats = self.stats
-    self._t0 = t0 = time.perf_counter()
+    t0 = time.perf_counter()
     stats.start_unix_s = time.time()
     executors = [StageExecutor(s, done, t0) for s in range(num_stages)]
     num_running = 0
@@ -269,9 +269,9 @@ class VirtualWorker:
     finally:
       for ex in executors:
         ex.close()
-    self.stats.wall_time_s = time.perf_counter() - t0
-    self.stats.peak_inflight_per_stage = list(rules.peak_held)
-    return self.stats
+    stats.wall_time_s = time.perf_counter() - t0
+    stats.peak_inflight_per_stage = list(rules.peak_held)
+    return stats
 
   # ---------------------------------------------------------------- tasks
   def inject(self, p: int, now: float) -> "InFlightMinibatch":

@@ -11,7 +11,7 @@ round-robin (placement does not change the numerics).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 

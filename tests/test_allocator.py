@@ -1,6 +1,5 @@
 """Allocation policies NP/ED/HD/auto, the system Nm, and parameter placement traffic (HetPipe §4, §8.1)."""
 
-import json
 
 import pytest
 

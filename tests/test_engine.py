@@ -164,7 +164,8 @@ def check_wsp_invariants(report, num_vws, num_waves, nm, d):
 def test_random_heterogeneous_runs_obey_every_bound(seed):
   rng = np.random.default_rng(seed)
   n, s_count, nm, d = int(rng.integers(1, 5)), int(rng.integers(1, 6)), int(rng.integers(1, 6)), int(rng.integers(0, 4))
-  times = [task_times.uniform_task_times(list(rng.uniform(1.0, 4.0, s_count)), fwd_fraction=float(rng.uniform(0.2, 0.5)),
+  times = [task_times.uniform_task_times(list(rng.uniform(1.0, 4.0, s_count)),
+                                         fwd_fraction=float(rng.uniform(0.2, 0.5)),
                                          send_ms=float(rng.uniform(0, 0.5)), push_ms=float(rng.uniform(0, 5)),
                                          pull_ms=float(rng.uniform(0, 5))) for _ in range(n)]
   waves = 15
@@ -259,7 +260,8 @@ def test_hooks_are_called_in_the_documented_order():
     assert clocks == sorted(clocks) and len(clocks) == r.vws[v].num_pulls
   # Each record's version_global_clock is the last pull reply delivered to that VW before its injection.
   for rec in r.minibatch_records:
-    pulls = [c[2] for c in calls[:index[("inject", rec.vw_id, rec.minibatch_id)]] if c[0] == "pull" and c[1] == rec.vw_id]
+    before = calls[:index[("inject", rec.vw_id, rec.minibatch_id)]]
+    pulls = [c[2] for c in before if c[0] == "pull" and c[1] == rec.vw_id]
     assert rec.version_global_clock == (pulls[-1] if pulls else 0)
 
 

@@ -2,7 +2,6 @@
 
 import gc
 
-import jax
 import optax
 import pytest
 

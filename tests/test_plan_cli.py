@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hetpipe_jax import cluster as cluster_lib, plan_format
+from hetpipe_jax import plan_format
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
