@@ -14,7 +14,9 @@ import json
 import os
 from typing import Any, Mapping
 
-CLUSTER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "clusters")
+from hetpipe_jax.paths import REPO_ROOT
+
+CLUSTER_DIR = str(REPO_ROOT / "experiments" / "clusters")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,10 +18,11 @@ import jax
 import numpy as np
 import optax
 
-from hetpipe_jax import checkpoint, data as data_lib, models, stages as stages_lib
-from hetpipe_jax.job_config import (ConfigError, JobSettings, check_devices, check_world_size, config_to_json,
-                                    emulated_task_times, load_plan_dict)
+from hetpipe_jax import data as data_lib, models, stages as stages_lib
+from hetpipe_jax.job_config import (ConfigError, JobSettings, check_devices, check_partitions, check_world_size,
+                                    emulated_task_times, resolved_config)
 from hetpipe_jax.param_layout import ParamLayout
+from hetpipe_jax.run_outputs import RunOutputs, check_workdir, settings_summary
 
 
 def make_optimizer(config: Any, num_minibatches: int) -> optax.GradientTransformation:
@@ -54,52 +55,54 @@ def minibatches_per_vw(config: Any, settings: JobSettings, num_train: int) -> in
   return total
 
 
+def eval_every_waves(config: Any, settings: JobSettings, num_train: int) -> int:
+  """Global-clock ticks between test-set evaluations (``config.eval_every_epochs``; 0 = only at the end)."""
+  if config.eval_every_epochs <= 0:
+    return 0
+  waves_per_epoch = (num_train // settings.num_virtual_workers // config.batch_size) / settings.num_inflight
+  return max(1, int(round(config.eval_every_epochs * waves_per_epoch)))
+
+
 def prepare(config: Any, settings: JobSettings, world_size: int,
             check_local_devices: bool = True) -> tuple[models.ModelSpec, list]:
-  """Checks everything that needs jax (model, partition, devices); returns the model and per-VW partitions."""
+  """Checks everything that needs the model or jax (model, partitions, devices); returns the model and per-VW
+  partitions.
+
+  Raises:
+    ConfigError: wrong world size, unknown model, a partition that does not cover the model, too few devices.
+  """
+  del config
   check_world_size(settings, world_size)
   try:
     spec = models.get_model(settings.model)
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  if config.model != settings.model:
-    raise ConfigError(f"the plan was made for model {settings.model!r} but config.model={config.model!r}")
-  partitions = []
-  for vw in settings.vws:
-    try:
-      if vw.partition is None:
-        partitions.append(stages_lib.even_partition(spec.num_layers, len(vw.devices)))
-      else:
-        partitions.append(stages_lib.validate_partition(vw.partition, spec.num_layers))
-    except ValueError as e:
-      raise ConfigError(f"config.partition: {e}") from None
+  partitions = check_partitions(settings, spec.num_layers)
   if check_local_devices:
     check_devices(settings, len(jax.local_devices()))
   return spec, partitions
 
 
-def run(config: Any, workdir: str, comm) -> dict | None:
+def run(config: Any, settings: JobSettings, workdir: str, comm) -> dict | None:
   """Runs the job on this rank; returns the summary on rank 0, None on VW ranks.
+
+  Args:
+    config: the job's ConfigDict.
+    settings: :func:`hetpipe_jax.job_config.resolve_settings` of ``config`` (the plan read once).
+    workdir: the run's output directory.
+    comm: the MPI communicator (rank 0 = PS, rank r = VW r-1).
 
   Raises:
     ConfigError: invalid settings (raised identically on every rank before any work).
     data_lib.DataError: missing or corrupt dataset files.
   """
-  from hetpipe_jax.job_config import settings_from_config
-
   rank, world = comm.Get_rank(), comm.Get_size()
-  plan = load_plan_dict(config)
-  settings = settings_from_config(config, plan)
   spec, partitions = prepare(config, settings, world)
   emulated = emulated_task_times(config, settings)  # bad emulation settings fail here, on every rank
   dataset = data_lib.load_fashion_mnist(config.data_dir or None,
                                        expected_counts=(60000, 10000) if config.check_counts else None)
   num_mb = minibatches_per_vw(config, settings, dataset.num_train)
-  out = pathlib.Path(workdir)
-  if rank == 0:
-    out.mkdir(parents=True, exist_ok=True)
-    if (out / "summary.json").exists() or (out / "checkpoint").exists():
-      raise ConfigError(f"--workdir={workdir} already holds a finished run; choose a new --workdir")
+  check_workdir(workdir)
   comm.Barrier()  # every rank passed validation (a failing rank aborts the job before this)
 
   layout = ParamLayout.from_layer_params(
@@ -110,7 +113,7 @@ def run(config: Any, workdir: str, comm) -> dict | None:
     flat0 = np.empty(layout.num_params, np.float32)
   comm.Bcast(flat0, root=0)  # every VW starts from rank 0's W0, bit for bit
   if rank == 0:
-    return _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, out, comm)
+    return _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, workdir, comm)
   _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partitions[rank - 1], rank - 1, comm,
           emulated[rank - 1] if emulated else None)
   return None
@@ -143,20 +146,22 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
                stats.idle_s)
 
 
-def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, out, comm) -> dict:
+def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, workdir, comm) -> dict:
   from hetpipe_jax.evaluation import Evaluator
   from hetpipe_jax.param_server import ParameterServer
   from hetpipe_jax.ps_service import ParameterServerService
 
-  (out / "config.json").write_text(config_to_json(config))
+  outputs = RunOutputs(workdir)
+  outputs.write_config(resolved_config(config, settings, partitions))
+  for note in settings.notes:
+    logging.info("[PS] %s", note)
   evaluator = Evaluator(spec, layout, dataset.test_images, dataset.test_labels, config.eval_batch_size,
                         jax.local_devices()[0])
-  waves_per_epoch = (dataset.num_train // settings.num_virtual_workers // config.batch_size) / settings.num_inflight
-  eval_every = int(round(config.eval_every_epochs * waves_per_epoch)) if config.eval_every_epochs > 0 else 0
+  eval_every = eval_every_waves(config, settings, dataset.num_train)
   server = ParameterServer(flat0, settings.num_virtual_workers)
   service = ParameterServerService(comm, server, num_minibatches_per_vw=num_mb, num_inflight=settings.num_inflight,
                                    evaluate=evaluator.evaluate, eval_every_waves=eval_every,
-                                   log_every_waves=config.log_every_waves, metrics_path=out / "metrics.jsonl",
+                                   log_every_waves=config.log_every_waves, log_metrics=outputs.log_metrics,
                                    progress=config.progress)
   logging.info("[PS] %d VWs x %d minibatches (Nm=%d, D=%d), model %s with %d parameters", settings.num_virtual_workers,
                num_mb, settings.num_inflight, settings.staleness_bound, spec.name, layout.num_params)
@@ -166,15 +171,11 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, out, comm) -
   final = evaluator.evaluate(server.weights)
   service.last_eval = final
   service.log_metrics(server.global_clock, evaluated=True)
-  service.close()
-  records = sorted((r for rep in service.reports.values() for r in rep["records"]),
-                   key=lambda r: (r["vw_id"], r["minibatch_id"]))
-  with open(out / "minibatches.jsonl", "w", encoding="utf-8") as f:
-    for r in records:
-      f.write(json.dumps(r) + "\n")
+  outputs.write_minibatches(r for rep in service.reports.values() for r in rep["records"])
+  applied = outputs.write_ps_applied(server.state.applied, settings.num_virtual_workers)
   if config.save_task_trace:
-    _write_runtime_trace(service.reports, settings.num_inflight, out)
-  ckpt = checkpoint.save_weights(out / "checkpoint", layout.unflatten(server.weights))
+    _write_runtime_trace(service.reports, settings.num_inflight, outputs.dir)
+  ckpt = outputs.save_checkpoint(layout.unflatten(server.weights))
   total = settings.num_virtual_workers * num_mb
   per_vw = {str(vw): {k: rep["stats"][k] for k in ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes",
                                                    "peak_inflight_per_stage", "max_concurrent_tasks", "num_tasks",
@@ -182,6 +183,8 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, out, comm) -
                                                    "start_unix_s")}
             for vw, rep in sorted(service.reports.items())}
   summary = {
+      "mode": "mpi",
+      "time_unit": "wall-clock seconds",
       "test_accuracy": final["test_accuracy"],
       "test_loss": final["test_loss"],
       "final_train_loss": service.last_loss,
@@ -190,30 +193,22 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, out, comm) -
       "wall_time_s": wall,
       "minibatches_per_s": total / wall,
       "images_per_s": total * config.batch_size / wall,
-      "num_virtual_workers": settings.num_virtual_workers,
-      "num_stages": settings.num_stages,
-      "num_inflight": settings.num_inflight,
-      "local_staleness": settings.num_inflight - 1,
-      "staleness_bound": settings.staleness_bound,
+      **settings_summary(settings, partitions, config.batch_size),
       "global_clock": server.global_clock,
-      "applied_waves": [list(x) for x in server.state.applied],
-      "partitions": {str(vw): rep["partition"] for vw, rep in sorted(service.reports.items())},
+      **applied,
       "trace_counts": {str(vw): rep["trace_counts"] for vw, rep in sorted(service.reports.items())},
       "evaluations": service.evals,
       "per_vw": per_vw,
       "wait_s": {vw: v["wait_s"] for vw, v in per_vw.items()},
       "idle_s": {vw: v["idle_s"] for vw, v in per_vw.items()},
       "checkpoint": str(ckpt),
-      "model": spec.name,
-      "batch_size": config.batch_size,
   }
   if not math.isfinite(summary["test_loss"]):
     logging.warning("[PS] final test loss is not finite")
-  (out / "summary.json").write_text(json.dumps(summary, indent=2))
+  outputs.finish(summary)
   logging.info("[PS] done: test accuracy %.4f, %d minibatches in %.1f s (%.1f minibatches/s)",
                final["test_accuracy"], total, wall, total / wall)
   return summary
-
 
 
 def _write_runtime_trace(reports: dict, num_inflight: int, out: pathlib.Path) -> None:

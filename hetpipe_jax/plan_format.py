@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from hetpipe_jax.allocator import SystemPlan
 from hetpipe_jax.cluster import ClusterSpec
 from hetpipe_jax.cost_model import CostModelConfig
+from hetpipe_jax.partition_rules import validate_partition
 from hetpipe_jax.profile_format import ModelProfile
 from hetpipe_jax.ps_placement import Placement
 
@@ -122,15 +123,10 @@ def validate_plan(plan: Plan) -> None:
     raise ValueError(f"plan num_inflight must be >= 1, got {plan.num_inflight}")
   for vw in plan.virtual_workers:
     s = len(vw.partition)
-    cursor = 0
-    for i, j in vw.partition:
-      if i != cursor or j <= i:
-        raise ValueError(f"virtual worker {vw.vw_id}: partition {[list(r) for r in vw.partition]} does not cover "
-                         f"layers 0..{plan.num_layers} exactly once (bad range [{i}, {j}))")
-      cursor = j
-    if cursor != plan.num_layers:
-      raise ValueError(f"virtual worker {vw.vw_id}: partition ends at layer {cursor}, the model has "
-                       f"{plan.num_layers} layers: it does not cover every layer exactly once")
+    try:
+      validate_partition(vw.partition, plan.num_layers)
+    except ValueError as e:
+      raise ValueError(f"virtual worker {vw.vw_id}: {e}") from None
     for name in ("gpus", "gpu_types", "devices", "stage_time_ms", "stage_memory_bytes", "stage_capacity_bytes"):
       if len(getattr(vw, name)) != s:
         raise ValueError(f"virtual worker {vw.vw_id}: {name} has {len(getattr(vw, name))} entries for {s} stages")

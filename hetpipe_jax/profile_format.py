@@ -10,8 +10,10 @@ import json
 import os
 from typing import Any
 
+from hetpipe_jax.paths import REPO_ROOT
+
 PROFILE_FORMAT_VERSION = 1
-PROFILE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "profiles")
+PROFILE_DIR = str(REPO_ROOT / "experiments" / "profiles")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,15 +1,14 @@
-"""Rank 0: the parameter server's MPI service loop, metrics, evaluation and final outputs (HetPipe §5).
+"""Rank 0: the parameter server's MPI service loop: pushes, pulls, evaluation and metrics lines (HetPipe §5).
 
 Runtime layer. Polls for headers with ``Iprobe`` and sleeps when idle (MPICH's blocking receives spin, and the
 machine's cores belong to the VWs), applies whole waves through :class:`ParameterServer`, answers pulls once the
 global clock allows, evaluates the global weights every ``eval_every_waves`` clock ticks and writes
-``metrics.jsonl``; at the end writes ``minibatches.jsonl``, ``summary.json`` and the final checkpoint.
+``metrics.jsonl`` lines through the run's :class:`~hetpipe_jax.run_outputs.RunOutputs`.
 """
 
 from __future__ import annotations
 
 import json
-import pathlib
 import time
 from typing import Any, Callable
 
@@ -32,13 +31,13 @@ class ParameterServerService:
     evaluate: ``flat weights -> {"test_accuracy", "test_loss"}`` or None.
     eval_every_waves: evaluate when the global clock reaches a multiple of this (0 = only at the end).
     log_every_waves: write a metrics line when the global clock reaches a multiple of this.
-    metrics_path: ``metrics.jsonl``.
+    log_metrics: writes one ``metrics.jsonl`` line (:meth:`hetpipe_jax.run_outputs.RunOutputs.log_metrics`).
     progress: show a tqdm bar.
   """
 
   def __init__(self, comm, server: ParameterServer, *, num_minibatches_per_vw: int, num_inflight: int,
                evaluate: Callable[[np.ndarray], dict] | None, eval_every_waves: int, log_every_waves: int,
-               metrics_path: pathlib.Path, progress: bool = True):
+               log_metrics: Callable[[dict], None], progress: bool = True):
     self.comm = comm
     self.server = server
     self.n = server.state.num_virtual_workers
@@ -47,7 +46,7 @@ class ParameterServerService:
     self.evaluate = evaluate
     self.eval_every_waves = eval_every_waves
     self.log_every_waves = max(1, log_every_waves)
-    self.metrics_file = open(metrics_path, "a", encoding="utf-8")
+    self._write_metrics = log_metrics
     self.pending_pulls: dict[int, int] = {}  # vw -> required clock
     self.sends: list = []
     self.reports: dict[int, dict] = {}
@@ -132,8 +131,7 @@ class ParameterServerService:
                             "wall_time_s": wall, "minibatches_per_s": done / wall if wall > 0 else 0.0}
     if evaluated:
       line.update(self.last_eval)
-    self.metrics_file.write(json.dumps(line) + "\n")
-    self.metrics_file.flush()
+    self._write_metrics(line)
     if self._bar is not None:
       post = {"loss": f"{self.last_loss:.3f}", "clock": clock}
       if "test_accuracy" in self.last_eval:
@@ -143,6 +141,3 @@ class ParameterServerService:
       logging.info("[PS] global clock %d: loss %.4f, test accuracy %.4f", clock, self.last_loss,
                    self.last_eval["test_accuracy"])
     return line
-
-  def close(self) -> None:
-    self.metrics_file.close()

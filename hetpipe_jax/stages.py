@@ -17,51 +17,9 @@ import jax.numpy as jnp
 import optax
 
 from hetpipe_jax.models import ModelSpec, apply_layers
+from hetpipe_jax.partition_rules import validate_partition
 
 Params = Any  # list of per-layer params pytrees of one stage
-
-
-def validate_partition(partition: Sequence[Sequence[int]], num_layers: int) -> list[tuple[int, int]]:
-  """Checks that ``partition`` is contiguous half-open ranges covering ``0..num_layers`` exactly once.
-
-  Raises:
-    ValueError: naming the bad range, a gap or an overlap.
-  """
-  ranges = [tuple(int(v) for v in r) for r in partition]
-  if not ranges:
-    raise ValueError("partition is empty: give one [start, end) layer range per stage")
-  expected = 0
-  for i, r in enumerate(ranges):
-    if len(r) != 2:
-      raise ValueError(f"partition range {i} is {r}: each range must be [start, end)")
-    start, end = r
-    if start != expected:
-      what = "overlaps the previous range" if start < expected else f"leaves layers {expected}..{start - 1} uncovered"
-      raise ValueError(f"partition {ranges} does not cover every layer exactly once: range {i} {r} {what}")
-    if end <= start:
-      raise ValueError(f"partition range {i} {r} is empty: every stage needs at least one layer")
-    expected = end
-  if expected != num_layers:
-    raise ValueError(f"partition {ranges} does not cover every layer exactly once: the model has {num_layers} layers "
-                     f"but the ranges end at {expected}")
-  return ranges
-
-
-def even_partition(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-  """Splits ``num_layers`` into ``num_stages`` contiguous ranges whose sizes differ by at most one.
-
-  Raises:
-    ValueError: more stages than layers.
-  """
-  if num_stages > num_layers:
-    raise ValueError(f"num_stages={num_stages} exceeds the model's {num_layers} layers")
-  base, extra = divmod(num_layers, num_stages)
-  ranges, start = [], 0
-  for s in range(num_stages):
-    end = start + base + (1 if s < extra else 0)
-    ranges.append((start, end))
-    start = end
-  return ranges
 
 
 def cross_entropy_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:

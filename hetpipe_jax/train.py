@@ -25,10 +25,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 _REPORT_GRACE_S = 3.0
 
 
-def _set_platform(config) -> None:
+def _set_platform(config, settings) -> None:
   """Sets JAX_PLATFORMS / XLA_FLAGS for this process before jax is imported (CPU: forced host devices)."""
-  from hetpipe_jax.job_config import load_plan_dict, settings_from_config
-  settings = settings_from_config(config, load_plan_dict(config))
   if config.platform == "cpu":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     needed = settings.devices_needed
@@ -44,8 +42,8 @@ def _set_platform(config) -> None:
 def main(argv) -> None:
   del argv
   from mpi4py import MPI
-  from hetpipe_jax.job_config import ConfigError
   from hetpipe_jax.data import DataError
+  from hetpipe_jax.job_config import ConfigError, resolve_settings
   comm = MPI.COMM_WORLD
   rank = comm.Get_rank()
   logging.set_verbosity(logging.INFO if rank == 0 else logging.WARNING)
@@ -53,16 +51,17 @@ def main(argv) -> None:
   if _PLAN.value is not None:
     config.plan = _PLAN.value
   try:
-    _set_platform(config)
+    settings = resolve_settings(config)  # the plan is read here, once, and passed on typed
+    _set_platform(config, settings)
     if _MODE.value == "virtual":
       if comm.Get_size() != 1:
         raise ConfigError(f"--mode=virtual runs in one process; launch it without mpiexec (world size is "
                           f"{comm.Get_size()})")
       from hetpipe_jax import virtual_job
-      virtual_job.run(config, _WORKDIR.value)
+      virtual_job.run(config, settings, _WORKDIR.value)
     else:
       from hetpipe_jax import job
-      job.run(config, _WORKDIR.value, comm)
+      job.run(config, settings, _WORKDIR.value, comm)
   except (ConfigError, DataError, FileExistsError) as e:
     # Every rank validates the same settings; rank 0 reports and its exit aborts the job. Another rank reports
     # only if it is still alive after a moment (its failure was its own, e.g. a data file missing on its node).

@@ -7,8 +7,6 @@ simulated seconds (labelled ``simulated_*``) from the cost model's task duration
 
 from __future__ import annotations
 
-import json
-import pathlib
 import time
 from typing import Any
 
@@ -16,38 +14,41 @@ from absl import logging
 import jax
 import numpy as np
 
-from hetpipe_jax import checkpoint, data as data_lib, models, stages as stages_lib, virtual_time
+from hetpipe_jax import data as data_lib, models, stages as stages_lib, virtual_time
 from hetpipe_jax.evaluation import Evaluator
-from hetpipe_jax.job import make_optimizer, minibatches_per_vw, prepare
-from hetpipe_jax.job_config import (ConfigError, config_to_json, emulated_task_times, load_plan_dict,
-                                    settings_from_config)
+from hetpipe_jax.job import eval_every_waves, make_optimizer, minibatches_per_vw, prepare
+from hetpipe_jax.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
 from hetpipe_jax.param_layout import ParamLayout
 from hetpipe_jax.param_server import ParameterServer
 from hetpipe_jax.pipeline import VirtualWorker
+from hetpipe_jax.run_outputs import RunOutputs, settings_summary
 
 
-def run(config: Any, workdir: str) -> dict:
-  """Trains in virtual time; writes config.json, metrics.jsonl, minibatches.jsonl, summary.json, checkpoint/.
+def run(config: Any, settings: JobSettings, workdir: str) -> dict:
+  """Trains in virtual time; writes the run's outputs (:mod:`hetpipe_jax.run_outputs`).
+
+  Args:
+    config: the job's ConfigDict.
+    settings: :func:`hetpipe_jax.job_config.resolve_settings` of ``config`` (the plan read once).
+    workdir: the run's output directory.
 
   Raises:
     ConfigError: invalid settings, or no task times (set ``config.emulate_stage_ms`` or use a plan).
   """
-  settings = settings_from_config(config, load_plan_dict(config))
   spec, partitions = prepare(config, settings, world_size=settings.world_size, check_local_devices=False)
-  times = emulated_task_times(config, settings)
-  if times is None:
-    if not config.plan:
-      raise ConfigError("--mode=virtual needs task durations: set config.emulate_stage_ms or config.plan")
-    config.emulate_plan = True
-    times = emulated_task_times(config, settings)
+  # Virtual time needs task durations: synthetic ones, or else the plan's GPU types through the cost model (which
+  # config.json then records as emulate_plan=True).
+  use_plan = not config.emulate_stage_ms.strip()
+  if use_plan and settings.plan is None:
+    raise ConfigError("--mode=virtual needs task durations: set config.emulate_stage_ms or config.plan")
+  times = emulated_task_times(config, settings, plan_times=use_plan or config.emulate_plan)
   dataset = data_lib.load_fashion_mnist(config.data_dir or None,
                                         expected_counts=(60000, 10000) if config.check_counts else None)
   num_mb = minibatches_per_vw(config, settings, dataset.num_train)
-  out = pathlib.Path(workdir)
-  out.mkdir(parents=True, exist_ok=True)
-  if (out / "summary.json").exists() or (out / "checkpoint").exists():
-    raise ConfigError(f"--workdir={workdir} already holds a finished run; choose a new --workdir")
-  (out / "config.json").write_text(config_to_json(config))
+  outputs = RunOutputs(workdir)
+  outputs.write_config(resolved_config(config, settings, partitions, emulate_plan=use_plan or config.emulate_plan))
+  for note in settings.notes:
+    logging.info("[virtual] %s", note)
 
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(config.seed)))
   layout = ParamLayout.from_layer_params(params0)
@@ -67,9 +68,7 @@ def run(config: Any, workdir: str) -> dict:
 
   evaluator = Evaluator(spec, layout, dataset.test_images, dataset.test_labels, config.eval_batch_size, devices[0])
   num_waves = num_mb // settings.num_inflight
-  waves_per_epoch = (dataset.num_train // settings.num_virtual_workers // config.batch_size) / settings.num_inflight
-  eval_every = int(round(config.eval_every_epochs * waves_per_epoch)) if config.eval_every_epochs > 0 else 0
-  metrics = open(out / "metrics.jsonl", "w", encoding="utf-8")
+  eval_every = eval_every_waves(config, settings, dataset.num_train)
   bar = None
   if config.progress:
     from tqdm import tqdm
@@ -93,8 +92,7 @@ def run(config: Any, workdir: str) -> dict:
       line.update(evaluator.evaluate(server.weights))
       state["evals"].append({"global_clock": clock, "simulated_time_s": t, **{k: line[k] for k in
                                                                              ("test_accuracy", "test_loss")}})
-    metrics.write(json.dumps(line) + "\n")
-    metrics.flush()
+    outputs.log_metrics(line)
     if bar is not None:
       bar.update(clock - bar.n)
       bar.set_postfix({"loss": f"{state['loss']:.3f}", "sim_s": f"{t:.1f}"}, refresh=False)
@@ -107,47 +105,40 @@ def run(config: Any, workdir: str) -> dict:
     bar.update(num_waves - bar.n)
     bar.close()
   final = evaluator.evaluate(server.weights)
-  metrics.write(json.dumps({"minibatches": num_mb * len(vws), "global_clock": server.global_clock,
-                            "simulated_time_s": report.makespan_s, **final}) + "\n")
-  metrics.close()
-  with open(out / "minibatches.jsonl", "w", encoding="utf-8") as f:
-    for vw in vws:
-      for r in vw.records:
-        f.write(json.dumps(r.__dict__) + "\n")
+  total = num_mb * len(vws)
+  outputs.log_metrics({"minibatches": total, "global_clock": server.global_clock, "loss": state["loss"],
+                       "simulated_time_s": report.makespan_s, **final})
+  outputs.write_minibatches(r.__dict__ for vw in vws for r in vw.records)
+  applied = outputs.write_ps_applied(server.state.applied, settings.num_virtual_workers)
   if config.save_task_trace:
     from hetpipe_jax import gantt, trace
-    trace.write_trace(trace.report_trace(report), str(out / "trace.json"))
-    gantt.plot_report(report, str(out / "gantt.png"))
-  ckpt = checkpoint.save_weights(out / "checkpoint", layout.unflatten(server.weights))
-  total = num_mb * len(vws)
+    trace.write_trace(trace.report_trace(report), str(outputs.dir / "trace.json"))
+    gantt.plot_report(report, str(outputs.dir / "gantt.png"))
+  ckpt = outputs.save_checkpoint(layout.unflatten(server.weights))
   summary = {
       "mode": "virtual",
       "time_unit": "simulated seconds",
       "test_accuracy": final["test_accuracy"],
       "test_loss": final["test_loss"],
+      "final_train_loss": state["loss"],
       "num_minibatches": total,
       "num_minibatches_per_vw": num_mb,
       "simulated_time_s": report.makespan_s,
       "wall_time_s": report.makespan_s,
       "minibatches_per_s": total / report.makespan_s,
+      "images_per_s": total * config.batch_size / report.makespan_s,
       "steady_minibatches_per_s": report.total_minibatches_per_s,
       "host_wall_time_s": host_s,
-      "num_virtual_workers": len(vws),
-      "num_stages": settings.num_stages,
-      "num_inflight": settings.num_inflight,
-      "staleness_bound": settings.staleness_bound,
+      **settings_summary(settings, partitions, config.batch_size),
       "global_clock": server.global_clock,
-      "applied_waves": [list(x) for x in server.state.applied],
-      "partitions": {str(v): [list(r) for r in p] for v, p in enumerate(partitions)},
+      **applied,
       "evaluations": state["evals"],
       "wait_s": {str(v.vw_id): v.wait_s for v in report.vws},
       "idle_s": {str(v.vw_id): v.idle_s for v in report.vws},
       "max_clock_distance": report.max_clock_distance,
       "checkpoint": str(ckpt),
-      "model": spec.name,
-      "batch_size": config.batch_size,
   }
-  (out / "summary.json").write_text(json.dumps(summary, indent=2))
+  outputs.finish(summary)
   logging.info("[virtual] done: test accuracy %.4f, %d minibatches in %.1f simulated s (%.1f host s)",
                final["test_accuracy"], total, report.makespan_s, host_s)
   return summary

@@ -20,7 +20,9 @@ def _check_wsp(workdir, num_vws, num_minibatches, num_inflight, bound):
   assert len(records) == num_vws * num_minibatches
   num_waves = num_minibatches // num_inflight
   # The PS applied every pushed wave exactly once (deterministic order: wave by wave, VW by VW).
-  assert summary["applied_waves"] == [[w, v] for w in range(num_waves) for v in range(num_vws)]
+  applied = [(a["wave_id"], a["vw_id"]) for a in read_jsonl(workdir / "ps_applied.jsonl")]
+  assert applied == [(w, v) for w in range(num_waves) for v in range(num_vws)]
+  assert summary["applied_waves_count"] == num_waves * num_vws and summary["applied_waves_in_order"] is True
   assert summary["global_clock"] == num_waves
   for r in records:
     # Global bound: weights include every VW's waves 0..c-D-1 (pulled at global clock >= c - D).
@@ -91,20 +93,28 @@ def test_oracle3_bsp_equals_synchronous_data_parallelism(tmp_path, synthetic_dat
   assert_params_close(checkpoint.restore_weights(workdir / "checkpoint"), params)
 
 
+TINY, DEFAULT = "experiments/configs/tiny.py", "experiments/configs/default.py"
 BAD_INPUTS = [
-    ({"num_inflight": 0}, 3, "num_inflight"),
-    ({"staleness_bound": -1}, 3, "staleness_bound"),
-    ({"num_stages": 3, "num_cpu_devices": 2}, 3, "num_stages"),
-    ({"partition": "0:1,2:4"}, 3, "does not cover every layer exactly once"),
-    ({}, 2, "MPI world size is 2"),
-    ({"model": "no_such_model"}, 3, "unknown model 'no_such_model'"),
+    ({"num_inflight": 0}, 3, "num_inflight", TINY),
+    ({"staleness_bound": -1}, 3, "staleness_bound", TINY),
+    ({"num_stages": 3, "num_cpu_devices": 2}, 3, "num_stages", TINY),
+    ({"partition": "0:1,2:4"}, 3, "does not cover every layer exactly once", TINY),
+    ({}, 2, "MPI world size is 2", TINY),
+    ({"model": "no_such_model"}, 3, "unknown model 'no_such_model'", TINY),
+    # A plan-decided setting that disagrees with the default config's plan names both values (it used to be
+    # dropped silently).
+    ({"partition": "0:3,3:7"}, 3,
+     "config.partition='0:3,3:7' but the plan experiments/plans/local_cpu_cnn_b64.json has partition '0:2,2:7'",
+     DEFAULT),
+    ({"num_inflight": 65}, 3, "config.num_inflight=65 exceeds the plan's Max_m=64", DEFAULT),
+    ({"num_virtual_workers": 3}, 4, "config.num_virtual_workers=3 but the plan", DEFAULT),
 ]
 
 
-@pytest.mark.parametrize("overrides,num_ranks,message", BAD_INPUTS)
-def test_bad_input_fails_fast_on_every_rank(tmp_path, synthetic_data_dir, overrides, num_ranks, message):
+@pytest.mark.parametrize("overrides,num_ranks,message,config", BAD_INPUTS)
+def test_bad_input_fails_fast_on_every_rank(tmp_path, synthetic_data_dir, overrides, num_ranks, message, config):
   workdir = tmp_path / "run"
-  proc = run_job(workdir, num_ranks, {"data_dir": synthetic_data_dir, **overrides}, timeout=120)
+  proc = run_job(workdir, num_ranks, {"data_dir": synthetic_data_dir, **overrides}, config=config, timeout=120)
   assert proc.returncode != 0
   assert message in proc.stderr, proc.stderr[-3000:]
   assert proc.stderr.count("error:") == 1  # one clear message, not one per rank
@@ -141,11 +151,41 @@ def test_runs_from_a_planner_made_plan(tmp_path, synthetic_data_dir):
   workdir = tmp_path / "run"
   proc = run_job(workdir, 1 + len(plan.virtual_workers),
                  {"data_dir": synthetic_data_dir, "model": "cnn", "batch_size": 64,
-                  "num_minibatches": 2 * plan.num_inflight, "plan": ""}, extra_args=(f"--plan={plan_path}",))
+                  "num_minibatches": 2 * plan.num_inflight, "plan": ""}, config=DEFAULT,
+                 extra_args=(f"--plan={plan_path}",))
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["num_inflight"] == plan.num_inflight
   assert summary["partitions"] == {str(vw.vw_id): [list(r) for r in vw.partition] for vw in plan.virtual_workers}
+  config = json.loads((workdir / "config.json").read_text())
+  assert config["num_inflight"] == plan.num_inflight and config["setting_sources"]["num_inflight"] == "plan"
+
+
+def test_num_inflight_given_with_a_plan_is_the_one_that_runs_and_is_recorded(tmp_path, synthetic_data_dir):
+  """The value that runs is the value recorded: Nm = 4 over the plan's Nm = 2 (within its Max_m) runs with 4."""
+  from hetpipe_jax import plan_format
+  plan_path = "experiments/plans/local_cpu_cnn_b64.json"
+  plan = plan_format.load_plan(plan_path, expected_model="cnn")
+  assert plan.num_inflight == 2
+  nm, mb = 4, 8
+  workdir = tmp_path / "run"
+  proc = run_job(workdir, 1 + len(plan.virtual_workers),
+                 {"data_dir": synthetic_data_dir, "model": "cnn", "batch_size": 64, "num_minibatches": mb,
+                  "plan": plan_path, "num_inflight": nm}, config=DEFAULT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "overrides the plan's Nm=2" in proc.stderr
+  summary = json.loads((workdir / "summary.json").read_text())
+  config = json.loads((workdir / "config.json").read_text())
+  assert summary["num_inflight"] == config["num_inflight"] == nm
+  assert "overrides the plan's Nm=2" in config["setting_sources"]["num_inflight"]
+  records = read_jsonl(workdir / "minibatches.jsonl")
+  # Nm = 4 really ran: 4 minibatches per wave, and 4 in flight (minibatch 3 started before minibatch 0 completed).
+  assert {r["wave_id"] for r in records if r["minibatch_id"] == 3} == {0}
+  assert summary["global_clock"] == mb // nm
+  for v in range(len(plan.virtual_workers)):
+    by_id = {r["minibatch_id"]: r for r in records if r["vw_id"] == v}
+    assert by_id[3]["inject_time_s"] < by_id[0]["complete_time_s"]
+    assert by_id[3]["version_local_updates"] == 0
 
 
 def test_an_exception_on_a_vw_rank_ends_the_job(tmp_path, synthetic_data_dir):

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 
 from experiments.configs import tiny
-from hetpipe_jax import checkpoint, data, models, virtual_job
+from hetpipe_jax import checkpoint, data, job_config, models, virtual_job
 from hetpipe_jax.param_layout import ParamLayout
 from tests.mpi_util import read_jsonl
 from tests.replay import replay_final_weights
@@ -24,7 +24,7 @@ def test_virtual_time_run_equals_replay_of_its_versions(tmp_path, synthetic_data
   config = _config(synthetic_data_dir, num_virtual_workers=num_vws, num_inflight=nm, staleness_bound=1,
                    num_minibatches=mb, optimizer="momentum", learning_rate=0.05, batch_size=batch,
                    emulate_stage_ms="10,10;20,20;40,40", save_task_trace=True)
-  summary = virtual_job.run(config, str(tmp_path))
+  summary = virtual_job.run(config, job_config.resolve_settings(config), str(tmp_path))
   assert summary["time_unit"] == "simulated seconds"
   records = read_jsonl(tmp_path / "minibatches.jsonl")
   assert len(records) == num_vws * mb

@@ -6,6 +6,7 @@ Run (from the repo root):
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -16,22 +17,24 @@ def get_config() -> ml_collections.ConfigDict:
   c.check_counts = True  # require the real 60,000 / 10,000 examples (False: any counts, for small test sets)
   c.seed = 0
   c.batch_size = 64  # minibatch size per VW (examples)
-  # Cluster layout: ranks = 1 PS + num_virtual_workers VWs.
-  c.num_virtual_workers = 2
-  c.num_stages = 2
-  c.partition = "0:3,3:7"  # "start:end" layer range per stage; "" -> even split by layer count
-  c.stage_devices = ""  # local device index per stage, e.g. "0,1"; "" -> 0..num_stages-1
+  # A plan from `python -m hetpipe_jax.plan --cluster=local_cpu --model=cnn --batch_size=64 --policy=ED
+  # --num_vws=2 --output=experiments/plans/local_cpu_cnn_b64.json` decides the VWs, stages, partitions and Nm.
+  # "" -> no plan: the layout comes from the fields below.
+  c.plan = "experiments/plans/local_cpu_cnn_b64.json"
+  # Plan-decided settings: unset (None) -> the plan's value (without a plan: 2 VWs, 2 stages, an even split, Nm 2).
+  # Set with a plan, they must equal the plan's (an error names both otherwise); num_inflight may differ when it is
+  # at most the plan's Max_m (memory). config.json records the values that ran and where each came from.
+  c.num_virtual_workers = config_dict.placeholder(int)  # ranks = 1 PS + num_virtual_workers VWs
+  c.num_stages = config_dict.placeholder(int)
+  c.partition = config_dict.placeholder(str)  # "start:end" per stage, e.g. "0:3,3:7" ("a;b" per VW); "" = even
+  c.num_inflight = config_dict.placeholder(int)  # Nm: minibatches in flight per VW; a wave is Nm minibatches
+  c.stage_devices = ""  # local device index per stage, e.g. "0,1"; "" -> 0..num_stages-1 (or the plan's)
   c.platform = "cpu"  # "cpu" (each VW process gets forced host devices) or "gpu"
   c.num_cpu_devices = 0  # host devices per process on "cpu"; 0 -> as many as the stages need
-  # A plan from `python -m hetpipe_jax.plan --cluster=local_cpu --model=cnn --batch_size=64 --policy=ED
-  # --num_vws=2 --output=experiments/plans/local_cpu_cnn_b64.json`: VWs, partitions and Nm come from it and
-  # override num_virtual_workers / num_stages / partition / num_inflight below. "" -> use those fields.
-  c.plan = "experiments/plans/local_cpu_cnn_b64.json"
   # Emulated heterogeneous devices: pad every task to the time it would take on the GPU its device stands in for.
   c.emulate_stage_ms = ""  # e.g. "20,80" (ms per minibatch per stage, every VW) or "20,80;40,40" (per VW)
   c.emulate_plan = False  # True: the cost model's times for the plan's GPU types (needs config.plan)
   # HetPipe pipeline and WSP (HetPipe §4-§5).
-  c.num_inflight = 2  # Nm: minibatches in flight per VW; a wave is Nm minibatches
   c.staleness_bound = 1  # D: a VW may run at most D waves ahead of the slowest
   c.pull_every_wave = True  # also pull (without waiting) at every wave end; False: only when D forces it
   # Optimizer (optax), applied by every VW to its own minibatches.

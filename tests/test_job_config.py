@@ -1,0 +1,180 @@
+"""Job settings without MPI or jax: every plan-vs-config rule, the recorded values, and the bad-input messages."""
+
+import json
+
+import pytest
+
+from experiments.configs import default, tiny
+from hetpipe_jax import job_config, plan_format
+from hetpipe_jax.job_config import ConfigError, resolve_settings, resolved_config, settings_from_config
+from hetpipe_jax.paths import REPO_ROOT
+
+PLAN = "experiments/plans/local_cpu_cnn_b64.json"
+
+
+def _plan():
+  # Read here with plain json, apart from the code under test.
+  return json.loads((REPO_ROOT / PLAN).read_text())
+
+
+def _default(**overrides):
+  c = default.get_config()
+  c.update(overrides)
+  return c
+
+
+def _tiny(**overrides):
+  c = tiny.get_config()
+  c.update(overrides)
+  return c
+
+
+def test_unset_plan_decided_settings_come_from_the_plan():
+  plan = _plan()
+  s = resolve_settings(_default())
+  assert s.num_inflight == plan["num_inflight"] == 2
+  assert s.num_virtual_workers == len(plan["virtual_workers"]) == 2
+  assert [v.partition for v in s.vws] == [tuple(map(tuple, vw["partition"])) for vw in plan["virtual_workers"]]
+  assert [v.partition for v in s.vws] == [((0, 2), (2, 7))] * 2
+  assert s.num_stages == 2 and s.world_size == 3
+  assert dict(s.sources) == {k: "plan" for k in job_config.PLAN_DECIDED}
+  assert s.plan is not None and s.plan.model == "cnn" and not s.notes
+
+
+def test_num_inflight_within_max_m_overrides_the_plan_and_says_so():
+  s = resolve_settings(_default(num_inflight=4))
+  assert s.num_inflight == 4
+  assert "overrides the plan's Nm=2" in s.sources["num_inflight"]
+  assert len(s.notes) == 1 and "config.num_inflight=4" in s.notes[0] and "Max_m=64" in s.notes[0]
+  # The highest Nm the plan's memory allows is accepted; one more is an error naming both values and the fix.
+  assert resolve_settings(_default(num_inflight=64)).num_inflight == 64
+  with pytest.raises(ConfigError, match=r"config.num_inflight=65 exceeds the plan's Max_m=64 .*Nm=2.*at most 64"):
+    resolve_settings(_default(num_inflight=65))
+
+
+def test_num_inflight_equal_to_the_plan_is_recorded_as_such():
+  s = resolve_settings(_default(num_inflight=2))
+  assert s.num_inflight == 2 and s.sources["num_inflight"] == "config (= plan)" and not s.notes
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"num_virtual_workers": 3}, r"config.num_virtual_workers=3 but the plan .* has 2 virtual workers"),
+    ({"num_stages": 3}, r"config.num_stages=3 but the plan .* has \[2, 2\] stages"),
+    ({"partition": "0:3,3:7"}, r"config.partition='0:3,3:7' but the plan .* has partition '0:2,2:7'"),
+    ({"partition": ""}, r"config.partition='' but the plan .* has partition '0:2,2:7'"),  # "" = even split 0:4,4:7
+    ({"partition": "0:2,2:7;0:3,3:7"}, r"has partition '0:2,2:7'"),
+    ({"stage_devices": "1,0"}, r"config.stage_devices='1,0' but the plan places virtual worker 0 on devices \[0, 1\]"),
+    ({"batch_size": 32}, r"the plan was made for batch size 64 but config.batch_size=32"),
+])
+def test_a_plan_decided_setting_that_disagrees_with_the_plan_is_an_error(overrides, message):
+  with pytest.raises(ConfigError, match=message) as e:
+    resolve_settings(_default(**overrides))
+  assert "config.plan=" in str(e.value) or "batch_size" in str(e.value)  # says how to fix it
+
+
+@pytest.mark.parametrize("overrides", [
+    {"num_virtual_workers": 2}, {"num_stages": 2}, {"partition": "0:2,2:7"}, {"partition": "0:2,2:7;0:2,2:7"},
+    {"stage_devices": "0,1"}])
+def test_a_plan_decided_setting_equal_to_the_plan_is_accepted(overrides):
+  s = resolve_settings(_default(**overrides))
+  name = next(iter(overrides)) if "stage_devices" not in overrides else None
+  if name:
+    assert s.sources[name] == "config (= plan)"
+  assert [v.partition for v in s.vws] == [((0, 2), (2, 7))] * 2
+
+
+def test_without_a_plan_the_config_or_the_documented_defaults_run():
+  s = resolve_settings(_tiny())
+  assert (s.num_virtual_workers, s.num_stages, s.num_inflight) == (2, 2, 2)
+  assert s.sources == {"num_virtual_workers": "default", "num_stages": "default", "num_inflight": "default",
+                       "partition": "default (even split)"}
+  s = resolve_settings(_tiny(num_virtual_workers=3, num_stages=3, num_inflight=4, partition="0:1,1:2,2:3"))
+  assert (s.num_virtual_workers, s.num_stages, s.num_inflight) == (3, 3, 4)
+  assert all(v.partition == ((0, 1), (1, 2), (2, 3)) for v in s.vws)
+  assert set(s.sources.values()) == {"config"}
+  s = resolve_settings(_tiny(partition="0:1,1:3;0:2,2:3"))
+  assert [v.partition for v in s.vws] == [((0, 1), (1, 3)), ((0, 2), (2, 3))]
+
+
+def test_resolved_config_records_the_values_that_run():
+  c = _default(num_inflight=4)
+  s = resolve_settings(c)
+  d = resolved_config(c, s, [v.partition for v in s.vws])
+  assert d["num_inflight"] == 4 and d["num_virtual_workers"] == 2 and d["num_stages"] == 2
+  assert d["partition"] == "0:2,2:7"
+  assert d["setting_sources"]["num_virtual_workers"] == "plan"
+  assert c.num_inflight == 4 and c.num_stages is None  # the user's config is not mutated
+  # Fed back as a config (with the plan), the recorded values resolve to the same settings.
+  again = resolve_settings(_default(**{k: d[k] for k in job_config.PLAN_DECIDED}))
+  assert again.num_inflight == 4 and [v.partition for v in again.vws] == [v.partition for v in s.vws]
+
+
+def test_per_vw_partitions_are_recorded_per_vw():
+  assert job_config.format_partitions([((0, 1), (1, 3)), ((0, 2), (2, 3))]) == "0:1,1:3;0:2,2:3"
+  assert job_config.format_partitions([((0, 1), (1, 3))] * 3) == "0:1,1:3"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"num_inflight": 0}, r"config.num_inflight=0: must be >= 1"),
+    ({"num_virtual_workers": 0}, r"config.num_virtual_workers=0"),
+    ({"num_stages": 0}, r"config.num_stages=0"),
+    ({"staleness_bound": -1}, r"config.staleness_bound=-1: D must be >= 0"),
+    ({"batch_size": 0}, r"config.batch_size=0"),
+    ({"platform": "tpu"}, r"config.platform='tpu'"),
+    ({"optimizer": "lamb"}, r"config.optimizer='lamb'"),
+    ({"lr_schedule": "step"}, r"config.lr_schedule='step'"),
+    ({"learning_rate": 0.0}, r"config.learning_rate=0.0"),
+    ({"partition": "0-3,3-7"}, r"config.partition='0-3,3-7' is malformed"),
+    ({"partition": "0:1,1:2,2:3"}, r"has \[3\] ranges but config.num_stages=2"),
+    ({"partition": "0:1,1:3;0:1,1:3;0:1,1:3"}, r"gives 3 partitions for 2 virtual workers"),
+    ({"stage_devices": "a,b"}, r"config.stage_devices='a,b' is malformed"),
+    ({"stage_devices": "0"}, r"lists 1 devices for 2 stages"),
+    ({"stage_devices": "1,1"}, r"must be distinct"),
+    ({"emulate_stage_ms": "20,x"}, r"config.emulate_stage_ms='20,x' is malformed"),
+    ({"emulate_stage_ms": "20,40,60"}, r"needs 2 times per VW for 2 VWs"),
+    ({"emulate_stage_ms": "20,0"}, r"every time must be > 0"),
+    ({"emulate_plan": True}, r"config.emulate_plan needs config.plan"),
+])
+def test_bad_settings_name_the_setting(overrides, message):
+  c = _tiny(**overrides)
+  with pytest.raises(ConfigError, match=message):
+    s = resolve_settings(c)
+    job_config.emulated_task_times(c, s)
+
+
+def test_world_size_devices_and_partition_coverage():
+  s = resolve_settings(_tiny(num_virtual_workers=3))
+  job_config.check_world_size(s, 4)
+  with pytest.raises(ConfigError, match=r"MPI world size is 3 but the job has 3 virtual workers.*mpiexec -n 4"):
+    job_config.check_world_size(s, 3)
+  with pytest.raises(ConfigError, match=r"2 stages need 2 local devices per VW but only 1"):
+    job_config.check_devices(s, 1)
+  assert job_config.check_partitions(s, 5) == [((0, 3), (3, 5))] * 3  # even split by layer count
+  s = resolve_settings(_tiny(partition="0:1,2:4"))
+  with pytest.raises(ConfigError, match="does not cover every layer exactly once"):
+    job_config.check_partitions(s, 4)
+  with pytest.raises(ConfigError, match="exceeds the model's 1 layers"):
+    job_config.check_partitions(resolve_settings(_tiny()), 1)
+
+
+def test_plan_file_errors(tmp_path):
+  with pytest.raises(ConfigError, match=r"config.plan='nope.json'"):
+    resolve_settings(_default(plan="nope.json"))
+  with pytest.raises(ConfigError, match=r"made for model 'cnn', not for model 'mlp_tiny'"):
+    resolve_settings(_default(model="mlp_tiny"))
+  bad = _plan()
+  bad["virtual_workers"][1]["partition"] = [[0, 3], [2, 7]]
+  path = tmp_path / "bad.json"
+  path.write_text(json.dumps(bad))
+  with pytest.raises(ConfigError, match=r"virtual worker 1: partition .* does not cover every layer exactly once"):
+    resolve_settings(_default(plan=str(path)))
+
+
+def test_the_plan_is_read_once(monkeypatch):
+  calls = []
+  real = plan_format.load_plan
+  monkeypatch.setattr(plan_format, "load_plan", lambda *a, **k: calls.append(a) or real(*a, **k))
+  c = _default(emulate_plan=True)
+  s = resolve_settings(c)
+  times = job_config.emulated_task_times(c, s)
+  assert len(times) == 2 and len(calls) == 1
