@@ -66,6 +66,8 @@ def check_header(header: np.ndarray, source_rank: int, *, num_params: int, expec
     raise ProtocolError(f"rank {source_rank} claims to be VW {vw_id} (rank r hosts VW r-1)")
   if wave < 0:
     raise ProtocolError(f"{kind.name} from rank {source_rank} has negative wave {wave}")
+  if size < 0:
+    raise ProtocolError(f"{kind.name} from rank {source_rank} has negative size {size}")
   expected = {Kind.PUSH: num_params, Kind.WEIGHTS: num_params, Kind.METRICS: METRICS_SIZE, Kind.PULL: 0}.get(kind)
   if expected is not None and size != expected:
     raise ProtocolError(f"{kind.name} from rank {source_rank} carries {size} elements, expected {expected}")
