@@ -1,0 +1,88 @@
+"""Every entry point runs end to end in a seconds-long mode: the main job's script and `train --mode=virtual`.
+
+(`plan` and `simulate` run in tests/test_plan_cli.py and tests/test_trace.py; `validate_engine` and the benchmark
+scripts in tests/test_scripts_smoke.py; `train` under MPI in tests/test_mpi_job.py.)
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hetpipe_jax.paths import REPO_ROOT
+from tests.mpi_util import read_jsonl
+
+PLAN_DECIDED = ("num_virtual_workers", "num_stages", "partition", "num_inflight")
+
+
+def _env(**extra):
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env["PYTHONPATH"] = str(REPO_ROOT)
+  env.update(extra)
+  return env
+
+
+def _check_outputs(workdir):
+  """config.json and summary.json agree on every plan-decided setting; every output file is there."""
+  config = json.loads((workdir / "config.json").read_text())
+  summary = json.loads((workdir / "summary.json").read_text())
+  for name in PLAN_DECIDED:
+    assert config[name] == summary[name], name
+    assert name in config["setting_sources"]
+  for name in ("metrics.jsonl", "minibatches.jsonl", "ps_applied.jsonl", "metrics.png", "checkpoint"):
+    assert (workdir / name).exists(), name
+  assert (workdir / "metrics.png").stat().st_size > 5_000
+  assert summary["applied_waves_in_order"] is True
+  assert summary["applied_waves_count"] == len(read_jsonl(workdir / "ps_applied.jsonl"))
+  assert 0.0 <= summary["test_accuracy"] <= 1.0
+  return config, summary
+
+
+@pytest.mark.mpi
+def test_run_main_script_smoke(tmp_path, synthetic_data_dir):
+  """`bash scripts/run_main.sh` (set-up + the default config from its plan) with 4 minibatches per VW."""
+  workdir = tmp_path / "main"
+  proc = subprocess.run(
+      ["bash", "scripts/run_main.sh", "--config.num_minibatches=4", "--config.check_counts=False",
+       "--config.progress=False", "--config.eval_every_epochs=0"],
+      cwd=REPO_ROOT, env=_env(WORKDIR=str(workdir), HETPIPE_DATA_DIR=str(synthetic_data_dir)), capture_output=True,
+      text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  config, summary = _check_outputs(workdir)
+  plan = json.loads((REPO_ROOT / config["plan"]).read_text())
+  assert summary["num_inflight"] == plan["num_inflight"] and config["setting_sources"]["num_inflight"] == "plan"
+  assert summary["num_minibatches"] == 4 * len(plan["virtual_workers"])
+
+
+def test_train_virtual_mode_cli_smoke(tmp_path, synthetic_data_dir):
+  """`python -m hetpipe_jax.train --mode=virtual` with the paper's 16-GPU plan: the plan's task times are used
+  (recorded as emulate_plan=True) without the user's config being changed behind their back."""
+  workdir = tmp_path / "virtual"
+  proc = subprocess.run(
+      [sys.executable, "-m", "hetpipe_jax.train", "--mode=virtual", "--config=experiments/configs/paper_virtual.py",
+       f"--workdir={workdir}", f"--config.data_dir={synthetic_data_dir}", "--config.check_counts=False",
+       "--config.progress=False", "--config.emulate_plan=False", "--config.num_minibatches=6",
+       "--config.eval_every_epochs=0"],
+      cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  config, summary = _check_outputs(workdir)
+  plan = json.loads((REPO_ROOT / config["plan"]).read_text())
+  assert summary["mode"] == "virtual" and summary["time_unit"] == "simulated seconds"
+  assert config["emulate_plan"] is True  # the value that ran: the plan's GPU types gave the task durations
+  assert summary["num_virtual_workers"] == len(plan["virtual_workers"]) == 4
+  assert summary["num_inflight"] == plan["num_inflight"]
+  assert summary["simulated_time_s"] > 0 and summary["host_wall_time_s"] > 0
+
+
+def test_train_rejects_a_conflicting_setting_before_any_work(tmp_path):
+  """One `error:` line naming both values, exit 2, and nothing written."""
+  workdir = tmp_path / "never"
+  proc = subprocess.run(
+      [sys.executable, "-m", "hetpipe_jax.train", "--mode=virtual", "--config=experiments/configs/paper_virtual.py",
+       f"--workdir={workdir}", "--config.num_stages=2"],
+      cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  assert "error: config.num_stages=2 but the plan" in proc.stderr and "[4, 4, 4, 4] stages" in proc.stderr
+  assert not workdir.exists()
