@@ -11,16 +11,17 @@ heterogeneous VWs) it runs
 
 and compares steady-state minibatches/s. Run from the repo root:
 
-  .venv/bin/python experiments/validate_engine.py [--quick] [--output=validation.json] [--cases=a,b]
+  .venv/bin/python experiments/validate_engine.py [--quick | --smoke] [--output=validation.json] [--cases=a,b]
 
-Steady state, the same rules on both sides: the engine report's (``engine_report.steady_rates``) with its one
-warm-up wave widened (:func:`case_warmup_waves`): ``--warmup_waves`` (3) because the runtime compiles the optimizer
-update and the pulled-weights rebase only at the first completion and the first pull, so that compilation lands in
-wave 1, not wave 0; plus ``2 (D + 1)`` where the bound throttles a VW (the run-ahead transient). The total is the
-engine report's: all VWs' completions inside the common window (latest warm-up end to earliest last completion).
-That needs one clock for all VWs, and ``minibatches.jsonl`` has each VW's times since its own start, so the job runs
-this file as its MPI ranks (job mode, :func:`_job_main`): ``hetpipe_jax.train`` unchanged except that each VW
-stamps its start (``time.perf_counter``, CLOCK_MONOTONIC, machine-wide) into its records.
+``--smoke`` (CI, seconds): one small 2-VW case, a few waves, no latency probe; still the real MPI job and the engine.
+
+Steady state, one rule on both sides: ``engine_report.steady_rates(..., warmup_waves=w)``, the engine report's rule
+with its one warm-up wave widened to ``w`` (:func:`case_warmup_waves`): ``--warmup_waves`` (3) for the runtime's
+compile and start-up transient, plus ``2 (D + 1)`` where the bound throttles a VW (the run-ahead transient). The
+total is all VWs' completions inside the common window (latest warm-up end to earliest last completion). That needs
+one clock for all VWs: ``minibatches.jsonl`` has each VW's times since its own start, and ``summary.json`` has that
+start on the machine clock (``per_vw[vw]["start_unix_s"]``, ``time.time()`` taken next to the VW's ``perf_counter``
+origin), so a VW's completion on the common clock is its start plus its record time.
 
 Latency (``--latency``): a probe job (1 VW, 2 stages, Nm = 1, D = 0) measures the runtime's hand-off latency between
 tasks and its push/PS/pull round trip (medians); the engine gets them as ``send_ms`` and ``push_ms`` / ``pull_ms``.
@@ -28,7 +29,6 @@ tasks and its push/PS/pull round trip (medians); the engine gets them as ``send_
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import json
 import math
@@ -50,6 +50,8 @@ from hetpipe_jax import engine, engine_report, task_times  # noqa: E402
 from hetpipe_jax.job_config import parse_stage_ms  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer minibatches per VW and 10 of the 12 cases (about 3 minutes).")
+_SMOKE = flags.DEFINE_bool("smoke", False, "Seconds-long end-to-end check (CI): only the SMOKE case, a few waves, no "
+                           "latency probe.")
 _OUTPUT = flags.DEFINE_string("output", "", "Write the results as JSON here (also printed).")
 _CASES = flags.DEFINE_list("cases", [], "Run only these case names (default: all).")
 _WARMUP_WAVES = flags.DEFINE_integer("warmup_waves", 3, "Waves per VW excluded from the steady state (>= 1; more "
@@ -60,7 +62,6 @@ _TOLERANCE = flags.DEFINE_float("tolerance_pct", 10.0, "A row passes when |error
 _TIMEOUT_S = flags.DEFINE_integer("timeout_s", 180, "Wall-clock limit of one MPI run.")
 _RUNS_DIR = flags.DEFINE_string("runs_dir", "", "Where the runs' outputs go (default: a new /tmp/validate_* dir).")
 
-_JOB_ENV = "HETPIPE_VALIDATE_ENGINE_JOB"  # set: this file runs as an MPI rank of the job (see _job_main)
 _PYTHON = REPO / ".venv" / "bin" / "python"
 _MPIEXEC = REPO / ".venv" / "bin" / "mpiexec"
 
@@ -110,80 +111,35 @@ CASES = (
     Case("3vw_2s_het_nm5_d3", 3, 2, "60,120;120,120;120,60", 5, 3),
     Case("3vw_3s_het_nm3_d0", 3, 3, "60,120,60;120,120,120;240,120,60", 3, 0),
 )
+# ``--smoke``: two heterogeneous VWs (so the common clock matters), short tasks; not a validation point.
+SMOKE = Case("smoke_2vw_het_nm2_d1", 2, 2, "20,40;40,20", 2, 1, in_quick=False)
+# Run length per mode: (waves after the warm-up, least minibatches per VW).
+LENGTHS = {"full": (6, 40), "quick": (3, 20), "smoke": (2, 4)}
 
 
 # ------------------------------------------------------------------------------------------------ steady state
-def steady_rate(completion_times: Sequence[float], num_inflight: int, warmup_waves: int) -> float:
-  """Minibatches/s of one VW after its first ``warmup_waves`` waves (``engine_report.steady_rates``'s per-VW rule
-  with ``warmup_waves = 1``).
-
-  Args:
-    completion_times: the VW's minibatch completion times in seconds, in minibatch order.
-    num_inflight: Nm (minibatches per wave).
-    warmup_waves: waves excluded (>= 1).
-
-  Returns:
-    completions after the end of wave ``warmup_waves - 1`` divided by the time from that end to the last
-    completion; NaN when no minibatch is left after the warm-up.
-  """
-  if warmup_waves < 1:
-    raise ValueError(f"warmup_waves must be >= 1, got {warmup_waves}")
-  k = warmup_waves * num_inflight
-  if len(completion_times) <= k:
-    return float("nan")
-  start, end = completion_times[k - 1], completion_times[-1]
-  return (len(completion_times) - k) / (end - start) if end > start else float("nan")
-
-
-def steady_total(completion_times: Sequence[Sequence[float]], num_inflight: int, warmup_waves: int
-                 ) -> tuple[float, tuple[float, float]]:
-  """Total minibatches/s of all VWs inside the common steady window (``engine_report.steady_rates``'s total with
-  ``warmup_waves = 1``): from the latest end of a VW's warm-up waves to the earliest last completion.
-
-  Args:
-    completion_times: per VW, its completion times on one clock shared by all VWs (seconds, minibatch order).
-    num_inflight: Nm.
-    warmup_waves: waves excluded (>= 1).
-
-  Returns:
-    ``(minibatches/s, (window start, window end))``; NaN when the window is empty.
-  """
-  if warmup_waves < 1:
-    raise ValueError(f"warmup_waves must be >= 1, got {warmup_waves}")
-  k = warmup_waves * num_inflight
-  if any(len(t) <= k for t in completion_times):
-    return float("nan"), (float("nan"), float("nan"))
-  start = max(t[k - 1] for t in completion_times)
-  end = min(t[-1] for t in completion_times)
-  if end <= start:
-    return float("nan"), (start, end)
-  count = sum(bisect.bisect_right(t, end) - bisect.bisect_right(t, start) for t in completion_times)
-  return count / (end - start), (start, end)
-
-
-def completion_times_by_vw(records: Sequence[dict], num_vws: int, common_clock: bool = False) -> list[list[float]]:
+def completion_times_by_vw(records: Sequence[dict], num_vws: int, start_unix_s: Sequence[float] | None = None
+                           ) -> list[list[float]]:
   """Per VW, its minibatches' completion times in minibatch order (records as in ``minibatches.jsonl``).
 
   Args:
     records: minibatch records (``vw_id``, ``minibatch_id``, ``complete_time_s`` in seconds since the VW's start).
     num_vws: N.
-    common_clock: shift every VW's times by its ``vw_start_perf_counter_s`` (stamped in job mode) so all VWs share
-      one axis, zero at the earliest VW start.
+    start_unix_s: per VW, its start on the machine clock (``summary.json``'s ``per_vw[vw]["start_unix_s"]``): each
+      VW's times are shifted by its start so all VWs share one axis, zero at the earliest start. None: unshifted.
 
   Raises:
-    ValueError: a VW has no records, a minibatch is missing or has no completion time, or ``common_clock`` without
-      start stamps.
+    ValueError: a VW has no records, a minibatch is missing or has no completion time, or ``start_unix_s`` does not
+      have one entry per VW.
   """
+  if start_unix_s is None:
+    start_unix_s = [0.0] * num_vws
+  if len(start_unix_s) != num_vws:
+    raise ValueError(f"start_unix_s has {len(start_unix_s)} entries for {num_vws} VWs")
   by_vw: list[dict[int, float]] = [{} for _ in range(num_vws)]
-  starts = [0.0] * num_vws
   for r in records:
-    v = int(r["vw_id"])
-    by_vw[v][int(r["minibatch_id"])] = r["complete_time_s"]
-    if common_clock:
-      if "vw_start_perf_counter_s" not in r:
-        raise ValueError("common_clock needs vw_start_perf_counter_s in the records (run the job in job mode)")
-      starts[v] = r["vw_start_perf_counter_s"]
-  origin = min(starts)
+    by_vw[int(r["vw_id"])][int(r["minibatch_id"])] = r["complete_time_s"]
+  origin = min(start_unix_s)
   out = []
   for v, d in enumerate(by_vw):
     if not d or sorted(d) != list(range(len(d))):
@@ -191,15 +147,15 @@ def completion_times_by_vw(records: Sequence[dict], num_vws: int, common_clock: 
     times = [d[p] for p in range(len(d))]
     if any(t is None or not math.isfinite(t) for t in times):
       raise ValueError(f"VW {v}: a minibatch has no completion time")
-    out.append([t + starts[v] - origin for t in times])
+    shift = start_unix_s[v] - origin
+    out.append([t + shift for t in times])
   return out
 
 
 def rates(completions: Sequence[Sequence[float]], num_inflight: int, warmup_waves: int) -> dict:
-  """Per-VW (:func:`steady_rate`) and total (:func:`steady_total`) steady minibatches/s of completions on one
-  clock; the total falls back to the sum of the per-VW rates when the common window is empty."""
-  per_vw = [steady_rate(c, num_inflight, warmup_waves) for c in completions]
-  total, window = steady_total(completions, num_inflight, warmup_waves)
+  """Per-VW and total steady minibatches/s of completions on one clock (``engine_report.steady_rates`` with
+  ``warmup_waves``); the total falls back to the sum of the per-VW rates when the common window is empty."""
+  per_vw, total, window = engine_report.steady_rates(completions, num_inflight, warmup_waves=warmup_waves)
   fallback = not math.isfinite(total)
   return {"per_vw_mb_per_s": per_vw, "total_mb_per_s": sum(per_vw) if fallback else total,
           "total_is_sum_of_per_vw": fallback, "steady_window_s": list(window)}
@@ -210,10 +166,10 @@ def error_pct(predicted: float, measured: float) -> float:
   return 100.0 * (measured - predicted) / predicted
 
 
-def num_minibatches(case: Case, quick: bool, warmup_waves: int) -> int:
-  """Minibatches per VW: whole waves, at least ``warmup_waves + 6`` (``+ 3`` with ``quick``) and at least 40 (20)
-  minibatches."""
-  extra, least = (3, 20) if quick else (6, 40)
+def num_minibatches(case: Case, length: str, warmup_waves: int) -> int:
+  """Minibatches per VW: whole waves, at least ``warmup_waves + extra`` waves and ``least`` minibatches, with
+  ``(extra, least) = LENGTHS[length]`` (``"full"``: 6, 40; ``"quick"``: 3, 20; ``"smoke"``: 2, 4)."""
+  extra, least = LENGTHS[length]
   waves = max(warmup_waves + extra, -(-least // case.num_inflight))
   return waves * case.num_inflight
 
@@ -223,7 +179,7 @@ def case_warmup_waves(case: Case, base: int) -> int:
   throttles a VW in the engine (a VW faster than the others runs ahead at its own rate until it is D + 1 waves
   ahead; in the runtime that run-ahead starts only after the compile warm-up, which holds the VWs in step, so it
   must be outside the window on both sides)."""
-  probe = predict(case, num_minibatches(case, False, base), base)
+  probe = predict(case, num_minibatches(case, "full", base), base)
   return base + (2 * (case.staleness_bound + 1) if max(probe["wait_s"]) > 0 else 0)
 
 
@@ -250,14 +206,14 @@ def run_job(case: Case, minibatches: int, data_dir: pathlib.Path, workdir: pathl
   Raises:
     RuntimeError: the job failed (the message holds the tail of its output).
   """
-  cmd = [str(_MPIEXEC), "-n", str(1 + case.num_vws), str(_PYTHON), "-m", "mpi4py", str(pathlib.Path(__file__)),
+  cmd = [str(_MPIEXEC), "-n", str(1 + case.num_vws), str(_PYTHON), "-m", "mpi4py", "-m", "hetpipe_jax.train",
          "--config=experiments/configs/tiny.py", f"--workdir={workdir}",
          f"--config.num_virtual_workers={case.num_vws}", f"--config.num_stages={case.num_stages}",
          "--config.partition=", f"--config.num_inflight={case.num_inflight}",
          f"--config.staleness_bound={case.staleness_bound}", f"--config.emulate_stage_ms={case.stage_ms}",
          f"--config.num_minibatches={minibatches}", "--config.progress=False", "--config.check_counts=False",
          f"--config.data_dir={data_dir}", *extra_flags]
-  env = dict(os.environ, PYTHONPATH=str(REPO), **{_JOB_ENV: "1"})
+  env = dict(os.environ, PYTHONPATH=str(REPO))
   t0 = time.perf_counter()
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
   wall = time.perf_counter() - t0
@@ -273,8 +229,9 @@ def measure(case: Case, minibatches: int, warmup_waves: int, data_dir: pathlib.P
             timeout_s: int) -> dict:
   """The runtime's :func:`rates` for ``case`` on the VWs' common clock (the same rules as :func:`predict`)."""
   records, summary, wall = run_job(case, minibatches, data_dir, workdir, timeout_s)
-  completions = completion_times_by_vw(records, case.num_vws, common_clock=True)
   stats = summary["per_vw"]
+  starts = [stats[str(v)]["start_unix_s"] for v in range(case.num_vws)]
+  completions = completion_times_by_vw(records, case.num_vws, start_unix_s=starts)
   return {**rates(completions, case.num_inflight, warmup_waves), "job_wall_s": wall,
           "first_completion_skew_s": max(c[0] for c in completions) - min(c[0] for c in completions),
           "wait_s": [stats[str(v)]["wait_s"] for v in range(case.num_vws)],
@@ -338,19 +295,25 @@ def main(argv):
   root = pathlib.Path(_RUNS_DIR.value or tempfile.mkdtemp(prefix="validate_engine_", dir="/tmp"))
   root.mkdir(parents=True, exist_ok=True)
   data_dir = testing_data.write_synthetic_fashion_mnist(root / "data", 2048, 64)
-  cases = [c for c in CASES if (c.name in _CASES.value if _CASES.value else c.in_quick or not _QUICK.value)]
+  length = "smoke" if _SMOKE.value else "quick" if _QUICK.value else "full"
+  if _SMOKE.value:
+    if _CASES.value:
+      raise app.UsageError("--smoke runs only the SMOKE case; drop --cases")
+    cases = [SMOKE]
+  else:
+    cases = [c for c in CASES if (c.name in _CASES.value if _CASES.value else c.in_quick or not _QUICK.value)]
   unknown = set(_CASES.value) - {c.name for c in CASES}
   if unknown:
     raise app.UsageError(f"unknown --cases {sorted(unknown)}; known: {[c.name for c in CASES]}")
   latency = {"send_ms": 0.0, "push_ms": 0.0, "pull_ms": 0.0}
-  if _LATENCY.value:
+  if _LATENCY.value and not _SMOKE.value:
     records, _, _ = run_job(PROBE, PROBE_MINIBATCHES, data_dir, root / PROBE.name, _TIMEOUT_S.value)
     latency = latency_from_probe(records)
     logging.info("latency probe: %s", latency)
   rows = []
   for case in cases:
     w = case_warmup_waves(case, warmup)
-    m = num_minibatches(case, _QUICK.value, w)
+    m = num_minibatches(case, length, w)
     predicted = predict(case, m, w, latency["send_ms"], latency["push_ms"], latency["pull_ms"])
     predicted["no_latency_total_mb_per_s"] = predict(case, m, w)["total_mb_per_s"]
     measured = measure(case, m, w, data_dir, root / case.name, _TIMEOUT_S.value)
@@ -363,7 +326,7 @@ def main(argv):
                  predicted["total_mb_per_s"], measured["total_mb_per_s"], row["error_pct"], measured["job_wall_s"])
   tol = _TOLERANCE.value
   result = {
-      "quick": _QUICK.value, "warmup_waves": warmup, "tolerance_pct": tol, "latency": latency,
+      "mode": length, "quick": _QUICK.value, "warmup_waves": warmup, "tolerance_pct": tol, "latency": latency,
       "num_pass": sum(abs(r["error_pct"]) <= tol for r in rows), "num_cases": len(rows),
       "max_abs_error_pct": max(abs(r["error_pct"]) for r in rows),
       "total_wall_s": time.perf_counter() - wall0, "rows": rows,
@@ -379,38 +342,5 @@ def main(argv):
   print(text)
 
 
-# ------------------------------------------------------------------------------------------------ job mode
-def _stamp_vw_start() -> None:
-  """Makes every VW add its run's start (``time.perf_counter()``, CLOCK_MONOTONIC: one clock for all processes on
-  the machine) to its minibatch records as ``vw_start_perf_counter_s``, so the VWs' times can share one axis."""
-  from hetpipe_jax import pipeline
-  run = pipeline.VirtualWorker.run
-
-  def run_with_start(self, num_minibatches):
-    stats = run(self, num_minibatches)
-    for rec in self.records:
-      rec.vw_start_perf_counter_s = self._t0  # pylint: disable=protected-access
-    return stats
-
-  pipeline.VirtualWorker.run = run_with_start
-
-
-def _job_main() -> None:
-  """One MPI rank of the job: exactly ``python -m hetpipe_jax.train``, plus :func:`_stamp_vw_start` (installed once
-  ``train`` has set the platform, before jax is imported by the pipeline)."""
-  from hetpipe_jax import train
-  set_platform = train._set_platform  # pylint: disable=protected-access
-
-  def set_platform_and_stamp(config):
-    set_platform(config)
-    _stamp_vw_start()
-
-  train._set_platform = set_platform_and_stamp  # pylint: disable=protected-access
-  app.run(train.main)
-
-
 if __name__ == "__main__":
-  if os.environ.get(_JOB_ENV):
-    _job_main()
-  else:
-    app.run(main)
+  app.run(main)

@@ -335,7 +335,8 @@ class Engine:
   def _report(self, num_events: int, wall_s: float) -> EngineReport:
     nm = self.config.num_inflight
     makespan = max(vw.completions[-1] for vw in self.vws)
-    per_vw, total_steady, window = engine_report.steady_rates([vw.completions for vw in self.vws], nm)
+    per_vw, total_steady, window = engine_report.steady_rates([vw.completions for vw in self.vws], nm,
+                                                              warmup_waves=1)
     total_plain = sum(vw.total for vw in self.vws) / makespan if makespan > 0 else float("inf")
     if total_steady != total_steady:  # NaN: no common steady window
       total_steady = total_plain

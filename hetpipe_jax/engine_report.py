@@ -126,21 +126,38 @@ def json_safe(x):
   return x
 
 
-def steady_rates(completion_times: Sequence[Sequence[float]], num_inflight: int
+def steady_rates(completion_times: Sequence[Sequence[float]], num_inflight: int, warmup_waves: int = 1
                  ) -> tuple[list[float], float, tuple[float, float]]:
-  """Steady-state rates from every VW's minibatch completion times (sorted, seconds).
+  """Steady-state rates from every VW's minibatch completion times: the one steady-state rule (engine and runtime).
+
+  Each VW's first ``warmup_waves`` waves (``warmup_waves * num_inflight`` minibatches) are the warm-up; its steady
+  state runs from the end of its warm-up (the completion of minibatch ``warmup_waves * num_inflight - 1``) to its
+  last completion. The common window runs from the latest warm-up end to the earliest last completion.
+
+  Args:
+    completion_times: per VW, its completion times in seconds, sorted, on one clock shared by all VWs.
+    num_inflight: Nm (minibatches per wave).
+    warmup_waves: waves per VW left out (>= 1; 1, the engine report's: the window starts at the end of the first
+      wave).
 
   Returns:
-    ``(per-VW minibatches/s between its first and last wave end, total minibatches/s inside the common window,
-    (window start, window end))``; the common window runs from the latest first-wave end to the earliest last
-    completion. Per-VW rates are NaN with a single wave; the total is NaN when the window is empty.
+    ``(per-VW minibatches/s after its warm-up, total minibatches/s of all VWs' completions inside the common window,
+    (window start, window end))``. A per-VW rate is NaN when no minibatch is left after its warm-up; the total is NaN
+    when the window is empty (``(nan, nan)`` when some VW has fewer than ``warmup_waves`` waves).
+
+  Raises:
+    ValueError: ``warmup_waves < 1``.
   """
+  if warmup_waves < 1:
+    raise ValueError(f"warmup_waves must be >= 1, got {warmup_waves}")
+  k = warmup_waves * num_inflight
   per_vw = []
   for times in completion_times:
-    first = times[num_inflight - 1]
-    n = len(times) - num_inflight
-    per_vw.append(n / (times[-1] - first) if n > 0 and times[-1] > first else float("nan"))
-  start = max(t[num_inflight - 1] for t in completion_times)
+    n = len(times) - k
+    per_vw.append(n / (times[-1] - times[k - 1]) if n > 0 and times[-1] > times[k - 1] else float("nan"))
+  if any(len(t) < k for t in completion_times):
+    return per_vw, float("nan"), (float("nan"), float("nan"))
+  start = max(t[k - 1] for t in completion_times)
   end = min(t[-1] for t in completion_times)
   if end <= start:
     return per_vw, float("nan"), (start, end)

@@ -1,11 +1,12 @@
 """Benchmarks the exact DP partitioner on the paper's setting and prints JSON.
 
-  .venv/bin/python scripts/bench_partitioner.py
+  .venv/bin/python scripts/bench_partitioner.py [--quick]
 
 Cases: ResNet-152 (53 layers: stem, 50 bottleneck blocks, pool, dense; batch 32) on one virtual worker of four
 different GPUs (TITAN V, TITAN RTX, RTX 2060, P4000; the DP covers all 24 orderings), and on one virtual worker of
 all 16 hetpipe_paper GPUs; VGG-19 likewise; and full NP/ED/HD/auto plans. Times are wall-clock seconds (median
-of repeats). Targets (issue #3): 4 GPUs <= 1 s, 16 GPUs <= 10 s.
+of repeats). Targets (issue #3): 4 GPUs <= 1 s, 16 GPUs <= 10 s. ``--quick`` (CI smoke, seconds): the same cases,
+one repeat each.
 """
 
 from __future__ import annotations
@@ -17,25 +18,31 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from absl import app, flags  # pylint: disable=wrong-import-position
 from bench_util import timed  # pylint: disable=wrong-import-position
 
 from hetpipe_jax import cluster as cluster_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from hetpipe_jax import cost_model, partitioner, planner, profile_format  # pylint: disable=wrong-import-position
 
 
-def main():
+_QUICK = flags.DEFINE_bool("quick", False, "One repeat per case (a seconds-long smoke run; timings are noisier).")
+
+
+def main(argv):
+  del argv
+  quick = _QUICK.value
   paper = cluster_lib.load_cluster("hetpipe_paper")
   gpus = paper.gpus()
   one_each = tuple(gpus[i] for i in (0, 4, 8, 12))
-  results = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count()}, "cases": []}
+  results = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count()}, "quick": quick, "cases": []}
   for model in ("resnet152_imagenet", "vgg19_imagenet"):
     prof = profile_format.load_profile(profile_format.default_profile_path(model, 32, "cpu", False))
-    t_costs, costs = timed(lambda prof=prof: cost_model.build_stage_costs(prof, paper), 3)
+    t_costs, costs = timed(lambda prof=prof: cost_model.build_stage_costs(prof, paper), 1 if quick else 3)
     for name, vw, repeats in (("4 different GPUs (VRGQ), all orderings", one_each, 5),
                               ("16 GPUs (4 types x 4 nodes), exact", tuple(gpus), 3)):
       for nm in (1, 4):
         problem = partitioner.PartitionProblem(costs, vw, nm)
-        t, part = timed(lambda problem=problem: partitioner.partition_dp(problem), repeats)
+        t, part = timed(lambda problem=problem: partitioner.partition_dp(problem), 1 if quick else repeats)
         results["cases"].append({
             "model": model, "num_layers": prof.num_layers, "case": name, "num_inflight": nm,
             "dp_seconds": round(t, 4), "build_costs_seconds": round(t_costs, 4),
@@ -51,4 +58,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

@@ -1,6 +1,7 @@
 """Runtime benchmarks (prints JSON): host overhead per task, and emulated-VW throughput vs the engine.
 
   .venv/bin/python scripts/bench_runtime.py [--minibatches=200] [--emulated_minibatches=60] [--stage_ms=40,80,60,50]
+  .venv/bin/python scripts/bench_runtime.py --quick  # CI smoke (seconds): 2 + 3 waves, 20 launch repeats
 
 * ``host_overhead_us_per_task``: scheduler + dispatch time per task (the VW loop's time outside sleeps divided by
   tasks), with trivial stage functions (the tiny MLP at batch 1, 4 stages on 4 CPU devices). Goal <= 100 µs.
@@ -28,6 +29,8 @@ _MINIBATCHES = flags.DEFINE_integer("minibatches", 200, "Minibatches per measure
 _NUM_INFLIGHT = flags.DEFINE_integer("num_inflight", 4, "Nm.")
 _EMULATED_MINIBATCHES = flags.DEFINE_integer("emulated_minibatches", 60,
                                              "Minibatches of the emulated-VW measurement (a multiple of Nm).")
+_QUICK = flags.DEFINE_bool("quick", False, "A seconds-long smoke run: --minibatches=2 Nm, --emulated_minibatches=3 Nm "
+                           "(one wave after the warm-up wave: noisy) and 20 launch repeats.")
 _STAGE_MS = flags.DEFINE_list("stage_ms", ["40", "80", "60", "50"],
                               "Emulated per-stage ms of the 4-stage VW (half forward, half backward: every task of "
                               "a non-last stage lasts half its stage time, so >= 40 ms keeps every task >= 20 ms).")
@@ -133,11 +136,15 @@ def launch_costs(repeats: int = 300) -> dict:
 def main(argv):
   del argv
   from hetpipe_jax import testing_data
-  data_dir = testing_data.write_synthetic_fashion_mnist(tempfile.mkdtemp(prefix="bench_runtime_"), 2048, 64)
-  result = {"host_overhead": host_overhead(data_dir, _MINIBATCHES.value, _NUM_INFLIGHT.value),
-            "single_thread_launch": launch_costs(),
-            "emulated_vs_engine": emulated_vs_engine(data_dir, _EMULATED_MINIBATCHES.value, _NUM_INFLIGHT.value,
-                                                     _STAGE_MS.value)}
+  nm = _NUM_INFLIGHT.value
+  quick = _QUICK.value
+  minibatches, emulated = (2 * nm, 3 * nm) if quick else (_MINIBATCHES.value, _EMULATED_MINIBATCHES.value)
+  with tempfile.TemporaryDirectory(prefix="bench_runtime_") as tmp:
+    data_dir = testing_data.write_synthetic_fashion_mnist(tmp, 2048, 64)
+    result = {"quick": quick,
+              "host_overhead": host_overhead(data_dir, minibatches, nm),
+              "single_thread_launch": launch_costs(20 if quick else 300),
+              "emulated_vs_engine": emulated_vs_engine(data_dir, emulated, nm, _STAGE_MS.value)}
   print(json.dumps(result, indent=2))
 
 

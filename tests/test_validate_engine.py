@@ -1,4 +1,5 @@
-"""Engine validation script helpers: steady-state rules match the engine report's, cases are well-formed."""
+"""The one steady-state rule (``engine_report.steady_rates``), as the engine and the validation script use it; the
+script's helpers and cases."""
 
 import math
 
@@ -8,35 +9,75 @@ from experiments import validate_engine as ve
 from hetpipe_jax import engine, engine_report, task_times
 
 
-def test_steady_rules_with_one_warmup_wave_are_the_engine_reports():
+def test_steady_rates_default_is_the_engine_reports_and_the_validation_uses_it():
   times = [task_times.uniform_task_times([60, 120]), task_times.uniform_task_times([120, 60])]
   report = engine.run(times, engine.EngineConfig(num_waves=8, num_inflight=2, staleness_bound=1))
   completions = ve.completion_times_by_vw([r.__dict__ for r in report.minibatch_records], 2)
   per_vw, total, window = engine_report.steady_rates(completions, 2)
-  assert [ve.steady_rate(c, 2, 1) for c in completions] == pytest.approx(per_vw, rel=1e-12)
-  got_total, got_window = ve.steady_total(completions, 2, 1)
-  assert got_total == pytest.approx(total, rel=1e-12)
-  assert got_window == pytest.approx(window)
-  assert got_total == pytest.approx(report.total_minibatches_per_s, rel=1e-12)
+  assert per_vw == pytest.approx([v.minibatches_per_s for v in report.vws], rel=1e-12)
+  assert total == pytest.approx(report.total_minibatches_per_s, rel=1e-12)
+  assert window == pytest.approx(report.steady_window_s)
+  assert engine_report.steady_rates(completions, 2, warmup_waves=1) == (per_vw, total, window)
+  got = ve.rates(completions, 2, 1)
+  assert got["per_vw_mb_per_s"] == per_vw and got["total_mb_per_s"] == total and not got["total_is_sum_of_per_vw"]
+  assert got["steady_window_s"] == list(window)
 
 
-def test_steady_rate_skips_warmup_waves():
+def test_steady_rates_skip_warmup_waves_per_vw():
   # Wave 0 and 1 slow (compilation), then one minibatch every 0.1 s.
   times = [5.0, 5.1, 9.0, 9.1] + [9.1 + 0.1 * i for i in range(1, 9)]
-  assert ve.steady_rate(times, 2, 2) == pytest.approx(10.0)
-  assert ve.steady_rate(times, 2, 1) < 3.0
-  assert math.isnan(ve.steady_rate(times[:4], 2, 2))
+  rate = lambda w: engine_report.steady_rates([times], 2, warmup_waves=w)[0][0]  # noqa: E731
+  assert rate(2) == pytest.approx(10.0)
+  assert rate(1) < 3.0
+  assert math.isnan(engine_report.steady_rates([times[:4]], 2, warmup_waves=2)[0][0])
   with pytest.raises(ValueError, match="warmup_waves"):
-    ve.steady_rate(times, 2, 0)
+    engine_report.steady_rates([times], 2, warmup_waves=0)
+
+
+def test_steady_rates_total_window_starts_at_the_latest_warmup_end():
+  # Nm = 1: a wave is one minibatch. VW 0's warm-up ends at 5 (two waves) or 1 (one); VW 1's at 6 or 2.
+  completions = [[1.0, 5.0, 6.0, 7.0, 8.0], [2.0, 6.0, 6.5, 7.0, 7.5, 8.5]]
+  per_vw, total, window = engine_report.steady_rates(completions, 1, warmup_waves=2)
+  assert per_vw == pytest.approx([3 / 3.0, 4 / 2.5])
+  assert window == (6.0, 8.0) and total == pytest.approx(5 / 2.0)  # (6, 8]: 7, 8 and 6.5, 7, 7.5
+  per_vw, total, window = engine_report.steady_rates(completions, 1)
+  assert per_vw == pytest.approx([4 / 7.0, 5 / 6.5])
+  assert window == (2.0, 8.0) and total == pytest.approx(8 / 6.0)
+  per_vw, total, window = engine_report.steady_rates(completions, 1, warmup_waves=5)  # VW 0 has nothing left
+  assert math.isnan(per_vw[0]) and per_vw[1] == pytest.approx(1.0) and math.isnan(total) and window == (8.0, 8.0)
+  per_vw, total, window = engine_report.steady_rates(completions, 1, warmup_waves=6)  # VW 0 is still warming up
+  assert all(math.isnan(x) for x in (*per_vw, total, *window))
+  got = ve.rates(completions, 1, 5)
+  assert got["total_is_sum_of_per_vw"] and math.isnan(got["total_mb_per_s"])
+  with pytest.raises(ValueError, match="warmup_waves"):
+    engine_report.steady_rates(completions, 1, warmup_waves=-1)
 
 
 def test_common_clock_shifts_each_vw_by_its_start():
-  records = [{"vw_id": v, "minibatch_id": p, "complete_time_s": 1.0 + p, "vw_start_perf_counter_s": 100.0 + 0.5 * v}
-             for v in range(2) for p in range(3)]
-  assert ve.completion_times_by_vw(records, 2, common_clock=True) == [[1.0, 2.0, 3.0], [1.5, 2.5, 3.5]]
+  records = [{"vw_id": v, "minibatch_id": p, "complete_time_s": 1.0 + p} for v in range(2) for p in range(3)]
+  starts = [1.7e9 + 0.5, 1.7e9]
+  assert ve.completion_times_by_vw(records, 2, start_unix_s=starts) == [[1.5, 2.5, 3.5], [1.0, 2.0, 3.0]]
   assert ve.completion_times_by_vw(records, 2) == [[1.0, 2.0, 3.0]] * 2
   with pytest.raises(ValueError, match="minibatch ids"):
     ve.completion_times_by_vw(records[1:], 2)
+  with pytest.raises(ValueError, match="start_unix_s"):
+    ve.completion_times_by_vw(records, 2, start_unix_s=starts[:1])
+
+
+def test_run_job_launches_the_plain_entry_point(monkeypatch, tmp_path):
+  calls = []
+
+  def fake_run(cmd, **kwargs):
+    calls.append((cmd, kwargs))
+    raise RuntimeError("stop")
+
+  monkeypatch.setattr(ve.subprocess, "run", fake_run)
+  with pytest.raises(RuntimeError, match="stop"):
+    ve.run_job(ve.SMOKE, 8, tmp_path, tmp_path / "w", 10)
+  (cmd, kwargs), = calls
+  assert cmd[cmd.index("mpi4py") - 1:cmd.index("mpi4py") + 3] == ["-m", "mpi4py", "-m", "hetpipe_jax.train"]
+  assert "-n" in cmd and cmd[cmd.index("-n") + 1] == "3"
+  assert kwargs["env"]["PYTHONPATH"] == str(ve.REPO)
 
 
 def test_cases_cover_the_asked_ranges_with_tasks_of_at_least_20_ms():
@@ -52,7 +93,7 @@ def test_cases_cover_the_asked_ranges_with_tasks_of_at_least_20_ms():
     for r in rows:
       tt = task_times.uniform_task_times(r)
       assert min(tt.forward_s + tt.backward_s + (tt.forward_backward_s,)) >= 0.020 - 1e-12, c.name
-    m = ve.num_minibatches(c, True, 3)
+    m = ve.num_minibatches(c, "quick", 3)
     assert m % c.num_inflight == 0 and m // c.num_inflight >= 3 + 3
     assert math.isfinite(ve.predict(c, m, 3)["total_mb_per_s"])
 

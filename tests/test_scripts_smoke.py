@@ -1,0 +1,81 @@
+"""Every entry point under scripts/ and experiments/ runs end to end in its seconds-long mode and prints JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+  """Runs ``python args`` from the repo root as the scripts' users do (no test XLA_FLAGS); fails on a non-zero exit."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = str(REPO)
+  proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+                        check=False)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+  return proc
+
+
+def _finite(*xs) -> bool:
+  return all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in xs)
+
+
+def test_bench_partitioner_quick():
+  out = json.loads(_run(["scripts/bench_partitioner.py", "--quick"], timeout=120).stdout)
+  assert out["quick"] is True
+  cases = out["cases"]
+  assert {c["model"] for c in cases} == {"resnet152_imagenet", "vgg19_imagenet"}
+  dp = [c for c in cases if "dp_seconds" in c]
+  plans = [c for c in cases if "plan_seconds" in c]
+  assert len(dp) == 8 and len(plans) == 8
+  assert all(_finite(c["dp_seconds"], c["max_stage_time_ms"]) and c["max_stage_time_ms"] > 0 for c in dp)
+  assert all(_finite(c["plan_seconds"], c["predicted_total_minibatches_per_s"], c["num_inflight"]) for c in plans)
+
+
+def test_bench_engine_quick():
+  out = json.loads(_run(["scripts/bench_engine.py", "--quick"], timeout=120).stdout)
+  assert out["quick"] is True and len(out["cases"]) == 2
+  for c in out["cases"]:
+    assert c["target_s"] is None and c["meets_target"] is None
+    assert _finite(c["wall_s"], c["us_per_task"], c["simulated_minibatches_per_s"], c["simulated_makespan_s"])
+    assert c["num_tasks"] > 0 and c["simulated_minibatches_per_s"] > 0
+    assert c["max_clock_distance"] <= c["staleness_bound"] + 1
+
+
+def test_bench_runtime_quick():
+  out = json.loads(_run(["scripts/bench_runtime.py", "--quick"], timeout=180).stdout)
+  assert out["quick"] is True
+  host = out["host_overhead"]
+  assert host["num_tasks"] > 0 and _finite(host["host_overhead_us_per_task"], host["wall_us_per_task"])
+  assert _finite(*out["single_thread_launch"].values())
+  emulated = out["emulated_vs_engine"]
+  assert _finite(emulated["measured_mb_per_s"], emulated["predicted_mb_per_s"], emulated["ratio"])
+  assert emulated["num_minibatches"] == 3 * emulated["num_inflight"] and emulated["ratio"] > 0
+
+
+@pytest.mark.mpi
+def test_validate_engine_smoke(tmp_path):
+  output = tmp_path / "validation.json"
+  proc = _run(["experiments/validate_engine.py", "--smoke", f"--output={output}", f"--runs_dir={tmp_path / 'runs'}",
+               "--timeout_s=150"], timeout=180)
+  result = json.loads(output.read_text())
+  assert result["mode"] == "smoke" and result["num_cases"] == 1 and len(result["rows"]) == 1
+  assert set(result) >= {"warmup_waves", "tolerance_pct", "latency", "num_pass", "max_abs_error_pct", "total_wall_s"}
+  (row,) = result["rows"]
+  assert row["case"]["num_vws"] == 2 and row["warmup_waves"] >= 1
+  nm = row["case"]["num_inflight"]
+  assert row["num_minibatches_per_vw"] % nm == 0 and row["num_minibatches_per_vw"] > nm * row["warmup_waves"]
+  for side in ("predicted", "measured"):
+    rates = row[side]
+    assert _finite(rates["total_mb_per_s"], *rates["per_vw_mb_per_s"], *rates["steady_window_s"]), side
+    assert rates["total_mb_per_s"] > 0 and not rates["total_is_sum_of_per_vw"], side
+  assert _finite(row["error_pct"], *row["per_vw_error_pct"], row["measured"]["job_wall_s"])
+  assert row["case"]["name"] in proc.stdout  # the table
