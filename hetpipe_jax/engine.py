@@ -13,10 +13,16 @@ push and pull), and one :class:`wsp.ParameterServerState` for the PS. Only time 
   sends the wave's push, which arrives at the PS ``push_s`` later, and (``pull_every_wave``) a non-waiting pull
   request;
 * a pull request is a tiny message on the same ordered channel as the VW's pushes, so it reaches the PS no earlier
-  than the VW's last push; the PS answers it once ``can_serve_pull``; the reply (the global weights) arrives
-  ``pull_s`` later and is installed (``VWSyncState.on_pull_reply``);
-* a minibatch is injected when ``PipelineRules.can_inject()`` and ``VWSyncState.injection_gate()`` allow it,
-  re-checked whenever either can change (a minibatch completes, a pull reply arrives).
+  than the VW's last push; the PS answers it at once or keeps it pending (``ParameterServerState.request_pull``,
+  then ``serve_pending_pulls`` after each push that advances the global clock, in arrival order); the reply (the
+  global weights) arrives ``pull_s`` later and is installed (``VWSyncState.on_pull_reply``);
+* minibatches are injected by ``wsp.injection_step`` (Nm in flight, the run's length, the WSP gate and the pull
+  it requests), re-run whenever its inputs can change (a minibatch completes, a pull reply arrives).
+
+The engine is the one driver of every VW's :class:`wsp.VWSyncState` (``on_minibatch_complete``, ``on_pull_reply``
+and, through ``injection_step``, ``injection_gate``): each transition happens once, here, and the hooks are told
+its outcome (``on_wave_end``, ``on_pull_reply``). In virtual time the engine is handed the ``VirtualWorker``s' own
+state objects (``sync_states``), so each VW has one state, which the engine advances and the hooks only read.
 
 Optional link contention (``ps_link_contention``): every push and every pull reply crosses one shared link at the
 PS (its node's NIC), one transfer at a time in request order, so PS traffic serialises; pipeline sends stay part of
@@ -27,8 +33,9 @@ virtual time, ties in the order they were created. Within one event:
 
 1. t = 0, per VW in order: ``on_inject`` for each minibatch injected, then ``on_task_start`` per stage started
    (stage order).
-2. A task ends: ``on_minibatch_complete(vw_id, minibatch_id, t)`` if it completes its minibatch (the wave's push
-   and any pull request are sent right after it); then ``on_inject(vw_id, minibatch_id, t)`` per injection; then
+2. A task ends: ``on_minibatch_complete(vw_id, minibatch_id, t)`` if it completes its minibatch, then
+   ``VWSyncState.on_minibatch_complete``; if that ends a wave, ``on_wave_end(vw_id, wave_id, t)`` and the wave's
+   push is sent; then any pull request is sent; then ``on_inject(vw_id, minibatch_id, t)`` per injection; then
    ``on_task_start(vw_id, task, t)`` per stage that starts a task (stage order).
 3. A push arrives at the PS: ``on_push(vw_id, wave_id, t_arrival)``, then the PS applies it
    (``ParameterServerState.push``) and answers the pulls it can now serve.
@@ -52,7 +59,7 @@ from hetpipe_jax.task_times import VWTaskTimes
 _TASK_END, _PUSH_ARRIVAL, _PULL_REQUEST, _PULL_REPLY = 0, 1, 2, 3
 _BACKWARD = TaskKind.BACKWARD
 _FORWARD = TaskKind.FORWARD
-_HOOK_NAMES = ("on_inject", "on_task_start", "on_minibatch_complete", "on_push", "on_pull_reply")
+_HOOK_NAMES = ("on_inject", "on_task_start", "on_minibatch_complete", "on_wave_end", "on_push", "on_pull_reply")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +99,14 @@ class _VW:
                "started", "busy_s", "num_tasks", "active", "idle_since", "idle_s", "wait_since", "wait_s",
                "completions", "version_id", "num_pushes", "num_pulls", "last_push_arrival", "records")
 
-  def __init__(self, vw_id: int, times: VWTaskTimes, config: EngineConfig):
+  def __init__(self, vw_id: int, times: VWTaskTimes, config: EngineConfig, sync: wsp.VWSyncState | None):
     s_count = times.num_stages
     self.vw_id = vw_id
     self.times = times
     self.rules = schedule.PipelineRules(s_count, config.num_inflight)
-    self.sync = wsp.VWSyncState(config.num_inflight, config.staleness_bound, config.pull_every_wave)
+    if sync is None:
+      sync = wsp.VWSyncState(config.num_inflight, config.staleness_bound, config.pull_every_wave)
+    self.sync = sync
     self.num_stages = s_count
     self.total = config.num_waves * config.num_inflight
     # Per stage: duration of its forward (FB on the last stage) and of its backward task.
@@ -124,26 +133,49 @@ class _VW:
     self.records: dict[int, MinibatchRecord] = {}
 
 
+def _check_sync_states(sync_states: Sequence[wsp.VWSyncState], num_vws: int, config: EngineConfig) -> None:
+  """Raises ValueError unless ``sync_states`` holds ``num_vws`` fresh states with ``config``'s Nm, D and pulls."""
+  if len(sync_states) != num_vws:
+    raise ValueError(f"sync_states has {len(sync_states)} entries for {num_vws} virtual workers")
+  want = (config.num_inflight, config.staleness_bound, config.pull_every_wave)
+  for v, sync in enumerate(sync_states):
+    got = (sync.num_inflight, sync.staleness_bound, sync.pull_every_wave)
+    if got != want:
+      raise ValueError(f"sync_states[{v}] has (num_inflight, staleness_bound, pull_every_wave) = {got}; the "
+                       f"engine config has {want}")
+    if sync.local_clock or sync.weights_global_clock or sync.pull_required is not None:
+      raise ValueError(f"sync_states[{v}] is not fresh (local clock {sync.local_clock}, weights global clock "
+                       f"{sync.weights_global_clock}, pull outstanding {sync.pull_required})")
+
+
 class Engine:
   """Runs ``task_times`` (one entry per VW) under ``config``; see the module docstring.
 
   Args:
     task_times: per VW its task and PS-transfer durations.
     config: what to run.
-    hooks: optional object with any of ``on_inject``, ``on_task_start``, ``on_minibatch_complete``, ``on_push``,
-      ``on_pull_reply`` (signatures and order in the module docstring).
+    hooks: optional object with any of ``on_inject``, ``on_task_start``, ``on_minibatch_complete``,
+      ``on_wave_end``, ``on_push``, ``on_pull_reply`` (signatures and order in the module docstring).
     gpu_ids: per VW, per stage, a GPU name for the report (default ``"vw<v>/s<s>"``).
+    sync_states: per VW, the fresh :class:`wsp.VWSyncState` to drive (virtual time passes its VirtualWorkers'
+      own, so each VW has one); default: the engine makes them from ``config``.
 
   Raises:
-    ValueError: no VWs, or ``gpu_ids`` of the wrong shape.
+    ValueError: no VWs, ``gpu_ids`` of the wrong shape, or ``sync_states`` of the wrong length, not fresh, or
+      with Nm, D or ``pull_every_wave`` other than ``config``'s.
   """
 
   def __init__(self, task_times: Sequence[VWTaskTimes], config: EngineConfig, hooks: Any = None,
-               gpu_ids: Sequence[Sequence[str]] | None = None):
+               gpu_ids: Sequence[Sequence[str]] | None = None,
+               sync_states: Sequence[wsp.VWSyncState] | None = None):
     if not task_times:
       raise ValueError("task_times is empty: need at least one virtual worker")
     self.config = config
-    self.vws = [_VW(v, t, config) for v, t in enumerate(task_times)]
+    if sync_states is None:
+      sync_states = [None] * len(task_times)
+    else:
+      _check_sync_states(sync_states, len(task_times), config)
+    self.vws = [_VW(v, t, config, sync) for v, (t, sync) in enumerate(zip(task_times, sync_states))]
     if gpu_ids is None:
       gpu_ids = [[f"vw{v}/s{s}" for s in range(w.num_stages)] for v, w in enumerate(self.vws)]
     if len(gpu_ids) != len(self.vws) or any(len(g) != w.num_stages for g, w in zip(gpu_ids, self.vws)):
@@ -153,7 +185,6 @@ class Engine:
     self.hooks = {name: getattr(hooks, name, None) for name in _HOOK_NAMES}
     self._heap: list = []
     self._seq = 0
-    self._pending_pulls: dict[int, int] = {}  # vw -> required global clock, in arrival order
     self._ps_link_free = 0.0
     self._task_events: list = []
     self._ps_waits: list[tuple[int, float, float]] = []
@@ -182,40 +213,34 @@ class Engine:
   def _send_pull_reply(self, v: int, t: float) -> None:
     self._push_event(self._ps_transfer_arrival(t, self.vws[v].times.pull_s), _PULL_REPLY, v, self.ps.global_clock)
 
-  def _serve_pulls(self, t: float) -> None:
-    """Answers every pending pull the global clock now allows, in the order the requests arrived."""
-    can_serve = self.ps.can_serve_pull
-    for v, required in list(self._pending_pulls.items()):
-      if can_serve(required):
-        del self._pending_pulls[v]
-        self._send_pull_reply(v, t)
-
   def _try_inject(self, vw: _VW, t: float) -> None:
-    rules, sync = vw.rules, vw.sync
-    on_inject = self.hooks["on_inject"]
-    while rules.num_injected < vw.total and rules.can_inject():
-      allowed, pull = sync.injection_gate()
-      if pull is not None:
-        self._request_pull(vw, pull, t)
-      if not allowed:
-        if vw.wait_since is None:
-          vw.wait_since = t
-        return
-      if vw.wait_since is not None:
-        vw.wait_s += t - vw.wait_since
-        if self.config.records:
-          self._ps_waits.append((vw.vw_id, vw.wait_since, t))
-        vw.wait_since = None
-      p = rules.num_injected
-      rules.inject()
-      if vw.active == 0 and vw.idle_since is not None:
-        vw.idle_s += t - vw.idle_since
-        vw.idle_since = None
-      vw.active += 1
+    """Runs the VW's injection step (``wsp.injection_step``) and accounts for its outcome at time ``t``."""
+    injected, pull, waiting = wsp.injection_step(vw.rules, vw.sync, vw.total)
+    if pull is not None:
+      self._request_pull(vw, pull, t)
+    if waiting:
+      if vw.wait_since is None:
+        vw.wait_since = t
+      return
+    if not injected:
+      return
+    if vw.wait_since is not None:
+      vw.wait_s += t - vw.wait_since
       if self.config.records:
+        self._ps_waits.append((vw.vw_id, vw.wait_since, t))
+      vw.wait_since = None
+    if vw.active == 0 and vw.idle_since is not None:
+      vw.idle_s += t - vw.idle_since
+      vw.idle_since = None
+    vw.active += len(injected)
+    on_inject = self.hooks["on_inject"]
+    if self.config.records:
+      rules, sync = vw.rules, vw.sync
+      for p in injected:
         vw.records[p] = MinibatchRecord(vw.vw_id, p, wsp.wave_of(p, rules.num_inflight), sync.local_clock,
                                         vw.version_id, rules.num_completed, sync.weights_global_clock, t)
-      if on_inject is not None:
+    if on_inject is not None:
+      for p in injected:
         on_inject(vw.vw_id, p, t)
 
   def _start_ready(self, vw: _VW, t: float) -> None:
@@ -247,6 +272,9 @@ class Engine:
       hook(vw.vw_id, p, t)
     wave, pull = vw.sync.on_minibatch_complete(p)
     if wave is not None:
+      hook = self.hooks["on_wave_end"]
+      if hook is not None:
+        hook(vw.vw_id, wave, t)
       vw.num_pushes += 1
       arrival = self._ps_transfer_arrival(t, vw.times.push_s)
       vw.last_push_arrival = arrival
@@ -310,12 +338,11 @@ class Engine:
         if hook is not None:
           hook(v, arg, t)
         if self.ps.push(v, arg):
-          self._serve_pulls(t)
+          for w in self.ps.serve_pending_pulls():
+            self._send_pull_reply(w, t)
       elif code == _PULL_REQUEST:
-        if self.ps.can_serve_pull(arg):
+        if self.ps.request_pull(v, arg):
           self._send_pull_reply(v, t)
-        else:
-          self._pending_pulls[v] = arg
       else:  # _PULL_REPLY
         hook = self.hooks["on_pull_reply"]
         if hook is not None:
@@ -329,7 +356,7 @@ class Engine:
       if vw.rules.num_completed < vw.total:
         raise RuntimeError(f"[VW {vw.vw_id}] stalled after {vw.rules.num_completed}/{vw.total} minibatches: local "
                            f"clock {vw.sync.local_clock}, weights global clock {vw.sync.weights_global_clock}, "
-                           f"PS global clock {self.ps.global_clock}, pending pulls {self._pending_pulls}")
+                           f"PS global clock {self.ps.global_clock}, pending pulls {self.ps.pending_pulls}")
     return self._report(num_events, time.perf_counter() - wall0)
 
   def _report(self, num_events: int, wall_s: float) -> EngineReport:
@@ -366,6 +393,7 @@ class Engine:
 
 
 def run(task_times: Sequence[VWTaskTimes], config: EngineConfig, hooks: Any = None,
-        gpu_ids: Sequence[Sequence[str]] | None = None) -> EngineReport:
+        gpu_ids: Sequence[Sequence[str]] | None = None,
+        sync_states: Sequence[wsp.VWSyncState] | None = None) -> EngineReport:
   """Builds an :class:`Engine` and runs it (see the module docstring for semantics and hook order)."""
-  return Engine(task_times, config, hooks, gpu_ids).run()
+  return Engine(task_times, config, hooks, gpu_ids, sync_states).run()

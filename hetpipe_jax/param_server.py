@@ -1,7 +1,8 @@
 """The parameter server: global weights updated by whole waves under WSP (HetPipe §5).
 
-Runtime layer (numpy only; the MPI loop lives in :mod:`hetpipe_jax.transport`). The bookkeeping (which waves are
-applied, the global clock) is the pure :class:`hetpipe_jax.wsp.ParameterServerState`; this class adds the tensors.
+Runtime layer (numpy only; the MPI loop lives in :mod:`hetpipe_jax.ps_service`). The bookkeeping (which waves are
+applied, the global clock, pending pulls) is the pure :class:`hetpipe_jax.wsp.ParameterServerState`; this class
+adds the tensors.
 """
 
 from __future__ import annotations
@@ -54,24 +55,28 @@ class ParameterServer:
 class LocalPSClient:
   """In-process client for one VW and an in-process :class:`ParameterServer` (single-process runs and tests).
 
-  Pull requests that the PS cannot serve yet are answered as soon as it can (after later pushes).
+  Pull requests go to the server's :class:`~hetpipe_jax.wsp.ParameterServerState` (answered at once or kept
+  pending); every push through a client lets the state answer the pending pulls it now can, and a VW's answered
+  pull is returned by its next :meth:`poll_pull`, with the global weights current then.
   """
 
   def __init__(self, server: ParameterServer, vw_id: int):
     self.server = server
     self.vw_id = vw_id
-    self._required: int | None = None
+    self._pull_outstanding = False
     self.losses: list[tuple[int, float]] = []
 
   def push(self, wave_id: int, flat_delta: np.ndarray, loss_sum: float, num_minibatches: int) -> None:
     self.server.push(self.vw_id, wave_id, flat_delta)
+    self.server.state.serve_pending_pulls()  # answered pulls leave the pending set; their clients poll them
     self.losses.append((wave_id, loss_sum / max(num_minibatches, 1)))
 
   def request_pull(self, required_clock: int) -> None:
-    self._required = required_clock
+    self.server.state.request_pull(self.vw_id, required_clock)  # answered now, or pending until a push
+    self._pull_outstanding = True
 
-  def poll_pull(self):
-    if self._required is None or not self.server.state.can_serve_pull(self._required):
+  def poll_pull(self) -> tuple[int, np.ndarray] | None:
+    if not self._pull_outstanding or self.vw_id in self.server.state.pending_pulls:
       return None
-    self._required = None
+    self._pull_outstanding = False
     return self.server.snapshot()

@@ -5,7 +5,15 @@ Runtime layer. One :class:`VirtualWorker` per VW. It keeps per-stage FIFO ready 
 (:mod:`hetpipe_jax.stage_executor`), which dispatches it to the stage's device (JAX async dispatch; explicit
 ``device_put`` of the output to the consumer's device) and reports when the output has arrived, and injects new
 minibatches under the local rule (Nm in flight) and the WSP rule of :mod:`hetpipe_jax.wsp`
-(:class:`~hetpipe_jax.wsp.VWSyncState`).
+(:func:`~hetpipe_jax.wsp.injection_step`).
+
+Two parts: the *driver* :meth:`VirtualWorker.run` (the MPI runtime's event loop) makes every rule decision through
+:mod:`hetpipe_jax.schedule` and :mod:`hetpipe_jax.wsp` and is the one caller of the VW's
+:class:`~hetpipe_jax.wsp.VWSyncState` transitions; the *actions* :meth:`~VirtualWorker.inject`,
+:meth:`~VirtualWorker.dispatch`, :meth:`~VirtualWorker.complete_minibatch`, :meth:`~VirtualWorker.end_wave` and
+:meth:`~VirtualWorker.install_pull` carry the decisions out on real tensors and never advance ``sync`` (they only
+read it). In virtual time the event engine is the driver instead: it advances the VW's ``sync`` (the same object)
+and calls the actions from its hooks (:mod:`hetpipe_jax.virtual_time`).
 
 Weight versions: minibatch p is injected with the VW's current :class:`WeightVersion` (immutable per-stage params
 on each stage's device) and uses it on every stage; the weights change only when a minibatch completes, on all
@@ -200,6 +208,7 @@ class VirtualWorker:
           reply = self.ps.poll_pull()
           if reply is not None:
             t = time.perf_counter()
+            self.sync.on_pull_reply(reply[0])
             self.install_pull(*reply)
             stats.sync_s += time.perf_counter() - t
           # 2. Completions (each stage reports in its own order; the queue keeps completion order).
@@ -223,22 +232,25 @@ class VirtualWorker:
             stats.dispatch_s += c.dispatch_s
             if schedule.completes_minibatch(c.task):
               t = time.perf_counter()
-              self.complete_minibatch(inflight.pop(c.task.minibatch_id), c.end_s)
+              p = c.task.minibatch_id
+              self.complete_minibatch(inflight.pop(p), c.end_s)
+              wave, pull = self.sync.on_minibatch_complete(p)
+              if wave is not None:
+                self.end_wave(wave)
+              if pull is not None:
+                self.ps.request_pull(pull)
               stats.update_s += time.perf_counter() - t
           # 3. Injection under the local rule and WSP.
-          while rules.can_inject() and rules.num_injected < num_minibatches:
-            allowed, pull = self.sync.injection_gate()
-            if pull is not None:
-              self.ps.request_pull(pull)
-            if not allowed:
-              if wait_since is None:
-                wait_since = time.perf_counter()
-              break
-            if wait_since is not None:
-              stats.wait_s += time.perf_counter() - wait_since
-              wait_since = None
-            p = rules.num_injected
-            rules.inject()
+          injected, pull, waiting = wsp.injection_step(rules, self.sync, num_minibatches)
+          if pull is not None:
+            self.ps.request_pull(pull)
+          if waiting:
+            if wait_since is None:
+              wait_since = time.perf_counter()
+          elif injected and wait_since is not None:
+            stats.wait_s += time.perf_counter() - wait_since
+            wait_since = None
+          for p in injected:
             t = time.perf_counter()
             inflight[p] = self.inject(p, t - t0)
             stats.inject_s += time.perf_counter() - t
@@ -320,7 +332,11 @@ class VirtualWorker:
     return g
 
   def complete_minibatch(self, mb: InFlightMinibatch, now: float) -> None:
-    """Applies minibatch p's update on every stage (a new weight version) and ends the wave if p is its last."""
+    """Applies minibatch p's update on every stage (a new weight version) and adds it to the wave's delta.
+
+    An action: the driver then advances ``sync`` (``on_minibatch_complete``) and, at a wave end, calls
+    :meth:`end_wave`.
+    """
     new_params, new_states, new_deltas = [], [], []
     for s, st in enumerate(self.stages):
       p, o, d = st.update(self.version.params[s], self.opt_states[s], mb.grads[s], self.wave_delta[s])
@@ -333,13 +349,13 @@ class VirtualWorker:
     rec = mb.record
     rec.complete_time_s = now
     self._wave_losses.append((rec, mb.loss))  # read back once per wave, not once per minibatch
-    wave, pull = self.sync.on_minibatch_complete(rec.minibatch_id)
-    if wave is not None:
-      self._end_wave(wave)
-    if pull is not None:
-      self.ps.request_pull(pull)
 
-  def _end_wave(self, wave_id: int) -> None:
+  def end_wave(self, wave_id: int) -> None:
+    """Pushes wave ``wave_id``'s summed delta and losses to the PS and keeps the delta until the PS holds it.
+
+    Raises:
+      FloatingPointError: a loss of the wave is NaN or Inf.
+    """
     host, losses = jax.device_get((self.wave_delta, [loss for _, loss in self._wave_losses]))
     loss_sum = 0.0
     for (rec, _), loss in zip(self._wave_losses, losses):
@@ -358,16 +374,23 @@ class VirtualWorker:
     self.wave_delta = list(self._zeros)
 
   def install_pull(self, global_clock: int, flat: np.ndarray) -> None:
-    """Local weights := pulled global weights + own completed updates the global weights do not hold yet."""
-    self.sync.on_pull_reply(global_clock)
+    """Local weights := pulled global weights + own updates the global weights do not hold yet.
+
+    The own waves kept are :func:`hetpipe_jax.wsp.own_waves_after_pull`'s, then the current partial wave. An
+    action: the driver calls ``sync.on_pull_reply``.
+
+    Args:
+      global_clock: the pulled weights' global clock.
+      flat: the pulled global weights, float32 ``[num_params]``.
+    """
     self.stats.num_pulls += 1
-    for c in [c for c in self.own_waves if c < global_clock]:
-      del self.own_waves[c]
+    keep = wsp.own_waves_after_pull(self.own_waves, global_clock)
+    self.own_waves = {c: self.own_waves[c] for c in keep}
     params = []
     for s, st in enumerate(self.stages):
       start, end = st.layer_range
       p = jax.device_put(self.layout.unflatten(flat, start, end), st.device)
-      for c in sorted(self.own_waves):
+      for c in keep:
         p = st.add(p, self.own_waves[c][s])
       params.append(st.add(p, self.wave_delta[s]))
     self.version = self._new_version(params, global_clock=global_clock)

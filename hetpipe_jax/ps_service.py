@@ -2,8 +2,9 @@
 
 Runtime layer. Polls for headers with ``Iprobe`` and sleeps when idle (MPICH's blocking receives spin, and the
 machine's cores belong to the VWs), applies whole waves through :class:`ParameterServer`, answers pulls once the
-global clock allows, evaluates the global weights every ``eval_every_waves`` clock ticks and writes
-``metrics.jsonl`` lines through the run's :class:`~hetpipe_jax.run_outputs.RunOutputs`.
+global clock allows (pending ones are kept by :class:`hetpipe_jax.wsp.ParameterServerState`), evaluates the global
+weights every ``eval_every_waves`` clock ticks and writes ``metrics.jsonl`` lines through the run's
+:class:`~hetpipe_jax.run_outputs.RunOutputs`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ class ParameterServerService:
     self.eval_every_waves = eval_every_waves
     self.log_every_waves = max(1, log_every_waves)
     self._write_metrics = log_metrics
-    self.pending_pulls: dict[int, int] = {}  # vw -> required clock
     self.sends: list = []
     self.reports: dict[int, dict] = {}
     self.minibatches_done = [0] * self.n
@@ -81,7 +81,7 @@ class ParameterServerService:
       if kind is Kind.PUSH:
         before = self.server.global_clock
         self.server.push(vw, wave, payload)
-        self._serve_pulls()
+        self._serve_pulls(self.server.state.serve_pending_pulls())
         for clock in range(before + 1, self.server.global_clock + 1):
           self._on_clock(clock)
       elif kind is Kind.METRICS:
@@ -91,8 +91,8 @@ class ParameterServerService:
         if self._bar is not None:
           self._bar.update(int(count))
       elif kind is Kind.PULL:
-        self.pending_pulls[vw] = wave
-        self._serve_pulls()
+        if self.server.state.request_pull(vw, wave):  # else pending until a push advances the global clock
+          self._serve_pulls([vw])
       else:
         self.reports[vw] = json.loads(payload.tobytes().decode())
         logging.info("[PS] VW %d done (%d waves)", vw, wave)
@@ -102,14 +102,13 @@ class ParameterServerService:
     if self._bar is not None:
       self._bar.close()
 
-  def _serve_pulls(self) -> None:
-    for vw, required in list(self.pending_pulls.items()):
-      if self.server.state.can_serve_pull(required):
-        del self.pending_pulls[vw]
-        clock, weights = self.server.snapshot()
-        header = transport.make_header(Kind.WEIGHTS, vw, clock, weights.size)
-        self.sends.append((self.comm.Isend(header, dest=vw + 1, tag=transport.TAG_HEADER), header))
-        self.sends.append((self.comm.Isend(weights, dest=vw + 1, tag=transport.TAG_DATA), weights))
+  def _serve_pulls(self, vw_ids: list[int]) -> None:
+    """Sends the current global weights to each of ``vw_ids`` (pulls the PS state answers), in order."""
+    for vw in vw_ids:
+      clock, weights = self.server.snapshot()
+      header = transport.make_header(Kind.WEIGHTS, vw, clock, weights.size)
+      self.sends.append((self.comm.Isend(header, dest=vw + 1, tag=transport.TAG_HEADER), header))
+      self.sends.append((self.comm.Isend(weights, dest=vw + 1, tag=transport.TAG_DATA), weights))
 
   def _on_clock(self, clock: int) -> None:
     evaluated = False

@@ -6,6 +6,12 @@ run the real numerics of :class:`hetpipe_jax.pipeline.VirtualWorker` in that ord
 in-process :class:`hetpipe_jax.param_server.ParameterServer`. So a convergence study of a 16-GPU heterogeneous
 cluster runs on one CPU machine: real weights, simulated seconds. Emulated GPUs are mapped onto the local devices
 round-robin (placement does not change the numerics).
+
+One WSP state per VW: the engine is handed each VirtualWorker's own ``sync`` (:class:`hetpipe_jax.wsp.VWSyncState`)
+and is its only driver: it decides injections (``wsp.injection_step``), wave ends and pulls and advances the state
+once; the hooks only carry out those decisions with the VirtualWorker's actions (``inject``, ``dispatch``,
+``complete_minibatch``, ``end_wave``, ``install_pull``), which never advance the state (they read ``local_clock``
+for the records). Pull requests are the engine's too, so the VWs' PS client never sees one.
 """
 
 from __future__ import annotations
@@ -32,7 +38,13 @@ class RecordingPSClient:
     self.outbox[(self.vw_id, wave_id)] = (flat_delta, loss_sum, num_minibatches)
 
   def request_pull(self, required_clock: int) -> None:
-    del required_clock  # the engine runs the same VWSyncState rule and delivers the reply
+    """Never called in virtual time.
+
+    Raises:
+      RuntimeError: always; the engine drives the VW's sync state and requests and delivers its pulls.
+    """
+    raise RuntimeError(f"[VW {self.vw_id}] requested a pull at clock {required_clock} in virtual time, where the "
+                       "engine drives the VW's sync state and requests its pulls")
 
   def poll_pull(self):
     return None
@@ -68,6 +80,10 @@ class VirtualTimeHooks:
   def on_minibatch_complete(self, vw_id: int, minibatch_id: int, t: float) -> None:
     self.vws[vw_id].complete_minibatch(self.inflight[vw_id].pop(minibatch_id), t)
 
+  def on_wave_end(self, vw_id: int, wave_id: int, t: float) -> None:
+    del t
+    self.vws[vw_id].end_wave(wave_id)  # the push goes to the outbox until the engine delivers it
+
   def on_push(self, vw_id: int, wave_id: int, t: float) -> None:
     delta, loss_sum, count = self.outbox.pop((vw_id, wave_id))
     before = self.server.global_clock
@@ -78,7 +94,8 @@ class VirtualTimeHooks:
       if self.on_clock is not None:
         self.on_clock(clock, t, self.losses)
         self.losses = []
-    # A reply still in flight carries a clock >= its VW's installed clock; older snapshots are unreachable.
+    # A reply still in flight carries a clock >= its VW's installed clock (the engine's state, shared with the VW);
+    # older snapshots are unreachable.
     oldest = min(vw.sync.weights_global_clock for vw in self.vws)
     for clock in [c for c in self.snapshots if c < oldest]:
       del self.snapshots[clock]
@@ -93,8 +110,11 @@ def run(vws: Sequence[VirtualWorker], server: ParameterServer, outbox: dict, tas
         on_clock: Callable[[int, float, list], None] | None = None) -> tuple[engine_lib.EngineReport, float]:
   """Runs every VW for ``num_waves`` waves in simulated time; returns the engine's report and host seconds.
 
+  The engine drives each VW's own ``sync`` state (module docstring).
+
   Raises:
-    ValueError: the VWs, task times and Nm do not agree.
+    ValueError: the VWs, task times and Nm do not agree, or a VW's sync state disagrees with ``staleness_bound``
+      or ``pull_every_wave`` or is not fresh.
   """
   if len(vws) != len(task_times):
     raise ValueError(f"{len(vws)} virtual workers but {len(task_times)} task-time entries")
@@ -103,7 +123,7 @@ def run(vws: Sequence[VirtualWorker], server: ParameterServer, outbox: dict, tas
                                    pull_every_wave=pull_every_wave, records=True)
   hooks = VirtualTimeHooks(vws, server, outbox, on_clock)
   t0 = time.perf_counter()
-  report = engine_lib.run(task_times, config, hooks=hooks)
+  report = engine_lib.run(task_times, config, hooks=hooks, sync_states=[vw.sync for vw in vws])
   return report, time.perf_counter() - t0
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hetpipe_jax import cluster as cluster_lib
-from hetpipe_jax import cost_model, engine, planner, profile_format, task_times
+from hetpipe_jax import cost_model, engine, planner, profile_format, task_times, wsp
 from hetpipe_jax.schedule import Task, TaskKind
 
 REL = 1e-9  # virtual-time arithmetic is exact up to float rounding
@@ -228,6 +228,9 @@ class RecordingHooks:
   def on_minibatch_complete(self, vw_id, minibatch_id, t):
     self.calls.append(("complete", vw_id, minibatch_id, t))
 
+  def on_wave_end(self, vw_id, wave_id, t):
+    self.calls.append(("wave_end", vw_id, wave_id, t))
+
   def on_push(self, vw_id, wave_id, t):
     self.calls.append(("push", vw_id, wave_id, t))
 
@@ -254,8 +257,11 @@ def test_hooks_are_called_in_the_documented_order():
   for v in range(2):
     pushes = [c for c in calls if c[0] == "push" and c[1] == v]
     assert [c[2] for c in pushes] == list(range(waves))
-    for c in pushes:  # a push arrives after its wave's last minibatch completed
-      assert index[("complete", v, (c[2] + 1) * nm - 1)] < index[c[:3]]
+    for c in pushes:  # a push arrives after its wave's last minibatch completed and its wave end was told
+      last = index[("complete", v, (c[2] + 1) * nm - 1)]
+      assert calls[last + 1] == ("wave_end", v, c[2], calls[last][3])  # right after it, in the same event
+      assert last < index[c[:3]]
+    assert [c[2] for c in calls if c[0] == "wave_end" and c[1] == v] == list(range(waves))
     clocks = [c[2] for c in calls if c[0] == "pull" and c[1] == v]
     assert clocks == sorted(clocks) and len(clocks) == r.vws[v].num_pulls
   # Each record's version_global_clock is the last pull reply delivered to that VW before its injection.
@@ -263,6 +269,33 @@ def test_hooks_are_called_in_the_documented_order():
     before = calls[:index[("inject", rec.vw_id, rec.minibatch_id)]]
     pulls = [c[2] for c in before if c[0] == "pull" and c[1] == rec.vw_id]
     assert rec.version_global_clock == (pulls[-1] if pulls else 0)
+
+
+def test_engine_drives_the_sync_states_it_is_given():
+  times = [task_times.uniform_task_times([2.0, 3.0], push_ms=1.0, pull_ms=1.5),
+           task_times.uniform_task_times([4.0, 1.0], push_ms=0.5, pull_ms=0.5)]
+  config = engine.EngineConfig(num_waves=4, num_inflight=2, staleness_bound=1)
+  states = [wsp.VWSyncState(2, 1, True) for _ in times]
+  seen = []
+
+  class ReadingHooks:  # hooks see the state the engine advances (the VirtualWorkers' own, in virtual time)
+
+    def on_inject(self, vw_id, minibatch_id, t):
+      seen.append((vw_id, minibatch_id, states[vw_id].local_clock))
+
+  r = engine.run(times, config, hooks=ReadingHooks(), sync_states=states)
+  assert [s.local_clock for s in states] == [4, 4]
+  assert all(s.pull_required is None for s in states)
+  for rec in r.minibatch_records:
+    assert (rec.vw_id, rec.minibatch_id, rec.local_clock_at_injection) in seen
+  plain = engine.run(times, config)
+  assert [x.complete_time_s for x in plain.minibatch_records] == [x.complete_time_s for x in r.minibatch_records]
+  with pytest.raises(ValueError, match="2 entries for 1"):
+    engine.run(times[:1], config, sync_states=[wsp.VWSyncState(2, 1)] * 2)
+  with pytest.raises(ValueError, match=r"\(2, 0, True\); the engine config has \(2, 1, True\)"):
+    engine.run(times, config, sync_states=[wsp.VWSyncState(2, 1), wsp.VWSyncState(2, 0)])
+  with pytest.raises(ValueError, match="not fresh"):
+    engine.run(times, config, sync_states=states)
 
 
 # ----------------------------------------------------------------------------------------- in-flight bound

@@ -6,7 +6,7 @@ import pytest
 
 from experiments.configs import default, tiny
 from hetpipe_jax import job_config, plan_format
-from hetpipe_jax.job_config import ConfigError, resolve_settings, resolved_config, settings_from_config
+from hetpipe_jax.job_config import ConfigError, resolve_settings, resolved_config
 from hetpipe_jax.paths import REPO_ROOT
 
 PLAN = "experiments/plans/local_cpu_cnn_b64.json"

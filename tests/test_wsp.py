@@ -6,8 +6,8 @@ import random
 import numpy as np
 import pytest
 
-from hetpipe_jax import wsp
-from hetpipe_jax.param_server import ParameterServer
+from hetpipe_jax import schedule, wsp
+from hetpipe_jax.param_server import LocalPSClient, ParameterServer
 
 
 def test_waves_and_bound():
@@ -98,3 +98,97 @@ def test_vw_sync_state_pulls_every_wave_without_waiting():
   assert s0.on_minibatch_complete(1) == (1, 2)
   with pytest.raises(ValueError, match="staleness_bound"):
     wsp.VWSyncState(1, -1)
+
+
+def test_pending_pulls_are_served_in_arrival_order_once_the_clock_allows():
+  state = wsp.ParameterServerState(3)
+  assert state.request_pull(1, 0) is True  # answerable now: nothing kept
+  assert state.pending_pulls == {}
+  assert state.request_pull(2, 1) is False  # arrives first
+  assert state.request_pull(0, 1) is False
+  assert state.request_pull(1, 2) is False
+  with pytest.raises(ValueError, match="one pull outstanding"):
+    state.request_pull(0, 1)
+  with pytest.raises(ValueError, match="unknown VW"):
+    state.request_pull(3, 0)
+  state.push(0, 0)
+  state.push(1, 0)
+  assert state.serve_pending_pulls() == []  # global clock still 0
+  state.push(2, 0)  # global clock 1: the two clock-1 requests, in the order they arrived (VW 2 before VW 0)
+  assert state.serve_pending_pulls() == [2, 0]
+  assert state.pending_pulls == {1: 2}
+  assert state.serve_pending_pulls() == []
+  for v in range(3):
+    state.push(v, 1)
+  assert state.serve_pending_pulls() == [1]
+  assert state.pending_pulls == {}
+  assert state.request_pull(0, 2) is True
+
+
+def test_own_waves_after_pull_keeps_the_waves_the_ps_does_not_hold():
+  # Pulled weights of global clock g hold waves 0..g-1 of every VW: re-add own waves >= g, in wave order.
+  assert wsp.own_waves_after_pull({3: "a", 1: "b", 2: "c"}, 2) == [2, 3]
+  assert wsp.own_waves_after_pull([0, 1], 2) == []
+  assert wsp.own_waves_after_pull([4, 2, 3], 0) == [2, 3, 4]
+  assert wsp.own_waves_after_pull([], 5) == []
+
+
+def _complete(rules, count):
+  """Completes the ``count`` oldest in-flight minibatches of a one-stage pipeline (its tasks are FB on stage 0)."""
+  for _ in range(count):
+    rules.complete(rules.pop_ready(0))
+
+
+def test_injection_step_fills_up_to_nm_and_the_runs_length():
+  sync = wsp.VWSyncState(num_inflight=3, staleness_bound=0, pull_every_wave=False)
+  rules = schedule.PipelineRules(num_stages=1, num_inflight=3)
+  assert wsp.injection_step(rules, sync, 12) == (range(0, 3), None, False)  # Nm = 3 at once
+  assert rules.num_injected == 3
+  assert wsp.injection_step(rules, sync, 12) == (range(0), None, False)  # Nm in flight: the gate is not asked
+  _complete(rules, 2)  # two completed (same wave: local clock still 0)
+  assert wsp.injection_step(rules, sync, 12) == (range(3, 5), None, False)
+  sync = wsp.VWSyncState(num_inflight=3, staleness_bound=100, pull_every_wave=False)  # no WSP limit below
+  rules = schedule.PipelineRules(num_stages=1, num_inflight=3)
+  for _ in range(10):
+    rules.inject()
+    _complete(rules, 1)
+  assert wsp.injection_step(rules, sync, 12) == (range(10, 12), None, False)  # Nm leaves 3, the run's length 2
+  _complete(rules, 2)
+  assert wsp.injection_step(rules, sync, 12) == (range(0), None, False)  # the run's length is reached
+  assert rules.num_injected == rules.num_completed == 12
+
+
+def test_injection_step_at_the_staleness_bound_waits_and_requests_one_pull():
+  # Nm = 2, D = 1: at local clock 2 the VW needs weights of global clock >= 1.
+  sync = wsp.VWSyncState(num_inflight=2, staleness_bound=1, pull_every_wave=False)
+  rules = schedule.PipelineRules(num_stages=1, num_inflight=2)
+  assert wsp.injection_step(rules, sync, 8) == (range(0, 2), None, False)
+  _complete(rules, 2)
+  sync.on_minibatch_complete(1)  # wave 0 done: local clock 1 on weights of clock 0 is exactly at the bound
+  assert wsp.injection_step(rules, sync, 8) == (range(2, 4), None, False)
+  _complete(rules, 2)
+  sync.on_minibatch_complete(3)  # wave 1 done: local clock 2 needs global clock 2 - D = 1 > 0, past the bound
+  assert wsp.injection_step(rules, sync, 8) == (range(0), 1, True)  # wait; request a pull at clock >= 1
+  assert sync.pull_required == 1 and rules.num_injected == 4
+  assert wsp.injection_step(rules, sync, 8) == (range(0), None, True)  # still waiting, the pull already requested
+  sync.on_pull_reply(1)
+  assert wsp.injection_step(rules, sync, 8) == (range(4, 6), None, False)
+  # With no room in the pipeline the gate is not consulted: no wait and no pull, even past the bound.
+  sync.local_clock = 3
+  assert wsp.injection_step(rules, sync, 8) == (range(0), None, False) and sync.pull_required is None
+
+
+def test_local_ps_client_answers_a_pending_pull_after_the_push_that_allows_it():
+  server = ParameterServer(np.zeros(2, np.float32), 2)
+  clients = [LocalPSClient(server, v) for v in range(2)]
+  assert clients[0].poll_pull() is None  # nothing requested
+  clients[0].request_pull(1)
+  assert clients[0].poll_pull() is None and server.state.pending_pulls == {0: 1}
+  clients[0].push(0, np.ones(2, np.float32), 1.0, 1)
+  assert clients[0].poll_pull() is None  # global clock still 0
+  clients[1].push(0, np.full(2, 2.0, np.float32), 1.0, 1)  # another VW's push serves VW 0's pull
+  clock, weights = clients[0].poll_pull()
+  assert clock == 1 and weights.tolist() == [3.0, 3.0]
+  assert clients[0].poll_pull() is None  # answered once
+  clients[1].request_pull(1)  # answerable at once
+  assert clients[1].poll_pull()[0] == 1
