@@ -5,7 +5,7 @@ heterogeneous VWs) it runs
 
 * the real job under MPI (``hetpipe_jax.train`` with ``tiny.py``: ``mlp_tiny`` whose real compute is negligible,
   every task padded to its emulated duration by ``config.emulate_stage_ms``), and reads ``minibatches.jsonl``;
-* the event engine (:mod:`hetpipe_jax.engine`) on the same task times (``task_times.uniform_task_times`` per VW,
+* the event engine (:mod:`hetpipe_jax.sim.engine`) on the same task times (``task_times.uniform_task_times`` per VW,
   as ``job_config.emulated_task_times`` builds them), ``EngineConfig(num_waves=M/Nm, num_inflight=Nm,
   staleness_bound=D, pull_every_wave=True)``;
 
@@ -46,8 +46,10 @@ if str(REPO) not in sys.path:
 
 from absl import app, flags, logging  # noqa: E402
 
-from hetpipe_jax import engine, engine_report, task_times  # noqa: E402
-from hetpipe_jax.job_config import parse_stage_ms  # noqa: E402
+from hetpipe_jax.sim import engine
+from hetpipe_jax.sim import engine_report
+from hetpipe_jax.sim import task_times  # noqa: E402
+from hetpipe_jax.jobs.job_config import parse_stage_ms  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer minibatches per VW and 10 of the 12 cases (about 3 minutes).")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Seconds-long end-to-end check (CI): only the SMOKE case, a few waves, no "
@@ -289,12 +291,12 @@ def format_table(rows: Sequence[dict], tolerance_pct: float) -> str:
 
 def main(argv):
   del argv
-  from hetpipe_jax import testing_data
+  from hetpipe_jax.data import synthetic
   wall0 = time.perf_counter()
   warmup = _WARMUP_WAVES.value
   root = pathlib.Path(_RUNS_DIR.value or tempfile.mkdtemp(prefix="validate_engine_", dir="/tmp"))
   root.mkdir(parents=True, exist_ok=True)
-  data_dir = testing_data.write_synthetic_fashion_mnist(root / "data", 2048, 64)
+  data_dir = synthetic.write_synthetic_fashion_mnist(root / "data", 2048, 64)
   length = "smoke" if _SMOKE.value else "quick" if _QUICK.value else "full"
   if _SMOKE.value:
     if _CASES.value:

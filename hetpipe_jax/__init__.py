@@ -1,9 +1,10 @@
 """hetpipe_jax: HetPipe (USENIX ATC'20) in JAX/Flax.
 
-Two layers (see WORKSPACE.md): the planning layer (``schedule``, ``wsp``, ``cluster``, ``cost_model``,
-``partitioner``, ``allocator``, ``plan_format``) imports only the standard library, numpy and scipy; the runtime
-layer (``models``, ``stages``, ``pipeline``, ``transport``, ``param_server``, ``data``, ``train``) imports
-jax/flax/optax/mpi4py.
+The folders are the layers (WORKSPACE.md). Pure (standard library, numpy, scipy; no jax, flax, optax, mpi4py or
+orbax): ``rules`` (pipeline scheduling, WSP, partitions, records), ``planning`` (cluster, cost model, partitioner,
+allocator, plan files), ``sim`` (event engine, traces) and ``data``. Runtime: ``models``, ``runtime`` (stages, the
+virtual worker, stage executors, profiler), ``ps`` (parameter server, MPI service, wire protocol) and ``jobs``
+(settings, the MPI and virtual-time jobs, outputs). Entry points: ``train``, ``plan``, ``simulate``.
 """
 
 __version__ = "0.1.0"

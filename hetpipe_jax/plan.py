@@ -13,7 +13,11 @@ import os
 from absl import app
 from absl import flags
 
-from hetpipe_jax import allocator, cluster as cluster_lib, planner, plan_format, profile_format
+from hetpipe_jax.planning import allocator
+from hetpipe_jax.planning import cluster as cluster_lib
+from hetpipe_jax.planning import plan_format
+from hetpipe_jax.planning import planner
+from hetpipe_jax.planning import profile_format
 
 _CLUSTER = flags.DEFINE_string("cluster", "local_cpu", "Cluster name (experiments/clusters/<name>.json) or path.")
 _MODEL = flags.DEFINE_string("model", None, "Registered model name.")
@@ -42,7 +46,7 @@ def get_profile(model: str, batch_size: int, cluster: cluster_lib.ClusterSpec,
       p = profile_format.default_profile_path(model, batch_size, kind, measured)
       if os.path.isfile(p):
         return profile_format.load_profile(p)
-  from hetpipe_jax import profiler  # pylint: disable=g-import-not-at-top  # jax only when profiling is needed
+  from hetpipe_jax.runtime import profiler  # pylint: disable=g-import-not-at-top  # jax only when profiling is needed
   return profiler.load_or_profile(model, batch_size, measure=bool(measured_kinds))
 
 

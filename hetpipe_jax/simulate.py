@@ -16,8 +16,12 @@ import os
 from absl import app
 from absl import flags
 
-from hetpipe_jax import cluster as cluster_lib
-from hetpipe_jax import engine, engine_report, plan_format, task_times, trace
+from hetpipe_jax.planning import cluster as cluster_lib
+from hetpipe_jax.planning import plan_format
+from hetpipe_jax.sim import engine
+from hetpipe_jax.sim import engine_report
+from hetpipe_jax.sim import task_times
+from hetpipe_jax.sim import trace
 
 _PLAN = flags.DEFINE_string("plan", None, "Plan JSON written by hetpipe_jax.plan.")
 _NUM_WAVES = flags.DEFINE_integer("num_waves", 100, "Waves each virtual worker trains.")
@@ -61,7 +65,7 @@ def main(argv):
     trace.write_trace(trace.report_trace(report, gpu_ids), _TRACE.value)
     print(f"wrote {_TRACE.value}")
   if _GANTT.value:
-    from hetpipe_jax import gantt  # pylint: disable=g-import-not-at-top  # matplotlib only when drawing
+    from hetpipe_jax.sim import gantt  # pylint: disable=g-import-not-at-top  # matplotlib only when drawing
     nm = plan.num_inflight
     k = min(_GANTT_WAVES.value, _NUM_WAVES.value) * nm - 1
     end = max(r.complete_time_s for r in report.minibatch_records if r.minibatch_id == k)

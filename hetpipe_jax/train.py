@@ -42,8 +42,8 @@ def _set_platform(config, settings) -> None:
 def main(argv) -> None:
   del argv
   from mpi4py import MPI
-  from hetpipe_jax.data import DataError
-  from hetpipe_jax.job_config import ConfigError, resolve_settings
+  from hetpipe_jax.data.fashion_mnist import DataError
+  from hetpipe_jax.jobs.job_config import ConfigError, resolve_settings
   comm = MPI.COMM_WORLD
   rank = comm.Get_rank()
   logging.set_verbosity(logging.INFO if rank == 0 else logging.WARNING)
@@ -57,13 +57,13 @@ def main(argv) -> None:
       if comm.Get_size() != 1:
         raise ConfigError(f"--mode=virtual runs in one process; launch it without mpiexec (world size is "
                           f"{comm.Get_size()})")
-      from hetpipe_jax import virtual_job
+      from hetpipe_jax.jobs import virtual_job
       virtual_job.run(config, settings, _WORKDIR.value)
     else:
-      from hetpipe_jax import job
-      job.run(config, settings, _WORKDIR.value, comm)
+      from hetpipe_jax.jobs import mpi_job
+      mpi_job.run(config, settings, _WORKDIR.value, comm)
   except (ConfigError, DataError, FileExistsError) as e:
-    # Every rank validates the same settings; rank 0 reports and its exit aborts the job. Another rank reports
+    # Every rank validates the same settings; rank 0 reports and its exit aborts the mpi_job. Another rank reports
     # only if it is still alive after a moment (its failure was its own, e.g. a data file missing on its node).
     if rank != 0:
       time.sleep(_REPORT_GRACE_S)

@@ -23,8 +23,11 @@ from bench_util import timed  # pylint: disable=wrong-import-position
 
 import numpy as np  # pylint: disable=wrong-import-position
 
-from hetpipe_jax import cluster as cluster_lib  # pylint: disable=wrong-import-position
-from hetpipe_jax import engine, planner, profile_format, task_times  # pylint: disable=wrong-import-position
+from hetpipe_jax.planning import cluster as cluster_lib  # pylint: disable=wrong-import-position
+from hetpipe_jax.planning import planner
+from hetpipe_jax.planning import profile_format
+from hetpipe_jax.sim import engine
+from hetpipe_jax.sim import task_times  # pylint: disable=wrong-import-position
 
 
 _QUICK = flags.DEFINE_bool("quick", False, "Small cases, one repeat, no targets (a seconds-long smoke run).")

@@ -21,8 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # pylint: disable=wrong-import-position
 from bench_util import timed  # pylint: disable=wrong-import-position
 
-from hetpipe_jax import cluster as cluster_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from hetpipe_jax import cost_model, partitioner, planner, profile_format  # pylint: disable=wrong-import-position
+from hetpipe_jax.planning import cluster as cluster_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from hetpipe_jax.planning import cost_model
+from hetpipe_jax.planning import partitioner
+from hetpipe_jax.planning import planner
+from hetpipe_jax.planning import profile_format  # pylint: disable=wrong-import-position
 
 
 _QUICK = flags.DEFINE_bool("quick", False, "One repeat per case (a seconds-long smoke run; timings are noisier).")

@@ -40,18 +40,22 @@ def _build(data_dir, batch_size, num_inflight, task_time_s=None, stages=None):
   """A 4-stage tiny-MLP VW with an in-process PS; pass ``stages`` from an earlier VW to reuse its compilations."""
   import jax
   import optax
-  from hetpipe_jax import data, models, param_server, pipeline, stages as stages_lib
-  from hetpipe_jax.param_layout import ParamLayout
+  from hetpipe_jax.data import fashion_mnist, sharding
+  from hetpipe_jax import models
+  from hetpipe_jax.ps import param_server
+  from hetpipe_jax.runtime import virtual_worker
+  from hetpipe_jax.runtime import stages as stages_lib
+  from hetpipe_jax.runtime.param_layout import ParamLayout
   spec = models.get_model("mlp_tiny")
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
   layout = ParamLayout.from_layer_params(params0)
   tx = optax.sgd(0.01)
   if stages is None:
     stages = stages_lib.build_stages(spec, [(0, 1), (1, 2), (2, 3), (3, 4)], jax.devices()[:4], tx)
-  dataset = data.load_fashion_mnist(data_dir, expected_counts=None)
-  source = data.ShardedMinibatches(dataset, 1, 0, batch_size, 0)
+  dataset = fashion_mnist.load_fashion_mnist(data_dir, expected_counts=None)
+  source = sharding.ShardedMinibatches(dataset, 1, 0, batch_size, 0)
   server = param_server.ParameterServer(layout.flatten(params0), 1)
-  return pipeline.VirtualWorker(0, stages, layout, params0, tx, num_inflight, 0,
+  return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, num_inflight, 0,
                                 param_server.LocalPSClient(server, 0), source.get, task_time_s=task_time_s)
 
 
@@ -78,7 +82,9 @@ def emulated_vs_engine(data_dir, n, nm, stage_ms) -> dict:
   """Steady minibatches/s of a 4-stage VW whose tasks are padded to ``uniform_task_times(stage_ms, 0.5)`` against
   the engine's prediction for the same task times (``engine_report.steady_rates``'s per-VW rule on both sides:
   completions after the first wave over the time from its end to the last completion)."""
-  from hetpipe_jax import engine, engine_report, task_times
+  from hetpipe_jax.sim import engine
+  from hetpipe_jax.sim import engine_report
+  from hetpipe_jax.sim import task_times
   times = task_times.uniform_task_times([float(t) for t in stage_ms], fwd_fraction=0.5)
   warm = _build(data_dir, 32, nm)
   warm.run(nm * 2)  # compiles every stage function, the update and the pull rebase
@@ -111,7 +117,8 @@ def launch_costs(repeats: int = 300) -> dict:
   import jax
   import jax.numpy as jnp
   import optax
-  from hetpipe_jax import models, stages as stages_lib
+  from hetpipe_jax import models
+  from hetpipe_jax.runtime import stages as stages_lib
   spec = models.get_model("mlp_tiny")
   params = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
   ranges = [(0, 1), (1, 2), (2, 3), (3, 4)]
@@ -135,12 +142,12 @@ def launch_costs(repeats: int = 300) -> dict:
 
 def main(argv):
   del argv
-  from hetpipe_jax import testing_data
+  from hetpipe_jax.data import synthetic
   nm = _NUM_INFLIGHT.value
   quick = _QUICK.value
   minibatches, emulated = (2 * nm, 3 * nm) if quick else (_MINIBATCHES.value, _EMULATED_MINIBATCHES.value)
   with tempfile.TemporaryDirectory(prefix="bench_runtime_") as tmp:
-    data_dir = testing_data.write_synthetic_fashion_mnist(tmp, 2048, 64)
+    data_dir = synthetic.write_synthetic_fashion_mnist(tmp, 2048, 64)
     result = {"quick": quick,
               "host_overhead": host_overhead(data_dir, minibatches, nm),
               "single_thread_launch": launch_costs(20 if quick else 300),

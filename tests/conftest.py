@@ -21,5 +21,5 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def synthetic_data_dir(tmp_path_factory) -> pathlib.Path:
   """A small learnable dataset in the real Fashion-MNIST IDX format (512 train / 256 test images)."""
-  from hetpipe_jax import testing_data
-  return testing_data.write_synthetic_fashion_mnist(tmp_path_factory.mktemp("fmnist"), num_train=512, num_test=256)
+  from hetpipe_jax.data import synthetic
+  return synthetic.write_synthetic_fashion_mnist(tmp_path_factory.mktemp("fmnist"), num_train=512, num_test=256)

@@ -6,8 +6,12 @@ import jax
 import numpy as np
 import optax
 
-from hetpipe_jax import data, models, param_server, pipeline, stages as stages_lib
-from hetpipe_jax.param_layout import ParamLayout
+from hetpipe_jax import models
+from hetpipe_jax.data import fashion_mnist, sharding
+from hetpipe_jax.ps import param_server
+from hetpipe_jax.runtime import stages as stages_lib
+from hetpipe_jax.runtime import virtual_worker
+from hetpipe_jax.runtime.param_layout import ParamLayout
 
 
 def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_bound=0, optimizer=None,
@@ -19,10 +23,10 @@ def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_b
   tx = optimizer or optax.adam(1e-2)
   devices = jax.devices()[:len(partition)]
   stages = stages_lib.build_stages(spec, partition, devices, tx)
-  dataset = data.load_fashion_mnist(data_dir, expected_counts=None)
-  source = data.ShardedMinibatches(dataset, num_vws, vw_id, batch_size, seed)
+  dataset = fashion_mnist.load_fashion_mnist(data_dir, expected_counts=None)
+  source = sharding.ShardedMinibatches(dataset, num_vws, vw_id, batch_size, seed)
   server = server or param_server.ParameterServer(layout.flatten(params0), num_vws)
-  vw = pipeline.VirtualWorker(vw_id, stages, layout, params0, tx, num_inflight, staleness_bound,
+  vw = virtual_worker.VirtualWorker(vw_id, stages, layout, params0, tx, num_inflight, staleness_bound,
                               param_server.LocalPSClient(server, vw_id), source.get, pull_every_wave=pull_every_wave)
   return vw, source, params0, tx, server
 

@@ -13,8 +13,9 @@ import jax
 import numpy as np
 import optax
 
-from hetpipe_jax import models, stages as stages_lib
-from hetpipe_jax.param_layout import ParamLayout
+from hetpipe_jax import models
+from hetpipe_jax.runtime import stages as stages_lib
+from hetpipe_jax.runtime.param_layout import ParamLayout
 
 
 def replay_final_weights(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax.GradientTransformation,

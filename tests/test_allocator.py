@@ -3,7 +3,12 @@
 
 import pytest
 
-from hetpipe_jax import allocator, cluster as cluster_lib, cost_model, inflight, profile_format, ps_placement
+from hetpipe_jax.planning import allocator
+from hetpipe_jax.planning import cluster as cluster_lib
+from hetpipe_jax.planning import cost_model
+from hetpipe_jax.planning import inflight
+from hetpipe_jax.planning import profile_format
+from hetpipe_jax.planning import ps_placement
 
 PAPER = cluster_lib.load_cluster("hetpipe_paper")
 

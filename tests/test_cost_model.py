@@ -5,8 +5,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hetpipe_jax import cluster as cluster_lib
-from hetpipe_jax import cost_model, engine, profile_format, task_times
+from hetpipe_jax.planning import cluster as cluster_lib
+from hetpipe_jax.planning import cost_model
+from hetpipe_jax.planning import profile_format
+from hetpipe_jax.sim import engine
+from hetpipe_jax.sim import task_times
 
 
 def tiny_profile(measured=False):

@@ -9,8 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from hetpipe_jax import data
-from hetpipe_jax import testing_data
+from hetpipe_jax.data import fashion_mnist, sharding
+from hetpipe_jax.data import synthetic
 
 _REAL_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")
 
@@ -18,13 +18,13 @@ _REAL_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")
 @pytest.fixture(autouse=True)
 def _isolated_search_path(monkeypatch, tmp_path):
   """No test sees the machine's $HETPIPE_DATA_DIR or real dataset unless it asks for them."""
-  monkeypatch.delenv(data.ENV_DATA_DIR, raising=False)
-  monkeypatch.setattr(data, "DEFAULT_DATA_DIRS", (tmp_path / "no_default_dataset",))
+  monkeypatch.delenv(fashion_mnist.ENV_DATA_DIR, raising=False)
+  monkeypatch.setattr(fashion_mnist, "DEFAULT_DATA_DIRS", (tmp_path / "no_default_dataset",))
 
 
 @pytest.fixture
 def synth_dir(tmp_path):
-  return testing_data.write_synthetic_fashion_mnist(tmp_path / "synth", num_train=120, num_test=50, seed=3)
+  return synthetic.write_synthetic_fashion_mnist(tmp_path / "synth", num_train=120, num_test=50, seed=3)
 
 
 def _raw(path: pathlib.Path) -> bytes:
@@ -32,7 +32,7 @@ def _raw(path: pathlib.Path) -> bytes:
 
 
 def _load(directory):
-  return data.load_fashion_mnist(directory, expected_counts=None)
+  return fashion_mnist.load_fashion_mnist(directory, expected_counts=None)
 
 
 # ---- Round trip --------------------------------------------------------------------------------------------------
@@ -40,7 +40,7 @@ def _load(directory):
 
 @pytest.mark.parametrize("compress", [True, False])
 def test_synthetic_round_trip(tmp_path, compress):
-  directory = testing_data.write_synthetic_fashion_mnist(tmp_path, num_train=64, num_test=30, compress=compress)
+  directory = synthetic.write_synthetic_fashion_mnist(tmp_path, num_train=64, num_test=30, compress=compress)
   ds = _load(directory)
   assert ds.source_dir == directory
   assert ds.train_images.shape == (64, 28, 28, 1) and ds.train_images.dtype == np.float32
@@ -49,17 +49,17 @@ def test_synthetic_round_trip(tmp_path, compress):
   assert ds.test_labels.shape == (30,) and ds.test_labels.dtype == np.int32
   assert 0.0 <= ds.train_images.min() and ds.train_images.max() <= 1.0
   suffix = ".gz" if compress else ""
-  raw_images = np.frombuffer(_raw(directory / (data.TRAIN_IMAGES + suffix)), np.uint8, offset=16)
-  raw_labels = np.frombuffer(_raw(directory / (data.TRAIN_LABELS + suffix)), np.uint8, offset=8)
+  raw_images = np.frombuffer(_raw(directory / (fashion_mnist.TRAIN_IMAGES + suffix)), np.uint8, offset=16)
+  raw_labels = np.frombuffer(_raw(directory / (fashion_mnist.TRAIN_LABELS + suffix)), np.uint8, offset=8)
   np.testing.assert_array_equal(np.rint(ds.train_images * 255).astype(np.uint8).ravel(), raw_images)
   np.testing.assert_array_equal(ds.train_labels, raw_labels)
   assert set(np.unique(ds.train_labels)) == set(range(10))
 
 
 def test_synthetic_is_deterministic_and_class_separable(tmp_path):
-  a = testing_data.write_synthetic_fashion_mnist(tmp_path / "a", seed=7)
-  b = testing_data.write_synthetic_fashion_mnist(tmp_path / "b", seed=7)
-  for stem in data.FILE_STEMS:
+  a = synthetic.write_synthetic_fashion_mnist(tmp_path / "a", seed=7)
+  b = synthetic.write_synthetic_fashion_mnist(tmp_path / "b", seed=7)
+  for stem in fashion_mnist.FILE_STEMS:
     assert (a / (stem + ".gz")).read_bytes() == (b / (stem + ".gz")).read_bytes()
   ds = _load(a)
   # Nearest class mean on the training set classifies the test set perfectly: the signal is strong.
@@ -69,8 +69,8 @@ def test_synthetic_is_deterministic_and_class_separable(tmp_path):
 
 
 def test_default_expected_counts_reject_small_dataset(synth_dir):
-  with pytest.raises(data.DataError, match=r"120 examples, expected 60000"):
-    data.load_fashion_mnist(synth_dir)
+  with pytest.raises(fashion_mnist.DataError, match=r"120 examples, expected 60000"):
+    fashion_mnist.load_fashion_mnist(synth_dir)
 
 
 # ---- Validation errors -------------------------------------------------------------------------------------------
@@ -78,66 +78,70 @@ def test_default_expected_counts_reject_small_dataset(synth_dir):
 
 def test_bad_magic(synth_dir):
   labels = np.zeros(120, np.uint8)
-  path = testing_data.write_file(synth_dir / (data.TRAIN_LABELS + ".gz"), testing_data.idx_bytes(labels, 2051))
-  with pytest.raises(data.DataError, match=rf"{re.escape(str(path))}: bad IDX magic number 2051, expected 2049"):
+  path = synthetic.write_file(synth_dir / (fashion_mnist.TRAIN_LABELS + ".gz"), synthetic.idx_bytes(labels, 2051))
+  with pytest.raises(fashion_mnist.DataError,
+                     match=rf"{re.escape(str(path))}: bad IDX magic number 2051, expected 2049"):
     _load(synth_dir)
 
 
 def test_truncated_file(synth_dir):
-  path = synth_dir / (data.TRAIN_IMAGES + ".gz")
+  path = synth_dir / (fashion_mnist.TRAIN_IMAGES + ".gz")
   contents = _raw(path)
-  testing_data.write_file(path, contents[:-100])
+  synthetic.write_file(path, contents[:-100])
   expected = 16 + 120 * 28 * 28
-  with pytest.raises(data.DataError, match=rf"{re.escape(str(path))}: truncated file: expected {expected} bytes.*"
+  with pytest.raises(fashion_mnist.DataError,
+                     match=rf"{re.escape(str(path))}: truncated file: expected {expected} bytes.*"
                      rf"got {expected - 100} bytes"):
     _load(synth_dir)
 
 
 def test_truncated_header(synth_dir):
-  path = testing_data.write_file(synth_dir / (data.TEST_LABELS + ".gz"), b"\x00\x00")
-  with pytest.raises(data.DataError, match=rf"{re.escape(str(path))}: truncated file: 2 bytes"):
+  path = synthetic.write_file(synth_dir / (fashion_mnist.TEST_LABELS + ".gz"), b"\x00\x00")
+  with pytest.raises(fashion_mnist.DataError, match=rf"{re.escape(str(path))}: truncated file: 2 bytes"):
     _load(synth_dir)
 
 
 def test_file_longer_than_header(synth_dir):
-  path = synth_dir / (data.TEST_LABELS + ".gz")
-  testing_data.write_file(path, _raw(path) + b"\x01\x02")
-  with pytest.raises(data.DataError, match=r"file longer than its header says: expected 58 bytes .* got 60"):
+  path = synth_dir / (fashion_mnist.TEST_LABELS + ".gz")
+  synthetic.write_file(path, _raw(path) + b"\x01\x02")
+  with pytest.raises(fashion_mnist.DataError, match=r"file longer than its header says: expected 58 bytes .* got 60"):
     _load(synth_dir)
 
 
 def test_label_out_of_range(synth_dir):
   labels = np.full(50, 3, np.uint8)
   labels[17] = 10
-  path = testing_data.write_file(synth_dir / (data.TEST_LABELS + ".gz"), testing_data.idx_bytes(labels))
-  with pytest.raises(data.DataError, match=rf"{re.escape(str(path))}: label 10 at index 17 is out of range 0..9"):
+  path = synthetic.write_file(synth_dir / (fashion_mnist.TEST_LABELS + ".gz"), synthetic.idx_bytes(labels))
+  with pytest.raises(fashion_mnist.DataError,
+                     match=rf"{re.escape(str(path))}: label 10 at index 17 is out of range 0..9"):
     _load(synth_dir)
 
 
 def test_wrong_image_size(synth_dir):
-  path = testing_data.write_file(synth_dir / (data.TRAIN_IMAGES + ".gz"),
-                                 testing_data.idx_bytes(np.zeros((120, 27, 28), np.uint8)))
-  with pytest.raises(data.DataError, match=rf"{re.escape(str(path))}: image size 27x28, expected 28x28"):
+  path = synthetic.write_file(synth_dir / (fashion_mnist.TRAIN_IMAGES + ".gz"),
+                                 synthetic.idx_bytes(np.zeros((120, 27, 28), np.uint8)))
+  with pytest.raises(fashion_mnist.DataError, match=rf"{re.escape(str(path))}: image size 27x28, expected 28x28"):
     _load(synth_dir)
 
 
 def test_image_label_count_mismatch(synth_dir):
-  testing_data.write_file(synth_dir / (data.TRAIN_LABELS + ".gz"), testing_data.idx_bytes(np.zeros(119, np.uint8)))
-  with pytest.raises(data.DataError, match=r"holds 120 images but .*train-labels-idx1-ubyte.gz holds 119 labels"):
+  synthetic.write_file(synth_dir / (fashion_mnist.TRAIN_LABELS + ".gz"), synthetic.idx_bytes(np.zeros(119, np.uint8)))
+  with pytest.raises(fashion_mnist.DataError,
+                     match=r"holds 120 images but .*train-labels-idx1-ubyte.gz holds 119 labels"):
     _load(synth_dir)
 
 
 def test_corrupt_gzip(synth_dir):
-  path = synth_dir / (data.TRAIN_IMAGES + ".gz")
+  path = synth_dir / (fashion_mnist.TRAIN_IMAGES + ".gz")
   path.write_bytes(b"this is not gzip data at all")
-  with pytest.raises(data.DataError, match=rf"{re.escape(str(path))}: corrupt gzip file.*reinstall"):
+  with pytest.raises(fashion_mnist.DataError, match=rf"{re.escape(str(path))}: corrupt gzip file.*reinstall"):
     _load(synth_dir)
 
 
 def test_truncated_gzip_stream(synth_dir):
-  path = synth_dir / (data.TRAIN_IMAGES + ".gz")
+  path = synth_dir / (fashion_mnist.TRAIN_IMAGES + ".gz")
   path.write_bytes(path.read_bytes()[:200])
-  with pytest.raises(data.DataError, match=rf"{re.escape(str(path))}: corrupt gzip file"):
+  with pytest.raises(fashion_mnist.DataError, match=rf"{re.escape(str(path))}: corrupt gzip file"):
     _load(synth_dir)
 
 
@@ -147,45 +151,45 @@ def test_truncated_gzip_stream(synth_dir):
 def test_missing_everywhere_lists_search_locations(tmp_path, monkeypatch):
   given = tmp_path / "given"
   given.mkdir()
-  testing_data.write_file(given / (data.TRAIN_IMAGES + ".gz"), testing_data.idx_bytes(np.zeros(1, np.uint8)))
+  synthetic.write_file(given / (fashion_mnist.TRAIN_IMAGES + ".gz"), synthetic.idx_bytes(np.zeros(1, np.uint8)))
   env_dir = tmp_path / "from_env"
-  monkeypatch.setenv(data.ENV_DATA_DIR, str(env_dir))
-  with pytest.raises(data.DataError) as info:
-    data.find_data_dir(given)
+  monkeypatch.setenv(fashion_mnist.ENV_DATA_DIR, str(env_dir))
+  with pytest.raises(fashion_mnist.DataError) as info:
+    fashion_mnist.find_data_dir(given)
   message = str(info.value)
   assert isinstance(info.value, ValueError)
   assert f"{given} (data_dir): missing train-labels-idx1-ubyte[.gz], t10k-images" in message
   assert "train-images-idx3-ubyte[.gz]," not in message.split("(data_dir)")[1].split("\n")[0]
   assert f"{env_dir} ($HETPIPE_DATA_DIR): no such directory" in message
-  assert f"{data.DEFAULT_DATA_DIRS[0]} (default): no such directory" in message
+  assert f"{fashion_mnist.DEFAULT_DATA_DIRS[0]} (default): no such directory" in message
   assert "apt-get install dataset-fashion-mnist" in message
   assert "Fashion-MNIST repository" in message and "--data_dir" in message
 
 
 def test_env_dir_used_when_no_data_dir(synth_dir, monkeypatch):
-  monkeypatch.setenv(data.ENV_DATA_DIR, str(synth_dir))
-  assert data.find_data_dir(None) == synth_dir
-  assert data.find_data_dir("") == synth_dir
+  monkeypatch.setenv(fashion_mnist.ENV_DATA_DIR, str(synth_dir))
+  assert fashion_mnist.find_data_dir(None) == synth_dir
+  assert fashion_mnist.find_data_dir("") == synth_dir
   assert _load(None).source_dir == synth_dir
 
 
 def test_data_dir_beats_env_and_env_beats_default(tmp_path, monkeypatch):
-  given = testing_data.write_synthetic_fashion_mnist(tmp_path / "given", num_train=20, num_test=10)
-  env_dir = testing_data.write_synthetic_fashion_mnist(tmp_path / "env", num_train=20, num_test=10)
-  default = testing_data.write_synthetic_fashion_mnist(tmp_path / "default", num_train=20, num_test=10)
-  monkeypatch.setattr(data, "DEFAULT_DATA_DIRS", (default,))
-  assert data.find_data_dir(None) == default
-  monkeypatch.setenv(data.ENV_DATA_DIR, str(env_dir))
-  assert data.find_data_dir(None) == env_dir
-  assert data.find_data_dir(given) == given
+  given = synthetic.write_synthetic_fashion_mnist(tmp_path / "given", num_train=20, num_test=10)
+  env_dir = synthetic.write_synthetic_fashion_mnist(tmp_path / "env", num_train=20, num_test=10)
+  default = synthetic.write_synthetic_fashion_mnist(tmp_path / "default", num_train=20, num_test=10)
+  monkeypatch.setattr(fashion_mnist, "DEFAULT_DATA_DIRS", (default,))
+  assert fashion_mnist.find_data_dir(None) == default
+  monkeypatch.setenv(fashion_mnist.ENV_DATA_DIR, str(env_dir))
+  assert fashion_mnist.find_data_dir(None) == env_dir
+  assert fashion_mnist.find_data_dir(given) == given
   # A directory with only some of the files is skipped.
-  (given / (data.TEST_LABELS + ".gz")).unlink()
-  assert data.find_data_dir(given) == env_dir
+  (given / (fashion_mnist.TEST_LABELS + ".gz")).unlink()
+  assert fashion_mnist.find_data_dir(given) == env_dir
 
 
 def test_gz_and_plain_files_may_be_mixed(synth_dir):
-  path = synth_dir / (data.TEST_LABELS + ".gz")
-  (synth_dir / data.TEST_LABELS).write_bytes(_raw(path))
+  path = synth_dir / (fashion_mnist.TEST_LABELS + ".gz")
+  (synth_dir / fashion_mnist.TEST_LABELS).write_bytes(_raw(path))
   path.unlink()
   assert _load(synth_dir).test_labels.shape == (50,)
 
@@ -195,17 +199,17 @@ def test_gz_and_plain_files_may_be_mixed(synth_dir):
 
 @pytest.mark.parametrize("num_examples,num_shards,seed", [(100, 1, 0), (100, 3, 0), (101, 4, 5), (60000, 7, 123)])
 def test_shards_disjoint_equal_size(num_examples, num_shards, seed):
-  shards = [data.shard_indices(num_examples, num_shards, i, seed) for i in range(num_shards)]
+  shards = [sharding.shard_indices(num_examples, num_shards, i, seed) for i in range(num_shards)]
   size = num_examples // num_shards
   assert all(s.shape == (size,) for s in shards)
   union = np.concatenate(shards)
   assert np.unique(union).size == union.size == size * num_shards
   assert union.min() >= 0 and union.max() < num_examples
-  np.testing.assert_array_equal(shards[-1], data.shard_indices(num_examples, num_shards, num_shards - 1, seed))
+  np.testing.assert_array_equal(shards[-1], sharding.shard_indices(num_examples, num_shards, num_shards - 1, seed))
 
 
 def test_shards_depend_on_seed():
-  assert not np.array_equal(data.shard_indices(1000, 2, 0, 0), data.shard_indices(1000, 2, 0, 1))
+  assert not np.array_equal(sharding.shard_indices(1000, 2, 0, 0), sharding.shard_indices(1000, 2, 0, 1))
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -216,39 +220,40 @@ def test_shards_depend_on_seed():
 ])
 def test_shard_indices_errors(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    data.shard_indices(**kwargs)
+    sharding.shard_indices(**kwargs)
 
 
 def test_batches_per_epoch():
-  assert data.batches_per_epoch(100, 32) == 3
-  assert data.batches_per_epoch(96, 32) == 3
+  assert sharding.batches_per_epoch(100, 32) == 3
+  assert sharding.batches_per_epoch(96, 32) == 3
   with pytest.raises(ValueError, match="batch_size must be >= 1"):
-    data.batches_per_epoch(10, 0)
+    sharding.batches_per_epoch(10, 0)
   with pytest.raises(ValueError, match=r"batch_size \(11\) is larger than the shard \(10 examples\)"):
-    data.batches_per_epoch(10, 11)
+    sharding.batches_per_epoch(10, 11)
 
 
 def test_minibatch_indices_deterministic_and_epoch_coverage():
-  shard = data.shard_indices(1000, 3, 1, seed=9)
-  per_epoch = data.batches_per_epoch(shard.size, 32)
+  shard = sharding.shard_indices(1000, 3, 1, seed=9)
+  per_epoch = sharding.batches_per_epoch(shard.size, 32)
   assert per_epoch == 10
   for epoch in range(3):
-    batches = [data.minibatch_indices(shard, 32, epoch * per_epoch + i, 9) for i in range(per_epoch)]
-    again = [data.minibatch_indices(shard.copy(), 32, epoch * per_epoch + i, 9) for i in range(per_epoch)]
+    batches = [sharding.minibatch_indices(shard, 32, epoch * per_epoch + i, 9) for i in range(per_epoch)]
+    again = [sharding.minibatch_indices(shard.copy(), 32, epoch * per_epoch + i, 9) for i in range(per_epoch)]
     for b, a in zip(batches, again):
       np.testing.assert_array_equal(b, a)
     seen = np.concatenate(batches)
     assert seen.shape == (320,) and np.unique(seen).size == 320
     assert np.isin(seen, shard).all()
   # Epochs are reshuffled, different shards and seeds give different orders.
-  assert not np.array_equal(data.minibatch_indices(shard, 32, 0, 9), data.minibatch_indices(shard, 32, per_epoch, 9))
-  assert not np.array_equal(data.minibatch_indices(shard, 32, 0, 9), data.minibatch_indices(shard, 32, 0, 10))
+  assert not np.array_equal(sharding.minibatch_indices(shard, 32, 0, 9),
+                            sharding.minibatch_indices(shard, 32, per_epoch, 9))
+  assert not np.array_equal(sharding.minibatch_indices(shard, 32, 0, 9), sharding.minibatch_indices(shard, 32, 0, 10))
   # The epoch permutation is shard-specific: two equal-size shards are not visited in the same positional order.
-  other = data.shard_indices(1000, 3, 2, seed=9)
+  other = sharding.shard_indices(1000, 3, 2, seed=9)
 
   def positions_in_shard(s):
     where = {int(v): i for i, v in enumerate(s)}
-    return [where[int(v)] for v in data.minibatch_indices(s, 32, 0, 9)]
+    return [where[int(v)] for v in sharding.minibatch_indices(s, 32, 0, 9)]
 
   assert positions_in_shard(shard) != positions_in_shard(other)
 
@@ -256,20 +261,20 @@ def test_minibatch_indices_deterministic_and_epoch_coverage():
 def test_minibatch_indices_errors():
   shard = np.arange(10)
   with pytest.raises(ValueError, match="minibatch_id must be >= 0"):
-    data.minibatch_indices(shard, 2, -1, 0)
+    sharding.minibatch_indices(shard, 2, -1, 0)
   with pytest.raises(ValueError, match="shard must be a 1-D index array"):
-    data.minibatch_indices(shard.reshape(2, 5), 2, 0, 0)
+    sharding.minibatch_indices(shard.reshape(2, 5), 2, 0, 0)
   with pytest.raises(ValueError, match=r"batch_size \(11\) is larger than the shard"):
-    data.minibatch_indices(shard, 11, 0, 0)
+    sharding.minibatch_indices(shard, 11, 0, 0)
 
 
 def test_sharded_minibatches_match_pure_function(synth_dir):
   ds = _load(synth_dir)
-  batches = data.ShardedMinibatches(ds, num_shards=2, shard_id=1, batch_size=16, seed=4)
+  batches = sharding.ShardedMinibatches(ds, num_shards=2, shard_id=1, batch_size=16, seed=4)
   assert batches.shard_size == 60 and batches.num_batches_per_epoch == 3
   for minibatch_id in [0, 1, 2, 3, 7, 2, 0]:
     images, labels = batches.get(minibatch_id)
-    idx = data.minibatch_indices(data.shard_indices(120, 2, 1, 4), 16, minibatch_id, 4)
+    idx = sharding.minibatch_indices(sharding.shard_indices(120, 2, 1, 4), 16, minibatch_id, 4)
     assert images.shape == (16, 28, 28, 1) and images.dtype == np.float32
     assert labels.shape == (16,) and labels.dtype == np.int32
     np.testing.assert_array_equal(images, ds.train_images[idx])
@@ -283,7 +288,7 @@ def test_sharded_minibatches_match_pure_function(synth_dir):
 def test_eval_batches_cover_all_once(n, batch_size):
   images = np.arange(n, dtype=np.float32).reshape(n, 1, 1, 1) * np.ones((1, 28, 28, 1), np.float32)
   labels = np.arange(n, dtype=np.int32)
-  batches = list(data.iterate_eval_batches(images, labels, batch_size))
+  batches = list(fashion_mnist.iterate_eval_batches(images, labels, batch_size))
   assert len(batches) == -(-n // batch_size)
   assert all(b[0].shape[0] == b[1].shape[0] for b in batches)
   assert all(b[1].shape[0] == batch_size for b in batches[:-1])
@@ -293,23 +298,23 @@ def test_eval_batches_cover_all_once(n, batch_size):
 
 def test_eval_batches_errors():
   with pytest.raises(ValueError, match="batch_size must be >= 1"):
-    next(data.iterate_eval_batches(np.zeros((3, 28, 28, 1)), np.zeros(3), 0))
+    next(fashion_mnist.iterate_eval_batches(np.zeros((3, 28, 28, 1)), np.zeros(3), 0))
   with pytest.raises(ValueError, match=r"images \(3\) and labels \(2\) differ in length"):
-    next(data.iterate_eval_batches(np.zeros((3, 28, 28, 1)), np.zeros(2), 1))
+    next(fashion_mnist.iterate_eval_batches(np.zeros((3, 28, 28, 1)), np.zeros(2), 1))
 
 
 # ---- Imports and the real dataset --------------------------------------------------------------------------------
 
 
 def test_data_module_does_not_import_jax():
-  source = pathlib.Path(data.__file__).read_text()
+  source = pathlib.Path(fashion_mnist.__file__).read_text()
   assert not re.search(r"^\s*(import|from)\s+(jax|flax)\b", source, flags=re.MULTILINE)
 
 
 @pytest.mark.skipif(not _REAL_DIR.is_dir(), reason="dataset-fashion-mnist is not installed")
 def test_real_fashion_mnist(monkeypatch):
-  monkeypatch.setattr(data, "DEFAULT_DATA_DIRS", (_REAL_DIR,))
-  ds = data.load_fashion_mnist()
+  monkeypatch.setattr(fashion_mnist, "DEFAULT_DATA_DIRS", (_REAL_DIR,))
+  ds = fashion_mnist.load_fashion_mnist()
   assert ds.source_dir == _REAL_DIR
   assert ds.train_images.shape == (60000, 28, 28, 1) and ds.train_images.dtype == np.float32
   assert ds.test_images.shape == (10000, 28, 28, 1)

@@ -5,9 +5,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hetpipe_jax import cluster as cluster_lib
-from hetpipe_jax import cost_model, engine, planner, profile_format, task_times, wsp
-from hetpipe_jax.schedule import Task, TaskKind
+from hetpipe_jax.planning import cluster as cluster_lib
+from hetpipe_jax.planning import cost_model
+from hetpipe_jax.planning import planner
+from hetpipe_jax.planning import profile_format
+from hetpipe_jax.rules import wsp
+from hetpipe_jax.rules.schedule import Task, TaskKind
+from hetpipe_jax.sim import engine
+from hetpipe_jax.sim import task_times
 
 REL = 1e-9  # virtual-time arithmetic is exact up to float rounding
 
@@ -207,7 +212,7 @@ def test_task_events_follow_the_schedule_rules():
 
 
 def test_record_fields_match_the_runtime_records():
-  pipeline = pytest.importorskip("hetpipe_jax.pipeline")
+  pipeline = pytest.importorskip("hetpipe_jax.runtime.virtual_worker")
   ours = [f.name for f in dataclasses.fields(engine.MinibatchRecord)]
   theirs = [f.name for f in dataclasses.fields(pipeline.MinibatchRecord)]
   assert ours == theirs

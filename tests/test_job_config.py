@@ -5,9 +5,10 @@ import json
 import pytest
 
 from experiments.configs import default, tiny
-from hetpipe_jax import job_config, plan_format
-from hetpipe_jax.job_config import ConfigError, resolve_settings, resolved_config
+from hetpipe_jax.jobs import job_config
+from hetpipe_jax.jobs.job_config import ConfigError, resolve_settings, resolved_config
 from hetpipe_jax.paths import REPO_ROOT
+from hetpipe_jax.planning import plan_format
 
 PLAN = "experiments/plans/local_cpu_cnn_b64.json"
 

@@ -7,7 +7,10 @@ import numpy as np
 import optax
 import pytest
 
-from hetpipe_jax import checkpoint, data, models, wsp
+from hetpipe_jax import models
+from hetpipe_jax.data import fashion_mnist, sharding
+from hetpipe_jax.jobs import checkpoint
+from hetpipe_jax.rules import wsp
 from tests.mpi_util import read_jsonl, run_job
 from tests.pipeline_util import assert_params_close, loss_and_grad
 
@@ -79,8 +82,8 @@ def test_oracle3_bsp_equals_synchronous_data_parallelism(tmp_path, synthetic_dat
   # Reference: every step, all VWs take gradients at the same weights; the N SGD updates are added in VW order.
   spec = models.get_model("mlp_tiny")
   params = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
-  dataset = data.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
-  sources = [data.ShardedMinibatches(dataset, num_vws, v, batch, 0) for v in range(num_vws)]
+  dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
+  sources = [sharding.ShardedMinibatches(dataset, num_vws, v, batch, 0) for v in range(num_vws)]
   grad_fn = loss_and_grad(spec)
   tx = optax.sgd(lr)
   for step in range(steps):
@@ -135,17 +138,17 @@ def test_multi_vw_run_equals_sequential_replay_of_its_versions(tmp_path, synthet
   assert any(r["version_global_clock"] < r["local_clock_at_injection"] for r in records)  # stale global weights
   spec = models.get_model("mlp_tiny")
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
-  dataset = data.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
-  sources = [data.ShardedMinibatches(dataset, num_vws, v, batch, 0) for v in range(num_vws)]
+  dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
+  sources = [sharding.ShardedMinibatches(dataset, num_vws, v, batch, 0) for v in range(num_vws)]
   expected = replay_final_weights(read_jsonl(workdir / "minibatches.jsonl"), spec, params0,
                                   optax.sgd(0.05, momentum=0.9), sources, nm)
-  from hetpipe_jax.param_layout import ParamLayout
+  from hetpipe_jax.runtime.param_layout import ParamLayout
   actual = ParamLayout.from_layer_params(params0).flatten(checkpoint.restore_weights(workdir / "checkpoint"))
   np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_runs_from_a_planner_made_plan(tmp_path, synthetic_data_dir):
-  from hetpipe_jax import plan_format
+  from hetpipe_jax.planning import plan_format
   plan_path = "experiments/plans/local_cpu_cnn_b64.json"
   plan = plan_format.load_plan(plan_path, expected_model="cnn")
   workdir = tmp_path / "run"
@@ -163,7 +166,7 @@ def test_runs_from_a_planner_made_plan(tmp_path, synthetic_data_dir):
 
 def test_num_inflight_given_with_a_plan_is_the_one_that_runs_and_is_recorded(tmp_path, synthetic_data_dir):
   """The value that runs is the value recorded: Nm = 4 over the plan's Nm = 2 (within its Max_m) runs with 4."""
-  from hetpipe_jax import plan_format
+  from hetpipe_jax.planning import plan_format
   plan_path = "experiments/plans/local_cpu_cnn_b64.json"
   plan = plan_format.load_plan(plan_path, expected_model="cnn")
   assert plan.num_inflight == 2

@@ -5,7 +5,8 @@ import gc
 import optax
 import pytest
 
-from hetpipe_jax import models, pipeline
+from hetpipe_jax import models
+from hetpipe_jax.runtime import virtual_worker
 from tests.pipeline_util import assert_params_close, build_vw, sequential_replay
 
 TWO_STAGES = [(0, 2), (2, 4)]
@@ -61,7 +62,7 @@ def test_stages_overlap_and_versions_are_freed(synthetic_data_dir):
   assert any(s1 < e0 and s0 < e1 for s0, e0 in spans["0"] for s1, e1 in spans["1"])
   assert stats.peak_inflight_per_stage[0] == 4 and stats.peak_inflight_per_stage[-1] == 1
   gc.collect()
-  alive = [o for o in gc.get_objects() if isinstance(o, pipeline.WeightVersion)]
+  alive = [o for o in gc.get_objects() if isinstance(o, virtual_worker.WeightVersion)]
   assert alive == [vw.version]  # only the current version survives once no minibatch is in flight
 
 
@@ -89,7 +90,7 @@ def test_emulated_devices_never_finish_early(synthetic_data_dir):
 
 
 def test_measured_peak_inflight_obeys_cost_model_bound(synthetic_data_dir):
-  from hetpipe_jax import cost_model
+  from hetpipe_jax.planning import cost_model
   target = {0: 0.002, 1: 0.002, 2: 0.012}  # a slow last stage makes the earlier stages hold the most
   vw, *_ = build_vw(synthetic_data_dir, partition=THREE_STAGES, num_inflight=4)
   vw.task_time_s = lambda task: target[task.stage_id]

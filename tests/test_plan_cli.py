@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hetpipe_jax import plan_format
+from hetpipe_jax.planning import plan_format
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -3,8 +3,9 @@
 import jax
 import pytest
 
-from hetpipe_jax import profile_format, profiler
 from hetpipe_jax.models import get_model
+from hetpipe_jax.planning import profile_format
+from hetpipe_jax.runtime import profiler
 
 
 @pytest.fixture(scope="module")

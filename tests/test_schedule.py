@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from hetpipe_jax.schedule import PipelineRules, Task, TaskKind
+from hetpipe_jax.rules.schedule import PipelineRules, Task, TaskKind
 
 
 def test_task_text_round_trips():

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from hetpipe_jax.schedule import Task, TaskKind
-from hetpipe_jax.stage_executor import OVERRUN_TOLERANCE_S, Completion, StageExecutor
+from hetpipe_jax.rules.schedule import Task, TaskKind
+from hetpipe_jax.runtime.stage_executor import OVERRUN_TOLERANCE_S, Completion, StageExecutor
 
 SLACK_S = 0.2  # scheduling latency allowed on top of a closed-form upper bound
 EPS_S = 1e-6  # float rounding between perf_counter differences

@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from hetpipe_jax import engine, task_times, trace
+from hetpipe_jax.sim import engine
+from hetpipe_jax.sim import task_times
+from hetpipe_jax.sim import trace
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -58,7 +60,7 @@ def test_runtime_events_start_at_dispatch_or_previous_end_on_the_stage():
 
 
 def test_gantt_writes_a_png(tmp_path):
-  from hetpipe_jax import gantt
+  from hetpipe_jax.sim import gantt
   report = small_report()
   path = tmp_path / "g.png"
   gantt.plot_report(report, str(path), title="test")

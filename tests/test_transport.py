@@ -8,8 +8,8 @@ import types
 import numpy as np
 import pytest
 
-from hetpipe_jax import transport
-from hetpipe_jax.transport import Kind, ProtocolError
+from hetpipe_jax.ps import transport
+from hetpipe_jax.ps.transport import Kind, ProtocolError
 
 NUM_PARAMS = 7
 VW_ID = 2

@@ -7,8 +7,12 @@ import numpy as np
 import optax
 
 from experiments.configs import tiny
-from hetpipe_jax import checkpoint, data, job_config, models, virtual_job
-from hetpipe_jax.param_layout import ParamLayout
+from hetpipe_jax import models
+from hetpipe_jax.data import fashion_mnist, sharding
+from hetpipe_jax.jobs import checkpoint
+from hetpipe_jax.jobs import job_config
+from hetpipe_jax.jobs import virtual_job
+from hetpipe_jax.runtime.param_layout import ParamLayout
 from tests.mpi_util import read_jsonl
 from tests.replay import replay_final_weights
 
@@ -35,8 +39,8 @@ def test_virtual_time_run_equals_replay_of_its_versions(tmp_path, synthetic_data
   assert summary["simulated_time_s"] >= mb * 0.040
   spec = models.get_model("mlp_tiny")
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
-  dataset = data.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
-  sources = [data.ShardedMinibatches(dataset, num_vws, v, batch, 0) for v in range(num_vws)]
+  dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
+  sources = [sharding.ShardedMinibatches(dataset, num_vws, v, batch, 0) for v in range(num_vws)]
   expected = replay_final_weights(records, spec, params0, optax.sgd(0.05, momentum=0.9), sources, nm)
   actual = ParamLayout.from_layer_params(params0).flatten(checkpoint.restore_weights(tmp_path / "checkpoint"))
   np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)

@@ -6,8 +6,9 @@ import random
 import numpy as np
 import pytest
 
-from hetpipe_jax import schedule, wsp
-from hetpipe_jax.param_server import LocalPSClient, ParameterServer
+from hetpipe_jax.ps.param_server import LocalPSClient, ParameterServer
+from hetpipe_jax.rules import schedule
+from hetpipe_jax.rules import wsp
 
 
 def test_waves_and_bound():

@@ -1,0 +1,371 @@
+"""Validated job settings derived from an ml_collections config (checked on every rank before any work).
+
+Planning layer: no jax or mpi4py, so a bad config fails in milliseconds with one clear message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping, Sequence
+
+from hetpipe_jax.paths import repo_path
+from hetpipe_jax.rules import partition as partition_rules
+from hetpipe_jax.rules.partition import Partition
+
+
+class ConfigError(ValueError):
+  """A setting is invalid; the message names it and says how to fix it."""
+
+
+# Settings a plan decides; left unset (None) in the config they come from the plan, or without a plan from these
+# defaults. Given in the config as well as a plan, they must agree with it (Nm may be lowered or raised within the
+# plan's Max_m).
+PLAN_DECIDED = ("num_virtual_workers", "num_stages", "partition", "num_inflight")
+DEFAULTS_WITHOUT_PLAN = {"num_virtual_workers": 2, "num_stages": 2, "num_inflight": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class VWLayout:
+  """One VW's pipeline: a layer range and a local device index per stage."""
+
+  partition: Partition | None  # None -> even split once the model's layer count is known
+  devices: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSettings:
+  """The validated settings that run (recorded as they are in config.json and summary.json).
+
+  Attributes:
+    model: registry name.
+    num_virtual_workers: N.
+    num_inflight: Nm (HetPipe §4).
+    staleness_bound: D (HetPipe §5).
+    vws: per VW its layout.
+    platform: "cpu" or "gpu".
+    plan: the typed plan the job runs from, or None.
+    sources: per plan-decided setting where its value comes from: "plan", "config", "config (= plan)",
+      "config (overrides the plan's ...)" or "default".
+    notes: log lines about overrides.
+  """
+
+  model: str
+  num_virtual_workers: int
+  num_inflight: int
+  staleness_bound: int
+  vws: tuple[VWLayout, ...]
+  platform: str
+  plan: Any = None  # plan_format.Plan | None (typed; read once per process)
+  sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  notes: tuple[str, ...] = ()
+
+  @property
+  def world_size(self) -> int:
+    return 1 + self.num_virtual_workers
+
+  @property
+  def num_stages(self) -> int | None:
+    """Stages per VW when every VW has the same count, else None."""
+    counts = {len(v.devices) for v in self.vws}
+    return counts.pop() if len(counts) == 1 else None
+
+  @property
+  def max_num_stages(self) -> int:
+    return max(len(v.devices) for v in self.vws)
+
+  @property
+  def devices_needed(self) -> int:
+    """Local devices one VW process needs (max device index + 1)."""
+    return 1 + max(max(v.devices) for v in self.vws)
+
+
+def parse_partition(text: str | None) -> tuple[Partition, ...] | None:
+  """``"0:3,3:7"`` (every VW) or ``"0:2,2:7;0:3,3:7"`` (per VW) → per-VW partitions; None or ``""`` → None (even).
+
+  Raises:
+    ConfigError: malformed text.
+  """
+  if text is None or not text.strip():
+    return None
+  try:
+    return tuple(partition_rules.parse_partition(part) for part in text.split(";"))
+  except ValueError as e:
+    raise ConfigError(f"config.partition={e}") from None
+
+
+def format_partitions(partitions: Sequence[Sequence[Sequence[int]]]) -> str:
+  """Per-VW partitions as ``config.partition`` text (one partition when all VWs share it)."""
+  texts = [partition_rules.format_partition(p) for p in partitions]
+  return texts[0] if len(set(texts)) == 1 else ";".join(texts)
+
+
+def _parse_devices(text: str, num_stages: int) -> tuple[int, ...]:
+  if not text.strip():
+    return tuple(range(num_stages))
+  try:
+    devices = tuple(int(v) for v in text.split(","))
+  except ValueError:
+    raise ConfigError(f"config.stage_devices={text!r} is malformed: give one device index per stage, e.g. '0,1'") \
+        from None
+  if len(devices) != num_stages:
+    raise ConfigError(f"config.stage_devices lists {len(devices)} devices for {num_stages} stages")
+  if min(devices) < 0 or len(set(devices)) != len(devices):
+    raise ConfigError(f"config.stage_devices={text!r} must be distinct non-negative device indices")
+  return devices
+
+
+def _check_scalars(config: Any) -> None:
+  for name in ("num_inflight", "num_virtual_workers", "num_stages"):
+    value = config.get(name)
+    if value is not None and value < 1:
+      extra = " (1 = no pipelining)" if name == "num_inflight" else ""
+      raise ConfigError(f"config.{name}={value}: must be >= 1{extra}, or leave it unset to take the plan's value")
+  if config.staleness_bound < 0:
+    raise ConfigError(f"config.staleness_bound={config.staleness_bound}: D must be >= 0 (0 = BSP with pipelining)")
+  if config.batch_size < 1:
+    raise ConfigError(f"config.batch_size={config.batch_size} must be >= 1")
+  if config.platform not in ("cpu", "gpu"):
+    raise ConfigError(f"config.platform={config.platform!r} must be 'cpu' or 'gpu'")
+  if config.optimizer not in ("adam", "sgd", "momentum"):
+    raise ConfigError(f"config.optimizer={config.optimizer!r} must be 'adam', 'sgd' or 'momentum'")
+  if config.lr_schedule not in ("constant", "cosine"):
+    raise ConfigError(f"config.lr_schedule={config.lr_schedule!r} must be 'constant' or 'cosine'")
+  if not config.learning_rate > 0:
+    raise ConfigError(f"config.learning_rate={config.learning_rate} must be > 0")
+
+
+def _settings_from_plan(config: Any, plan: Any) -> JobSettings:
+  """The plan's layout and Nm, with every plan-decided setting the config also gives checked against it."""
+  if int(plan.batch_size) != config.batch_size:
+    raise ConfigError(f"the plan was made for batch size {plan.batch_size} but config.batch_size="
+                      f"{config.batch_size}: re-plan or set --config.batch_size={plan.batch_size}")
+  fix = "leave it unset to use the plan's value, re-plan, or run without a plan (--config.plan=)"
+  sources: dict[str, str] = {}
+  notes: list[str] = []
+  num_vws = len(plan.virtual_workers)
+  given = config.get("num_virtual_workers")
+  if given is not None and given != num_vws:
+    raise ConfigError(f"config.num_virtual_workers={given} but the plan {config.plan} has {num_vws} virtual workers: "
+                      f"{fix}")
+  sources["num_virtual_workers"] = "plan" if given is None else "config (= plan)"
+  plan_stages = [len(vw.partition) for vw in plan.virtual_workers]
+  given = config.get("num_stages")
+  if given is not None and any(s != given for s in plan_stages):
+    raise ConfigError(f"config.num_stages={given} but the plan {config.plan} has {plan_stages} stages per virtual "
+                      f"worker: {fix}")
+  sources["num_stages"] = "plan" if given is None else "config (= plan)"
+  plan_partitions = [tuple(tuple(r) for r in vw.partition) for vw in plan.virtual_workers]
+  text = config.get("partition")
+  if text is not None:
+    given_parts = parse_partition(text)
+    if given_parts is None:  # "" = an explicit even split
+      given_parts = tuple(partition_rules.even_partition(plan.num_layers, s) for s in plan_stages)
+    if len(given_parts) == 1:
+      given_parts = given_parts * num_vws
+    if list(given_parts) != plan_partitions:
+      raise ConfigError(f"config.partition={text!r} but the plan {config.plan} has partition "
+                        f"{format_partitions(plan_partitions)!r}: {fix}")
+  sources["partition"] = "plan" if text is None else "config (= plan)"
+  max_m = min(vw.max_num_inflight for vw in plan.virtual_workers)
+  given = config.get("num_inflight")
+  num_inflight = plan.num_inflight if given is None else given
+  if given is None:
+    sources["num_inflight"] = "plan"
+  elif given == plan.num_inflight:
+    sources["num_inflight"] = "config (= plan)"
+  elif given > max_m:
+    raise ConfigError(f"config.num_inflight={given} exceeds the plan's Max_m={max_m} (the most minibatches in flight "
+                      f"that fit every GPU's memory; the plan chose Nm={plan.num_inflight}): set "
+                      f"--config.num_inflight to at most {max_m}, or leave it unset to use the plan's Nm")
+  else:
+    sources["num_inflight"] = f"config (overrides the plan's Nm={plan.num_inflight}; <= the plan's Max_m={max_m})"
+    notes.append(f"config.num_inflight={given} overrides the plan's Nm={plan.num_inflight}: memory re-checked "
+                 f"against the plan's Max_m={max_m} (every stage fits)")
+  # On "cpu" every VW process forces its own host devices, so stage s runs on local device s; on "gpu" the plan's
+  # node-local device indices are used as they are.
+  vws = []
+  for vw, partition in zip(plan.virtual_workers, plan_partitions):
+    planned = tuple(range(len(partition))) if config.platform == "cpu" else tuple(vw.devices)
+    if config.stage_devices.strip() and _parse_devices(config.stage_devices, len(partition)) != planned:
+      raise ConfigError(f"config.stage_devices={config.stage_devices!r} but the plan places virtual worker "
+                        f"{vw.vw_id} on devices {list(planned)}: {fix}")
+    if None in planned:
+      raise ConfigError(f"the plan {config.plan} has no local device index for a GPU of virtual worker {vw.vw_id}: "
+                        "re-plan with a cluster that maps its GPUs to local devices")
+    vws.append(VWLayout(partition, planned))
+  return JobSettings(plan.model, num_vws, num_inflight, config.staleness_bound, tuple(vws), config.platform, plan,
+                     sources, tuple(notes))
+
+
+def settings_from_config(config: Any, plan: Any = None) -> JobSettings:
+  """Checks the scalar settings and builds the per-VW layout (from the config, or from a typed plan).
+
+  Args:
+    config: the job's ConfigDict (see ``experiments/configs/default.py``).
+    plan: the :class:`hetpipe_jax.planning.plan_format.Plan` named by ``config.plan`` (:func:`load_plan`), or None.
+
+  Raises:
+    ConfigError: ``num_inflight < 1``, ``staleness_bound < 0``, a non-positive VW/stage/batch count, a malformed
+      partition or device list, an unknown platform or optimizer; with a plan, a plan-decided setting that disagrees
+      with it (``num_inflight`` may differ when it is at most the plan's Max_m).
+  """
+  _check_scalars(config)
+  if plan is not None:
+    return _settings_from_plan(config, plan)
+  sources = {}
+  values = {}
+  for name, default in DEFAULTS_WITHOUT_PLAN.items():
+    given = config.get(name)
+    values[name] = default if given is None else given
+    sources[name] = "default" if given is None else "config"
+  partitions = parse_partition(config.get("partition"))
+  sources["partition"] = "config" if partitions else "default (even split)"
+  num_vws, num_stages = values["num_virtual_workers"], values["num_stages"]
+  if partitions is not None:
+    if len(partitions) not in (1, num_vws):
+      raise ConfigError(f"config.partition={config.partition!r} gives {len(partitions)} partitions for {num_vws} "
+                        "virtual workers: give one for all, or one per VW separated by ';'")
+    if any(len(p) != num_stages for p in partitions):
+      raise ConfigError(f"config.partition={config.partition!r} has {[len(p) for p in partitions]} ranges but "
+                        f"config.num_stages={num_stages}")
+    if len(partitions) == 1:
+      partitions = partitions * num_vws
+  else:
+    partitions = (None,) * num_vws
+  devices = _parse_devices(config.stage_devices, num_stages)
+  return JobSettings(config.model, num_vws, values["num_inflight"], config.staleness_bound,
+                     tuple(VWLayout(p, devices) for p in partitions), config.platform, None, sources)
+
+
+def check_world_size(settings: JobSettings, world_size: int) -> None:
+  """Raises ConfigError unless the MPI world is 1 PS + one rank per VW."""
+  if world_size != settings.world_size:
+    what = "the plan's" if settings.plan is not None else "config.num_virtual_workers"
+    raise ConfigError(f"MPI world size is {world_size} but the job has {settings.num_virtual_workers} virtual "
+                      f"workers ({what}): run `mpiexec -n {settings.world_size} ...` (rank 0 = PS, ranks 1..N = VWs)"
+                      + ("" if settings.plan is not None else
+                         f" or set config.num_virtual_workers={world_size - 1}"))
+
+
+def check_devices(settings: JobSettings, num_devices: int) -> None:
+  """Raises ConfigError when a VW needs more local devices than its process has."""
+  if settings.devices_needed > num_devices:
+    raise ConfigError(f"{settings.max_num_stages} stages need {settings.devices_needed} local devices per VW but "
+                      f"only {num_devices} {settings.platform} device(s) exist: lower config.num_stages or fix "
+                      "config.stage_devices")
+
+
+def check_partitions(settings: JobSettings, num_layers: int) -> list[Partition]:
+  """Per-VW partitions validated against the model's layer count (an even split where none is given).
+
+  Raises:
+    ConfigError: a partition that does not cover every layer exactly once, or more stages than layers.
+  """
+  out = []
+  for vw in settings.vws:
+    try:
+      if vw.partition is None:
+        out.append(partition_rules.even_partition(num_layers, len(vw.devices)))
+      else:
+        out.append(partition_rules.validate_partition(vw.partition, num_layers))
+    except ValueError as e:
+      raise ConfigError(f"config.partition: {e}") from None
+  return out
+
+
+def resolved_config(config: Any, settings: JobSettings, partitions: Sequence[Partition],
+                    **overrides: Any) -> dict[str, Any]:
+  """The config as it runs: every plan-decided setting replaced by the value that runs, plus ``setting_sources``.
+
+  This is what ``config.json`` records (so config.json and summary.json agree); ``overrides`` are further resolved
+  values (e.g. ``emulate_plan=True`` in virtual mode).
+  """
+  d = config.to_dict()
+  d.update(num_virtual_workers=settings.num_virtual_workers, num_stages=settings.num_stages,
+           partition=format_partitions(partitions), num_inflight=settings.num_inflight, **overrides)
+  d["setting_sources"] = dict(settings.sources)
+  return d
+
+
+def config_to_json(d: Mapping[str, Any]) -> str:
+  return json.dumps(dict(d), indent=2, sort_keys=True, default=str)
+
+
+def load_plan(config: Any) -> Any:
+  """Reads ``config.plan`` (a plan JSON written by ``python -m hetpipe_jax.plan``) once; None when unset.
+
+  Returns:
+    The typed :class:`hetpipe_jax.planning.plan_format.Plan`.
+
+  Raises:
+    ConfigError: the file is missing or unreadable, or it was made for another model than ``config.model``.
+  """
+  if not config.plan:
+    return None
+  from hetpipe_jax.planning import plan_format
+  try:
+    return plan_format.load_plan(str(repo_path(config.plan)), expected_model=config.model)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"config.plan={config.plan!r}: {e}") from None
+
+
+def resolve_settings(config: Any) -> JobSettings:
+  """:func:`load_plan` then :func:`settings_from_config`: the one call an entry point makes."""
+  return settings_from_config(config, load_plan(config))
+
+
+def parse_stage_ms(text: str, num_vws: int, num_stages: int) -> list[list[float]] | None:
+  """``"20,40"`` (every VW) or ``"20,40;30,30"`` (per VW) → per-VW per-stage milliseconds; ``""`` → None.
+
+  Raises:
+    ConfigError: malformed, wrong counts, or a non-positive time.
+  """
+  if not text.strip():
+    return None
+  try:
+    rows = [[float(v) for v in part.split(",")] for part in text.split(";")]
+  except ValueError:
+    raise ConfigError(f"config.emulate_stage_ms={text!r} is malformed: write per-stage milliseconds, e.g. "
+                      "'20,40' for every VW or '20,40;30,30' per VW") from None
+  if len(rows) == 1:
+    rows = rows * num_vws
+  if len(rows) != num_vws or any(len(r) != num_stages for r in rows):
+    raise ConfigError(f"config.emulate_stage_ms={text!r} needs {num_stages} times per VW for {num_vws} VWs")
+  if any(v <= 0 for r in rows for v in r):
+    raise ConfigError(f"config.emulate_stage_ms={text!r}: every time must be > 0")
+  return rows
+
+
+def emulated_task_times(config: Any, settings: JobSettings, *, plan_times: bool | None = None) -> list | None:
+  """Per-VW :class:`hetpipe_jax.sim.task_times.VWTaskTimes` for emulated devices, or None when not emulating.
+
+  ``config.emulate_stage_ms`` gives synthetic per-stage times (a third forward, two thirds backward);
+  ``config.emulate_plan`` (or ``plan_times=True``) uses the cost model's times for the GPU types of the plan's devices.
+
+  Raises:
+    ConfigError: both set, plan times without a plan, or malformed times.
+  """
+  from hetpipe_jax.sim import task_times
+  use_plan = config.emulate_plan if plan_times is None else plan_times
+  stages = settings.num_stages
+  rows = None
+  if config.emulate_stage_ms.strip():
+    if stages is None:
+      raise ConfigError("config.emulate_stage_ms needs every VW to have the same number of stages")
+    rows = parse_stage_ms(config.emulate_stage_ms, settings.num_virtual_workers, stages)
+  if rows is not None and use_plan:
+    raise ConfigError("set config.emulate_stage_ms or config.emulate_plan, not both")
+  if rows is not None:
+    return [task_times.uniform_task_times(r) for r in rows]
+  if not use_plan:
+    return None
+  if settings.plan is None:
+    raise ConfigError("config.emulate_plan needs config.plan (the plan's GPU types give the task times)")
+  from hetpipe_jax.planning import cluster as cluster_lib
+  plan = settings.plan
+  try:
+    profile = task_times.profile_for_plan(plan)
+    return task_times.task_times_from_plan(plan, profile, cluster_lib.load_cluster(plan.cluster))
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"config.emulate_plan: {e}") from None

@@ -1,0 +1,145 @@
+"""The outputs of one training run, written the same way by the MPI job and the virtual-time job.
+
+Runtime layer (json, orbax through :mod:`hetpipe_jax.jobs.checkpoint`, matplotlib for ``metrics.png``). One
+:class:`RunOutputs` per run owns its workdir:
+
+* ``config.json``: the config as it ran (:func:`hetpipe_jax.jobs.job_config.resolved_config`: every plan-decided setting
+  replaced by the value that ran, and where it came from);
+* ``metrics.jsonl``: one line per logged global-clock tick (loss, test accuracy when evaluated, times, rates);
+* ``minibatches.jsonl``: every minibatch's :class:`hetpipe_jax.rules.records.MinibatchRecord`;
+* ``ps_applied.jsonl``: the parameter server's wave applications in order (``wave_id``, ``vw_id``);
+* ``summary.json``: the run's results and the settings that ran (the application list only as a count and a check);
+* ``metrics.png``: loss and test accuracy against time and minibatches;
+* ``checkpoint/``: the final global weights (orbax).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Iterable, Mapping, Sequence
+
+from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, config_to_json, format_partitions
+from hetpipe_jax.sim.engine_report import json_safe
+
+FINISHED_MARKERS = ("summary.json", "checkpoint")
+
+
+def check_workdir(workdir: str | pathlib.Path) -> None:
+  """Raises :class:`ConfigError` when ``workdir`` already holds a finished run (nothing is ever overwritten)."""
+  out = pathlib.Path(workdir)
+  if any((out / name).exists() for name in FINISHED_MARKERS):
+    raise ConfigError(f"--workdir={workdir} already holds a finished run; choose a new --workdir")
+
+
+def applied_in_order(applied: Sequence[Sequence[int]], num_virtual_workers: int) -> bool:
+  """True when ``applied`` is ``(wave 0, VW 0..N-1), (wave 1, VW 0..N-1), ...``: every wave once, in order (§5)."""
+  return [tuple(a) for a in applied] == [(w, v) for w in range(len(applied) // max(num_virtual_workers, 1))
+                                         for v in range(num_virtual_workers)]
+
+
+class RunOutputs:
+  """Writes one run's files (module docstring) into ``workdir``, creating it.
+
+  Args:
+    workdir: the run's directory; must not hold a finished run.
+
+  Raises:
+    ConfigError: ``workdir`` holds a finished run.
+  """
+
+  def __init__(self, workdir: str | pathlib.Path):
+    check_workdir(workdir)
+    self.dir = pathlib.Path(workdir)
+    self.dir.mkdir(parents=True, exist_ok=True)
+    self._metrics = open(self.dir / "metrics.jsonl", "a", encoding="utf-8")
+
+  def write_config(self, resolved: Mapping[str, Any]) -> None:
+    """Writes ``config.json`` (the config as it runs)."""
+    (self.dir / "config.json").write_text(config_to_json(resolved))
+
+  def log_metrics(self, line: Mapping[str, Any]) -> None:
+    """Appends one line to ``metrics.jsonl`` (flushed, so a crash keeps what was logged)."""
+    self._metrics.write(json.dumps(json_safe(dict(line))) + "\n")
+    self._metrics.flush()
+
+  def write_minibatches(self, records: Iterable[Mapping[str, Any]]) -> None:
+    """Writes ``minibatches.jsonl``, sorted by (VW, minibatch)."""
+    rows = sorted((dict(r) for r in records), key=lambda r: (r["vw_id"], r["minibatch_id"]))
+    with open(self.dir / "minibatches.jsonl", "w", encoding="utf-8") as f:
+      for r in rows:
+        f.write(json.dumps(json_safe(r)) + "\n")
+
+  def write_ps_applied(self, applied: Sequence[Sequence[int]], num_virtual_workers: int) -> dict[str, Any]:
+    """Writes ``ps_applied.jsonl``; returns the summary fields (count, and whether the order is WSP's)."""
+    with open(self.dir / "ps_applied.jsonl", "w", encoding="utf-8") as f:
+      for wave, vw in applied:
+        f.write(json.dumps({"wave_id": int(wave), "vw_id": int(vw)}) + "\n")
+    return {"applied_waves_count": len(applied),
+            "applied_waves_in_order": applied_in_order(applied, num_virtual_workers)}
+
+  def save_checkpoint(self, layer_params: list[Any]) -> pathlib.Path:
+    """Saves the final global weights in ``checkpoint/`` (orbax); returns its path."""
+    from hetpipe_jax.jobs import checkpoint
+    return checkpoint.save_weights(self.dir / "checkpoint", layer_params)
+
+  def finish(self, summary: Mapping[str, Any]) -> None:
+    """Closes ``metrics.jsonl``, draws ``metrics.png`` from it, and writes ``summary.json`` (a finished run's last
+    file)."""
+    if not self._metrics.closed:
+      self._metrics.close()
+    plot_metrics(self.dir / "metrics.jsonl", self.dir / "metrics.png")
+    (self.dir / "summary.json").write_text(json.dumps(json_safe(dict(summary)), indent=2))
+
+
+def settings_summary(settings: JobSettings, partitions: Sequence[Sequence[Sequence[int]]],
+                     batch_size: int) -> dict[str, Any]:
+  """The settings that ran, as both jobs record them in ``summary.json`` (the same values as ``config.json``)."""
+  return {
+      "model": settings.model,
+      "batch_size": batch_size,
+      "num_virtual_workers": settings.num_virtual_workers,
+      "num_stages": settings.num_stages,
+      "num_stages_per_vw": [len(p) for p in partitions],
+      "partition": format_partitions(partitions),
+      "partitions": {str(v): [list(r) for r in p] for v, p in enumerate(partitions)},
+      "num_inflight": settings.num_inflight,
+      "local_staleness": settings.num_inflight - 1,
+      "staleness_bound": settings.staleness_bound,
+      "plan": settings.plan is not None,
+      "setting_sources": dict(settings.sources),
+  }
+
+
+def plot_metrics(metrics_path: str | pathlib.Path, png_path: str | pathlib.Path) -> pathlib.Path | None:
+  """Draws training loss and test accuracy against time and against minibatches from ``metrics.jsonl``.
+
+  Time is ``wall_time_s`` (MPI runs) or ``simulated_time_s`` (virtual time), whichever the lines carry.
+
+  Returns:
+    The PNG's path, or None when the file has no lines to plot.
+  """
+  lines = [json.loads(t) for t in pathlib.Path(metrics_path).read_text().splitlines() if t.strip()]
+  if not lines:
+    return None
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  time_key = "simulated_time_s" if any("simulated_time_s" in r for r in lines) else "wall_time_s"
+  time_label = "simulated seconds" if time_key == "simulated_time_s" else "wall-clock seconds"
+  fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharey="row")
+  for row, (key, label) in enumerate((("loss", "training loss"), ("test_accuracy", "test accuracy"))):
+    pts = [r for r in lines if r.get(key) is not None and r.get(time_key) is not None and "minibatches" in r]
+    for col, (xkey, xlabel) in enumerate(((time_key, time_label), ("minibatches", "minibatches (all VWs)"))):
+      ax = axes[row][col]
+      ax.plot([r[xkey] for r in pts], [r[key] for r in pts], marker="o" if key == "test_accuracy" else None,
+              markersize=3)
+      ax.set_xlabel(xlabel)
+      ax.set_ylabel(label)
+      ax.grid(alpha=0.3)
+  fig.suptitle("training loss and test accuracy")
+  fig.tight_layout()
+  fig.savefig(png_path, dpi=90)
+  plt.close(fig)
+  return pathlib.Path(png_path)

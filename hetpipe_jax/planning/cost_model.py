@@ -1,0 +1,250 @@
+"""Cost model of a pipeline stage: time and memory on a GPU type (HetPipe §4 "Model Partitioning", §7).
+
+Planning layer: standard library and numpy only.
+
+Time. A stage running layers ``[i, j)`` on a GPU of type ``t`` takes, per minibatch,
+``compute_ms(i, j, t) + recv_ms(boundary i, link to the previous stage) + recv_ms(boundary j, link to the next
+stage)``: forward+backward compute of its layers, receiving activations in the forward pass and gradients in the
+backward pass (same bytes as the activations across that cut). Layer compute times are the measured profile times
+when the profile was measured on the type's ``measured_device_kind`` (local runs), otherwise a roofline estimate
+from XLA's cost analysis: ``max(flops / (peak_flops * compute_efficiency),
+bytes_accessed / (memory_bandwidth * memory_efficiency))`` for the forward and the backward. Transfers use
+``LinkSpec.transfer_time_s`` (peak bandwidth x scale-down constant + latency, HetPipe §7).
+
+Memory. A stage at position ``s`` of ``S`` with ``Nm`` minibatches in flight holds at most
+``h = max_inflight_per_stage(S, Nm)[s]`` minibatches and needs
+``params * (1 + versions) + optimizer state + gradient accumulator + h * (max(stash, input) + gradient)
++ (Nm - h) * input + workspace`` bytes, where ``versions = h`` on non-last stages (HetPipe §4: "for every
+minibatch p, w_p must be kept in GPU memory until the backward pass for p is executed") and 0 on the last stage
+(its forward+backward is one task that uses the current weights); ``input`` is the activation received at the
+stage's first layer (queued minibatches whose forward has not started), ``gradient`` the gradient received at its
+last layer, and ``workspace`` XLA's largest temporary buffer among its layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from hetpipe_jax.planning.cluster import ClusterSpec, GpuType
+from hetpipe_jax.planning.profile_format import ModelProfile
+
+MS_PER_S = 1e3
+INTRA = "intra"
+INTER = "inter"
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModelConfig:
+  """Knobs of the cost model.
+
+  Attributes:
+    compute_efficiency: achieved / peak FLOP/s for roofline estimates. The default 0.5 is a documented,
+      uncalibrated guess for cuDNN convolutions on the paper's GPUs; :func:`calibrate_efficiency` computes it
+      for a device whose measured profile exists (the local CPU), and a measured profile on a GPU would do the
+      same for that GPU type.
+    memory_efficiency: achieved / peak memory bandwidth for roofline estimates (same calibration).
+    precision: ``"fp32"`` or ``"fp16"``: which peak FLOP/s the roofline uses.
+    weight_versions: keep one weight version per held minibatch on non-last stages (HetPipe §4).
+    gradient_accumulator: one params-sized buffer for the wave's aggregated update (WSP push, HetPipe §5).
+  """
+
+  compute_efficiency: float = 0.5
+  memory_efficiency: float = 0.5
+  precision: str = "fp32"
+  weight_versions: bool = True
+  gradient_accumulator: bool = True
+
+  def __post_init__(self):
+    for f in ("compute_efficiency", "memory_efficiency"):
+      if not 0 < getattr(self, f) <= 1:
+        raise ValueError(f"{f} must be in (0, 1], got {getattr(self, f)}")
+    if self.precision not in ("fp32", "fp16"):
+      raise ValueError(f"precision must be 'fp32' or 'fp16', got {self.precision!r}")
+
+
+def max_inflight_per_stage(num_stages: int, num_inflight: int) -> list[int]:
+  """Most minibatches each stage can hold at once under HetPipe's schedule rules (HetPipe §4).
+
+  A stage *holds* minibatch p from the moment its forward task for p on that stage finishes until its backward
+  task for p on that stage finishes (the activations/residuals it must keep for the backward). The last stage
+  runs forward+backward of p as one task, so it holds p only while that task runs.
+
+  Bound: ``[Nm] * (S - 1) + [1]`` (``[1]`` when ``S == 1``). At most ``Nm`` minibatches are in flight in the
+  virtual worker and a minibatch is in flight while any stage holds it, so no stage holds more than ``Nm``; the
+  last stage runs one task at a time, so it holds at most 1.
+
+  Tight (no timing-independent bound is smaller, e.g. ``min(Nm, S - s)`` is not safe): for any non-last stage s,
+  let stages ``0..s-1`` be fast and stage s slow. Minibatches 1..Nm are injected at once and reach stage s at
+  times ~0; the backward of minibatch 1 becomes ready on stage s only after stage s finishes forward 1 and the
+  later stages process it, i.e. later than forwards 2..Nm became ready. With forwards in order and FIFO among
+  ready tasks, stage s runs forwards 1..Nm before any backward and holds all Nm. (With 1F1B-like timings the
+  observed peak is closer to ``min(Nm, S - s)``; memory planning must use the safe bound.)
+
+  Args:
+    num_stages: S >= 1.
+    num_inflight: Nm >= 1, minibatches in flight in the virtual worker.
+
+  Returns:
+    Per-stage bound, stage 0 first.
+
+  Raises:
+    ValueError: non-positive arguments.
+  """
+  if num_stages < 1:
+    raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+  if num_inflight < 1:
+    raise ValueError(f"num_inflight must be >= 1, got {num_inflight}")
+  return [num_inflight] * (num_stages - 1) + [1]
+
+
+def _roofline_ms(flops: float, bytes_accessed: float, gpu: GpuType, config: CostModelConfig) -> float:
+  peak = gpu.peak_fp32_flops_per_s if config.precision == "fp32" else gpu.peak_fp16_flops_per_s
+  t = max(flops / (peak * config.compute_efficiency),
+          bytes_accessed / (gpu.memory_bandwidth_bytes_per_s * config.memory_efficiency))
+  return t * MS_PER_S
+
+
+def uses_measured_times(profile: ModelProfile, gpu: GpuType) -> bool:
+  """Whether ``gpu``'s layer times come from ``profile``'s measurements rather than the roofline."""
+  return (profile.measured and gpu.measured_device_kind is not None
+          and gpu.measured_device_kind == profile.device_kind)
+
+
+def layer_times_ms(profile: ModelProfile, gpu: GpuType, config: CostModelConfig) -> np.ndarray:
+  """Forward+backward time of every layer on ``gpu``, in ms. Shape ``[num_layers]``.
+
+  Measured times when :func:`uses_measured_times`, else the roofline estimate (see the module docstring).
+  """
+  if uses_measured_times(profile, gpu):
+    return np.array([l.fwd_time_ms + l.bwd_time_ms for l in profile.layers], dtype=np.float64)
+  return np.array([_roofline_ms(l.fwd_flops, l.fwd_bytes_accessed, gpu, config)
+                   + _roofline_ms(l.bwd_flops, l.bwd_bytes_accessed, gpu, config) for l in profile.layers],
+                  dtype=np.float64)
+
+
+def calibrate_efficiency(profile: ModelProfile, gpu: GpuType) -> float:
+  """The single efficiency e (used for both compute and memory) for which the roofline's total time over all
+  layers equals the measured total on ``gpu``: ``e = sum(roofline at e=1) / sum(measured)``.
+
+  Raises:
+    ValueError: the profile has no measured times.
+  """
+  if not profile.measured:
+    raise ValueError(f"profile of {profile.model!r} has no measured times to calibrate against")
+  ideal = layer_times_ms(profile, dataclasses.replace(gpu, measured_device_kind=None),
+                         CostModelConfig(compute_efficiency=1.0, memory_efficiency=1.0))
+  measured = sum(l.fwd_time_ms + l.bwd_time_ms for l in profile.layers)
+  return float(ideal.sum() / measured)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCosts:
+  """Vectorised per-range costs of one model on one cluster (shared by every partitioner).
+
+  Attributes:
+    num_layers: L.
+    compute_prefix_ms: GPU type name -> ``[L + 1]`` prefix sums of layer fwd+bwd time (ms).
+    recv_ms: ``INTRA``/``INTER`` -> ``[L + 1]``: time to receive the activation (or gradient) at cut ``b``
+      (between layers ``b-1`` and ``b``); 0 at ``b = 0`` and ``b = L`` (nothing crosses).
+    boundary_bytes: ``[L + 1]``: bytes crossing cut b (``[0]`` is the input minibatch, ``[L]`` is 0).
+    param_prefix, optimizer_prefix, stash_prefix: ``[L + 1]`` prefix sums (bytes).
+    workspace_max: ``[L + 1, L + 1]``: max XLA temp bytes over layers ``[i, j)`` (0 when ``j <= i``).
+    capacity_bytes: GPU type name -> usable memory (memory_bytes - reserved_bytes).
+    config: the cost-model configuration used.
+  """
+
+  num_layers: int
+  compute_prefix_ms: dict[str, np.ndarray]
+  recv_ms: dict[str, np.ndarray]
+  boundary_bytes: np.ndarray
+  param_prefix: np.ndarray
+  optimizer_prefix: np.ndarray
+  stash_prefix: np.ndarray
+  workspace_max: np.ndarray
+  capacity_bytes: dict[str, int]
+  config: CostModelConfig
+
+  def compute_ms(self, gpu_type: str, i: int, j: int) -> float:
+    p = self.compute_prefix_ms[gpu_type]
+    return float(p[j] - p[i])
+
+  def stage_time_ms(self, gpu_type: str, i: int, j: int, prev_link: str | None, next_link: str | None) -> float:
+    """Time of a stage running layers ``[i, j)``; ``prev_link``/``next_link`` None at the pipeline's ends."""
+    t = self.compute_ms(gpu_type, i, j)
+    if prev_link is not None:
+      t += float(self.recv_ms[prev_link][i])
+    if next_link is not None:
+      t += float(self.recv_ms[next_link][j])
+    return t
+
+  def compute_matrix_ms(self, gpu_type: str) -> np.ndarray:
+    """``[L + 1, L + 1]``: compute time of ``[i, j)`` for ``i < j``, +inf elsewhere."""
+    p = self.compute_prefix_ms[gpu_type]
+    m = p[None, :] - p[:, None]
+    m[np.tril_indices(self.num_layers + 1)] = np.inf
+    return m
+
+  def memory_matrix_bytes(self, is_last: bool, num_stages: int, num_inflight: int) -> np.ndarray:
+    """``[L + 1, L + 1]``: memory (bytes) of a stage running ``[i, j)`` (valid for ``i < j``), see module doc."""
+    held = max_inflight_per_stage(num_stages, num_inflight)[-1 if is_last else 0]
+    params = self.param_prefix[None, :] - self.param_prefix[:, None]
+    opt = self.optimizer_prefix[None, :] - self.optimizer_prefix[:, None]
+    stash = self.stash_prefix[None, :] - self.stash_prefix[:, None]
+    inp = self.boundary_bytes[:, None].astype(np.float64)
+    grad = np.where(np.arange(self.num_layers + 1) == self.num_layers, 0.0, self.boundary_bytes)[None, :]
+    copies = 1 + (held if (self.config.weight_versions and not is_last) else 0)
+    copies += 1 if self.config.gradient_accumulator else 0
+    return (params * copies + opt + held * (np.maximum(stash, inp) + grad) + (num_inflight - held) * inp
+            + self.workspace_max)
+
+  def stage_memory_bytes(self, i: int, j: int, is_last: bool, num_stages: int, num_inflight: int) -> float:
+    return float(self.memory_matrix_bytes(is_last, num_stages, num_inflight)[i, j])
+
+
+def build_stage_costs(profile: ModelProfile, cluster: ClusterSpec,
+                      config: CostModelConfig = CostModelConfig()) -> StageCosts:
+  """Precomputes :class:`StageCosts` for ``profile`` on every GPU type of ``cluster``."""
+  layers = profile.layers
+  n = len(layers)
+  prefix = lambda v: np.concatenate([[0.0], np.cumsum(np.asarray(v, dtype=np.float64))])
+  compute = {name: prefix(layer_times_ms(profile, t, config)) for name, t in cluster.gpu_types.items()}
+  bbytes = np.array([profile.input_activation_bytes] + [l.output_activation_bytes for l in layers[:-1]] + [0],
+                    dtype=np.float64)
+  recv = {}
+  for kind, link in ((INTRA, cluster.intra_node_link), (INTER, cluster.inter_node_link)):
+    r = np.array([link.transfer_time_s(b) * MS_PER_S for b in bbytes])
+    r[0] = r[n] = 0.0
+    recv[kind] = r
+  ws = np.array([l.workspace_bytes for l in layers], dtype=np.float64)
+  wmax = np.zeros((n + 1, n + 1))
+  for i in range(n):
+    wmax[i, i + 1:] = np.maximum.accumulate(ws[i:])
+  return StageCosts(
+      num_layers=n, compute_prefix_ms=compute, recv_ms=recv, boundary_bytes=bbytes,
+      param_prefix=prefix([l.param_bytes for l in layers]),
+      optimizer_prefix=prefix([l.optimizer_state_bytes for l in layers]),
+      stash_prefix=prefix([l.stash_bytes for l in layers]), workspace_max=wmax,
+      capacity_bytes={name: t.memory_bytes - t.reserved_bytes for name, t in cluster.gpu_types.items()},
+      config=config)
+
+
+def vw_throughput_per_s(stage_times_ms: list[float], num_inflight: int) -> float:
+  """Predicted minibatches/s of a virtual worker: ``min(1 / max stage time, Nm / round trip)``.
+
+  Steady state of a pipeline with ``Nm`` minibatches in flight: the slowest stage bounds the rate, and by
+  Little's law ``Nm`` in flight over a round trip of ``sum(stage times)`` (every stage's compute plus each cut's
+  activation and gradient transfer) bounds it too. Stage times in ms.
+  """
+  if not stage_times_ms:
+    raise ValueError("stage_times_ms is empty")
+  if num_inflight < 1:
+    raise ValueError(f"num_inflight must be >= 1, got {num_inflight}")
+  return min(MS_PER_S / max(stage_times_ms), num_inflight * MS_PER_S / sum(stage_times_ms))
+
+
+def saturating_num_inflight(stage_times_ms: list[float]) -> int:
+  """Smallest Nm at which :func:`vw_throughput_per_s` reaches ``1 / max stage time`` for these stage times."""
+  return max(1, math.ceil(sum(stage_times_ms) / max(stage_times_ms) - 1e-9))

@@ -1,0 +1,280 @@
+"""Exact model partitioner for one virtual worker (HetPipe §4 "Model Partitioning", §7).
+
+Finds contiguous layer ranges, one per GPU, and the GPUs' order, minimising the maximum stage time
+(``cost_model.StageCosts.stage_time_ms``) with every stage fitting its GPU's memory for ``Nm`` in-flight
+minibatches. Among min-max optima it returns one with the least total stage time (shorter round trip, so the
+pipeline saturates at a smaller Nm).
+
+The dynamic program covers every distinct ordering of the GPUs without listing permutations. GPUs of one class
+``(gpu_type, node)`` are interchangeable, so a state is ``(i, m, c, l)``: the current stage starts at layer ``i``
+and runs on class ``c``; ``m`` is the multiset of classes used so far including ``c``; ``l`` is the link over
+which the current stage receives its input (none / intra-node / inter-node). The value is the best objective of
+stages from ``i`` to the end; a transition picks the current stage's end ``j`` and the next stage's class, which
+fixes the link the current stage receives gradients over, so each stage's time is exact. Vectorised over ``i``
+and ``j`` with numpy: ``O(#multisets * #classes^2 * 2 * L^2)``.
+
+Planning layer: standard library and numpy only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Sequence
+
+import numpy as np
+
+from hetpipe_jax.planning import cost_model
+from hetpipe_jax.planning.cluster import Gpu
+from hetpipe_jax.planning.cost_model import INTER, INTRA, StageCosts
+
+GIB = float(2**30)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionProblem:
+  """One virtual worker's partitioning problem.
+
+  Attributes:
+    costs: per-range costs of the model on the cluster.
+    gpus: the virtual worker's GPUs (any order; the partitioner picks the stage order).
+    num_inflight: Nm, minibatches in flight (sets the memory each stage needs).
+  """
+
+  costs: StageCosts
+  gpus: tuple[Gpu, ...]
+  num_inflight: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+  """A partition of the model over a virtual worker's GPUs, with its predicted costs.
+
+  Attributes:
+    gpus: GPUs in stage order.
+    ranges: half-open layer ranges ``(start, end)`` per stage.
+    stage_time_ms: predicted time per minibatch of each stage (compute + receives), ms.
+    stage_memory_bytes: predicted memory of each stage, bytes.
+    capacity_bytes: usable memory of each stage's GPU, bytes.
+    num_inflight: the Nm the memory was computed for.
+  """
+
+  gpus: tuple[Gpu, ...]
+  ranges: tuple[tuple[int, int], ...]
+  stage_time_ms: tuple[float, ...]
+  stage_memory_bytes: tuple[float, ...]
+  capacity_bytes: tuple[int, ...]
+  num_inflight: int
+
+  @property
+  def max_stage_time_ms(self) -> float:
+    return max(self.stage_time_ms)
+
+  @property
+  def fits(self) -> bool:
+    return all(m <= c for m, c in zip(self.stage_memory_bytes, self.capacity_bytes))
+
+  @property
+  def throughput_per_s(self) -> float:
+    """Predicted minibatches/s (``cost_model.vw_throughput_per_s``)."""
+    return cost_model.vw_throughput_per_s(list(self.stage_time_ms), self.num_inflight)
+
+
+class InfeasiblePartitionError(ValueError):
+  """No partition fits in memory. ``best_attempt`` is the partition with the least relative memory overflow."""
+
+  def __init__(self, message: str, best_attempt: Partition | None):
+    super().__init__(message)
+    self.best_attempt = best_attempt
+
+
+def link_between(a: Gpu, b: Gpu) -> str:
+  return INTRA if a.node == b.node else INTER
+
+
+def evaluate(problem: PartitionProblem, gpus: Sequence[Gpu], ranges: Sequence[tuple[int, int]]) -> Partition:
+  """Costs of a given partition (the single definition every solver is checked against).
+
+  Args:
+    problem: the problem.
+    gpus: GPUs in stage order (a permutation of ``problem.gpus``).
+    ranges: contiguous non-empty half-open layer ranges covering ``0..L``.
+
+  Raises:
+    ValueError: ranges that do not tile the layers, or GPUs that are not the problem's.
+  """
+  c = problem.costs
+  s_count = len(gpus)
+  if sorted(g.gpu_id for g in gpus) != sorted(g.gpu_id for g in problem.gpus):
+    raise ValueError("gpus must be a permutation of the virtual worker's GPUs")
+  if len(ranges) != s_count or ranges[0][0] != 0 or ranges[-1][1] != c.num_layers or any(
+      a[1] != b[0] for a, b in zip(ranges, ranges[1:])) or any(i >= j for i, j in ranges):
+    raise ValueError(f"ranges {list(ranges)} are not {s_count} non-empty contiguous ranges covering "
+                     f"0..{c.num_layers}")
+  times, mems, caps = [], [], []
+  for s, (g, (i, j)) in enumerate(zip(gpus, ranges)):
+    prev = link_between(gpus[s - 1], g) if s > 0 else None
+    nxt = link_between(g, gpus[s + 1]) if s < s_count - 1 else None
+    times.append(c.stage_time_ms(g.gpu_type, i, j, prev, nxt))
+    mems.append(c.stage_memory_bytes(i, j, s == s_count - 1, s_count, problem.num_inflight))
+    caps.append(c.capacity_bytes[g.gpu_type])
+  return Partition(tuple(gpus), tuple((int(i), int(j)) for i, j in ranges), tuple(times), tuple(mems),
+                   tuple(caps), problem.num_inflight)
+
+
+def _classes(gpus: Sequence[Gpu]) -> tuple[list[tuple[str, str]], list[int], dict[tuple[str, str], list[Gpu]]]:
+  by_class: dict[tuple[str, str], list[Gpu]] = {}
+  for g in sorted(gpus, key=lambda g: g.gpu_id):
+    by_class.setdefault(g.gpu_class, []).append(g)
+  classes = sorted(by_class)
+  return classes, [len(by_class[c]) for c in classes], by_class
+
+
+def _dp(classes: list[tuple[str, str]], counts: list[int], mid: list[np.ndarray], last: list[np.ndarray],
+        recv: dict[str | None, np.ndarray], combine: str,
+        limit: float = np.inf) -> tuple[float, list[int], list[int]]:
+  """Core DP. ``mid[c]``/``last[c]``: ``[L+1, L+1]`` cost of a non-last/last stage ``[i, j)`` on class c
+  (inf = not allowed); ``recv[link]``: ``[L+1]`` cost added for receiving at cut b. ``combine``: "max" or "sum";
+  a stage whose full cost exceeds ``limit`` is not allowed.
+  Returns (objective, class index per stage, cut positions ``[0, ..., L]``)."""
+  cap = lambda x: x if limit == np.inf else np.where(x <= limit, x, np.inf)
+  n_layers = mid[0].shape[0] - 1
+  total = sum(counts)
+  nodes = [c[1] for c in classes]
+  link = lambda a, b: INTRA if nodes[a] == nodes[b] else INTER
+  op = np.maximum if combine == "max" else np.add
+  table: dict[tuple[tuple[int, ...], int, str | None], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+  multisets = sorted(itertools.product(*(range(n + 1) for n in counts)), key=sum, reverse=True)
+  for m in multisets:
+    k = sum(m)
+    if k == 0:
+      continue
+    for c in range(len(classes)):
+      if m[c] == 0:
+        continue
+      before = list(m)
+      before[c] -= 1
+      if k == 1:
+        links = [None]
+      else:
+        links = sorted({link(p, c) for p in range(len(classes)) if before[p] > 0})
+      for pl in links:
+        a = recv[pl]
+        if k == total:
+          val = cap(last[c][:, n_layers] + a)
+          table[(m, c, pl)] = (val, np.full(n_layers + 1, n_layers), np.full(n_layers + 1, -1))
+          continue
+        best = np.full(n_layers + 1, np.inf)
+        jbest = np.zeros(n_layers + 1, dtype=np.int64)
+        cbest = np.full(n_layers + 1, -1)
+        base = mid[c] + a[:, None]
+        for c2 in range(len(classes)):
+          if m[c2] >= counts[c2]:
+            continue
+          nl = link(c, c2)
+          nxt = list(m)
+          nxt[c2] += 1
+          fnext = table[(tuple(nxt), c2, nl)][0]
+          cand = op(cap(base + recv[nl][None, :]), fnext[None, :])
+          j = cand.argmin(axis=1)
+          v = cand[np.arange(n_layers + 1), j]
+          better = v < best
+          best = np.where(better, v, best)
+          jbest = np.where(better, j, jbest)
+          cbest = np.where(better, c2, cbest)
+        table[(m, c, pl)] = (best, jbest, cbest)
+  best_val, best_c = np.inf, -1
+  for c in range(len(classes)):
+    m = tuple(1 if x == c else 0 for x in range(len(classes)))
+    v = table[(m, c, None)][0][0]
+    if v < best_val:
+      best_val, best_c = float(v), c
+  if not np.isfinite(best_val):
+    return best_val, [], []
+  order, cuts = [best_c], [0]
+  m, c, pl, i = tuple(1 if x == best_c else 0 for x in range(len(classes))), best_c, None, 0
+  while True:
+    _, jarr, carr = table[(m, c, pl)]
+    j, c2 = int(jarr[i]), int(carr[i])
+    cuts.append(j)
+    if c2 < 0:
+      break
+    nl = link(c, c2)
+    m = tuple(x + (1 if y == c2 else 0) for y, x in enumerate(m))
+    order.append(c2)
+    c, pl, i = c2, nl, j
+  return best_val, order, cuts
+
+
+def _to_partition(problem: PartitionProblem, classes, by_class, order: list[int], cuts: list[int]) -> Partition:
+  pools = {c: list(g) for c, g in by_class.items()}
+  gpus = [pools[classes[c]].pop(0) for c in order]
+  return evaluate(problem, gpus, list(zip(cuts[:-1], cuts[1:])))
+
+
+def _cost_tables(problem: PartitionProblem, classes):
+  c = problem.costs
+  s_count = len(problem.gpus)
+  mem_mid = c.memory_matrix_bytes(False, s_count, problem.num_inflight)
+  mem_last = c.memory_matrix_bytes(True, s_count, problem.num_inflight)
+  mid, last, mid_ratio, last_ratio = [], [], [], []
+  for gtype, _ in classes:
+    comp = c.compute_matrix_ms(gtype)
+    cap = c.capacity_bytes[gtype]
+    mid.append(np.where(mem_mid <= cap, comp, np.inf))
+    last.append(np.where(mem_last <= cap, comp, np.inf))
+    mid_ratio.append(np.where(np.isfinite(comp), mem_mid / cap, np.inf))
+    last_ratio.append(np.where(np.isfinite(comp), mem_last / cap, np.inf))
+  return mid, last, mid_ratio, last_ratio
+
+
+def partition_dp(problem: PartitionProblem) -> Partition:
+  """Optimal partition of one virtual worker (exact; see the module docstring).
+
+  Args:
+    problem: costs, the virtual worker's GPUs and Nm.
+
+  Returns:
+    The :class:`Partition` minimising the maximum stage time (ties: least total time).
+
+  Raises:
+    ValueError: no GPUs, or fewer layers than GPUs.
+    InfeasiblePartitionError: no ordering and cut fits every GPU's memory; the message names the best attempt's
+      stages, their GPUs and by how much each exceeds its memory.
+  """
+  if not problem.gpus:
+    raise ValueError("a virtual worker needs at least one GPU")
+  n_layers = problem.costs.num_layers
+  if n_layers < len(problem.gpus):
+    raise ValueError(f"the model has {n_layers} layers, fewer than the {len(problem.gpus)} GPUs of the virtual "
+                     "worker (every GPU needs a non-empty stage)")
+  classes, counts, by_class = _classes(problem.gpus)
+  mid, last, mid_ratio, last_ratio = _cost_tables(problem, classes)
+  recv = {None: np.zeros(n_layers + 1), **problem.costs.recv_ms}
+  best, order, cuts = _dp(classes, counts, mid, last, recv, "max")
+  if not np.isfinite(best):
+    zero = {k: np.zeros(n_layers + 1) for k in recv}
+    _, order, cuts = _dp(classes, counts, mid_ratio, last_ratio, zero, "max")
+    attempt = _to_partition(problem, classes, by_class, order, cuts)
+    raise InfeasiblePartitionError(infeasibility_message(attempt), attempt)
+  # Second pass: least total time among partitions whose every stage is within the optimum.
+  limit = best * (1 + 1e-9) + 1e-12
+  total, order2, cuts2 = _dp(classes, counts, mid, last, recv, "sum", limit)
+  if np.isfinite(total):
+    cand = _to_partition(problem, classes, by_class, order2, cuts2)
+    if cand.max_stage_time_ms <= limit:
+      return cand
+  return _to_partition(problem, classes, by_class, order, cuts)
+
+
+def infeasibility_message(attempt: Partition) -> str:
+  """Names every stage of ``attempt`` that exceeds its GPU's memory, with the excess in GiB."""
+  parts = []
+  for s, (g, (i, j), mem, cap) in enumerate(zip(attempt.gpus, attempt.ranges, attempt.stage_memory_bytes,
+                                                 attempt.capacity_bytes)):
+    if mem > cap:
+      parts.append(f"stage {s} on GPU {g.gpu_id} ({g.gpu_type}) layers [{i}, {j}) needs {mem / GIB:.2f} GiB > "
+                   f"{cap / GIB:.2f} GiB usable (exceeds by {(mem - cap) / GIB:.2f} GiB)")
+  gpus = ", ".join(g.gpu_id for g in attempt.gpus)
+  return (f"no partition over GPUs [{gpus}] fits in memory with num_inflight={attempt.num_inflight}; best attempt: "
+          + "; ".join(parts))

@@ -1,0 +1,178 @@
+"""The plan file: the planner's output that the runtime reads (PipeDream-style; HetPipe §4, §8.1).
+
+A versioned JSON document: model, batch size, cluster, policy, the system Nm (``num_inflight``), per virtual
+worker its GPUs in stage order (ids, types, local JAX device indices), half-open layer ranges, predicted stage
+times/memory, Max_m and throughput, and the parameter-server placement with the bytes crossing nodes per wave.
+
+Planning layer: standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Sequence
+
+from hetpipe_jax.planning.allocator import SystemPlan
+from hetpipe_jax.planning.cluster import ClusterSpec
+from hetpipe_jax.planning.cost_model import CostModelConfig
+from hetpipe_jax.planning.profile_format import ModelProfile
+from hetpipe_jax.planning.ps_placement import Placement
+from hetpipe_jax.rules.partition import validate_partition
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class VirtualWorkerEntry:
+  """One virtual worker of a plan (see the module docstring); lists are per stage, stage 0 first."""
+
+  vw_id: int
+  gpus: tuple[str, ...]
+  gpu_types: tuple[str, ...]
+  devices: tuple[int | None, ...]
+  partition: tuple[tuple[int, int], ...]
+  stage_time_ms: tuple[float, ...]
+  stage_memory_bytes: tuple[int, ...]
+  stage_capacity_bytes: tuple[int, ...]
+  max_num_inflight: int
+  saturating_num_inflight: int
+  predicted_minibatches_per_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A whole plan. ``ps_placement``: the chosen placement's dict plus ``"alternatives"`` for every policy."""
+
+  model: str
+  batch_size: int
+  cluster: str
+  policy: str
+  num_inflight: int
+  num_layers: int
+  virtual_workers: tuple[VirtualWorkerEntry, ...]
+  predicted_total_minibatches_per_s: float
+  ps_placement: dict[str, Any]
+  cost_model: dict[str, Any]
+  profile: dict[str, Any]
+  format_version: int = PLAN_FORMAT_VERSION
+
+
+def _placement_dict(p: Placement) -> dict[str, Any]:
+  return {"policy": p.policy, "layer_to_node": list(p.layer_to_node),
+          "ps_bytes_crossing_nodes_per_wave": p.ps_bytes_crossing_nodes_per_wave,
+          "activation_bytes_crossing_nodes_per_wave": p.activation_bytes_crossing_nodes_per_wave,
+          "total_bytes_crossing_nodes_per_wave": p.total_bytes_crossing_nodes_per_wave}
+
+
+def make_plan(system: SystemPlan, cluster: ClusterSpec, profile: ModelProfile, placements: Sequence[Placement],
+              chosen_placement: str, config: CostModelConfig) -> Plan:
+  """Assembles a :class:`Plan` from the allocator's result and the placements (the first is not special)."""
+  vws = []
+  for vw in system.virtual_workers:
+    p = vw.partition
+    vws.append(VirtualWorkerEntry(
+        vw_id=vw.vw_id, gpus=tuple(g.gpu_id for g in p.gpus), gpu_types=tuple(g.gpu_type for g in p.gpus),
+        devices=tuple(cluster.local_devices.get(g.gpu_id) for g in p.gpus), partition=p.ranges,
+        stage_time_ms=tuple(round(t, 6) for t in p.stage_time_ms),
+        stage_memory_bytes=tuple(int(m) for m in p.stage_memory_bytes),
+        stage_capacity_bytes=tuple(int(c) for c in p.capacity_bytes), max_num_inflight=vw.max_num_inflight,
+        saturating_num_inflight=vw.saturating_num_inflight,
+        predicted_minibatches_per_s=round(p.throughput_per_s, 6)))
+  by_policy = {pl.policy: _placement_dict(pl) for pl in placements}
+  if chosen_placement not in by_policy:
+    raise ValueError(f"placement {chosen_placement!r} was not computed; have {sorted(by_policy)}")
+  ps = dict(by_policy[chosen_placement], num_shards=len(cluster.nodes), alternatives=by_policy)
+  return Plan(model=profile.model, batch_size=profile.batch_size, cluster=cluster.name, policy=system.policy,
+              num_inflight=system.num_inflight, num_layers=profile.num_layers, virtual_workers=tuple(vws),
+              predicted_total_minibatches_per_s=round(system.predicted_total_minibatches_per_s, 6),
+              ps_placement=ps, cost_model=dataclasses.asdict(config),
+              profile={"device_kind": profile.device_kind, "measured": profile.measured,
+                       "optimizer": profile.optimizer})
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+  d = dataclasses.asdict(plan)
+  for vw in d["virtual_workers"]:
+    vw["partition"] = [list(r) for r in vw["partition"]]
+  return d
+
+
+def write_plan(plan: Plan, path: str) -> None:
+  """Writes ``plan`` as indented JSON (creating parent folders)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(plan_to_dict(plan), f, indent=1)
+    f.write("\n")
+
+
+def validate_plan(plan: Plan) -> None:
+  """Checks internal consistency.
+
+  Raises:
+    ValueError: naming the virtual worker and the problem (partition gaps/overlaps, list lengths, Nm above a
+      VW's Max_m, no virtual workers).
+  """
+  if plan.format_version != PLAN_FORMAT_VERSION:
+    raise ValueError(f"plan format_version {plan.format_version} is not supported (expected "
+                     f"{PLAN_FORMAT_VERSION})")
+  if not plan.virtual_workers:
+    raise ValueError("plan has no virtual workers")
+  if plan.num_inflight < 1:
+    raise ValueError(f"plan num_inflight must be >= 1, got {plan.num_inflight}")
+  for vw in plan.virtual_workers:
+    s = len(vw.partition)
+    try:
+      validate_partition(vw.partition, plan.num_layers)
+    except ValueError as e:
+      raise ValueError(f"virtual worker {vw.vw_id}: {e}") from None
+    for name in ("gpus", "gpu_types", "devices", "stage_time_ms", "stage_memory_bytes", "stage_capacity_bytes"):
+      if len(getattr(vw, name)) != s:
+        raise ValueError(f"virtual worker {vw.vw_id}: {name} has {len(getattr(vw, name))} entries for {s} stages")
+    if plan.num_inflight > vw.max_num_inflight:
+      raise ValueError(f"virtual worker {vw.vw_id}: num_inflight {plan.num_inflight} exceeds its "
+                       f"max_num_inflight {vw.max_num_inflight}")
+
+
+def plan_from_dict(d: dict[str, Any]) -> Plan:
+  """Parses and validates a plan dict.
+
+  Raises:
+    ValueError: unsupported version, missing fields, or an inconsistent plan.
+  """
+  if d.get("format_version") != PLAN_FORMAT_VERSION:
+    raise ValueError(f"plan format_version {d.get('format_version')!r} is not supported (expected "
+                     f"{PLAN_FORMAT_VERSION})")
+  try:
+    vws = tuple(VirtualWorkerEntry(**{**vw, "gpus": tuple(vw["gpus"]), "gpu_types": tuple(vw["gpu_types"]),
+                                      "devices": tuple(vw["devices"]),
+                                      "partition": tuple(tuple(r) for r in vw["partition"]),
+                                      "stage_time_ms": tuple(vw["stage_time_ms"]),
+                                      "stage_memory_bytes": tuple(vw["stage_memory_bytes"]),
+                                      "stage_capacity_bytes": tuple(vw["stage_capacity_bytes"])})
+                for vw in d["virtual_workers"])
+    plan = Plan(**{**d, "virtual_workers": vws})
+  except (KeyError, TypeError) as e:
+    raise ValueError(f"malformed plan: {e}") from None
+  validate_plan(plan)
+  return plan
+
+
+def load_plan(path: str, expected_model: str | None = None) -> Plan:
+  """Reads, parses and validates a plan file.
+
+  Args:
+    path: JSON file written by :func:`write_plan`.
+    expected_model: when given, the model the caller is about to train.
+
+  Raises:
+    ValueError: the plan is for another model (both names in the message), or invalid (see
+      :func:`plan_from_dict`).
+  """
+  with open(path) as f:
+    d = json.load(f)
+  plan = plan_from_dict(d)
+  if expected_model is not None and plan.model != expected_model:
+    raise ValueError(f"plan {path} was made for model {plan.model!r}, not for model {expected_model!r}")
+  return plan

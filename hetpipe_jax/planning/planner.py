@@ -1,0 +1,84 @@
+"""The planner: cluster + profile -> allocation, partitions, Nm, parameter placement -> :class:`plan_format.Plan`.
+
+Ties the planning layer together (HetPipe §4, §7, §8.1) and renders a plan as a text table. Planning layer:
+standard library and numpy only; getting a profile (which may need jax) is the caller's job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hetpipe_jax.planning import allocator
+from hetpipe_jax.planning import cost_model
+from hetpipe_jax.planning import inflight
+from hetpipe_jax.planning import plan_format
+from hetpipe_jax.planning import ps_placement
+from hetpipe_jax.planning.cluster import ClusterSpec
+from hetpipe_jax.planning.profile_format import ModelProfile
+
+MIB = float(2**20)
+GIB = float(2**30)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerConfig:
+  """What to plan.
+
+  Attributes:
+    policy: "NP", "ED", "HD" or "auto" (HetPipe §8.1).
+    num_vws: number of virtual workers.
+    ps_placement: "default" or "local" parameter placement recorded as the plan's choice (both are reported).
+    max_num_inflight: cap on the Nm search.
+    cost: cost-model configuration.
+  """
+
+  policy: str = "ED"
+  num_vws: int = 4
+  ps_placement: str = "default"
+  max_num_inflight: int = inflight.DEFAULT_MAX_NUM_INFLIGHT
+  cost: cost_model.CostModelConfig = cost_model.CostModelConfig()
+
+
+def make_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
+  """Plans ``profile``'s model on ``cluster``.
+
+  Raises:
+    allocator.AllocationError: the policy does not apply or the model fits no allocation.
+    ValueError: unknown parameter placement.
+  """
+  if config.ps_placement not in ps_placement.PLACEMENTS:
+    raise ValueError(f"unknown parameter placement {config.ps_placement!r}: must be one of "
+                     f"{list(ps_placement.PLACEMENTS)}")
+  costs = cost_model.build_stage_costs(profile, cluster, config.cost)
+  system = allocator.allocate(cluster, costs, config.policy, config.num_vws, config.max_num_inflight)
+  parts = [vw.partition for vw in system.virtual_workers]
+  placements = [ps_placement.place(p, cluster, profile, parts, system.num_inflight)
+                for p in ps_placement.PLACEMENTS]
+  plan = plan_format.make_plan(system, cluster, profile, placements, config.ps_placement, config.cost)
+  plan_format.validate_plan(plan)
+  return plan
+
+
+def format_table(plan: plan_format.Plan) -> str:
+  """A human-readable table of ``plan``: per VW and stage the GPU, layers, time and memory; totals; traffic."""
+  lines = [f"plan: model={plan.model} batch_size={plan.batch_size} cluster={plan.cluster} policy={plan.policy} "
+           f"num_vws={len(plan.virtual_workers)} num_inflight(Nm)={plan.num_inflight}",
+           f"{'VW':>2} {'stage':>5}  {'GPU':<9} {'type':<17} {'layers':<10} {'time ms':>8}  "
+           f"{'memory / capacity GiB':>21}"]
+  for vw in plan.virtual_workers:
+    for s, (gid, gtype, (i, j), t, m, c) in enumerate(zip(vw.gpus, vw.gpu_types, vw.partition, vw.stage_time_ms,
+                                                          vw.stage_memory_bytes, vw.stage_capacity_bytes)):
+      lines.append(f"{vw.vw_id:>2} {s:>5}  {gid:<9} {gtype:<17} {f'[{i}, {j})':<10} {t:>8.1f}  "
+                   f"{m / GIB:>9.2f} / {c / GIB:>9.2f}")
+    lines.append(f"   VW {vw.vw_id}: Max_m={vw.max_num_inflight} saturating Nm={vw.saturating_num_inflight} "
+                 f"predicted {vw.predicted_minibatches_per_s:.2f} minibatches/s at Nm={plan.num_inflight}")
+  total = plan.predicted_total_minibatches_per_s
+  lines.append(f"total: {total:.2f} minibatches/s ({total * plan.batch_size:.0f} examples/s) = num_vws x slowest "
+               f"VW (WSP)")
+  for name, p in plan.ps_placement["alternatives"].items():
+    mark = "*" if name == plan.ps_placement["policy"] else " "
+    lines.append(f"{mark}bytes crossing nodes per wave, {name:<7} placement: PS "
+                 f"{p['ps_bytes_crossing_nodes_per_wave'] / MIB:9.1f} MiB + activations "
+                 f"{p['activation_bytes_crossing_nodes_per_wave'] / MIB:9.1f} MiB = "
+                 f"{p['total_bytes_crossing_nodes_per_wave'] / MIB:9.1f} MiB")
+  return "\n".join(lines)

@@ -1,0 +1,82 @@
+"""The parameter server: global weights updated by whole waves under WSP (HetPipe §5).
+
+Runtime layer (numpy only; the MPI loop lives in :mod:`hetpipe_jax.ps.service`). The bookkeeping (which waves are
+applied, the global clock, pending pulls) is the pure :class:`hetpipe_jax.rules.wsp.ParameterServerState`; this class
+adds the tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hetpipe_jax.rules import wsp
+
+
+class ParameterServer:
+  """Global weights as one float32 vector ``[num_params]`` plus pending wave updates.
+
+  Args:
+    initial_weights: W0, float32 ``[num_params]`` (copied).
+    num_virtual_workers: N >= 1.
+
+  A pushed wave update is held until every VW has pushed that wave, then all N are added in VW order, so the global
+  weights at clock g are ``W0 + sum_{c<g} sum_v u[v, c]`` computed in one fixed order.
+  """
+
+  def __init__(self, initial_weights: np.ndarray, num_virtual_workers: int):
+    self.weights = np.array(initial_weights, dtype=np.float32, copy=True)
+    self.state = wsp.ParameterServerState(num_virtual_workers)
+    self._pending: dict[tuple[int, int], np.ndarray] = {}
+
+  @property
+  def global_clock(self) -> int:
+    return self.state.global_clock
+
+  def push(self, vw_id: int, wave_id: int, delta: np.ndarray) -> int:
+    """Accepts VW ``vw_id``'s aggregated update of ``wave_id``; returns the number of wave updates applied now.
+
+    Raises:
+      ValueError: wrong size, or the wave was already pushed / pushed out of order.
+    """
+    if delta.shape != self.weights.shape:
+      raise ValueError(f"VW {vw_id} pushed {delta.shape[0] if delta.ndim else 0} floats for wave {wave_id}; the "
+                       f"model has {self.weights.size}")
+    ready = self.state.push(vw_id, wave_id)
+    self._pending[(wave_id, vw_id)] = np.array(delta, np.float32, copy=True)
+    for key in ready:
+      self.weights += self._pending.pop(key)
+    return len(ready)
+
+  def snapshot(self) -> tuple[int, np.ndarray]:
+    """``(global_clock, copy of the global weights)``."""
+    return self.global_clock, self.weights.copy()
+
+
+class LocalPSClient:
+  """In-process client for one VW and an in-process :class:`ParameterServer` (single-process runs and tests).
+
+  Pull requests go to the server's :class:`~hetpipe_jax.rules.wsp.ParameterServerState` (answered at once or kept
+  pending); every push through a client lets the state answer the pending pulls it now can, and a VW's answered
+  pull is returned by its next :meth:`poll_pull`, with the global weights current then.
+  """
+
+  def __init__(self, server: ParameterServer, vw_id: int):
+    self.server = server
+    self.vw_id = vw_id
+    self._pull_outstanding = False
+    self.losses: list[tuple[int, float]] = []
+
+  def push(self, wave_id: int, flat_delta: np.ndarray, loss_sum: float, num_minibatches: int) -> None:
+    self.server.push(self.vw_id, wave_id, flat_delta)
+    self.server.state.serve_pending_pulls()  # answered pulls leave the pending set; their clients poll them
+    self.losses.append((wave_id, loss_sum / max(num_minibatches, 1)))
+
+  def request_pull(self, required_clock: int) -> None:
+    self.server.state.request_pull(self.vw_id, required_clock)  # answered now, or pending until a push
+    self._pull_outstanding = True
+
+  def poll_pull(self) -> tuple[int, np.ndarray] | None:
+    if not self._pull_outstanding or self.vw_id in self.server.state.pending_pulls:
+      return None
+    self._pull_outstanding = False
+    return self.server.snapshot()

@@ -1,0 +1,142 @@
+"""Rank 0: the parameter server's MPI service loop: pushes, pulls, evaluation and metrics lines (HetPipe §5).
+
+Runtime layer. Polls for headers with ``Iprobe`` and sleeps when idle (MPICH's blocking receives spin, and the
+machine's cores belong to the VWs), applies whole waves through :class:`ParameterServer`, answers pulls once the
+global clock allows (pending ones are kept by :class:`hetpipe_jax.rules.wsp.ParameterServerState`), evaluates the global
+weights every ``eval_every_waves`` clock ticks and writes ``metrics.jsonl`` lines through the run's
+:class:`~hetpipe_jax.jobs.outputs.RunOutputs`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable
+
+from absl import logging
+import numpy as np
+
+from hetpipe_jax.ps import transport
+from hetpipe_jax.ps.param_server import ParameterServer
+from hetpipe_jax.ps.transport import Kind
+
+
+class ParameterServerService:
+  """Serves N VWs until each has sent DONE.
+
+  Args:
+    comm: MPI communicator (rank 0 = this PS, rank r = VW r-1).
+    server: the PS holding the global weights.
+    num_minibatches_per_vw: how many minibatches each VW trains (for progress and rates).
+    num_inflight: Nm (minibatches per wave).
+    evaluate: ``flat weights -> {"test_accuracy", "test_loss"}`` or None.
+    eval_every_waves: evaluate when the global clock reaches a multiple of this (0 = only at the end).
+    log_every_waves: write a metrics line when the global clock reaches a multiple of this.
+    log_metrics: writes one ``metrics.jsonl`` line (:meth:`hetpipe_jax.jobs.outputs.RunOutputs.log_metrics`).
+    progress: show a tqdm bar.
+  """
+
+  def __init__(self, comm, server: ParameterServer, *, num_minibatches_per_vw: int, num_inflight: int,
+               evaluate: Callable[[np.ndarray], dict] | None, eval_every_waves: int, log_every_waves: int,
+               log_metrics: Callable[[dict], None], progress: bool = True):
+    self.comm = comm
+    self.server = server
+    self.n = server.state.num_virtual_workers
+    self.num_minibatches_per_vw = num_minibatches_per_vw
+    self.num_inflight = num_inflight
+    self.evaluate = evaluate
+    self.eval_every_waves = eval_every_waves
+    self.log_every_waves = max(1, log_every_waves)
+    self._write_metrics = log_metrics
+    self.sends: list = []
+    self.reports: dict[int, dict] = {}
+    self.minibatches_done = [0] * self.n
+    self.recent_losses: list[float] = []
+    self.last_loss = float("nan")
+    self.last_eval: dict[str, float] = {}
+    self.evals: list[dict] = []
+    self.t0 = time.perf_counter()
+    self._logged_clock = 0
+    self._bar = None
+    if progress:
+      from tqdm import tqdm
+      self._bar = tqdm(total=self.n * num_minibatches_per_vw, desc="[PS] minibatches", unit="mb", mininterval=1.0,
+                       dynamic_ncols=True)
+
+  def run(self) -> None:
+    from mpi4py import MPI
+    status = MPI.Status()
+    header = np.empty(transport.HEADER_SIZE, np.int64)
+    while len(self.reports) < self.n:
+      if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=transport.TAG_HEADER, status=status):
+        self.sends = [(r, b) for r, b in self.sends if not r.Test()]
+        time.sleep(5e-4)
+        continue
+      src = status.Get_source()
+      self.comm.Recv(header, source=src, tag=transport.TAG_HEADER)
+      kind = transport.check_header(header, src, num_params=self.server.weights.size,
+                                    expect_kinds=(Kind.PUSH, Kind.METRICS, Kind.PULL, Kind.DONE))
+      vw, wave, size = int(header[2]), int(header[3]), int(header[4])
+      payload = transport.recv_payload(self.comm, src, kind, size) if kind is not Kind.PULL else None
+      if kind is Kind.PUSH:
+        before = self.server.global_clock
+        self.server.push(vw, wave, payload)
+        self._serve_pulls(self.server.state.serve_pending_pulls())
+        for clock in range(before + 1, self.server.global_clock + 1):
+          self._on_clock(clock)
+      elif kind is Kind.METRICS:
+        loss_sum, count, _ = payload
+        self.minibatches_done[vw] += int(count)
+        self.recent_losses.append(loss_sum / max(count, 1))
+        if self._bar is not None:
+          self._bar.update(int(count))
+      elif kind is Kind.PULL:
+        if self.server.state.request_pull(vw, wave):  # else pending until a push advances the global clock
+          self._serve_pulls([vw])
+      else:
+        self.reports[vw] = json.loads(payload.tobytes().decode())
+        logging.info("[PS] VW %d done (%d waves)", vw, wave)
+    while self.sends:
+      self.sends = [(r, b) for r, b in self.sends if not r.Test()]
+      time.sleep(1e-4)
+    if self._bar is not None:
+      self._bar.close()
+
+  def _serve_pulls(self, vw_ids: list[int]) -> None:
+    """Sends the current global weights to each of ``vw_ids`` (pulls the PS state answers), in order."""
+    for vw in vw_ids:
+      clock, weights = self.server.snapshot()
+      header = transport.make_header(Kind.WEIGHTS, vw, clock, weights.size)
+      self.sends.append((self.comm.Isend(header, dest=vw + 1, tag=transport.TAG_HEADER), header))
+      self.sends.append((self.comm.Isend(weights, dest=vw + 1, tag=transport.TAG_DATA), weights))
+
+  def _on_clock(self, clock: int) -> None:
+    evaluated = False
+    if self.evaluate is not None and self.eval_every_waves > 0 and clock % self.eval_every_waves == 0:
+      self.last_eval = self.evaluate(self.server.weights)
+      self.evals.append({"global_clock": clock, **self.last_eval})
+      evaluated = True
+    if clock % self.log_every_waves == 0 or evaluated:
+      self.log_metrics(clock, evaluated)
+
+  def log_metrics(self, clock: int, evaluated: bool) -> dict:
+    """Appends one metrics line (minibatches done, wave, global clock, loss, accuracy when evaluated, rates)."""
+    if self.recent_losses:
+      self.last_loss = float(np.mean(self.recent_losses))
+      self.recent_losses = []
+    wall = time.perf_counter() - self.t0
+    done = sum(self.minibatches_done)
+    line: dict[str, Any] = {"minibatches": done, "wave": clock - 1, "global_clock": clock, "loss": self.last_loss,
+                            "wall_time_s": wall, "minibatches_per_s": done / wall if wall > 0 else 0.0}
+    if evaluated:
+      line.update(self.last_eval)
+    self._write_metrics(line)
+    if self._bar is not None:
+      post = {"loss": f"{self.last_loss:.3f}", "clock": clock}
+      if "test_accuracy" in self.last_eval:
+        post["acc"] = f"{self.last_eval['test_accuracy']:.3f}"
+      self._bar.set_postfix(post, refresh=False)
+    if evaluated:
+      logging.info("[PS] global clock %d: loss %.4f, test accuracy %.4f", clock, self.last_loss,
+                   self.last_eval["test_accuracy"])
+    return line

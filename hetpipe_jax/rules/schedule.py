@@ -1,0 +1,178 @@
+"""The per-GPU scheduling rules of a virtual worker's pipeline (HetPipe §4, "Partition Scheduling").
+
+Planning layer: pure Python, shared by the real runtime (``hetpipe_jax.runtime.virtual_worker``) and the event
+engine, so the rules exist once. The rules, per stage (= one GPU):
+
+1. a forward task of minibatch p runs only after the forwards of every p' < p on that stage;
+2. a backward task of minibatch p runs only after the backwards of every p' < p on that stage;
+3. among ready tasks, first in, first out (FIFO by the moment the task became ready);
+4. the last stage runs forward + backward of a minibatch as one task (``FB``);
+5. at most Nm (``num_inflight``) minibatches are in flight in the VW: minibatch p may be injected into stage 0 only
+   when minibatches 0..p-Nm have completed (local staleness ``s_local = Nm - 1``). A minibatch completes when its
+   backward on stage 0 is done.
+
+Tasks print as ``<stage><kind><minibatch>`` (``2F0`` = stage 2, forward, minibatch 0; ``3FB5``; ``0B1``) and parse
+back, in the style of ``torch.distributed.pipelining`` actions.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import re
+
+
+class TaskKind(enum.Enum):
+  FORWARD = "F"
+  BACKWARD = "B"
+  FORWARD_BACKWARD = "FB"
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """One unit of work on one stage: a forward, a backward, or (last stage) forward+backward of one minibatch."""
+
+  stage_id: int
+  kind: TaskKind
+  minibatch_id: int
+
+  def __str__(self) -> str:
+    return f"{self.stage_id}{self.kind.value}{self.minibatch_id}"
+
+  @staticmethod
+  def parse(text: str) -> "Task":
+    """Parses ``"2F0"``-style text back into a :class:`Task`.
+
+    Raises:
+      ValueError: the text is not ``<int>(F|B|FB)<int>``.
+    """
+    m = re.fullmatch(r"(\d+)(FB|F|B)(\d+)", text.strip())
+    if m is None:
+      raise ValueError(f"cannot parse task {text!r}: expected <stage>(F|B|FB)<minibatch>, e.g. '2F0'")
+    return Task(int(m.group(1)), TaskKind(m.group(2)), int(m.group(3)))
+
+
+def first_task(num_stages: int, minibatch_id: int) -> Task:
+  """The task that injects ``minibatch_id`` into stage 0 (``FB`` when the pipeline has one stage)."""
+  kind = TaskKind.FORWARD_BACKWARD if num_stages == 1 else TaskKind.FORWARD
+  return Task(0, kind, minibatch_id)
+
+
+def successors(task: Task, num_stages: int) -> list[Task]:
+  """Tasks whose data dependency is satisfied by ``task`` completing (its output arriving at the neighbour)."""
+  last = num_stages - 1
+  s, p = task.stage_id, task.minibatch_id
+  if task.kind is TaskKind.FORWARD:
+    nxt = TaskKind.FORWARD_BACKWARD if s + 1 == last else TaskKind.FORWARD
+    return [Task(s + 1, nxt, p)]
+  if s == 0:  # backward (or single-stage FB) on stage 0 completes the minibatch
+    return []
+  return [Task(s - 1, TaskKind.BACKWARD, p)]
+
+
+def completes_minibatch(task: Task) -> bool:
+  """True for the task whose completion completes its minibatch (backward on stage 0)."""
+  return task.stage_id == 0 and task.kind is not TaskKind.FORWARD
+
+
+class PipelineRules:
+  """Pure state of one VW's pipeline under the HetPipe rules; the runtime and the engine both drive it.
+
+  Usage: while ``can_inject()``: ``inject()``; for each stage ``pop_ready(stage)`` gives the next task to start
+  (FIFO); when a task finishes call ``complete(task)``, which enqueues the tasks it made ready.
+
+  Args:
+    num_stages: number of pipeline stages S >= 1.
+    num_inflight: Nm >= 1, the most minibatches in flight (HetPipe §4).
+
+  Raises:
+    ValueError: on S < 1 or Nm < 1.
+  """
+
+  def __init__(self, num_stages: int, num_inflight: int):
+    if num_stages < 1:
+      raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if num_inflight < 1:
+      raise ValueError(f"num_inflight (Nm) must be >= 1, got {num_inflight}")
+    self.num_stages = num_stages
+    self.num_inflight = num_inflight
+    self.num_injected = 0
+    self.num_completed = 0
+    self._ready = [collections.deque() for _ in range(num_stages)]
+    self._next_forward = [0] * num_stages  # next forward (or FB) minibatch each stage may start
+    self._next_backward = [0] * num_stages
+    self._running = [collections.deque() for _ in range(num_stages)]  # started, not completed (in order)
+    # Minibatches whose forward is done on a stage and whose backward there is not (what the stage holds).
+    self._held = [0] * num_stages
+    self.peak_held = [0] * num_stages
+
+  @property
+  def num_in_flight(self) -> int:
+    return self.num_injected - self.num_completed
+
+  def can_inject(self) -> bool:
+    """Local-staleness rule: fewer than Nm minibatches in flight."""
+    return self.num_in_flight < self.num_inflight
+
+  def inject(self) -> Task:
+    """Injects the next minibatch; returns its first task (now ready on stage 0).
+
+    Raises:
+      RuntimeError: Nm minibatches are already in flight.
+    """
+    if not self.can_inject():
+      raise RuntimeError(f"cannot inject: {self.num_in_flight} minibatches in flight, Nm = {self.num_inflight}")
+    task = first_task(self.num_stages, self.num_injected)
+    self.num_injected += 1
+    self._ready[0].append(task)
+    return task
+
+  def has_ready(self, stage_id: int) -> bool:
+    return bool(self._ready[stage_id])
+
+  def pop_ready(self, stage_id: int) -> Task | None:
+    """Starts the FIFO head of ``stage_id``'s ready queue, checking rules 1–2; None when nothing is ready."""
+    queue = self._ready[stage_id]
+    if not queue:
+      return None
+    task = queue.popleft()
+    p = task.minibatch_id
+    if task.kind is TaskKind.BACKWARD:
+      expected = self._next_backward[stage_id]
+      self._next_backward[stage_id] = p + 1
+    else:
+      expected = self._next_forward[stage_id]
+      self._next_forward[stage_id] = p + 1
+      if task.kind is TaskKind.FORWARD:
+        self._held[stage_id] += 1
+        self.peak_held[stage_id] = max(self.peak_held[stage_id], self._held[stage_id])
+      else:  # FB holds its minibatch only while it runs
+        self.peak_held[stage_id] = max(self.peak_held[stage_id], self._held[stage_id] + 1)
+    if p != expected:
+      raise AssertionError(f"schedule rule violated on stage {stage_id}: {task} started, expected minibatch {expected}")
+    self._running[stage_id].append(task)
+    return task
+
+  def complete(self, task: Task) -> list[Task]:
+    """Marks a started task done; returns the tasks it made ready (already enqueued, FIFO)."""
+    running = self._running[task.stage_id]
+    if not running or running[0] != task:
+      head = running[0] if running else None
+      raise AssertionError(f"task {task} completed but the oldest running task on its stage is {head} (a stage "
+                           "completes its tasks in the order they started)")
+    running.popleft()
+    if task.kind is TaskKind.BACKWARD:
+      self._held[task.stage_id] -= 1
+    if completes_minibatch(task):
+      if task.minibatch_id != self.num_completed:
+        raise AssertionError(f"minibatch {task.minibatch_id} completed out of order (expected {self.num_completed})")
+      self.num_completed += 1
+    new = successors(task, self.num_stages)
+    for t in new:
+      self._ready[t.stage_id].append(t)
+    return new
+
+  def idle(self) -> bool:
+    """True when no task is running or ready."""
+    return not any(self._running) and not any(self._ready)

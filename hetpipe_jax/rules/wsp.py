@@ -1,0 +1,276 @@
+"""Wave Synchronous Parallel (WSP) rules shared by the runtime and the engine (HetPipe §5).
+
+Planning layer: pure Python. Terms (see WORKSPACE.md glossary):
+
+* a *wave* is Nm consecutive minibatches of one VW; minibatch p belongs to wave ``p // Nm``;
+* a VW's ``local_clock`` is the number of waves it has completed; at the end of wave c it pushes that wave's
+  aggregated update and its local clock becomes c + 1;
+* the PS's ``global_clock`` is the minimum local clock over VWs; the global weights hold every VW's updates of
+  waves ``0..global_clock-1`` and nothing else (a wave is applied once every VW pushed it, in VW order);
+* ``staleness_bound`` D: a VW with local clock c must use weights holding every VW's updates of waves
+  ``0..c-D-1``, i.e. weights pulled at global clock >= c - D. D = 0 is BSP with pipelining.
+
+Each rule lives here once and every driver calls it: the MPI runtime (``virtual_worker.VirtualWorker.run`` and
+``ps.service``), the event engine (``engine.Engine``) and virtual time (the engine driving ``VirtualWorker``'s
+actions). Per VW: :func:`injection_step` (local Nm rule + run length + WSP gate, and the pull it triggers) and
+:class:`VWSyncState` (clocks, wave-end push and pull); after a pull, :func:`own_waves_after_pull`. For the PS:
+:class:`ParameterServerState` (waves applied once in a fixed order, pending pulls answered in arrival order).
+
+One driver per VW advances its :class:`VWSyncState`: ``VirtualWorker.run`` in the MPI runtime, the engine in the
+engine and in virtual time (where it drives the VWs' own state objects, and ``VirtualWorker``'s hooks only act on
+its decisions and never advance the state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from hetpipe_jax.rules import schedule
+
+
+def wave_of(minibatch_id: int, num_inflight: int) -> int:
+  """Wave of a minibatch (0-based): ``minibatch_id // Nm``."""
+  return minibatch_id // num_inflight
+
+
+def is_wave_end(minibatch_id: int, num_inflight: int) -> bool:
+  """True when completing ``minibatch_id`` completes its wave (it is the wave's last minibatch)."""
+  return (minibatch_id + 1) % num_inflight == 0
+
+
+def required_global_clock(local_clock: int, staleness_bound: int) -> int:
+  """The smallest global clock the VW's weights must include: ``max(0, c - D)`` (HetPipe §5)."""
+  return max(0, local_clock - staleness_bound)
+
+
+def may_inject(local_clock: int, weights_global_clock: int, staleness_bound: int) -> bool:
+  """Global-staleness rule: may a VW with ``local_clock`` start a minibatch on weights of ``weights_global_clock``?"""
+  return weights_global_clock >= required_global_clock(local_clock, staleness_bound)
+
+
+def clock_distance(local_clocks: list[int]) -> int:
+  """Difference in local clock between the fastest and slowest VW (bounded by D + 1 under WSP)."""
+  return max(local_clocks) - min(local_clocks)
+
+
+def own_waves_after_pull(own_waves: Iterable[int], global_clock: int) -> list[int]:
+  """The VW's own pushed waves to keep on top of pulled global weights of ``global_clock`` (HetPipe §5).
+
+  The pulled weights hold every VW's waves ``0..global_clock-1``; the VW's own waves from ``global_clock`` on are
+  pushed but not yet applied at the PS, so the VW re-adds them (and its current partial wave, which it has not
+  pushed) to the pulled weights: local = global + own waves >= g + partial wave. Waves below ``global_clock`` are
+  dropped (the global weights hold them).
+
+  Args:
+    own_waves: wave indices of the own pushed updates the VW still holds (any order).
+    global_clock: g, the global clock of the pulled weights.
+
+  Returns:
+    The waves to keep, ascending (the order they are re-added in).
+  """
+  return sorted(c for c in own_waves if c >= global_clock)
+
+
+@dataclasses.dataclass
+class ParameterServerState:
+  """The PS's bookkeeping, without tensors: waves pushed and applied, the global clock, pending pulls (HetPipe §5).
+
+  Args:
+    num_virtual_workers: N >= 1.
+
+  The caller adds each wave update returned by :meth:`push` to the global weights in the returned order, which is
+  deterministic (wave by wave, VW 0..N-1 within a wave), so the global weights at clock g are always
+  ``W0 + sum_{c<g} sum_v u[v, c]`` with the same floating-point order.
+
+  Pulls: :meth:`request_pull` when a VW's request arrives (answer now, or keep it pending); after every push,
+  :meth:`serve_pending_pulls` names the pending VWs to answer now, in the order their requests arrived. The MPI
+  service, the engine and the in-process client all keep their pending pulls here.
+  """
+
+  num_virtual_workers: int
+  pushed_waves: list[int] = dataclasses.field(default_factory=list)  # per VW: waves pushed (= its local clock)
+  global_clock: int = 0
+  applied: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (wave, vw) in application order
+  # vw -> required global clock of its unanswered pull, in the order the requests arrived (at most one per VW).
+  pending_pulls: dict[int, int] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if self.num_virtual_workers < 1:
+      raise ValueError(f"num_virtual_workers must be >= 1, got {self.num_virtual_workers}")
+    if not self.pushed_waves:
+      self.pushed_waves = [0] * self.num_virtual_workers
+
+  def push(self, vw_id: int, wave_id: int) -> list[tuple[int, int]]:
+    """Records VW ``vw_id``'s update of ``wave_id``; returns the (wave, vw) updates that now become applicable.
+
+    Raises:
+      ValueError: unknown VW, or a wave pushed twice or out of order (each wave is pushed exactly once, in order).
+    """
+    if not 0 <= vw_id < self.num_virtual_workers:
+      raise ValueError(f"push from unknown VW {vw_id} (have {self.num_virtual_workers})")
+    if wave_id != self.pushed_waves[vw_id]:
+      raise ValueError(f"VW {vw_id} pushed wave {wave_id}, expected wave {self.pushed_waves[vw_id]}")
+    self.pushed_waves[vw_id] += 1
+    ready = []
+    while min(self.pushed_waves) > self.global_clock:
+      wave = self.global_clock
+      ready.extend((wave, v) for v in range(self.num_virtual_workers))
+      self.global_clock += 1
+    self.applied.extend(ready)
+    return ready
+
+  def can_serve_pull(self, required_clock: int) -> bool:
+    """True when the global weights include waves ``0..required_clock-1``."""
+    return self.global_clock >= required_clock
+
+  def request_pull(self, vw_id: int, required_clock: int) -> bool:
+    """VW ``vw_id``'s pull request arrives: True when it is answered now, else it is kept pending.
+
+    A pending request is answered by a later :meth:`serve_pending_pulls`, once the global clock reaches
+    ``required_clock``; the reply always carries the global weights current when it is answered.
+
+    Args:
+      vw_id: the requesting VW.
+      required_clock: the smallest global clock the reply may carry.
+
+    Returns:
+      True: answer now (nothing is recorded); False: pending.
+
+    Raises:
+      ValueError: unknown VW, or the VW already has a pending pull (a VW has at most one pull outstanding).
+    """
+    if not 0 <= vw_id < self.num_virtual_workers:
+      raise ValueError(f"pull from unknown VW {vw_id} (have {self.num_virtual_workers})")
+    if vw_id in self.pending_pulls:
+      raise ValueError(f"VW {vw_id} requested a pull at clock {required_clock} while its pull at clock "
+                       f"{self.pending_pulls[vw_id]} is pending (one pull outstanding per VW)")
+    if self.global_clock >= required_clock:
+      return True
+    self.pending_pulls[vw_id] = required_clock
+    return False
+
+  def serve_pending_pulls(self) -> list[int]:
+    """The pending pulls the global clock now allows, removed from the pending set.
+
+    Returns:
+      Their VWs, in the order the requests arrived (the order to answer them in).
+    """
+    pending = self.pending_pulls
+    if not pending:
+      return []
+    clock = self.global_clock
+    ready = [v for v, required in pending.items() if required <= clock]
+    for v in ready:
+      del pending[v]
+    return ready
+
+
+@dataclasses.dataclass
+class VWSyncState:
+  """One VW's side of WSP, without tensors: its clocks and the pull it is waiting for (HetPipe §5).
+
+  The runtime (:mod:`hetpipe_jax.runtime.virtual_worker`) and the event engine drive the same object, each VW's
+  state advanced by exactly one driver (module docstring):
+
+  * :meth:`injection_gate` before injecting a minibatch (through :func:`injection_step`): may it start, and which
+    pull to request if not;
+  * :meth:`on_minibatch_complete` when a minibatch completes: whether a wave ended (push it) and which pull to
+    request without waiting (``pull_every_wave``; it asks for the clock the bound requires during the next wave,
+    or during the one after when the weights already satisfy the next, so the reply arrives before it is needed);
+  * :meth:`on_pull_reply` when pulled global weights are installed.
+
+  Args:
+    num_inflight: Nm >= 1.
+    staleness_bound: D >= 0.
+    pull_every_wave: also pull, without waiting, at every wave end.
+  """
+
+  num_inflight: int
+  staleness_bound: int
+  pull_every_wave: bool = True
+  local_clock: int = 0
+  weights_global_clock: int = 0
+  pull_required: int | None = None  # requirement of the outstanding pull, None when none is outstanding
+
+  def __post_init__(self):
+    if self.num_inflight < 1:
+      raise ValueError(f"num_inflight must be >= 1, got {self.num_inflight}")
+    if self.staleness_bound < 0:
+      raise ValueError(f"staleness_bound must be >= 0, got {self.staleness_bound}")
+
+  def injection_gate(self) -> tuple[bool, int | None]:
+    """Returns ``(may_inject, pull_to_request)``; a pull is requested (and recorded) only when none is outstanding."""
+    if may_inject(self.local_clock, self.weights_global_clock, self.staleness_bound):
+      return True, None
+    if self.pull_required is None:
+      self.pull_required = required_global_clock(self.local_clock, self.staleness_bound)
+      return False, self.pull_required
+    return False, None
+
+  def on_minibatch_complete(self, minibatch_id: int) -> tuple[int | None, int | None]:
+    """Returns ``(wave_to_push, pull_to_request)`` after ``minibatch_id`` completed (None for no action)."""
+    if not is_wave_end(minibatch_id, self.num_inflight):
+      return None, None
+    wave = wave_of(minibatch_id, self.num_inflight)
+    self.local_clock = wave + 1
+    if self.pull_every_wave and self.pull_required is None:
+      # Ask for what the bound requires during the next wave, answered as soon as the PS holds it (with the
+      # freshest global weights then). When the weights already satisfy the coming wave, look one wave further
+      # ahead, so the reply is in hand before it is needed and VWs in step never wait for a pull; never ask beyond
+      # the coming wave's need otherwise, so a VW at the bound does not wait for more than it needs (and, with
+      # D = 0, never for its own unfinished wave).
+      ahead = 1 if may_inject(self.local_clock, self.weights_global_clock, self.staleness_bound) else 0
+      self.pull_required = required_global_clock(self.local_clock + ahead, self.staleness_bound)
+      return wave, self.pull_required
+    return wave, None
+
+  def on_pull_reply(self, global_clock: int) -> None:
+    """Pulled weights of ``global_clock`` are installed.
+
+    Raises:
+      AssertionError: the reply goes back in time.
+    """
+    if global_clock < self.weights_global_clock:
+      raise AssertionError(f"pull went back in time: clock {global_clock} < {self.weights_global_clock}")
+    self.weights_global_clock = global_clock
+    self.pull_required = None
+
+
+_NO_MINIBATCHES = range(0)
+
+
+def injection_step(rules: schedule.PipelineRules, sync: VWSyncState,
+                   num_minibatches: int) -> tuple[range, int | None, bool]:
+  """One VW's injection step: inject every minibatch the local rule, the run's length and WSP allow now.
+
+  The rule (HetPipe §4 local staleness, §5 global staleness): while fewer than Nm minibatches are in flight and
+  fewer than ``num_minibatches`` were injected, a minibatch is injected if ``sync.injection_gate()`` allows it.
+  The gate is consulted only when the local rules leave room; when it refuses, the VW waits for the PS, and the
+  gate names the pull to request unless one is outstanding. Both the MPI runtime (``VirtualWorker.run``) and the
+  engine call this whenever the rules may have changed (a minibatch completed, a pull reply was installed, and,
+  in the runtime, every loop iteration); the callers act on the result (the minibatches' data, records, hooks,
+  the pull request and their own wait accounting).
+
+  Args:
+    rules: the VW's pipeline rules; ``rules.inject()`` is called for each minibatch injected.
+    sync: the VW's WSP state (:meth:`VWSyncState.injection_gate` records a requested pull).
+    num_minibatches: minibatches the VW trains in the whole run.
+
+  Returns:
+    ``(injected, pull_to_request, waiting)``: the minibatch ids injected now (consecutive, maybe empty); the
+    global clock of a pull to request now, or None; True when the WSP gate holds back a minibatch the local rules
+    allow (the VW is waiting for a pull; it then injects nothing).
+  """
+  first = rules.num_injected
+  room = rules.num_inflight - first + rules.num_completed  # the local rule: Nm in flight
+  if num_minibatches - first < room:  # the run's length
+    room = num_minibatches - first
+  if room <= 0:
+    return _NO_MINIBATCHES, None, False
+  allowed, pull = sync.injection_gate()
+  if not allowed:
+    return _NO_MINIBATCHES, pull, True
+  for _ in range(room):
+    rules.inject()
+  return range(first, first + room), None, False

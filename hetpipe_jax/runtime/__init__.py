@@ -1,0 +1,1 @@
+"""What runs on devices: stages, the virtual worker's scheduler, stage executors, profiler (jax)."""

@@ -1,0 +1,131 @@
+"""Per-stage jitted functions built from a partition: forward, backward, last-stage forward+loss+backward, update.
+
+Runtime layer. Each stage owns a contiguous layer range, lives on one device, and its functions are jitted once
+(per stage; traces are counted in ``Stage.trace_counts`` so tests can catch recompiles). A forward returns its
+output and a ``jax.tree_util.Partial`` VJP closure holding the residuals; the backward applies that closure, so it
+uses exactly the weights its forward used (HetPipe §4, one weight version per minibatch).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from hetpipe_jax.models import ModelSpec, apply_layers
+from hetpipe_jax.rules.partition import validate_partition
+
+Params = Any  # list of per-layer params pytrees of one stage
+
+
+def cross_entropy_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Mean softmax cross-entropy. logits ``[b, classes]``, labels ``[b]`` int32 → scalar."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+@dataclasses.dataclass
+class Stage:
+  """One pipeline stage: its layers, device and jitted functions.
+
+  Attributes:
+    stage_id: 0-based position in the pipeline.
+    layer_range: half-open ``(start, end)`` into the model's layers.
+    device: the ``jax.Device`` holding this stage's weights, optimizer state and activations.
+    is_first / is_last: position flags.
+    trace_counts: how many times each function was traced (1 each after warm-up).
+  """
+
+  stage_id: int
+  layer_range: tuple[int, int]
+  device: jax.Device
+  is_first: bool
+  is_last: bool
+  forward: Any = None
+  backward: Any = None
+  forward_backward: Any = None
+  update: Any = None
+  add: Any = None
+  trace_counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+def build_stages(spec: ModelSpec, partition: Sequence[Sequence[int]], devices: Sequence[jax.Device],
+                 optimizer: optax.GradientTransformation) -> list[Stage]:
+  """Builds the stages of one VW.
+
+  Args:
+    spec: the model.
+    partition: one ``[start, end)`` layer range per stage.
+    devices: one device per stage (explicit placement).
+    optimizer: the optax transformation; each stage updates its own params with it.
+
+  Returns:
+    The stages, in pipeline order.
+
+  Raises:
+    ValueError: bad partition, or not one device per stage.
+  """
+  ranges = validate_partition(partition, spec.num_layers)
+  if len(devices) != len(ranges):
+    raise ValueError(f"{len(ranges)} stages need {len(ranges)} devices, got {len(devices)}")
+  stages = []
+  for s, (start, end) in enumerate(ranges):
+    st = Stage(s, (start, end), devices[s], is_first=(s == 0), is_last=(s == len(ranges) - 1))
+    _jit_stage(st, spec.layers[start:end], optimizer)
+    stages.append(st)
+  return stages
+
+
+def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformation) -> None:
+  counts = st.trace_counts
+
+  def run(params: Params, x: jax.Array) -> jax.Array:
+    return apply_layers(layers, params, x)
+
+  def forward(params, x):
+    """``[b, ...in] -> ([b, ...out], vjp)``; stage 0's vjp gives only parameter gradients."""
+    counts["forward"] += 1
+    if st.is_first:
+      out, vjp = jax.vjp(lambda p: run(p, x), params)
+    else:
+      out, vjp = jax.vjp(run, params, x)
+    return out, vjp
+
+  def backward(vjp, grad_out):
+    """Returns ``(param_grads, input_grad)``; ``input_grad`` is None on stage 0."""
+    counts["backward"] += 1
+    grads = vjp(grad_out)
+    return (grads[0], None) if st.is_first else (grads[0], grads[1])
+
+  def forward_backward(params, x, labels):
+    """Last stage: forward + loss + backward as one task. Returns ``(loss, param_grads, input_grad | None)``."""
+    counts["forward_backward"] += 1
+
+    def loss_fn(p, a):
+      return cross_entropy_loss(run(p, a), labels)
+
+    if st.is_first:
+      loss, gp = jax.value_and_grad(loss_fn)(params, x)
+      return loss, gp, None
+    loss, (gp, gx) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, x)
+    return loss, gp, gx
+
+  def update(params, opt_state, grads, wave_delta):
+    """One optimizer step; returns ``(new_params, new_opt_state, wave_delta + delta)``."""
+    counts["update"] += 1
+    delta, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, delta), opt_state, jax.tree.map(jnp.add, wave_delta, delta)
+
+  def add(a, b):
+    """Elementwise ``a + b`` of two params trees (rebasing local weights on pulled global ones)."""
+    counts["add"] += 1
+    return jax.tree.map(jnp.add, a, b)
+
+  st.forward = jax.jit(forward)
+  st.backward = jax.jit(backward)
+  st.forward_backward = jax.jit(forward_backward)
+  st.update = jax.jit(update)
+  st.add = jax.jit(add)

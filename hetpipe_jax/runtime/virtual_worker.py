@@ -1,0 +1,407 @@
+"""A virtual worker: host-side scheduler driving pipelined model parallelism over its stages (HetPipe §4–§5).
+
+Runtime layer. One :class:`VirtualWorker` per VW. It keeps per-stage FIFO ready queues through the pure rules of
+:mod:`hetpipe_jax.rules.schedule`, hands each ready task to its stage's in-order executor thread
+(:mod:`hetpipe_jax.runtime.stage_executor`), which dispatches it to the stage's device (JAX async dispatch; explicit
+``device_put`` of the output to the consumer's device) and reports when the output has arrived, and injects new
+minibatches under the local rule (Nm in flight) and the WSP rule of :mod:`hetpipe_jax.rules.wsp`
+(:func:`~hetpipe_jax.rules.wsp.injection_step`).
+
+Two parts: the *driver* :meth:`VirtualWorker.run` (the MPI runtime's event loop) makes every rule decision through
+:mod:`hetpipe_jax.rules.schedule` and :mod:`hetpipe_jax.rules.wsp` and is the one caller of the VW's
+:class:`~hetpipe_jax.rules.wsp.VWSyncState` transitions; the *actions* :meth:`~VirtualWorker.inject`,
+:meth:`~VirtualWorker.dispatch`, :meth:`~VirtualWorker.complete_minibatch`, :meth:`~VirtualWorker.end_wave` and
+:meth:`~VirtualWorker.install_pull` carry the decisions out on real tensors and never advance ``sync`` (they only
+read it). In virtual time the event engine is the driver instead: it advances the VW's ``sync`` (the same object)
+and calls the actions from its hooks (:mod:`hetpipe_jax.runtime.virtual_time`).
+
+Weight versions: minibatch p is injected with the VW's current :class:`WeightVersion` (immutable per-stage params
+on each stage's device) and uses it on every stage; the weights change only when a minibatch completes, on all
+stages together, or when pulled global weights are installed. Old versions are freed by reference counting once no
+in-flight minibatch holds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import queue
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hetpipe_jax.rules import schedule
+from hetpipe_jax.rules import wsp
+from hetpipe_jax.rules.records import MinibatchRecord
+from hetpipe_jax.rules.schedule import Task, TaskKind
+from hetpipe_jax.runtime.param_layout import ParamLayout
+from hetpipe_jax.runtime.stage_executor import OVERRUN_TOLERANCE_S, StageExecutor
+from hetpipe_jax.runtime.stages import Stage
+
+
+class PSClient(Protocol):
+  """What a VW needs from the parameter server (in-process or over MPI)."""
+
+  def push(self, wave_id: int, flat_delta: np.ndarray, loss_sum: float, num_minibatches: int) -> None:
+    """Sends wave ``wave_id``'s aggregated update (float32 ``[num_params]``)."""
+
+  def request_pull(self, required_clock: int) -> None:
+    """Asks for the global weights once the global clock is >= ``required_clock``."""
+
+  def poll_pull(self) -> tuple[int, np.ndarray] | None:
+    """Non-blocking: ``(global_clock, float32 [num_params])`` if a pull reply arrived, else None."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightVersion:
+  """One consistent version of a VW's weights.
+
+  Attributes:
+    params: per stage, that stage's per-layer params on its device.
+    local_updates: how many of this VW's own minibatch updates it includes (minibatches ``0..local_updates-1``).
+    global_clock: the global clock of the last pulled global weights it includes (every VW's waves
+      ``0..global_clock-1``).
+    version_id: increments on every change.
+  """
+
+  params: tuple
+  local_updates: int
+  global_clock: int
+  version_id: int
+
+
+@dataclasses.dataclass
+class VWStats:
+  """Per-VW timing: seconds waiting for the PS (WSP bound) and seconds with no runnable task."""
+
+  wait_s: float = 0.0
+  idle_s: float = 0.0
+  wall_time_s: float = 0.0
+  start_unix_s: float = 0.0  # the run's start on the machine clock (record times are relative to it)
+  num_pulls: int = 0
+  num_pushes: int = 0
+  peak_inflight_per_stage: list[int] = dataclasses.field(default_factory=list)
+  max_concurrent_tasks: int = 0
+  num_tasks: int = 0
+  host_busy_s: float = 0.0  # scheduler thread's time not blocked waiting for completions
+  update_s: float = 0.0  # ... of which applying minibatch updates and pushing waves (weights' compute/transfers)
+  sync_s: float = 0.0  # ... of which installing pulled global weights
+  inject_s: float = 0.0  # ... of which reading minibatches and placing them on stage devices
+  dispatch_s: float = 0.0  # stage executors' time inside task dispatch calls
+  num_overruns: int = 0  # emulated tasks whose real work outlasted their target duration
+  overrun_s: float = 0.0
+
+
+@dataclasses.dataclass
+class InFlightMinibatch:
+  version: WeightVersion
+  images: jax.Array
+  labels: jax.Array
+  activations: dict  # stage -> input activation on that stage's device
+  residuals: dict  # stage -> vjp closure
+  grad_in: dict  # stage -> gradient arriving from stage + 1
+  grads: dict  # stage -> param grads
+  loss: Any = None
+  record: MinibatchRecord | None = None
+
+
+class VirtualWorker:
+  """Runs one VW's pipeline for a fixed number of minibatches.
+
+  Args:
+    vw_id: 0-based VW index.
+    stages: built by :func:`hetpipe_jax.runtime.stages.build_stages`.
+    layout: flat weight layout shared with the PS.
+    initial_layer_params: per-layer host params (the global initial weights W0).
+    optimizer: optax transformation (each stage keeps its own state on its device).
+    num_inflight: Nm >= 1.
+    staleness_bound: D >= 0.
+    ps: the parameter-server client.
+    get_minibatch: ``minibatch_id -> (images [b, ...] float32, labels [b] int32)`` numpy arrays.
+    pull_every_wave: also pull (without waiting) at every wave end; False pulls only when the bound forces it.
+    poll_interval_s: the longest the scheduler blocks waiting for a completion before polling the PS again.
+    on_minibatch: optional callback ``(MinibatchRecord) -> None`` for each completed minibatch, called at its
+      wave's end (when the wave's losses are read back).
+    task_time_s: emulated devices: ``Task -> seconds`` the task should take on the GPU its stage stands in for
+      (compute + sending its output). A task is then observed done no earlier than its emulated start
+      (``max(dispatch, previous emulated end on the stage)``) plus that duration, so the VW runs like the mixed
+      cluster in wall time; real work that takes longer is counted in ``VWStats.num_overruns`` / ``overrun_s``.
+
+  Raises:
+    ValueError: ``num_inflight < 1`` or ``staleness_bound < 0``.
+  """
+
+  def __init__(self, vw_id: int, stages: Sequence[Stage], layout: ParamLayout, initial_layer_params: Sequence[Any],
+               optimizer: optax.GradientTransformation, num_inflight: int, staleness_bound: int, ps: PSClient,
+               get_minibatch: Callable[[int], tuple[np.ndarray, np.ndarray]], pull_every_wave: bool = True,
+               poll_interval_s: float = 1e-3, on_minibatch: Callable[[MinibatchRecord], None] | None = None,
+               task_time_s: Callable[[Task], float] | None = None):
+    self.sync = wsp.VWSyncState(num_inflight, staleness_bound, pull_every_wave)  # validates Nm and D
+    self.vw_id = vw_id
+    self.stages = list(stages)
+    self.layout = layout
+    self.num_inflight = num_inflight
+    self.staleness_bound = staleness_bound
+    self.ps = ps
+    self.get_minibatch = get_minibatch
+    self.poll_interval_s = poll_interval_s
+    self.on_minibatch = on_minibatch
+    self.task_time_s = task_time_s
+    self.optimizer = optimizer
+    params = tuple(self._place_stage(initial_layer_params, st) for st in self.stages)
+    # Constant outputs (Adam's step count, zeros) are not committed by jit: place them explicitly.
+    self.opt_states = [jax.device_put(jax.jit(optimizer.init)(p), st.device) for st, p in zip(self.stages, params)]
+    self._zeros = [jax.device_put(jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t))(p), st.device)
+                   for st, p in zip(self.stages, params)]
+    # Compile the update and the rebase now, not at the first completion / pull (a stall inside wave 1).
+    jax.block_until_ready([(st.update(p, o, z, z), st.add(p, z))
+                           for st, p, o, z in zip(self.stages, params, self.opt_states, self._zeros)])
+    self.version = WeightVersion(params, 0, 0, 0)
+    self.wave_delta = list(self._zeros)
+    self.own_waves: dict[int, list] = {}  # wave -> per-stage delta, own waves not yet in pulled global weights
+    self.records: list[MinibatchRecord] = []
+    self.task_log: list[tuple[str, float, float]] = []  # (task, dispatch time, observed completion time)
+    self.stats = VWStats()
+    self._wave_losses: list = []  # (record, loss array) of the current wave
+
+  # ---------------------------------------------------------------- placement helpers
+  def _place_stage(self, layer_params: Sequence[Any], st: Stage):
+    start, end = st.layer_range
+    return jax.device_put(list(layer_params[start:end]), st.device)
+
+  def _new_version(self, params, *, local_updates=None, global_clock=None) -> WeightVersion:
+    v = self.version
+    return WeightVersion(tuple(params), v.local_updates if local_updates is None else local_updates,
+                         v.global_clock if global_clock is None else global_clock, v.version_id + 1)
+
+  # ---------------------------------------------------------------- main loop
+  def run(self, num_minibatches: int) -> VWStats:
+    """Trains ``num_minibatches`` (a multiple of Nm, so every wave is whole) and returns the VW's stats.
+
+    Raises:
+      ValueError: ``num_minibatches`` is not a positive multiple of Nm.
+      FloatingPointError: a loss is NaN or Inf.
+    """
+    if num_minibatches <= 0 or num_minibatches % self.num_inflight:
+      raise ValueError(f"num_minibatches={num_minibatches} must be a positive multiple of num_inflight="
+                       f"{self.num_inflight} (whole waves)")
+    num_stages = len(self.stages)
+    rules = schedule.PipelineRules(num_stages, self.num_inflight)
+    inflight: dict[int, InFlightMinibatch] = {}
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    stats = self.stats
+    t0 = time.perf_counter()
+    stats.start_unix_s = time.time()
+    executors = [StageExecutor(s, done, t0) for s in range(num_stages)]
+    num_running = 0
+    first = None
+    wait_since = idle_since = None
+    try:
+      with jax.transfer_guard("disallow"):
+        while rules.num_completed < num_minibatches:
+          loop_start = time.perf_counter()
+          # 1. PS replies.
+          reply = self.ps.poll_pull()
+          if reply is not None:
+            t = time.perf_counter()
+            self.sync.on_pull_reply(reply[0])
+            self.install_pull(*reply)
+            stats.sync_s += time.perf_counter() - t
+          # 2. Completions (each stage reports in its own order; the queue keeps completion order).
+          while True:
+            if first is not None:
+              c, first = first, None
+            else:
+              try:
+                c = done.get_nowait()
+              except queue.Empty:
+                break
+            num_running -= 1
+            if c.error is not None:
+              raise c.error
+            self.task_log.append((str(c.task), c.start_s, c.end_s))
+            if c.overrun_s > OVERRUN_TOLERANCE_S:
+              stats.num_overruns += 1
+              stats.overrun_s += c.overrun_s
+            rules.complete(c.task)
+            stats.num_tasks += 1
+            stats.dispatch_s += c.dispatch_s
+            if schedule.completes_minibatch(c.task):
+              t = time.perf_counter()
+              p = c.task.minibatch_id
+              self.complete_minibatch(inflight.pop(p), c.end_s)
+              wave, pull = self.sync.on_minibatch_complete(p)
+              if wave is not None:
+                self.end_wave(wave)
+              if pull is not None:
+                self.ps.request_pull(pull)
+              stats.update_s += time.perf_counter() - t
+          # 3. Injection under the local rule and WSP.
+          injected, pull, waiting = wsp.injection_step(rules, self.sync, num_minibatches)
+          if pull is not None:
+            self.ps.request_pull(pull)
+          if waiting:
+            if wait_since is None:
+              wait_since = time.perf_counter()
+          elif injected and wait_since is not None:
+            stats.wait_s += time.perf_counter() - wait_since
+            wait_since = None
+          for p in injected:
+            t = time.perf_counter()
+            inflight[p] = self.inject(p, t - t0)
+            stats.inject_s += time.perf_counter() - t
+          # 4. Hand every ready task to its stage's executor, FIFO per stage.
+          for s in range(num_stages):
+            while rules.has_ready(s):
+              task = rules.pop_ready(s)
+              mb = inflight[task.minibatch_id]
+              duration = self.task_time_s(task) if self.task_time_s is not None else None
+              executors[s].submit(task, functools.partial(self.dispatch, task, mb), duration)
+              num_running += 1
+          stats.max_concurrent_tasks = max(stats.max_concurrent_tasks, num_running)
+          # 5. Idle accounting, then block until a task completes (or time out to poll the PS).
+          if not num_running:
+            if idle_since is None:
+              idle_since = time.perf_counter()
+          elif idle_since is not None:
+            stats.idle_s += time.perf_counter() - idle_since
+            idle_since = None
+          stats.host_busy_s += time.perf_counter() - loop_start
+          if rules.num_completed < num_minibatches:
+            try:
+              first = done.get(timeout=self.poll_interval_s)  # processed first in the next iteration
+            except queue.Empty:
+              pass
+      if idle_since is not None:
+        stats.idle_s += time.perf_counter() - idle_since
+    finally:
+      for ex in executors:
+        ex.close()
+    stats.wall_time_s = time.perf_counter() - t0
+    stats.peak_inflight_per_stage = list(rules.peak_held)
+    return stats
+
+  # ---------------------------------------------------------------- tasks
+  def inject(self, p: int, now: float) -> "InFlightMinibatch":
+    """Starts minibatch ``p`` on the current weight version; ``now`` is its injection time in seconds."""
+    images, labels = self.get_minibatch(p)
+    first, last = self.stages[0], self.stages[-1]
+    v = self.version
+    rec = MinibatchRecord(self.vw_id, p, wsp.wave_of(p, self.num_inflight), self.sync.local_clock, v.version_id,
+                          v.local_updates, v.global_clock, now)
+    self.records.append(rec)
+    x = jax.device_put(images, first.device)
+    y = jax.device_put(labels, last.device)
+    return InFlightMinibatch(v, x, y, {0: x}, {}, {}, {}, record=rec)
+
+  def dispatch(self, task: Task, mb: InFlightMinibatch):
+    """Dispatches ``task``; returns an array that is ready when its output has reached its consumer.
+
+    Called on the stage's executor thread; it touches only this task's entries of ``mb``.
+    """
+    s = task.stage_id
+    st = self.stages[s]
+    params = mb.version.params[s]
+    if task.kind is TaskKind.FORWARD:
+      out, vjp = st.forward(params, mb.activations.pop(s))
+      mb.residuals[s] = vjp
+      nxt = jax.device_put(out, self.stages[s + 1].device)
+      mb.activations[s + 1] = nxt
+      return nxt
+    if task.kind is TaskKind.FORWARD_BACKWARD:
+      loss, gp, gx = st.forward_backward(params, mb.activations.pop(s), mb.labels)
+      mb.loss = loss
+      mb.grads[s] = gp
+      if s == 0:
+        return loss
+      g = jax.device_put(gx, self.stages[s - 1].device)
+      mb.grad_in[s - 1] = g
+      return g
+    grad_out = mb.grad_in.pop(s)
+    gp, gx = st.backward(mb.residuals.pop(s), grad_out)
+    mb.grads[s] = gp
+    if s == 0:
+      leaves = jax.tree.leaves(gp)
+      return leaves[0] if leaves else grad_out  # a parameter-free stage 0 has nothing left to compute
+    g = jax.device_put(gx, self.stages[s - 1].device)
+    mb.grad_in[s - 1] = g
+    return g
+
+  def complete_minibatch(self, mb: InFlightMinibatch, now: float) -> None:
+    """Applies minibatch p's update on every stage (a new weight version) and adds it to the wave's delta.
+
+    An action: the driver then advances ``sync`` (``on_minibatch_complete``) and, at a wave end, calls
+    :meth:`end_wave`.
+    """
+    new_params, new_states, new_deltas = [], [], []
+    for s, st in enumerate(self.stages):
+      p, o, d = st.update(self.version.params[s], self.opt_states[s], mb.grads[s], self.wave_delta[s])
+      new_params.append(p)
+      new_states.append(o)
+      new_deltas.append(d)
+    self.opt_states = new_states
+    self.wave_delta = new_deltas
+    self.version = self._new_version(new_params, local_updates=self.version.local_updates + 1)
+    rec = mb.record
+    rec.complete_time_s = now
+    self._wave_losses.append((rec, mb.loss))  # read back once per wave, not once per minibatch
+
+  def end_wave(self, wave_id: int) -> None:
+    """Pushes wave ``wave_id``'s summed delta and losses to the PS and keeps the delta until the PS holds it.
+
+    Raises:
+      FloatingPointError: a loss of the wave is NaN or Inf.
+    """
+    host, losses = jax.device_get((self.wave_delta, [loss for _, loss in self._wave_losses]))
+    loss_sum = 0.0
+    for (rec, _), loss in zip(self._wave_losses, losses):
+      rec.loss = float(loss)
+      if not np.isfinite(rec.loss):
+        raise FloatingPointError(f"[VW {self.vw_id}] loss is {rec.loss} at minibatch {rec.minibatch_id}: "
+                                 "training diverged; lower config.learning_rate")
+      loss_sum += rec.loss
+      if self.on_minibatch is not None:
+        self.on_minibatch(rec)
+    self._wave_losses = []
+    flat = np.concatenate([self.layout.flatten(h, st.layer_range[0]) for h, st in zip(host, self.stages)])
+    self.ps.push(wave_id, flat, loss_sum, self.num_inflight)
+    self.stats.num_pushes += 1
+    self.own_waves[wave_id] = self.wave_delta
+    self.wave_delta = list(self._zeros)
+
+  def install_pull(self, global_clock: int, flat: np.ndarray) -> None:
+    """Local weights := pulled global weights + own updates the global weights do not hold yet.
+
+    The own waves kept are :func:`hetpipe_jax.rules.wsp.own_waves_after_pull`'s, then the current partial wave. An
+    action: the driver calls ``sync.on_pull_reply``.
+
+    Args:
+      global_clock: the pulled weights' global clock.
+      flat: the pulled global weights, float32 ``[num_params]``.
+    """
+    self.stats.num_pulls += 1
+    keep = wsp.own_waves_after_pull(self.own_waves, global_clock)
+    self.own_waves = {c: self.own_waves[c] for c in keep}
+    params = []
+    for s, st in enumerate(self.stages):
+      start, end = st.layer_range
+      p = jax.device_put(self.layout.unflatten(flat, start, end), st.device)
+      for c in keep:
+        p = st.add(p, self.own_waves[c][s])
+      params.append(st.add(p, self.wave_delta[s]))
+    self.version = self._new_version(params, global_clock=global_clock)
+    logging.log_every_n_seconds(logging.INFO, "[VW %d] pulled global clock %d (local clock %d)", 10, self.vw_id,
+                                global_clock, self.sync.local_clock)
+
+  # ---------------------------------------------------------------- results
+  def layer_params(self) -> list[Any]:
+    """The VW's current weights as host per-layer params (for tests and checkpoints)."""
+    out = []
+    for p in jax.device_get(list(self.version.params)):
+      out.extend(p)
+    return out

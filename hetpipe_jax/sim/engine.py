@@ -1,0 +1,401 @@
+"""Discrete-event engine: N virtual workers and the parameter server in virtual time (HetPipe §4, §5, §8).
+
+Planning layer: standard library only. The engine executes exactly the rules the runtime
+(``virtual_worker.VirtualWorker.run``) executes, through the same pure objects: per VW a :class:`schedule.PipelineRules`
+(which task a stage runs next, Nm in flight) and a :class:`wsp.VWSyncState` (may a minibatch be injected, what to
+push and pull), and one :class:`wsp.ParameterServerState` for the PS. Only time is simulated:
+
+* every stage is one in-order device: as in the runtime, a ready task is handed to its stage's device queue at once
+  (``PipelineRules.pop_ready``, FIFO) and starts when the device is free; it lasts ``VWTaskTimes.task_duration_s``
+  (compute + sending its output), and its successor becomes ready when it ends (its output has arrived). So
+  ``peak_inflight_per_stage`` (``PipelineRules.peak_held``) counts a forward from its dispatch, like the runtime's;
+* a minibatch completes when its backward on stage 0 ends; then the VW's weights update, and at a wave end the VW
+  sends the wave's push, which arrives at the PS ``push_s`` later, and (``pull_every_wave``) a non-waiting pull
+  request;
+* a pull request is a tiny message on the same ordered channel as the VW's pushes, so it reaches the PS no earlier
+  than the VW's last push; the PS answers it at once or keeps it pending (``ParameterServerState.request_pull``,
+  then ``serve_pending_pulls`` after each push that advances the global clock, in arrival order); the reply (the
+  global weights) arrives ``pull_s`` later and is installed (``VWSyncState.on_pull_reply``);
+* minibatches are injected by ``wsp.injection_step`` (Nm in flight, the run's length, the WSP gate and the pull
+  it requests), re-run whenever its inputs can change (a minibatch completes, a pull reply arrives).
+
+The engine is the one driver of every VW's :class:`wsp.VWSyncState` (``on_minibatch_complete``, ``on_pull_reply``
+and, through ``injection_step``, ``injection_gate``): each transition happens once, here, and the hooks are told
+its outcome (``on_wave_end``, ``on_pull_reply``). In virtual time the engine is handed the ``VirtualWorker``s' own
+state objects (``sync_states``), so each VW has one state, which the engine advances and the hooks only read.
+
+Optional link contention (``ps_link_contention``): every push and every pull reply crosses one shared link at the
+PS (its node's NIC), one transfer at a time in request order, so PS traffic serialises; pipeline sends stay part of
+their tasks (they already serialise with the sender's compute).
+
+Hooks (``hooks`` argument; any object, each method optional) are called in event order: events run in order of
+virtual time, ties in the order they were created. Within one event:
+
+1. t = 0, per VW in order: ``on_inject`` for each minibatch injected, then ``on_task_start`` per stage started
+   (stage order).
+2. A task ends: ``on_minibatch_complete(vw_id, minibatch_id, t)`` if it completes its minibatch, then
+   ``VWSyncState.on_minibatch_complete``; if that ends a wave, ``on_wave_end(vw_id, wave_id, t)`` and the wave's
+   push is sent; then any pull request is sent; then ``on_inject(vw_id, minibatch_id, t)`` per injection; then
+   ``on_task_start(vw_id, task, t)`` per stage that starts a task (stage order).
+3. A push arrives at the PS: ``on_push(vw_id, wave_id, t_arrival)``, then the PS applies it
+   (``ParameterServerState.push``) and answers the pulls it can now serve.
+4. A pull reply arrives: ``on_pull_reply(vw_id, global_clock, t)``, then ``VWSyncState.on_pull_reply``, then
+   ``on_inject`` / ``on_task_start`` as in 2.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import time
+from typing import Any, Sequence
+
+from hetpipe_jax.rules import schedule
+from hetpipe_jax.rules import wsp
+from hetpipe_jax.rules.schedule import Task, TaskKind
+from hetpipe_jax.sim import engine_report
+from hetpipe_jax.sim.engine_report import EngineReport, GPUReport, MinibatchRecord, TaskEvent, VWReport
+from hetpipe_jax.sim.task_times import VWTaskTimes
+
+_TASK_END, _PUSH_ARRIVAL, _PULL_REQUEST, _PULL_REPLY = 0, 1, 2, 3
+_BACKWARD = TaskKind.BACKWARD
+_FORWARD = TaskKind.FORWARD
+_HOOK_NAMES = ("on_inject", "on_task_start", "on_minibatch_complete", "on_wave_end", "on_push", "on_pull_reply")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """What to run.
+
+  Attributes:
+    num_waves: waves each VW trains (``num_waves * num_inflight`` minibatches).
+    num_inflight: Nm, minibatches in flight per VW (= per wave), HetPipe §4.
+    staleness_bound: D >= 0, HetPipe §5.
+    pull_every_wave: pull without waiting at every wave end (as the runtime's default).
+    records: keep per-minibatch records, per-task events, PS waits and the PS's application order; False is the
+      timing-only mode.
+    ps_link_contention: serialise all pushes and pull replies on one shared PS link (module docstring).
+  """
+
+  num_waves: int
+  num_inflight: int
+  staleness_bound: int = 0
+  pull_every_wave: bool = True
+  records: bool = True
+  ps_link_contention: bool = False
+
+  def __post_init__(self):
+    if self.num_waves < 1:
+      raise ValueError(f"num_waves must be >= 1, got {self.num_waves}")
+    if self.num_inflight < 1:
+      raise ValueError(f"num_inflight (Nm) must be >= 1, got {self.num_inflight}")
+    if self.staleness_bound < 0:
+      raise ValueError(f"staleness_bound (D) must be >= 0, got {self.staleness_bound}")
+
+
+class _VW:
+  """One virtual worker's engine state (rules + devices + accounting)."""
+
+  __slots__ = ("vw_id", "times", "rules", "sync", "num_stages", "total", "dur_fwd", "dur_bwd", "queued", "running",
+               "started", "busy_s", "num_tasks", "active", "idle_since", "idle_s", "wait_since", "wait_s",
+               "completions", "version_id", "num_pushes", "num_pulls", "last_push_arrival", "records")
+
+  def __init__(self, vw_id: int, times: VWTaskTimes, config: EngineConfig, sync: wsp.VWSyncState | None):
+    s_count = times.num_stages
+    self.vw_id = vw_id
+    self.times = times
+    self.rules = schedule.PipelineRules(s_count, config.num_inflight)
+    if sync is None:
+      sync = wsp.VWSyncState(config.num_inflight, config.staleness_bound, config.pull_every_wave)
+    self.sync = sync
+    self.num_stages = s_count
+    self.total = config.num_waves * config.num_inflight
+    # Per stage: duration of its forward (FB on the last stage) and of its backward task.
+    last = s_count - 1
+    self.dur_fwd = [times.task_duration_s(Task(s, TaskKind.FORWARD if s < last else TaskKind.FORWARD_BACKWARD, 0))
+                    for s in range(s_count)]
+    self.dur_bwd = [times.task_duration_s(Task(s, TaskKind.BACKWARD, 0)) if s < last else 0.0
+                    for s in range(s_count)]
+    self.queued = [collections.deque() for _ in range(s_count)]  # popped (dispatched), waiting for the device
+    self.running: list[Task | None] = [None] * s_count
+    self.started = [0.0] * s_count
+    self.busy_s = [0.0] * s_count
+    self.num_tasks = [0] * s_count
+    self.active = 0  # tasks ready or running
+    self.idle_since: float | None = 0.0
+    self.idle_s = 0.0
+    self.wait_since: float | None = None
+    self.wait_s = 0.0
+    self.completions: list[float] = []
+    self.version_id = 0
+    self.num_pushes = 0
+    self.num_pulls = 0
+    self.last_push_arrival = 0.0
+    self.records: dict[int, MinibatchRecord] = {}
+
+
+def _check_sync_states(sync_states: Sequence[wsp.VWSyncState], num_vws: int, config: EngineConfig) -> None:
+  """Raises ValueError unless ``sync_states`` holds ``num_vws`` fresh states with ``config``'s Nm, D and pulls."""
+  if len(sync_states) != num_vws:
+    raise ValueError(f"sync_states has {len(sync_states)} entries for {num_vws} virtual workers")
+  want = (config.num_inflight, config.staleness_bound, config.pull_every_wave)
+  for v, sync in enumerate(sync_states):
+    got = (sync.num_inflight, sync.staleness_bound, sync.pull_every_wave)
+    if got != want:
+      raise ValueError(f"sync_states[{v}] has (num_inflight, staleness_bound, pull_every_wave) = {got}; the "
+                       f"engine config has {want}")
+    if sync.local_clock or sync.weights_global_clock or sync.pull_required is not None:
+      raise ValueError(f"sync_states[{v}] is not fresh (local clock {sync.local_clock}, weights global clock "
+                       f"{sync.weights_global_clock}, pull outstanding {sync.pull_required})")
+
+
+class Engine:
+  """Runs ``task_times`` (one entry per VW) under ``config``; see the module docstring.
+
+  Args:
+    task_times: per VW its task and PS-transfer durations.
+    config: what to run.
+    hooks: optional object with any of ``on_inject``, ``on_task_start``, ``on_minibatch_complete``,
+      ``on_wave_end``, ``on_push``, ``on_pull_reply`` (signatures and order in the module docstring).
+    gpu_ids: per VW, per stage, a GPU name for the report (default ``"vw<v>/s<s>"``).
+    sync_states: per VW, the fresh :class:`wsp.VWSyncState` to drive (virtual time passes its VirtualWorkers'
+      own, so each VW has one); default: the engine makes them from ``config``.
+
+  Raises:
+    ValueError: no VWs, ``gpu_ids`` of the wrong shape, or ``sync_states`` of the wrong length, not fresh, or
+      with Nm, D or ``pull_every_wave`` other than ``config``'s.
+  """
+
+  def __init__(self, task_times: Sequence[VWTaskTimes], config: EngineConfig, hooks: Any = None,
+               gpu_ids: Sequence[Sequence[str]] | None = None,
+               sync_states: Sequence[wsp.VWSyncState] | None = None):
+    if not task_times:
+      raise ValueError("task_times is empty: need at least one virtual worker")
+    self.config = config
+    if sync_states is None:
+      sync_states = [None] * len(task_times)
+    else:
+      _check_sync_states(sync_states, len(task_times), config)
+    self.vws = [_VW(v, t, config, sync) for v, (t, sync) in enumerate(zip(task_times, sync_states))]
+    if gpu_ids is None:
+      gpu_ids = [[f"vw{v}/s{s}" for s in range(w.num_stages)] for v, w in enumerate(self.vws)]
+    if len(gpu_ids) != len(self.vws) or any(len(g) != w.num_stages for g, w in zip(gpu_ids, self.vws)):
+      raise ValueError("gpu_ids must list one name per stage of every virtual worker")
+    self.gpu_ids = [list(g) for g in gpu_ids]
+    self.ps = wsp.ParameterServerState(len(self.vws))
+    self.hooks = {name: getattr(hooks, name, None) for name in _HOOK_NAMES}
+    self._heap: list = []
+    self._seq = 0
+    self._ps_link_free = 0.0
+    self._task_events: list = []
+    self._ps_waits: list[tuple[int, float, float]] = []
+    # Local clocks: count of VWs at each clock value, to track max - min incrementally.
+    self._clock_counts = [0] * (config.num_waves + 2)
+    self._clock_counts[0] = len(self.vws)
+    self._min_clock = self._max_clock = 0
+    self._max_distance = 0
+    self._clock_samples: list[tuple[float, int, int, int]] = []
+
+  # ------------------------------------------------------------------ scheduling helpers
+  def _push_event(self, t: float, code: int, vw_id: int, arg) -> None:
+    self._seq += 1
+    heapq.heappush(self._heap, (t, self._seq, code, vw_id, arg))
+
+  def _ps_transfer_arrival(self, t: float, duration: float) -> float:
+    if not self.config.ps_link_contention:
+      return t + duration
+    start = max(t, self._ps_link_free)
+    self._ps_link_free = start + duration
+    return self._ps_link_free
+
+  def _request_pull(self, vw: _VW, required: int, t: float) -> None:
+    self._push_event(max(t, vw.last_push_arrival), _PULL_REQUEST, vw.vw_id, required)
+
+  def _send_pull_reply(self, v: int, t: float) -> None:
+    self._push_event(self._ps_transfer_arrival(t, self.vws[v].times.pull_s), _PULL_REPLY, v, self.ps.global_clock)
+
+  def _try_inject(self, vw: _VW, t: float) -> None:
+    """Runs the VW's injection step (``wsp.injection_step``) and accounts for its outcome at time ``t``."""
+    injected, pull, waiting = wsp.injection_step(vw.rules, vw.sync, vw.total)
+    if pull is not None:
+      self._request_pull(vw, pull, t)
+    if waiting:
+      if vw.wait_since is None:
+        vw.wait_since = t
+      return
+    if not injected:
+      return
+    if vw.wait_since is not None:
+      vw.wait_s += t - vw.wait_since
+      if self.config.records:
+        self._ps_waits.append((vw.vw_id, vw.wait_since, t))
+      vw.wait_since = None
+    if vw.active == 0 and vw.idle_since is not None:
+      vw.idle_s += t - vw.idle_since
+      vw.idle_since = None
+    vw.active += len(injected)
+    on_inject = self.hooks["on_inject"]
+    if self.config.records:
+      rules, sync = vw.rules, vw.sync
+      for p in injected:
+        vw.records[p] = MinibatchRecord(vw.vw_id, p, wsp.wave_of(p, rules.num_inflight), sync.local_clock,
+                                        vw.version_id, rules.num_completed, sync.weights_global_clock, t)
+    if on_inject is not None:
+      for p in injected:
+        on_inject(vw.vw_id, p, t)
+
+  def _start_ready(self, vw: _VW, t: float) -> None:
+    """Hands every ready task to its stage's device queue (``pop_ready``, FIFO, as the runtime hands it to the
+    stage's executor) and starts the head of each free device's queue."""
+    rules, running, queued = vw.rules, vw.running, vw.queued
+    on_task_start = self.hooks["on_task_start"]
+    for s in range(vw.num_stages):
+      q = queued[s]
+      while rules.has_ready(s):
+        q.append(rules.pop_ready(s))
+      if running[s] is None and q:
+        task = q.popleft()
+        running[s] = task
+        vw.started[s] = t
+        self._seq += 1
+        d = vw.dur_bwd[s] if task.kind is _BACKWARD else vw.dur_fwd[s]
+        heapq.heappush(self._heap, (t + d, self._seq, _TASK_END, vw.vw_id, s))
+        if on_task_start is not None:
+          on_task_start(vw.vw_id, task, t)
+
+  def _complete_minibatch(self, vw: _VW, p: int, t: float) -> None:
+    vw.completions.append(t)
+    vw.version_id += 1
+    if self.config.records:
+      vw.records[p].complete_time_s = t
+    hook = self.hooks["on_minibatch_complete"]
+    if hook is not None:
+      hook(vw.vw_id, p, t)
+    wave, pull = vw.sync.on_minibatch_complete(p)
+    if wave is not None:
+      hook = self.hooks["on_wave_end"]
+      if hook is not None:
+        hook(vw.vw_id, wave, t)
+      vw.num_pushes += 1
+      arrival = self._ps_transfer_arrival(t, vw.times.push_s)
+      vw.last_push_arrival = arrival
+      self._push_event(arrival, _PUSH_ARRIVAL, vw.vw_id, wave)
+      self._advance_clock(wave, t)
+    if pull is not None:
+      self._request_pull(vw, pull, t)
+
+  def _advance_clock(self, old: int, t: float) -> None:
+    counts = self._clock_counts
+    counts[old] -= 1
+    counts[old + 1] += 1
+    if old + 1 > self._max_clock:
+      self._max_clock = old + 1
+    while counts[self._min_clock] == 0:
+      self._min_clock += 1
+    d = self._max_clock - self._min_clock
+    if d > self._max_distance:
+      self._max_distance = d
+    self._clock_samples.append((t, d, self._min_clock, self._max_clock))
+
+  # ------------------------------------------------------------------ main loop
+  def run(self) -> EngineReport:
+    """Processes every event; returns the report.
+
+    Raises:
+      RuntimeError: the run stalled with minibatches left (a rule deadlock; the message names the VW's state).
+    """
+    wall0 = time.perf_counter()
+    for vw in self.vws:
+      self._try_inject(vw, 0.0)
+      self._start_ready(vw, 0.0)
+    heap, vws, records = self._heap, self.vws, self.config.records
+    task_events = self._task_events
+    heappop = heapq.heappop
+    num_events = 0
+    while heap:
+      t, _, code, v, arg = heappop(heap)
+      num_events += 1
+      vw = vws[v]
+      if code == _TASK_END:
+        s = arg
+        task = vw.running[s]
+        vw.running[s] = None
+        start = vw.started[s]
+        vw.busy_s[s] += t - start
+        vw.num_tasks[s] += 1
+        if records:
+          task_events.append((v, task, start, t))
+        rules = vw.rules
+        new = rules.complete(task)
+        vw.active += len(new) - 1
+        if schedule.completes_minibatch(task):
+          self._complete_minibatch(vw, task.minibatch_id, t)
+          self._try_inject(vw, t)
+        if vw.active == 0 and rules.num_completed < vw.total:
+          vw.idle_since = t
+        self._start_ready(vw, t)
+      elif code == _PUSH_ARRIVAL:
+        hook = self.hooks["on_push"]
+        if hook is not None:
+          hook(v, arg, t)
+        if self.ps.push(v, arg):
+          for w in self.ps.serve_pending_pulls():
+            self._send_pull_reply(w, t)
+      elif code == _PULL_REQUEST:
+        if self.ps.request_pull(v, arg):
+          self._send_pull_reply(v, t)
+      else:  # _PULL_REPLY
+        hook = self.hooks["on_pull_reply"]
+        if hook is not None:
+          hook(v, arg, t)
+        vw.sync.on_pull_reply(arg)
+        vw.version_id += 1
+        vw.num_pulls += 1
+        self._try_inject(vw, t)
+        self._start_ready(vw, t)
+    for vw in vws:
+      if vw.rules.num_completed < vw.total:
+        raise RuntimeError(f"[VW {vw.vw_id}] stalled after {vw.rules.num_completed}/{vw.total} minibatches: local "
+                           f"clock {vw.sync.local_clock}, weights global clock {vw.sync.weights_global_clock}, "
+                           f"PS global clock {self.ps.global_clock}, pending pulls {self.ps.pending_pulls}")
+    return self._report(num_events, time.perf_counter() - wall0)
+
+  def _report(self, num_events: int, wall_s: float) -> EngineReport:
+    nm = self.config.num_inflight
+    makespan = max(vw.completions[-1] for vw in self.vws)
+    per_vw, total_steady, window = engine_report.steady_rates([vw.completions for vw in self.vws], nm,
+                                                              warmup_waves=1)
+    total_plain = sum(vw.total for vw in self.vws) / makespan if makespan > 0 else float("inf")
+    if total_steady != total_steady:  # NaN: no common steady window
+      total_steady = total_plain
+    vws, gpus = [], []
+    for vw, rate in zip(self.vws, per_vw):
+      last = vw.completions[-1]
+      vws.append(VWReport(vw.vw_id, vw.total, rate, vw.total / last if last > 0 else float("inf"),
+                          vw.completions[nm - 1], last, vw.wait_s, vw.idle_s, vw.num_pushes, vw.num_pulls,
+                          list(vw.rules.peak_held)))
+      for s in range(vw.num_stages):
+        gpus.append(GPUReport(vw.vw_id, s, self.gpu_ids[vw.vw_id][s], vw.num_tasks[s], vw.busy_s[s],
+                              vw.busy_s[s] / makespan if makespan > 0 else 0.0))
+    records, events = [], []
+    if self.config.records:
+      records = [r for vw in self.vws for _, r in sorted(vw.records.items())]
+      events = [TaskEvent(v, str(task), task.stage_id, task.minibatch_id, task.minibatch_id // nm, start, end)
+                for v, task, start, end in self._task_events]
+    config = dict(dataclasses.asdict(self.config), num_vws=len(self.vws),
+                  num_stages=[vw.num_stages for vw in self.vws])
+    return EngineReport(
+        config=config, makespan_s=makespan, total_minibatches_per_s=total_steady,
+        total_minibatches_per_s_plain=total_plain, steady_window_s=window, vws=vws, gpus=gpus,
+        final_global_clock=self.ps.global_clock, max_clock_distance=self._max_distance,
+        clock_distance_samples=self._clock_samples, ps_applied=list(self.ps.applied) if self.config.records else [],
+        ps_waits=list(self._ps_waits), minibatch_records=records, task_events=events, num_events=num_events,
+        engine_wall_s=wall_s)
+
+
+def run(task_times: Sequence[VWTaskTimes], config: EngineConfig, hooks: Any = None,
+        gpu_ids: Sequence[Sequence[str]] | None = None,
+        sync_states: Sequence[wsp.VWSyncState] | None = None) -> EngineReport:
+  """Builds an :class:`Engine` and runs it (see the module docstring for semantics and hook order)."""
+  return Engine(task_times, config, hooks, gpu_ids, sync_states).run()

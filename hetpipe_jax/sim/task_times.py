@@ -1,0 +1,236 @@
+"""Per virtual worker and stage, how long each pipeline task and each PS transfer takes (HetPipe §4, §5, §7).
+
+Planning layer: standard library and numpy only. The event engine (:mod:`hetpipe_jax.sim.engine`) and emulated devices
+read these durations, in seconds.
+
+A task occupies its stage from its start until its output has reached its consumer (this is how the runtime,
+:mod:`hetpipe_jax.runtime.virtual_worker`, observes a task as done), so a task's duration is its compute plus the
+send of its output, serially, on the sender's side:
+
+* forward on stage s < S-1: ``forward_s[s] + send_activation_s[s]`` (activation to stage s+1);
+* backward on stage 0 < s < S-1: ``backward_s[s] + send_gradient_s[s-1]`` (gradient to stage s-1); on stage 0 the
+  backward sends nothing (it completes the minibatch);
+* forward+backward on the last stage: ``forward_backward_s + send_gradient_s[S-2]`` (nothing when S = 1).
+
+Summed over a stage's tasks of one minibatch this is the cost model's stage time (compute plus the transfers at
+both of the stage's cuts), so the engine and the planner agree on per-stage work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Sequence
+
+import numpy as np
+
+from hetpipe_jax.planning import cost_model
+from hetpipe_jax.planning import profile_format
+from hetpipe_jax.planning.cluster import ClusterSpec
+from hetpipe_jax.planning.plan_format import Plan
+from hetpipe_jax.planning.profile_format import ModelProfile
+from hetpipe_jax.rules.schedule import Task, TaskKind
+
+S_PER_MS = 1e-3
+
+
+def _check_durations(name: str, values: Sequence[float], length: int) -> None:
+  if len(values) != length:
+    raise ValueError(f"{name} has {len(values)} entries, expected {length}")
+  for i, v in enumerate(values):
+    if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+      raise ValueError(f"{name}[{i}] must be a finite non-negative number of seconds, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class VWTaskTimes:
+  """Durations (seconds) of one virtual worker's tasks and PS transfers.
+
+  Attributes:
+    forward_s: per non-last stage, forward compute of one minibatch. Length S-1.
+    backward_s: per non-last stage, backward compute. Length S-1.
+    forward_backward_s: last stage, forward+backward compute (one task, HetPipe §4).
+    send_activation_s: per cut b (stage b -> b+1), sending one minibatch's activation. Length S-1.
+    send_gradient_s: per cut b (stage b+1 -> b), sending the gradient back. Length S-1.
+    push_s: sending one wave's aggregated update to the parameter server (HetPipe §5).
+    pull_s: receiving the global weights from the parameter server.
+
+  Raises:
+    ValueError: a negative or non-finite duration, or per-stage lists of different lengths.
+  """
+
+  forward_s: tuple[float, ...]
+  backward_s: tuple[float, ...]
+  forward_backward_s: float
+  send_activation_s: tuple[float, ...]
+  send_gradient_s: tuple[float, ...]
+  push_s: float
+  pull_s: float
+
+  def __post_init__(self):
+    n = len(self.forward_s)
+    for name in ("forward_s", "backward_s", "send_activation_s", "send_gradient_s"):
+      object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
+      _check_durations(name, getattr(self, name), n)
+    for name in ("forward_backward_s", "push_s", "pull_s"):
+      _check_durations(name, [getattr(self, name)], 1)
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.forward_s) + 1
+
+  def task_duration_s(self, task: Task) -> float:
+    """Seconds ``task`` occupies its stage: compute plus sending its output to its consumer (module docstring).
+
+    Raises:
+      ValueError: the task's stage or kind does not exist in this pipeline.
+    """
+    s, last = task.stage_id, self.num_stages - 1
+    if task.kind is TaskKind.FORWARD_BACKWARD:
+      if s != last:
+        raise ValueError(f"task {task}: forward+backward runs only on the last stage {last}")
+      return self.forward_backward_s + (self.send_gradient_s[s - 1] if s > 0 else 0.0)
+    if not 0 <= s < last:
+      raise ValueError(f"task {task}: {task.kind.name.lower()} tasks run on stages 0..{last - 1}")
+    if task.kind is TaskKind.FORWARD:
+      return self.forward_s[s] + self.send_activation_s[s]
+    return self.backward_s[s] + (self.send_gradient_s[s - 1] if s > 0 else 0.0)
+
+  def stage_time_s(self, stage_id: int) -> float:
+    """Total seconds stage ``stage_id`` works per minibatch (all its tasks of one minibatch)."""
+    if stage_id == self.num_stages - 1:
+      return self.task_duration_s(Task(stage_id, TaskKind.FORWARD_BACKWARD, 0))
+    return (self.task_duration_s(Task(stage_id, TaskKind.FORWARD, 0))
+            + self.task_duration_s(Task(stage_id, TaskKind.BACKWARD, 0)))
+
+
+def uniform_task_times(stage_ms: Sequence[float], fwd_fraction: float = 1.0 / 3.0, send_ms: float = 0.0,
+                       push_ms: float = 0.0, pull_ms: float = 0.0) -> VWTaskTimes:
+  """Synthetic task times: stage s computes ``stage_ms[s]`` per minibatch, a fraction ``fwd_fraction`` forward.
+
+  Args:
+    stage_ms: per stage, forward+backward compute of one minibatch in ms (e.g. ``[100, 200, 400, 100]`` for
+      speed ratios up to 4x). Length S >= 1.
+    fwd_fraction: forward share of a non-last stage's compute, in [0, 1] (backward ~ 2x forward by default).
+    send_ms: every activation and every gradient send, ms.
+    push_ms: wave push to the PS, ms.
+    pull_ms: pull of the global weights, ms.
+
+  Raises:
+    ValueError: empty ``stage_ms``, negative times, or ``fwd_fraction`` outside [0, 1].
+  """
+  if not len(stage_ms):
+    raise ValueError("stage_ms is empty: a virtual worker has at least one stage")
+  _check_durations("stage_ms", list(stage_ms), len(stage_ms))
+  if not 0.0 <= fwd_fraction <= 1.0:
+    raise ValueError(f"fwd_fraction must be in [0, 1], got {fwd_fraction}")
+  for name, v in (("send_ms", send_ms), ("push_ms", push_ms), ("pull_ms", pull_ms)):
+    _check_durations(name, [v], 1)
+  n = len(stage_ms) - 1
+  return VWTaskTimes(
+      forward_s=tuple(fwd_fraction * t * S_PER_MS for t in stage_ms[:-1]),
+      backward_s=tuple((1.0 - fwd_fraction) * t * S_PER_MS for t in stage_ms[:-1]),
+      forward_backward_s=stage_ms[-1] * S_PER_MS, send_activation_s=(send_ms * S_PER_MS,) * n,
+      send_gradient_s=(send_ms * S_PER_MS,) * n, push_s=push_ms * S_PER_MS, pull_s=pull_ms * S_PER_MS)
+
+
+def _forward_only(profile: ModelProfile) -> ModelProfile:
+  """The profile with every backward cost zeroed, so ``cost_model.layer_times_ms`` gives forward times only."""
+  layers = tuple(dataclasses.replace(l, bwd_time_ms=0.0 if l.bwd_time_ms is not None else None, bwd_flops=0.0,
+                                     bwd_bytes_accessed=0.0) for l in profile.layers)
+  return dataclasses.replace(profile, layers=layers)
+
+
+def ps_transfer_bytes(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, vw_index: int) -> tuple[int, int]:
+  """``(bytes to shards on other nodes, bytes to shards on the same node)`` of one push (or pull) of a VW.
+
+  Each layer's parameters go to the shard the plan's ``ps_placement["layer_to_node"]`` names (HetPipe §8.1); a
+  layer crosses nodes when its shard is not on the node of the GPU that runs it.
+  """
+  vw = plan.virtual_workers[vw_index]
+  layer_to_node = plan.ps_placement["layer_to_node"]
+  remote = local = 0
+  for gpu_id, (i, j) in zip(vw.gpus, vw.partition):
+    node = cluster.gpu(gpu_id).node
+    for layer in range(i, j):
+      b = profile.layers[layer].param_bytes
+      if layer_to_node[layer] is None or b == 0:
+        continue
+      if layer_to_node[layer] == node:
+        local += b
+      else:
+        remote += b
+  return remote, local
+
+
+def task_times_from_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec,
+                         config: cost_model.CostModelConfig | None = None) -> list[VWTaskTimes]:
+  """Every VW's task times for ``plan`` from the cost model (HetPipe §7).
+
+  Stage compute is ``cost_model``'s (measured or roofline) fwd+bwd time of its layers, split into forward and
+  backward by the same model applied to the forward costs alone; sends use the cost model's per-cut transfer
+  times over the link between the two stages' nodes. A push (and a pull) moves every parameter once, one message:
+  ``inter_link(remote bytes) + intra_link(local bytes)`` (:func:`ps_transfer_bytes`).
+
+  Args:
+    plan: the plan (its VWs' GPUs and layer ranges).
+    profile: the profile it was made with.
+    cluster: the cluster it was made for.
+    config: cost-model knobs; default: the plan's own ``cost_model`` entry.
+
+  Raises:
+    ValueError: the profile or cluster does not match the plan.
+  """
+  if profile.model != plan.model or profile.batch_size != plan.batch_size:
+    raise ValueError(f"profile is for {profile.model!r} at batch {profile.batch_size}, the plan for "
+                     f"{plan.model!r} at batch {plan.batch_size}")
+  if profile.num_layers != plan.num_layers:
+    raise ValueError(f"profile has {profile.num_layers} layers, the plan {plan.num_layers}")
+  if cluster.name != plan.cluster:
+    raise ValueError(f"cluster {cluster.name!r} is not the plan's cluster {plan.cluster!r}")
+  if config is None:
+    config = cost_model.CostModelConfig(**plan.cost_model)
+  costs = cost_model.build_stage_costs(profile, cluster, config)
+  fwd_prefix = {name: np.concatenate([[0.0], np.cumsum(cost_model.layer_times_ms(_forward_only(profile), t, config))])
+                for name, t in cluster.gpu_types.items()}
+  out = []
+  for index, vw in enumerate(plan.virtual_workers):
+    gpus = [cluster.gpu(g) for g in vw.gpus]
+    fwd, bwd, send = [], [], []
+    for s, (gpu, (i, j)) in enumerate(zip(gpus, vw.partition)):
+      total_ms = costs.compute_ms(gpu.gpu_type, i, j)
+      fwd_ms = min(float(fwd_prefix[gpu.gpu_type][j] - fwd_prefix[gpu.gpu_type][i]), total_ms)
+      if s == len(gpus) - 1:
+        fb_ms = total_ms
+      else:
+        fwd.append(fwd_ms * S_PER_MS)
+        bwd.append((total_ms - fwd_ms) * S_PER_MS)
+        link = cost_model.INTRA if gpu.node == gpus[s + 1].node else cost_model.INTER
+        send.append(float(costs.recv_ms[link][j]) * S_PER_MS)
+    remote, local = ps_transfer_bytes(plan, profile, cluster, index)
+    ps_s = cluster.inter_node_link.transfer_time_s(remote) + cluster.intra_node_link.transfer_time_s(local)
+    out.append(VWTaskTimes(forward_s=tuple(fwd), backward_s=tuple(bwd), forward_backward_s=fb_ms * S_PER_MS,
+                           send_activation_s=tuple(send), send_gradient_s=tuple(send), push_s=ps_s, pull_s=ps_s))
+  return out
+
+
+def profile_for_plan(plan: Plan, path: str | None = None) -> ModelProfile:
+  """The profile ``plan`` was made with: ``path`` when given, else the saved default profile for the plan's model,
+  batch size, device kind and measured flag (``profile_format.default_profile_path``).
+
+  Raises:
+    ValueError: the file is missing (the message names it) or is for another model or batch size.
+  """
+  if path is None:
+    path = profile_format.default_profile_path(plan.model, plan.batch_size, plan.profile["device_kind"],
+                                               bool(plan.profile["measured"]))
+    if not os.path.isfile(path):
+      raise ValueError(f"no saved profile for plan model {plan.model!r} at batch {plan.batch_size} "
+                       f"({plan.profile['device_kind']}, measured={plan.profile['measured']}): expected {path}; pass "
+                       "the profile the plan was made with")
+  profile = profile_format.load_profile(path)
+  if profile.model != plan.model or profile.batch_size != plan.batch_size:
+    raise ValueError(f"profile {path} is for {profile.model!r} at batch {profile.batch_size}, the plan for "
+                     f"{plan.model!r} at batch {plan.batch_size}")
+  return profile
