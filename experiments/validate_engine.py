@@ -40,16 +40,16 @@ import tempfile
 import time
 from typing import Sequence
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-  sys.path.insert(0, str(REPO))
+if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a file: find the package
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from absl import app, flags, logging  # noqa: E402
 
-from hetpipe_jax.sim import engine
-from hetpipe_jax.sim import engine_report
-from hetpipe_jax.sim import task_times  # noqa: E402
 from hetpipe_jax.jobs.job_config import parse_stage_ms  # noqa: E402
+from hetpipe_jax.paths import REPO_ROOT  # noqa: E402
+from hetpipe_jax.sim import engine  # noqa: E402
+from hetpipe_jax.sim import engine_report  # noqa: E402
+from hetpipe_jax.sim import task_times  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer minibatches per VW and 10 of the 12 cases (about 3 minutes).")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Seconds-long end-to-end check (CI): only the SMOKE case, a few waves, no "
@@ -64,8 +64,8 @@ _TOLERANCE = flags.DEFINE_float("tolerance_pct", 10.0, "A row passes when |error
 _TIMEOUT_S = flags.DEFINE_integer("timeout_s", 180, "Wall-clock limit of one MPI run.")
 _RUNS_DIR = flags.DEFINE_string("runs_dir", "", "Where the runs' outputs go (default: a new /tmp/validate_* dir).")
 
-_PYTHON = REPO / ".venv" / "bin" / "python"
-_MPIEXEC = REPO / ".venv" / "bin" / "mpiexec"
+_PYTHON = REPO_ROOT / ".venv" / "bin" / "python"
+_MPIEXEC = REPO_ROOT / ".venv" / "bin" / "mpiexec"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,9 +215,9 @@ def run_job(case: Case, minibatches: int, data_dir: pathlib.Path, workdir: pathl
          f"--config.staleness_bound={case.staleness_bound}", f"--config.emulate_stage_ms={case.stage_ms}",
          f"--config.num_minibatches={minibatches}", "--config.progress=False", "--config.check_counts=False",
          f"--config.data_dir={data_dir}", *extra_flags]
-  env = dict(os.environ, PYTHONPATH=str(REPO))
+  env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
   t0 = time.perf_counter()
-  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+  proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
   wall = time.perf_counter() - t0
   if proc.returncode != 0:
     raise RuntimeError(f"case {case.name}: job exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")

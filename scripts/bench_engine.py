@@ -24,9 +24,9 @@ from bench_util import timed  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 from hetpipe_jax.planning import cluster as cluster_lib  # pylint: disable=wrong-import-position
-from hetpipe_jax.planning import planner
-from hetpipe_jax.planning import profile_format
-from hetpipe_jax.sim import engine
+from hetpipe_jax.planning import planner  # pylint: disable=wrong-import-position
+from hetpipe_jax.planning import profile_format  # pylint: disable=wrong-import-position
+from hetpipe_jax.sim import engine  # pylint: disable=wrong-import-position
 from hetpipe_jax.sim import task_times  # pylint: disable=wrong-import-position
 
 

@@ -21,10 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # pylint: disable=wrong-import-position
 from bench_util import timed  # pylint: disable=wrong-import-position
 
-from hetpipe_jax.planning import cluster as cluster_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from hetpipe_jax.planning import cost_model
-from hetpipe_jax.planning import partitioner
-from hetpipe_jax.planning import planner
+from hetpipe_jax.planning import cluster as cluster_lib  # pylint: disable=wrong-import-position
+from hetpipe_jax.planning import cost_model  # pylint: disable=wrong-import-position
+from hetpipe_jax.planning import partitioner  # pylint: disable=wrong-import-position
+from hetpipe_jax.planning import planner  # pylint: disable=wrong-import-position
 from hetpipe_jax.planning import profile_format  # pylint: disable=wrong-import-position
 
 

@@ -9,7 +9,6 @@ import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config):

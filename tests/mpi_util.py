@@ -8,7 +8,8 @@ import pathlib
 import subprocess
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from hetpipe_jax.paths import REPO_ROOT
+
 BIN = pathlib.Path(sys.executable).parent
 
 
@@ -25,8 +26,8 @@ def run_job(workdir, num_ranks: int, overrides: dict, config: str = "experiments
   overrides = {"check_counts": False, "progress": False, **overrides}
   args += [f"--config.{k}={v}" for k, v in overrides.items()] + list(extra_args)
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-  env["PYTHONPATH"] = str(REPO)
-  return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+  env["PYTHONPATH"] = str(REPO_ROOT)
+  return subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def read_jsonl(path) -> list[dict]:

@@ -2,21 +2,20 @@
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import time
 
 import pytest
 
+from hetpipe_jax.paths import REPO_ROOT
 from hetpipe_jax.planning import plan_format
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run_plan(*args, timeout=120):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-  return subprocess.run([sys.executable, "-m", "hetpipe_jax.plan", *args], cwd=ROOT, env=env, capture_output=True,
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
+  return subprocess.run([sys.executable, "-m", "hetpipe_jax.plan", *args], cwd=REPO_ROOT, env=env, capture_output=True,
                         text=True, timeout=timeout)
 
 
@@ -42,7 +41,7 @@ def test_paper_plans(tmp_path, model, policy):
 
 
 def write_cluster(tmp_path, mutate):
-  d = json.loads((ROOT / "experiments/clusters/hetpipe_paper.json").read_text())
+  d = json.loads((REPO_ROOT / "experiments/clusters/hetpipe_paper.json").read_text())
   mutate(d)
   p = tmp_path / "c.json"
   p.write_text(json.dumps(d))
@@ -91,7 +90,7 @@ def test_plan_for_another_model_is_rejected(tmp_path):
 
 
 def test_shipped_local_cpu_plan_is_valid():
-  plan = plan_format.load_plan(str(ROOT / "experiments/plans/local_cpu_cnn_b64.json"), expected_model="cnn")
+  plan = plan_format.load_plan(str(REPO_ROOT / "experiments/plans/local_cpu_cnn_b64.json"), expected_model="cnn")
   assert plan.cluster == "local_cpu" and plan.profile["measured"]
   assert [vw.devices for vw in plan.virtual_workers] == [(0, 1), (2, 3)]
 

@@ -5,20 +5,20 @@ from __future__ import annotations
 import json
 import math
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from hetpipe_jax.paths import REPO_ROOT
+
 
 
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
   """Runs ``python args`` from the repo root as the scripts' users do (no test XLA_FLAGS); fails on a non-zero exit."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = str(REPO)
-  proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+  env["PYTHONPATH"] = str(REPO_ROOT)
+  proc = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout,
                         check=False)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
   return proc

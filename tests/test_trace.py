@@ -2,17 +2,16 @@
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from hetpipe_jax.paths import REPO_ROOT
 from hetpipe_jax.sim import engine
 from hetpipe_jax.sim import task_times
 from hetpipe_jax.sim import trace
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def small_report(records=True):
@@ -70,11 +69,11 @@ def test_gantt_writes_a_png(tmp_path):
 
 
 def test_simulate_cli_writes_report_trace_and_gantt(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
   out = subprocess.run(
       [sys.executable, "-m", "hetpipe_jax.simulate", "--plan=experiments/plans/local_cpu_cnn_b64.json",
        "--num_waves=20", "--staleness_bound=1", f"--output={tmp_path}/r.json", f"--trace={tmp_path}/t.json",
-       f"--gantt={tmp_path}/g.png"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+       f"--gantt={tmp_path}/g.png"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr
   assert "mb/s steady" in out.stdout and "util" in out.stdout
   report = json.loads((tmp_path / "r.json").read_text())

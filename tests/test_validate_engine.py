@@ -79,7 +79,7 @@ def test_run_job_launches_the_plain_entry_point(monkeypatch, tmp_path):
   (cmd, kwargs), = calls
   assert cmd[cmd.index("mpi4py") - 1:cmd.index("mpi4py") + 3] == ["-m", "mpi4py", "-m", "hetpipe_jax.train"]
   assert "-n" in cmd and cmd[cmd.index("-n") + 1] == "3"
-  assert kwargs["env"]["PYTHONPATH"] == str(ve.REPO)
+  assert kwargs["env"]["PYTHONPATH"] == str(ve.REPO_ROOT)
 
 
 def test_cases_cover_the_asked_ranges_with_tasks_of_at_least_20_ms():

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Any, Sequence
 
+from hetpipe_jax.paths import write_json
 from hetpipe_jax.planning.allocator import SystemPlan
 from hetpipe_jax.planning.cluster import ClusterSpec
 from hetpipe_jax.planning.cost_model import CostModelConfig
@@ -101,10 +101,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
 
 def write_plan(plan: Plan, path: str) -> None:
   """Writes ``plan`` as indented JSON (creating parent folders)."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(plan_to_dict(plan), f, indent=1)
-    f.write("\n")
+  write_json(plan_to_dict(plan), path)
 
 
 def validate_plan(plan: Plan) -> None:

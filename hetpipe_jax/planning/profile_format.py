@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any
 
-from hetpipe_jax.paths import REPO_ROOT
+from hetpipe_jax.paths import REPO_ROOT, write_json
 
 PROFILE_FORMAT_VERSION = 1
 PROFILE_DIR = str(REPO_ROOT / "experiments" / "profiles")
@@ -111,10 +111,7 @@ def default_profile_path(model: str, batch_size: int, device_kind: str, measured
 
 
 def save_profile(profile: ModelProfile, path: str) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(profile_to_dict(profile), f, indent=1)
-    f.write("\n")
+  write_json(profile_to_dict(profile), path)
 
 
 def load_profile(path: str) -> ModelProfile:
