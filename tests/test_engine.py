@@ -1,10 +1,12 @@
 """Event engine and task times: closed forms, WSP bounds, hooks order, peak in-flight (HetPipe §4, §5, §8)."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 
+from hetpipe_jax.jobs import outputs
 from hetpipe_jax.planning import cluster as cluster_lib
 from hetpipe_jax.planning import cost_model
 from hetpipe_jax.planning import planner
@@ -90,12 +92,12 @@ def test_single_vw_equal_stages_steady_state_closed_form(num_stages, num_infligh
   assert r.vws[0].wait_s == 0.0
 
 
-@pytest.mark.parametrize("n,pull_every_wave", [(1, True), (1, False), (3, False)])
+@pytest.mark.parametrize("n,pull_every_wave", [(1, True), (1, False), (3, False), (3, True)])
 def test_nm1_round_trip_includes_push_and_pull(n, pull_every_wave):
   # Nm = 1, D = 0: minibatch k+1 starts only when wave k's push has reached the PS and the pull came back:
   # period = S*t + push + pull; the VW waits (and idles) push + pull per wave, except after the last.
-  # (With n > 1 and pull_every_wave, the wave-end pull of all but the last VW is served before the last push
-  # arrives, returns the old clock and costs one more pull: see test_lockstep_wave_end_pull_costs_a_second_pull.)
+  # With n > 1 and pull_every_wave the wave-end pull asks for the clock the next wave needs, so it waits for the last
+  # push and is the only pull (test_wave_end_pull_waits_for_what_the_bound_needs).
   s_count, t_ms, push_ms, pull_ms, waves = 3, 10.0, 4.0, 6.0, 12
   tt = task_times.uniform_task_times([t_ms] * s_count, push_ms=push_ms, pull_ms=pull_ms)
   r = run([tt] * n, num_waves=waves, num_inflight=1, staleness_bound=0, pull_every_wave=pull_every_wave)
@@ -105,6 +107,39 @@ def test_nm1_round_trip_includes_push_and_pull(n, pull_every_wave):
     assert v.wait_s == pytest.approx((waves - 1) * (push_ms + pull_ms) * 1e-3, rel=REL)
     assert v.idle_s == pytest.approx(v.wait_s, rel=REL)
   assert r.total_minibatches_per_s == pytest.approx(n / period, rel=1e-6)
+
+
+@pytest.mark.parametrize("n,s_count,pull_every_wave", [(2, 1, False), (3, 2, True), (4, 3, False), (3, 1, True)])
+def test_shared_ps_link_serialises_every_push_and_pull_closed_form(n, s_count, pull_every_wave):
+  # n identical VWs, Nm = 1, D = 0, round trip R = S*t, push P, pull Q with R <= (n-1) min(P, Q).
+  # Shared link: the n pushes of a wave go one after another (VW i's arrives at S_k + (i+1) P, S_k when the wave's
+  # first push starts); the last one completes clock k+1 and the PS sends the n pull replies, one after another
+  # (VW i's arrives at S_k + nP + (i+1) Q); VW i then computes minibatch k+1 (R) and pushes again, but the link
+  # still carries the later replies and the earlier pushes (R <= (n-1) min(P, Q)), so S_{k+1} = S_k + n (P + Q):
+  # the link is never idle and VW i completes minibatch k >= 1 at 2R + (k-1) n (P+Q) + nP + (i+1) Q; S_0 = R.
+  # Without sharing every VW completes minibatch k at R + k (R + P + Q) (test_nm1_round_trip_includes_push_and_pull).
+  t_ms, push_ms, pull_ms, waves = 1.0, 5.0, 7.0, 12
+  rt_ms = s_count * t_ms
+  assert rt_ms <= (n - 1) * min(push_ms, pull_ms)
+  tt = task_times.uniform_task_times([t_ms] * s_count, push_ms=push_ms, pull_ms=pull_ms)
+  for contention in (True, False):
+    r = run([tt] * n, num_waves=waves, num_inflight=1, staleness_bound=0, pull_every_wave=pull_every_wave,
+            ps_link_contention=contention)
+    assert len(r.minibatch_records) == n * waves
+    for rec in r.minibatch_records:
+      i, k = rec.vw_id, rec.minibatch_id
+      if not contention:
+        expected_ms = rt_ms + k * (rt_ms + push_ms + pull_ms)
+      elif k == 0:
+        expected_ms = rt_ms
+      else:
+        expected_ms = 2 * rt_ms + (k - 1) * n * (push_ms + pull_ms) + n * push_ms + (i + 1) * pull_ms
+      assert rec.complete_time_s == pytest.approx(expected_ms * 1e-3, rel=REL), (contention, i, k)
+    period_s = (n * (push_ms + pull_ms) if contention else rt_ms + push_ms + pull_ms) * 1e-3
+    for v in range(n):
+      assert mid_run_rate(r, v, 4) == pytest.approx(1 / period_s, rel=REL)
+    if contention:  # the link carries one VW's push + pull at a time: 1/(P + Q) minibatches/s in all
+      assert sum(mid_run_rate(r, v, 4) for v in range(n)) == pytest.approx(1e3 / (push_ms + pull_ms), rel=REL)
 
 
 def test_wave_end_pull_waits_for_what_the_bound_needs():
@@ -211,11 +246,64 @@ def test_task_events_follow_the_schedule_rules():
       assert e.start_s >= end[(e.stage_id + 1, nxt, e.minibatch_id)]
 
 
-def test_record_fields_match_the_runtime_records():
-  pipeline = pytest.importorskip("hetpipe_jax.runtime.virtual_worker")
-  ours = [f.name for f in dataclasses.fields(engine.MinibatchRecord)]
-  theirs = [f.name for f in dataclasses.fields(pipeline.MinibatchRecord)]
-  assert ours == theirs
+# The row of minibatches.jsonl, written by hand (rules/records.MinibatchRecord; the runtime and virtual time write
+# ``record.__dict__`` through jobs/outputs.RunOutputs.write_minibatches). None: NaN in strict JSON.
+MINIBATCH_ROW_TYPES = (("vw_id", int), ("minibatch_id", int), ("wave_id", int), ("local_clock_at_injection", int),
+                       ("version_id", int), ("version_local_updates", int), ("version_global_clock", int),
+                       ("inject_time_s", float), ("complete_time_s", float), ("loss", type(None)))
+
+
+class OrderHooks:
+  """Records completions, injections and pull replies in event order (what each record's fields count)."""
+
+  def __init__(self):
+    self.calls = []
+
+  def on_minibatch_complete(self, vw_id, minibatch_id, t):
+    self.calls.append(("complete", vw_id, minibatch_id, t))
+
+  def on_inject(self, vw_id, minibatch_id, t):
+    self.calls.append(("inject", vw_id, minibatch_id, t))
+
+  def on_pull_reply(self, vw_id, global_clock, t):
+    self.calls.append(("pull", vw_id, global_clock, t))
+
+
+def test_engine_records_fill_every_field_of_the_runtime_row_by_its_definition(tmp_path):
+  nm, waves, d = 3, 6, 1
+  times = [task_times.uniform_task_times([2.0, 3.1, 1.7], send_ms=0.13, push_ms=2.3, pull_ms=1.9),
+           task_times.uniform_task_times([4.1, 1.3], send_ms=0.07, push_ms=0.9, pull_ms=3.7)]
+  hooks = OrderHooks()
+  r = engine.run(times, engine.EngineConfig(waves, nm, d, pull_every_wave=True), hooks=hooks)
+  outputs.RunOutputs(tmp_path / "run").write_minibatches(rec.__dict__ for rec in r.minibatch_records)
+  rows = [json.loads(line) for line in (tmp_path / "run" / "minibatches.jsonl").read_text().splitlines()]
+  assert [(v, p) for v in range(2) for p in range(waves * nm)] == [(x["vw_id"], x["minibatch_id"]) for x in rows]
+  for row in rows:
+    assert list(row) == [name for name, _ in MINIBATCH_ROW_TYPES], row
+    for name, kind in MINIBATCH_ROW_TYPES:
+      assert type(row[name]) is kind, (name, row)  # pylint: disable=unidiomatic-typecheck  # bool is no int
+  # Values by their definitions, counted from the event order the hooks saw.
+  calls = hooks.calls
+  inject_at = {c[1:3]: i for i, c in enumerate(calls) if c[0] == "inject"}
+  complete_time = {c[1:3]: c[3] for c in calls if c[0] == "complete"}
+  stage0_end = {(e.vw_id, e.minibatch_id): e.end_s for e in r.task_events if e.stage_id == 0 and "B" in e.task}
+  pulled_before = 0
+  for row in rows:
+    v, p = row["vw_id"], row["minibatch_id"]
+    before = [c for c in calls[:inject_at[(v, p)]] if c[1] == v]
+    completed = sum(c[0] == "complete" for c in before)
+    pulls = [c[2] for c in before if c[0] == "pull"]
+    pulled_before += bool(pulls)
+    assert row["wave_id"] == p // nm
+    assert row["version_local_updates"] == completed  # own minibatches 0..n-1 (they complete in order)
+    assert p - (nm - 1) <= completed <= p
+    assert row["local_clock_at_injection"] == completed // nm  # completed waves
+    assert row["version_id"] == completed + len(pulls)  # +1 per completion and per installed pull
+    assert row["version_global_clock"] == (pulls[-1] if pulls else 0)
+    assert row["inject_time_s"] == calls[inject_at[(v, p)]][3]
+    assert row["complete_time_s"] == complete_time[(v, p)] == stage0_end[(v, p)] > row["inject_time_s"]
+    assert row["loss"] is None  # NaN: the engine computes no loss
+  assert pulled_before >= waves  # the pull-dependent fields were exercised
 
 
 # ----------------------------------------------------------------------------------------- hooks

@@ -83,3 +83,25 @@ def test_simulate_cli_writes_report_trace_and_gantt(tmp_path):
   assert (tmp_path / "g.png").stat().st_size > 0
 
 
+def test_simulate_cli_ps_link_contention_slows_a_plan_whose_ps_traffic_matters(tmp_path):
+  # The paper cluster's ED plan with D = 0: every wave waits for all 4 VWs' pushes and its pull reply, so sharing
+  # one PS link (4 pushes + 4 replies of ~0.29 ms each per wave, against ~1 ms stages) must slow it down.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
+  reports = {}
+  for flag in ("--ps_link_contention", "--nops_link_contention"):
+    out = subprocess.run(
+        [sys.executable, "-m", "hetpipe_jax.simulate", "--plan=experiments/plans/hetpipe_paper_cnn_b64_ed.json",
+         "--num_waves=20", "--staleness_bound=0", flag, f"--output={tmp_path}/{flag[2:]}.json"], cwd=REPO_ROOT,
+        env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "mb/s steady" in out.stdout
+    report = json.loads((tmp_path / f"{flag[2:]}.json").read_text())
+    assert report["config"]["ps_link_contention"] is (flag == "--ps_link_contention")
+    assert report["config"]["staleness_bound"] == 0 and report["final_global_clock"] == 20
+    assert len(report["vws"]) == 4 and all(v["num_pushes"] == 20 and v["num_minibatches"] == 60
+                                           for v in report["vws"])
+    reports[flag == "--ps_link_contention"] = report
+  shared, own = reports[True], reports[False]
+  assert shared["makespan_s"] > own["makespan_s"]
+  assert 0 < shared["total_minibatches_per_s"] < own["total_minibatches_per_s"]
+  assert sum(v["wait_s"] for v in shared["vws"]) > sum(v["wait_s"] for v in own["vws"])
