@@ -1,10 +1,11 @@
-"""Launching the real entry point under mpiexec from tests, with a timeout."""
+"""Launching the real entry point under mpiexec from tests, with a timeout; reading and checking its outputs."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -32,3 +33,78 @@ def run_job(workdir, num_ranks: int, overrides: dict, config: str = "experiments
 
 def read_jsonl(path) -> list[dict]:
   return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+
+
+def max_clock_distance(records: list[dict], num_inflight: int, start_s: dict | None = None) -> int:
+  """The largest ``max - min`` over VWs of completed waves at any moment, derived from the minibatch records.
+
+  A VW's local clock is the number of its waves whose last minibatch completed, so it changes at the
+  ``complete_time_s`` of the records with ``(minibatch_id + 1) % Nm == 0``; completions at the same instant count
+  together.
+
+  Args:
+    records: rows of ``minibatches.jsonl``.
+    num_inflight: Nm.
+    start_s: VW id -> its run's start on a clock common to all VWs (MPI: ``summary.json`` ``per_vw`` ``start_unix_s``;
+      record times are relative to it); None: one clock already (virtual time).
+  """
+  clocks = dict.fromkeys({r["vw_id"] for r in records}, 0)
+  ends = sorted(((start_s or {}).get(r["vw_id"], 0.0) + r["complete_time_s"], r["vw_id"]) for r in records
+                if (r["minibatch_id"] + 1) % num_inflight == 0)
+  best = i = 0
+  while i < len(ends):
+    t = ends[i][0]
+    while i < len(ends) and ends[i][0] == t:
+      clocks[ends[i][1]] += 1
+      i += 1
+    best = max(best, max(clocks.values()) - min(clocks.values()))
+  return best
+
+
+def vw_start_times(summary: dict) -> dict[int, float]:
+  """VW id -> its run's start (machine clock, seconds) from an MPI run's ``summary.json``."""
+  return {int(v): s["start_unix_s"] for v, s in summary["per_vw"].items()}
+
+
+TASK = re.compile(r"^(\d+)(FB|F|B)(\d+)$")
+KIND_SHARE = {"F": 1 / 3, "B": 2 / 3, "FB": 1.0}  # an emulated stage time: a third forward, two thirds backward
+
+
+def check_task_trace(workdir, num_vws: int, num_stages: int, num_minibatches: int) -> list[dict]:
+  """Checks ``tasks.jsonl``: every task of every VW once, in the schedule's order, with consistent times.
+
+  Returns:
+    Per VW, ``(stage_id, kind, minibatch_id) -> (start_s, end_s)`` with kind ``"F"``, ``"B"`` or ``"FB"``.
+  """
+  tasks = read_jsonl(pathlib.Path(workdir) / "tasks.jsonl")
+  last = num_stages - 1
+  expected = sorted([(s, "F", p) for s in range(last) for p in range(num_minibatches)]
+                    + [(last, "FB", p) for p in range(num_minibatches)]
+                    + [(s, "B", p) for s in range(last) for p in range(num_minibatches)])
+  out = []
+  for v in range(num_vws):
+    times = {}
+    for t in tasks:
+      if t["vw_id"] == v:
+        stage, kind, p = TASK.match(t["task"]).groups()
+        key = (int(stage), kind, int(p))
+        assert key not in times, f"VW {v} ran {t['task']} twice"
+        assert 0 <= t["start_s"] <= t["end_s"], t
+        times[key] = (t["start_s"], t["end_s"])
+    assert sorted(times) == expected, f"VW {v}: tasks.jsonl lacks or adds tasks"
+    for s in range(num_stages):  # one in-order device per stage: tasks never overlap
+      spans = sorted(span for key, span in times.items() if key[0] == s)
+      assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"VW {v} stage {s}: overlapping tasks"
+      for kind in ("F", "B", "FB"):  # forwards in minibatch order, backwards in minibatch order
+        starts = [times[(s, kind, p)][0] for p in range(num_minibatches) if (s, kind, p) in times]
+        assert starts == sorted(starts), f"VW {v} stage {s}: {kind} tasks out of minibatch order"
+    for p in range(num_minibatches):  # a task starts after the task whose output it consumes ended
+      chain = [(s, "F", p) for s in range(last)] + [(last, "FB", p)] + [(s, "B", p) for s in reversed(range(last))]
+      assert all(times[a][1] <= times[b][0] for a, b in zip(chain, chain[1:])), f"VW {v} minibatch {p}"
+    out.append(times)
+  return out
+
+
+def excess_over_stage_ms(times: dict, stage_ms) -> list[float]:
+  """Each task's ``end - start`` minus its emulated duration (seconds) for ``emulate_stage_ms`` per-stage times."""
+  return [end - start - stage_ms[s] * KIND_SHARE[kind] / 1000 for (s, kind, _), (start, end) in times.items()]

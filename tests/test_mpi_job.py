@@ -11,13 +11,21 @@ from hetpipe_jax import models
 from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs import checkpoint
 from hetpipe_jax.rules import wsp
-from tests.mpi_util import read_jsonl, run_job
+from hetpipe_jax.runtime.stage_executor import OVERRUN_TOLERANCE_S
+from tests.mpi_util import (check_task_trace, excess_over_stage_ms, max_clock_distance, read_jsonl, run_job,
+                             vw_start_times)
 from tests.pipeline_util import assert_params_close, loss_and_grad
 
 pytestmark = pytest.mark.mpi
 
 
-def _check_wsp(workdir, num_vws, num_minibatches, num_inflight, bound):
+def _check_wsp(workdir, num_vws, num_minibatches, num_inflight, bound, reach=True):
+  """Checks the WSP guarantees of a finished run; ``reach``: the bound D was also reached, not only respected.
+
+  Reached means some minibatch ran at global staleness exactly D (``local_clock_at_injection -
+  version_global_clock``) and the fastest VW was D + 1 waves ahead of the slowest at some moment (from the
+  records' wave-end completion times). Runs whose VWs keep the same pace pass ``reach=False``.
+  """
   summary = json.loads((workdir / "summary.json").read_text())
   records = read_jsonl(workdir / "minibatches.jsonl")
   assert len(records) == num_vws * num_minibatches
@@ -34,6 +42,12 @@ def _check_wsp(workdir, num_vws, num_minibatches, num_inflight, bound):
     assert r["version_local_updates"] >= r["minibatch_id"] - num_inflight + 1, r
     assert r["local_clock_at_injection"] >= (r["minibatch_id"] + 1) // num_inflight - 1
     assert r["wave_id"] == wsp.wave_of(r["minibatch_id"], num_inflight)
+  staleness = [r["local_clock_at_injection"] - r["version_global_clock"] for r in records]
+  distance = max_clock_distance(records, num_inflight, vw_start_times(summary))
+  assert max(staleness) <= bound and distance <= bound + 1
+  if reach:
+    assert max(staleness) == bound, f"no minibatch ran at global staleness D={bound}: {sorted(set(staleness))}"
+    assert distance == bound + 1, f"the clock distance reached {distance}, never D + 1 = {bound + 1}"
   return summary, records
 
 
@@ -44,7 +58,7 @@ def test_three_rank_run_writes_every_output(tmp_path, synthetic_data_dir):
   assert proc.returncode == 0, proc.stderr[-3000:]
   for name in ["config.json", "metrics.jsonl", "minibatches.jsonl", "summary.json", "checkpoint"]:
     assert (workdir / name).exists(), name
-  summary, _ = _check_wsp(workdir, 2, 24, 2, 1)
+  summary, _ = _check_wsp(workdir, 2, 24, 2, 1, reach=False)  # two VWs at the same pace
   for key in ["test_accuracy", "num_minibatches", "wall_time_s", "minibatches_per_s", "num_virtual_workers",
               "num_stages", "num_inflight", "staleness_bound", "wait_s", "idle_s"]:
     assert key in summary, key
@@ -62,13 +76,26 @@ def test_three_rank_run_writes_every_output(tmp_path, synthetic_data_dir):
 
 
 @pytest.mark.parametrize("bound,pull_every_wave", [(1, False), (2, True)])
-def test_wsp_bound_holds_with_three_vws(tmp_path, synthetic_data_dir, bound, pull_every_wave):
+def test_wsp_bound_holds_and_is_reached_with_three_vws(tmp_path, synthetic_data_dir, bound, pull_every_wave):
+  """VW 2 is 10x slower, so the fast VWs run D waves ahead and wait: staleness D and clock distance D + 1 occur.
+
+  The same run backs the task trace (every task once, in order, padded to its emulated duration) and the overrun
+  count (an overrun is a task whose real work outlasted its duration by more than the tolerance, so it ended more
+  than the tolerance late: with these long durations only the first tasks, which compile, and scheduling jitter).
+  """
+  stage_ms = [[4, 4], [4, 4], [40, 40]]
   workdir = tmp_path / "run"
   proc = run_job(workdir, 4, {"data_dir": synthetic_data_dir, "num_virtual_workers": 3, "num_minibatches": 30,
                               "num_inflight": 3, "staleness_bound": bound, "pull_every_wave": pull_every_wave,
-                              "batch_size": 16})
+                              "batch_size": 16, "emulate_stage_ms": "4,4;4,4;40,40", "save_task_trace": True})
   assert proc.returncode == 0, proc.stderr[-3000:]
-  _check_wsp(workdir, 3, 30, 3, bound)
+  summary, _ = _check_wsp(workdir, 3, 30, 3, bound)
+  for v, times in enumerate(check_task_trace(workdir, 3, 2, 30)):
+    excess = excess_over_stage_ms(times, stage_ms[v])
+    assert min(excess) >= -1e-9  # every task lasted at least its emulated duration
+    stats = summary["per_vw"][str(v)]
+    assert stats["num_tasks"] == len(excess) == 90
+    assert stats["num_overruns"] <= sum(e > OVERRUN_TOLERANCE_S for e in excess), (stats, sorted(excess))
 
 
 def test_oracle3_bsp_equals_synchronous_data_parallelism(tmp_path, synthetic_data_dir):
@@ -111,13 +138,28 @@ BAD_INPUTS = [
      DEFAULT),
     ({"num_inflight": 65}, 3, "config.num_inflight=65 exceeds the plan's Max_m=64", DEFAULT),
     ({"num_virtual_workers": 3}, 4, "config.num_virtual_workers=3 but the plan", DEFAULT),
+    # A plan made for another model, or for another batch size, through the job path.
+    ({"model": "mlp_tiny"}, 3, "was made for model 'cnn', not for model 'mlp_tiny'", DEFAULT),
+    ({"batch_size": 32}, 3, "the plan was made for batch size 64 but config.batch_size=32", DEFAULT),
+    # Stage devices: one distinct index per stage, and as many local devices as the largest index needs.
+    ({"stage_devices": "0,0"}, 3, "config.stage_devices='0,0' must be distinct non-negative device indices", TINY),
+    ({"stage_devices": "0"}, 3, "config.stage_devices lists 1 devices for 2 stages", TINY),
+    ({"stage_devices": "0,2", "num_cpu_devices": 2}, 3,
+     "2 stages need 3 local devices per VW but only 2 cpu device(s) exist", TINY),
+]
+# Virtual time runs in one process: under mpiexec it stops with one error on every rank.
+BAD_INPUTS = [(*b, ()) for b in BAD_INPUTS] + [
+    ({"emulate_stage_ms": "10,10"}, 3, "--mode=virtual runs in one process; launch it without mpiexec (world size "
+     "is 3)", TINY, ("--mode=virtual",)),
 ]
 
 
-@pytest.mark.parametrize("overrides,num_ranks,message,config", BAD_INPUTS)
-def test_bad_input_fails_fast_on_every_rank(tmp_path, synthetic_data_dir, overrides, num_ranks, message, config):
+@pytest.mark.parametrize("overrides,num_ranks,message,config,extra_args", BAD_INPUTS)
+def test_bad_input_fails_fast_on_every_rank(tmp_path, synthetic_data_dir, overrides, num_ranks, message, config,
+                                            extra_args):
   workdir = tmp_path / "run"
-  proc = run_job(workdir, num_ranks, {"data_dir": synthetic_data_dir, **overrides}, config=config, timeout=120)
+  proc = run_job(workdir, num_ranks, {"data_dir": synthetic_data_dir, **overrides}, config=config, timeout=120,
+                 extra_args=extra_args)
   assert proc.returncode != 0
   assert message in proc.stderr, proc.stderr[-3000:]
   assert proc.stderr.count("error:") == 1  # one clear message, not one per rank
@@ -134,7 +176,7 @@ def test_multi_vw_run_equals_sequential_replay_of_its_versions(tmp_path, synthet
                                         "optimizer": "momentum", "learning_rate": 0.05, "batch_size": batch,
                                         "emulate_stage_ms": "5,5;10,10;20,20"})
   assert proc.returncode == 0, proc.stderr[-3000:]
-  _, records = _check_wsp(workdir, num_vws, mb, nm, 1)
+  _, records = _check_wsp(workdir, num_vws, mb, nm, 1, reach=False)  # D is reached in test_wsp_bound_holds_and_is_...
   assert any(r["version_global_clock"] < r["local_clock_at_injection"] for r in records)  # stale global weights
   spec = models.get_model("mlp_tiny")
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
