@@ -135,6 +135,7 @@ def test_mpi_run_length_eval_cadence_cosine_overruns_and_stage_devices(tmp_path,
   config = json.loads((workdir / "config.json").read_text())
   assert summary["num_minibatches_per_vw"] == mb and summary["global_clock"] == mb // nm
   assert config["stage_devices"] == "1,0"
+  assert [summary["per_vw"][v]["stage_devices"] for v in ("0", "1")] == [[1, 0], [1, 0]]  # where stages ran
   # Evaluation cadence: test accuracy exactly at global clocks 2, 4, 6, then the final evaluation; the line at
   # clock 5 is the log_every_waves line, without accuracy.
   metrics = read_jsonl(workdir / "metrics.jsonl")

@@ -140,6 +140,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
       "records": [r.__dict__ for r in vw.records],
       "stats": stats.__dict__,
       "partition": [list(r) for r in partition],
+      "stage_devices": [d.id for d in devices],
       "trace_counts": {s.stage_id: dict(s.trace_counts) for s in stages},
       "tasks": vw.task_log if config.save_task_trace else [],
   }
@@ -183,6 +184,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
                                                    "peak_inflight_per_stage", "max_concurrent_tasks", "num_tasks",
                                                    "num_overruns", "overrun_s", "host_busy_s",
                                                    "start_unix_s")}
+            | {"stage_devices": rep["stage_devices"]}
             for vw, rep in sorted(service.reports.items())}
   summary = {
       "mode": "mpi",
