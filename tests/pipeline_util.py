@@ -15,8 +15,11 @@ from hetpipe_jax.runtime.param_layout import ParamLayout
 
 
 def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_bound=0, optimizer=None,
-             batch_size=16, seed=0, pull_every_wave=True, num_vws=1, vw_id=0, server=None):
-  """Returns ``(vw, source, initial per-layer params, optimizer, server)`` for an in-process VW."""
+             batch_size=16, seed=0, pull_every_wave=True, num_vws=1, vw_id=0, server=None, client_factory=None):
+  """Returns ``(vw, source, initial per-layer params, optimizer, server)`` for an in-process VW.
+
+  ``client_factory(server, vw_id)`` builds the VW's PS client (default :class:`param_server.LocalPSClient`).
+  """
   spec = models.get_model(model)
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(seed)))
   layout = ParamLayout.from_layer_params(params0)
@@ -26,9 +29,66 @@ def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_b
   dataset = fashion_mnist.load_fashion_mnist(data_dir, expected_counts=None)
   source = sharding.ShardedMinibatches(dataset, num_vws, vw_id, batch_size, seed)
   server = server or param_server.ParameterServer(layout.flatten(params0), num_vws)
-  vw = virtual_worker.VirtualWorker(vw_id, stages, layout, params0, tx, num_inflight, staleness_bound,
-                              param_server.LocalPSClient(server, vw_id), source.get, pull_every_wave=pull_every_wave)
+  client = (client_factory or param_server.LocalPSClient)(server, vw_id)
+  vw = virtual_worker.VirtualWorker(vw_id, stages, layout, params0, tx, num_inflight, staleness_bound, client,
+                                    source.get, pull_every_wave=pull_every_wave)
   return vw, source, params0, tx, server
+
+
+class LaggingPeerClient(param_server.LocalPSClient):
+  """VW 0's in-process client on a two-VW server whose VW 1 is scripted: it pushes its given wave ``c - lag`` right
+  after VW 0 pushes wave ``c``, so the global clock trails VW 0 by ``lag`` waves and VW 0 pulls global weights that
+  lack its own pushed waves (HetPipe §5: those must be re-added locally).
+
+  Args:
+    server: a :class:`param_server.ParameterServer` for 2 VWs.
+    vw_id: must be 0.
+    peer_waves: VW 1's wave updates, float32 ``[num_params]`` each, pushed in order.
+    lag: waves VW 1 trails VW 0 by (>= 1).
+    hold_reply: optional ``() -> bool``; while it returns True an answered pull is held back (its weights as
+      answered), for at most ``max_held_polls`` consecutive polls (so a VW blocked on the pull still gets it).
+    max_held_polls: see ``hold_reply``.
+
+  Attributes:
+    pulls: per pull reply handed to VW 0, ``(global clock, waves VW 0 had pushed then)``.
+  """
+
+  def __init__(self, server, vw_id, *, peer_waves, lag=1, hold_reply=None, max_held_polls=200):
+    assert vw_id == 0 and server.state.num_virtual_workers == 2
+    super().__init__(server, vw_id)
+    self.peer_waves = list(peer_waves)
+    self.lag = lag
+    self.hold_reply = hold_reply
+    self.max_held_polls = max_held_polls
+    self.pulls: list[tuple[int, int]] = []
+    self._held_reply = None
+    self._held_polls = 0
+
+  def _peer_push(self, wave_id: int) -> None:
+    self.server.push(1, wave_id, self.peer_waves[wave_id])
+    self.server.state.serve_pending_pulls()
+
+  def push(self, wave_id, flat_delta, loss_sum, num_minibatches):
+    super().push(wave_id, flat_delta, loss_sum, num_minibatches)
+    if wave_id >= self.lag:
+      self._peer_push(wave_id - self.lag)
+
+  def poll_pull(self):
+    if self._held_reply is None:
+      self._held_reply = super().poll_pull()
+    if self._held_reply is None:
+      return None
+    if self.hold_reply is not None and self._held_polls < self.max_held_polls and self.hold_reply():
+      self._held_polls += 1
+      return None
+    reply, self._held_reply, self._held_polls = self._held_reply, None, 0
+    self.pulls.append((reply[0], self.server.state.pushed_waves[0]))
+    return reply
+
+  def finish(self) -> None:
+    """VW 1 pushes its remaining waves (after VW 0's run), so the global weights hold every wave of both."""
+    while self.server.state.pushed_waves[1] < len(self.peer_waves):
+      self._peer_push(self.server.state.pushed_waves[1])
 
 
 def loss_and_grad(spec):

@@ -1,13 +1,17 @@
 """The VW pipeline against oracles: plain sequential training (Nm = 1) and a replay of recorded versions (Nm > 1)."""
 
+import dataclasses
 import gc
 
+import jax
+import numpy as np
 import optax
 import pytest
 
 from hetpipe_jax import models
 from hetpipe_jax.runtime import virtual_worker
-from tests.pipeline_util import assert_params_close, build_vw, sequential_replay
+from tests import replay
+from tests.pipeline_util import LaggingPeerClient, assert_params_close, build_vw, sequential_replay
 
 TWO_STAGES = [(0, 2), (2, 4)]
 THREE_STAGES = [(0, 1), (1, 3), (3, 4)]
@@ -24,11 +28,12 @@ def test_oracle1_nm1_equals_single_device_training(synthetic_data_dir, partition
   assert_params_close(vw.layer_params(), expected)
 
 
-@pytest.mark.parametrize("num_inflight,partition", [(2, TWO_STAGES), (3, THREE_STAGES), (4, THREE_STAGES)])
-def test_oracle2_replay_of_recorded_versions(synthetic_data_dir, num_inflight, partition):
-  n = 24
-  vw, source, params0, tx, _ = build_vw(synthetic_data_dir, partition=partition, num_inflight=num_inflight,
-                                        optimizer=optax.sgd(0.05, momentum=0.9))
+def _assert_replay_of_recorded_versions(data_dir, *, model="mlp_tiny", partition, num_inflight, num_minibatches,
+                                        batch_size=16, rtol=1e-5, atol=1e-6):
+  """Runs one VW (D = 0, SGD with momentum) and checks its final weights against the sequential replay."""
+  n = num_minibatches
+  vw, source, params0, tx, _ = build_vw(data_dir, model=model, partition=partition, num_inflight=num_inflight,
+                                        optimizer=optax.sgd(0.05, momentum=0.9), batch_size=batch_size)
   vw.run(n)
   versions = [r.version_local_updates for r in vw.records]
   assert [r.minibatch_id for r in vw.records] == list(range(n))
@@ -38,8 +43,101 @@ def test_oracle2_replay_of_recorded_versions(synthetic_data_dir, num_inflight, p
   # Pipelining really happened: some minibatch ran on weights missing recent updates.
   assert any(v < p for p, v in enumerate(versions))
   batches = [source.get(p) for p in range(n)]
-  expected = sequential_replay(models.get_model("mlp_tiny"), params0, tx, batches, versions)
-  assert_params_close(vw.layer_params(), expected)
+  expected = sequential_replay(models.get_model(model), params0, tx, batches, versions)
+  # The run moved the weights (so the comparison below is not W0 against W0).
+  assert max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+             for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(params0))) > 1e-3
+  assert_params_close(vw.layer_params(), expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("num_inflight,partition", [(2, TWO_STAGES), (3, THREE_STAGES), (4, THREE_STAGES)])
+def test_oracle2_replay_of_recorded_versions(synthetic_data_dir, num_inflight, partition):
+  _assert_replay_of_recorded_versions(synthetic_data_dir, partition=partition, num_inflight=num_inflight,
+                                      num_minibatches=24)
+
+
+def test_oracle2_replay_cnn_small_cut_between_convs(synthetic_data_dir):
+  # cnn_small: 0 conv16, 1 pool, 2 conv32, 3 pool, 4 flatten, 5 dense128, 6 dense10. Stage 0 = conv16 alone (its
+  # input gradient is not needed), stage 1 = pool + conv32 (gradients cross both cuts), stage 2 = the rest.
+  _assert_replay_of_recorded_versions(synthetic_data_dir, model="cnn_small", partition=[(0, 1), (1, 3), (3, 7)],
+                                      num_inflight=3, num_minibatches=9, batch_size=8)
+
+
+def test_oracle2_replay_resnet_cut_after_groupnorm(synthetic_data_dir):
+  # resnet: 0 stem (conv + GroupNorm + relu), 1..6 residual blocks (conv + GroupNorm), 7 global pool, 8 dense. The
+  # cuts pass GroupNorm outputs (stem, then block 1) between stages.
+  _assert_replay_of_recorded_versions(synthetic_data_dir, model="resnet", partition=[(0, 1), (1, 2), (2, 9)],
+                                      num_inflight=2, num_minibatches=6, batch_size=4)
+
+
+@pytest.mark.parametrize("staleness_bound,pull_every_wave", [(1, True), (1, False), (2, True)])
+def test_pull_while_own_waves_are_unapplied_keeps_them(synthetic_data_dir, staleness_bound, pull_every_wave):
+  """VW 0 (D >= 1) beside a scripted VW 1 that pushes wave c - D when VW 0 pushes wave c: every pull VW 0 installs
+  lacks its own last pushed waves, which it must re-add (HetPipe §5). Its final local weights and the final global
+  weights must equal the sequential replay of its records on top of VW 1's given waves."""
+  nm, num_waves = 2, 5
+  n = nm * num_waves
+  lag = staleness_bound
+
+  def client_factory(server, vw_id):
+    rng = np.random.default_rng(7)
+    peer = [(0.01 * rng.standard_normal(server.weights.size)).astype(np.float32) for _ in range(num_waves)]
+    return LaggingPeerClient(server, vw_id, peer_waves=peer, lag=lag)
+
+  vw, source, params0, tx, server = build_vw(synthetic_data_dir, partition=TWO_STAGES, num_inflight=nm,
+                                             staleness_bound=staleness_bound, optimizer=optax.sgd(0.05, momentum=0.9),
+                                             pull_every_wave=pull_every_wave, num_vws=2, client_factory=client_factory)
+  vw.run(n)
+  client = vw.ps
+  # The case under test happened: pulls installed while VW 0 had pushed waves the PS had not applied.
+  assert any(pushed > clock for clock, pushed in client.pulls), client.pulls
+  assert any(r.version_global_clock >= 1 for r in vw.records)
+  records = [dataclasses.asdict(r) for r in vw.records]
+  result = replay.replay(records, models.get_model("mlp_tiny"), params0, tx, [source], nm,
+                         fixed_waves=[client.peer_waves])
+  layout = vw.layout
+  final_local = result.local_weights(0, vw.version.global_clock, vw.version.local_updates)
+  np.testing.assert_allclose(layout.flatten(vw.layer_params()), final_local, rtol=1e-5, atol=1e-6)
+  client.finish()
+  assert server.global_clock == num_waves
+  np.testing.assert_allclose(server.weights, result.global_weights(num_waves), rtol=1e-5, atol=1e-6)
+
+
+def test_pull_installed_mid_wave_keeps_own_and_partial_waves(synthetic_data_dir):
+  """As above (D = 2, VW 1 one wave behind), with every pull reply held back until VW 0 is inside a wave: the
+  installed weights must also keep the current partial wave's updates (minibatches completed, not yet pushed)."""
+  nm, num_waves = 3, 5
+  n = nm * num_waves
+  vw_box = []
+
+  def client_factory(server, vw_id):
+    rng = np.random.default_rng(8)
+    peer = [(0.01 * rng.standard_normal(server.weights.size)).astype(np.float32) for _ in range(num_waves)]
+    return LaggingPeerClient(server, vw_id, peer_waves=peer, lag=1,
+                             hold_reply=lambda: vw_box[0].version.local_updates % nm == 0)
+
+  vw, source, params0, tx, server = build_vw(synthetic_data_dir, partition=TWO_STAGES, num_inflight=nm,
+                                             staleness_bound=2, optimizer=optax.sgd(0.05, momentum=0.9),
+                                             num_vws=2, client_factory=client_factory)
+  vw_box.append(vw)
+  installs = []  # (pulled clock, own pushed waves, own minibatches completed in the current wave) at each install
+  install = vw.install_pull
+
+  def logged_install(global_clock, flat):
+    installs.append((global_clock, len(vw.own_waves) and max(vw.own_waves) + 1, vw.version.local_updates % nm))
+    install(global_clock, flat)
+
+  vw.install_pull = logged_install
+  vw.run(n)
+  # The case under test happened: a pull installed inside a wave, with own pushed waves the PS had not applied.
+  assert any(pushed > clock and partial > 0 for clock, pushed, partial in installs), installs
+  records = [dataclasses.asdict(r) for r in vw.records]
+  result = replay.replay(records, models.get_model("mlp_tiny"), params0, tx, [source], nm,
+                         fixed_waves=[vw.ps.peer_waves])
+  final_local = result.local_weights(0, vw.version.global_clock, vw.version.local_updates)
+  np.testing.assert_allclose(vw.layout.flatten(vw.layer_params()), final_local, rtol=1e-5, atol=1e-6)
+  vw.ps.finish()
+  np.testing.assert_allclose(server.weights, result.global_weights(num_waves), rtol=1e-5, atol=1e-6)
 
 
 def test_each_stage_function_compiles_once(synthetic_data_dir):

@@ -1,0 +1,278 @@
+"""Mutation check: small semantic bugs, applied one at a time to a copy of the repository, must each fail a test.
+
+Every mutation names the file, the exact text it replaces (which must occur exactly once, so a refactor that moves the
+code makes the mutation fail loudly instead of silently testing nothing), its replacement, and the tests that should
+catch it. Each runs in its own temporary copy of the repository (the package, tests, configs; the venv is shared),
+with ``pytest -x`` on the named tests. A mutation is *caught* when a test fails; *survived* when all pass; *error*
+when the mutation no longer applies or pytest could not run (exit codes 2-5); *timeout* counts as caught (a hang is
+noticed) but is reported. Prints one JSON document; exits 1 unless every mutation is caught.
+
+  .venv/bin/python scripts/mutation_check.py [--only=name,name] [--jobs=2] [--list] [--test_timeout_s=240]
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # pylint: disable=wrong-import-position
+
+from hetpipe_jax.paths import REPO_ROOT  # pylint: disable=wrong-import-position
+
+_ONLY = flags.DEFINE_list("only", [], "Run only these mutations (default: all).")
+_JOBS = flags.DEFINE_integer("jobs", 2, "Mutations run in parallel.")
+_LIST = flags.DEFINE_bool("list", False, "Print the mutations (and whether each still applies) and exit.")
+_TIMEOUT_S = flags.DEFINE_integer("test_timeout_s", 240, "Wall-clock limit of one mutation's test run.")
+_BASELINE = flags.DEFINE_bool("baseline", True, "First run every named test on an unmutated copy: a test that fails "
+                              "without a mutation would make every mutation look caught (CI skips it: the suite itself "
+                              "is the baseline there).")
+
+COPIED = ("hetpipe_jax", "tests", "experiments", "scripts", "pytest.ini")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+  """One small semantic bug.
+
+  Attributes:
+    name: short id.
+    path: file relative to the repository root.
+    old: text replaced (must occur exactly once).
+    new: replacement.
+    tests: pytest node ids or files that must catch it.
+    what: the bug in words.
+  """
+
+  name: str
+  path: str
+  old: str
+  new: str
+  tests: tuple[str, ...]
+  what: str
+
+
+MUTATIONS = (
+    # ---- the six bugs of the test audit
+    Mutation("wsp_caps_D_at_1", "hetpipe_jax/rules/wsp.py",
+             "def required_global_clock(local_clock: int, staleness_bound: int) -> int:\n"
+             "  \"\"\"The smallest global clock the VW's weights must include: ``max(0, c - D)`` (HetPipe §5).\"\"\"\n"
+             "  return max(0, local_clock - staleness_bound)",
+             "def required_global_clock(local_clock: int, staleness_bound: int) -> int:\n"
+             "  \"\"\"The smallest global clock the VW's weights must include: ``max(0, c - D)`` (HetPipe §5).\"\"\"\n"
+             "  return max(0, local_clock - min(staleness_bound, 1))",
+             ("tests/test_virtual_time.py",), "the VW never runs more than 1 wave ahead whatever D is"),
+    Mutation("loss_halved", "hetpipe_jax/runtime/stages.py",
+             "optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()",
+             "optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean() * 0.5",
+             ("tests/test_references.py",), "the training loss is half the cross-entropy"),
+    Mutation("loss_sum_not_mean", "hetpipe_jax/runtime/stages.py",
+             "optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()",
+             "optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum()",
+             ("tests/test_references.py",), "the minibatch loss is summed, not averaged, over examples"),
+    Mutation("install_pull_forgets_own_waves", "hetpipe_jax/runtime/virtual_worker.py",
+             "    keep = wsp.own_waves_after_pull(self.own_waves, global_clock)\n",
+             "    keep = []\n",
+             ("tests/test_pipeline.py",), "pulled weights lose the VW's own pushed but unapplied waves"),
+    Mutation("partitioner_no_second_pass", "hetpipe_jax/planning/partitioner.py",
+             "  if np.isfinite(total):\n    cand = _to_partition(problem, classes, by_class, order2, cuts2)",
+             "  if False:\n    cand = _to_partition(problem, classes, by_class, order2, cuts2)",
+             ("tests/test_partitioner.py",), "min-max optima are not tie-broken by least total time"),
+    Mutation("engine_no_ps_link_contention", "hetpipe_jax/sim/engine.py",
+             "    if not self.config.ps_link_contention:\n      return t + duration",
+             "    if True:\n      return t + duration",
+             ("tests/test_engine.py",), "ps_link_contention=True is ignored"),
+    # ---- pipeline schedule
+    Mutation("schedule_nm_plus_one_in_flight", "hetpipe_jax/rules/schedule.py",
+             "    return self.num_in_flight < self.num_inflight",
+             "    return self.num_in_flight <= self.num_inflight",
+             ("tests/test_schedule.py", "tests/test_engine.py"), "Nm + 1 minibatches may be in flight"),
+    Mutation("schedule_wave_end_off_by_one", "hetpipe_jax/rules/wsp.py",
+             "  return (minibatch_id + 1) % num_inflight == 0",
+             "  return minibatch_id % num_inflight == 0",
+             ("tests/test_wsp.py",), "a wave ends at its first minibatch, not its last"),
+    # ---- WSP
+    Mutation("wsp_required_clock_off_by_one", "hetpipe_jax/rules/wsp.py",
+             "  return max(0, local_clock - staleness_bound)",
+             "  return max(0, local_clock - staleness_bound - 1)",
+             ("tests/test_wsp.py",), "the staleness bound allows D + 1"),
+    Mutation("wsp_pulls_served_before_clock", "hetpipe_jax/rules/wsp.py",
+             "    ready = [v for v, required in pending.items() if required <= clock]",
+             "    ready = [v for v, required in pending.items() if required <= clock + 1]",
+             ("tests/test_wsp.py",), "a pending pull is answered one clock too early"),
+    # ---- parameter server
+    Mutation("ps_applies_update_negated", "hetpipe_jax/ps/param_server.py",
+             "      self.weights += self._pending.pop(key)",
+             "      self.weights -= self._pending.pop(key)",
+             ("tests/test_virtual_time.py",), "the PS subtracts wave updates instead of adding them"),
+    # ---- runtime
+    Mutation("dispatch_uses_current_version", "hetpipe_jax/runtime/virtual_worker.py",
+             "    params = mb.version.params[s]",
+             "    params = self.version.params[s]",
+             ("tests/test_pipeline.py",), "a stage uses the VW's latest weights, not the minibatch's version"),
+    # ---- partitioner and cost model
+    Mutation("cost_model_no_optimizer_state", "hetpipe_jax/planning/cost_model.py",
+             "    return (params * copies + opt + held",
+             "    return (params * copies + held",
+             ("tests/test_cost_model.py",), "stage memory leaves out the optimizer state"),
+    Mutation("cost_model_no_receive_time", "hetpipe_jax/planning/cost_model.py",
+             "      t += float(self.recv_ms[prev_link][i])",
+             "      t += 0.0",
+             ("tests/test_cost_model.py", "tests/test_partitioner.py"),
+             "a stage's time leaves out receiving its input activation"),
+    # ---- engine
+    Mutation("engine_backward_takes_forward_time", "hetpipe_jax/sim/engine.py",
+             "        d = vw.dur_bwd[s] if task.kind is _BACKWARD else vw.dur_fwd[s]",
+             "        d = vw.dur_fwd[s]",
+             ("tests/test_engine.py",), "backward tasks last as long as forward tasks"),
+    # ---- data
+    Mutation("sharding_overlapping_shards", "hetpipe_jax/data/sharding.py",
+             "  return permutation[shard_id * shard_size:(shard_id + 1) * shard_size].astype(np.int64)",
+             "  return permutation[:shard_size].astype(np.int64)",
+             ("tests/test_data.py",), "every VW gets the same shard"),
+    # ---- evaluation
+    Mutation("evaluation_counts_padding", "hetpipe_jax/jobs/evaluation.py",
+             "      n += m\n",
+             "      n += b\n",
+             ("tests/test_references.py",), "the padded examples of the last evaluation batch are counted"),
+    # ---- job: schedule, run length, staleness bound reached under MPI
+    Mutation("cosine_schedule_too_long", "hetpipe_jax/jobs/mpi_job.py",
+             "    lr = optax.cosine_decay_schedule(config.learning_rate, num_minibatches)",
+             "    lr = optax.cosine_decay_schedule(config.learning_rate, 2 * num_minibatches)",
+             ("tests/test_job_promises.py::test_learning_rate_schedule_follows_its_closed_form",),
+             "the cosine schedule decays over twice the run, not over each VW's minibatches"),
+    Mutation("run_length_not_whole_waves", "hetpipe_jax/jobs/mpi_job.py",
+             "  total -= total % settings.num_inflight\n",
+             "",
+             ("tests/test_job_promises.py::test_minibatches_per_vw_rounds_down_to_whole_waves",),
+             "a VW trains a partial last wave"),
+    Mutation("wsp_forces_D_zero_in_the_vw", "hetpipe_jax/rules/wsp.py",
+             "    if may_inject(self.local_clock, self.weights_global_clock, self.staleness_bound):\n"
+             "      return True, None",
+             "    if may_inject(self.local_clock, self.weights_global_clock, 0):\n"
+             "      return True, None",
+             ("tests/test_mpi_job.py::test_wsp_bound_holds_and_is_reached_with_three_vws",),
+             "the VW's injection gate behaves as D = 0 whatever D is (BSP)"),
+    # ---- job settings
+    Mutation("settings_drop_nm_override", "hetpipe_jax/jobs/job_config.py",
+             "  num_inflight = plan.num_inflight if given is None else given",
+             "  num_inflight = plan.num_inflight",
+             ("tests/test_job_config.py",), "a user's num_inflight is silently replaced by the plan's"),
+)
+
+
+def _copy_repo(dest: pathlib.Path) -> None:
+  for name in COPIED:
+    src = REPO_ROOT / name
+    if src.is_dir():
+      shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    else:
+      shutil.copy2(src, dest / name)
+  (dest / ".venv").symlink_to(REPO_ROOT / ".venv")
+
+
+def apply(mutation: Mutation, root: pathlib.Path) -> None:
+  """Applies ``mutation`` under ``root``.
+
+  Raises:
+    ValueError: the text to replace does not occur exactly once (the code moved: update the mutation).
+  """
+  path = root / mutation.path
+  text = path.read_text()
+  count = text.count(mutation.old)
+  if count != 1:
+    raise ValueError(f"mutation {mutation.name}: the text to replace occurs {count} times in {mutation.path} "
+                     "(expected once): update the mutation to the current code")
+  path.write_text(text.replace(mutation.old, mutation.new))
+
+
+def run_one(mutation: Mutation, timeout_s: int) -> dict:
+  """Runs ``mutation``'s tests on a mutated copy (``mutation.old == mutation.new``: unmutated); returns its row."""
+  t0 = time.perf_counter()
+  row = {"name": mutation.name, "what": mutation.what, "file": mutation.path, "tests": list(mutation.tests)}
+  with tempfile.TemporaryDirectory(prefix=f"mutation_{mutation.name}_") as tmp:
+    root = pathlib.Path(tmp)
+    _copy_repo(root)
+    try:
+      apply(mutation, root)
+    except ValueError as e:
+      return {**row, "status": "error", "detail": str(e), "seconds": time.perf_counter() - t0}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = str(root)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutation.tests]
+    try:
+      proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+      return {**row, "status": "caught", "killed_by": f"timeout after {timeout_s} s",
+              "seconds": time.perf_counter() - t0}
+  seconds = time.perf_counter() - t0
+  if proc.returncode == 0:
+    return {**row, "status": "survived", "seconds": seconds}
+  if proc.returncode == 1:
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, flags=re.MULTILINE)
+    return {**row, "status": "caught", "killed_by": failed[0] if failed else "?", "seconds": seconds}
+  return {**row, "status": "error", "detail": f"pytest exit {proc.returncode}: {proc.stdout[-1500:]}{proc.stderr[-500:]}",
+          "seconds": seconds}
+
+
+def select(only: list[str]) -> list[Mutation]:
+  """The mutations named in ``only`` (all when empty).
+
+  Raises:
+    app.UsageError: an unknown name.
+  """
+  if not only:
+    return list(MUTATIONS)
+  known = {m.name: m for m in MUTATIONS}
+  unknown = sorted(set(only) - set(known))
+  if unknown:
+    raise app.UsageError(f"unknown mutations {unknown}; known: {sorted(known)}")
+  return [known[n] for n in only]
+
+
+def main(argv) -> None:
+  del argv
+  mutations = select(_ONLY.value)
+  if _LIST.value:
+    rows = []
+    for m in mutations:
+      count = (REPO_ROOT / m.path).read_text().count(m.old)
+      rows.append({"name": m.name, "file": m.path, "applies": count == 1, "tests": list(m.tests), "what": m.what})
+    print(json.dumps(rows, indent=2))
+    return
+  t0 = time.perf_counter()
+  if _BASELINE.value:
+    tests = tuple(sorted({t for m in mutations for t in m.tests}))
+    base = run_one(Mutation("baseline", mutations[0].path, mutations[0].old, mutations[0].old, tests, "no mutation"),
+                   10 * _TIMEOUT_S.value)
+    if base["status"] != "survived":
+      print(json.dumps({"baseline": base}, indent=2))
+      sys.exit(f"error: the named tests fail without any mutation ({base.get('killed_by', base.get('detail'))}); "
+               "fix them first")
+  with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, _JOBS.value)) as pool:
+    rows = list(pool.map(lambda m: run_one(m, _TIMEOUT_S.value), mutations))
+  caught = sum(r["status"] == "caught" for r in rows)
+  report = {"num_mutations": len(rows), "num_caught": caught,
+            "survived": [r["name"] for r in rows if r["status"] == "survived"],
+            "errors": [r["name"] for r in rows if r["status"] == "error"],
+            "total_wall_s": time.perf_counter() - t0, "rows": rows}
+  for r in rows:
+    print(f"{r['status']:>8}  {r['name']:<34} {r.get('killed_by', r.get('detail', ''))[:90]}  ({r['seconds']:.0f} s)",
+          file=sys.stderr)
+  print(json.dumps(report, indent=2))
+  if caught != len(rows):
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main)
