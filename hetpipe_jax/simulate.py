@@ -27,6 +27,9 @@ _PLAN = flags.DEFINE_string("plan", None, "Plan JSON written by hetpipe_jax.plan
 _NUM_WAVES = flags.DEFINE_integer("num_waves", 100, "Waves each virtual worker trains.")
 _D = flags.DEFINE_integer("staleness_bound", 1, "WSP staleness bound D (0 = BSP with pipelining).")
 _PULL_EVERY_WAVE = flags.DEFINE_bool("pull_every_wave", True, "Also pull, without waiting, at every wave end.")
+_PS_APPLY = flags.DEFINE_enum("ps_apply", "on_receipt", ["on_receipt", "clock_aligned"],
+                              "on_receipt: the PS adds each wave update when it arrives (HetPipe §5); clock_aligned: "
+                              "once every VW pushed that wave.")
 _CONTENTION = flags.DEFINE_bool("ps_link_contention", False, "Serialise all PS pushes and pulls on one shared link.")
 _PROFILE = flags.DEFINE_string("profile", None, "Profile JSON the plan was made with (default: the saved one).")
 _CLUSTER = flags.DEFINE_string("cluster", None, "Cluster name or path (default: the plan's).")
@@ -48,11 +51,12 @@ def main(argv):
   records = bool(_RECORDS.value or _TRACE.value or _GANTT.value)
   config = engine.EngineConfig(num_waves=_NUM_WAVES.value, num_inflight=plan.num_inflight,
                                staleness_bound=_D.value, pull_every_wave=_PULL_EVERY_WAVE.value, records=records,
-                               ps_link_contention=_CONTENTION.value)
+                               ps_link_contention=_CONTENTION.value, ps_apply=_PS_APPLY.value)
   gpu_ids = [list(vw.gpus) for vw in plan.virtual_workers]
   report = engine.run(times, config, gpu_ids=gpu_ids)
   print(f"plan {_PLAN.value}: model={plan.model} batch_size={plan.batch_size} cluster={plan.cluster} "
-        f"policy={plan.policy} Nm={plan.num_inflight} D={_D.value}; planner predicted "
+        f"policy={plan.policy} Nm={plan.num_inflight} D={_D.value} ps_apply={_PS_APPLY.value} "
+        f"pull_every_wave={_PULL_EVERY_WAVE.value}; planner predicted "
         f"{plan.predicted_total_minibatches_per_s:.3f} minibatches/s")
   print(engine_report.format_table(report))
   if _OUTPUT.value:

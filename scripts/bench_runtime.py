@@ -56,7 +56,8 @@ def _build(data_dir, batch_size, num_inflight, task_time_s=None, stages=None):
   source = sharding.ShardedMinibatches(dataset, 1, 0, batch_size, 0)
   server = param_server.ParameterServer(layout.flatten(params0), 1)
   return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, num_inflight, 0,
-                                param_server.LocalPSClient(server, 0), source.get, task_time_s=task_time_s)
+                                param_server.LocalPSClient(server, 0), source.get, num_virtual_workers=1,
+                                task_time_s=task_time_s)
 
 
 def host_overhead(data_dir, n, nm) -> dict:

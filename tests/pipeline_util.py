@@ -15,7 +15,8 @@ from hetpipe_jax.runtime.param_layout import ParamLayout
 
 
 def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_bound=0, optimizer=None,
-             batch_size=16, seed=0, pull_every_wave=True, num_vws=1, vw_id=0, server=None, client_factory=None):
+             batch_size=16, seed=0, pull_every_wave=True, num_vws=1, vw_id=0, server=None, client_factory=None,
+             ps_apply="on_receipt"):
   """Returns ``(vw, source, initial per-layer params, optimizer, server)`` for an in-process VW.
 
   ``client_factory(server, vw_id)`` builds the VW's PS client (default :class:`param_server.LocalPSClient`).
@@ -28,10 +29,10 @@ def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_b
   stages = stages_lib.build_stages(spec, partition, devices, tx)
   dataset = fashion_mnist.load_fashion_mnist(data_dir, expected_counts=None)
   source = sharding.ShardedMinibatches(dataset, num_vws, vw_id, batch_size, seed)
-  server = server or param_server.ParameterServer(layout.flatten(params0), num_vws)
+  server = server or param_server.ParameterServer(layout.flatten(params0), num_vws, ps_apply)
   client = (client_factory or param_server.LocalPSClient)(server, vw_id)
   vw = virtual_worker.VirtualWorker(vw_id, stages, layout, params0, tx, num_inflight, staleness_bound, client,
-                                    source.get, pull_every_wave=pull_every_wave)
+                                    source.get, num_virtual_workers=num_vws, pull_every_wave=pull_every_wave)
   return vw, source, params0, tx, server
 
 
@@ -50,7 +51,7 @@ class LaggingPeerClient(param_server.LocalPSClient):
     max_held_polls: see ``hold_reply``.
 
   Attributes:
-    pulls: per pull reply handed to VW 0, ``(global clock, waves VW 0 had pushed then)``.
+    pulls: per pull reply handed to VW 0, ``(vector clock, waves VW 0 had pushed then)``.
   """
 
   def __init__(self, server, vw_id, *, peer_waves, lag=1, hold_reply=None, max_held_polls=200):
@@ -60,7 +61,7 @@ class LaggingPeerClient(param_server.LocalPSClient):
     self.lag = lag
     self.hold_reply = hold_reply
     self.max_held_polls = max_held_polls
-    self.pulls: list[tuple[int, int]] = []
+    self.pulls: list[tuple[tuple[int, ...], int]] = []
     self._held_reply = None
     self._held_polls = 0
 

@@ -1,14 +1,21 @@
 """Sequential replay oracle for multi-VW WSP runs: recompute every update from the recorded weight versions.
 
-A record ``(vw, p, version_global_clock g, version_local_updates m)`` says minibatch p of VW v used
-``W(g, m) = W0 + sum_{c<g} sum_v' U[v', c] + sum_{j<m, wave(j) >= g} u[v, j]`` where ``u[v, j]`` is VW v's optax
-update of its minibatch j and ``U[v, c]`` the sum of its wave c (HetPipe §5). Replaying the records in any order
-that respects those dependencies, one minibatch at a time on one device, gives the final global weights
-``W0 + sum_c sum_v U[v, c]`` that a correct runtime (or virtual-time run) must reproduce.
+A record ``(vw v, minibatch p, version_vector_clock vc, version_local_updates m)`` says minibatch p of VW v used
+
+  ``W(vc, m) = G(vc) + sum_{j: vc[v] * Nm <= j < m} u[v, j]``
+
+where ``u[v, j]`` is VW v's optax update of its minibatch j and ``G(vc)`` the global weights its last pull carried
+(HetPipe §5). The PS adds wave updates ``U[v, c]`` (the sum of VW v's minibatch updates of wave c) in the order it
+logs (``ps_applied.jsonl``: arrival order under ``ps_apply="on_receipt"``, wave by wave in VW order under
+``"clock_aligned"``), so ``G(vc) = W0 + the first sum(vc) logged updates``, and those must be VW u's waves
+``0..vc[u]-1`` for every u. Replaying the records in any order that respects those dependencies, one minibatch at a
+time on one device, gives the final global weights (W0 + every logged update) that a correct runtime (or
+virtual-time run) must reproduce.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 import jax
@@ -20,6 +27,12 @@ from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime.param_layout import ParamLayout
 
 
+def read_applied_order(workdir) -> list[tuple[int, int]]:
+  """The PS's ``(wave_id, vw_id)`` application order from a run's ``ps_applied.jsonl``."""
+  with open(f"{workdir}/ps_applied.jsonl", encoding="utf-8") as f:
+    return [(r["wave_id"], r["vw_id"]) for r in map(json.loads, f)]
+
+
 class Replay:
   """The replayed updates of every VW and the global weights they imply.
 
@@ -28,14 +41,22 @@ class Replay:
     updates: per replayed VW, minibatch id -> its flat update.
     fixed_waves: per scripted VW (ids after the replayed ones), its given flat wave updates.
     num_inflight: Nm.
+    applied_order: the PS's ``(wave, vw)`` application order, or None for the clock-aligned order.
   """
 
-  def __init__(self, w0: np.ndarray, updates: list, fixed_waves: Sequence[Sequence[np.ndarray]], num_inflight: int):
+  def __init__(self, w0: np.ndarray, updates: list, fixed_waves: Sequence[Sequence[np.ndarray]], num_inflight: int,
+               applied_order: Sequence[Sequence[int]] | None = None):
     self.w0 = w0
     self.updates = updates
     self.num_inflight = num_inflight
     self.fixed_waves = [list(w) for w in fixed_waves]
+    self.applied_order = None if applied_order is None else [(int(c), int(v)) for c, v in applied_order]
     self._global = {0: w0}
+    self._prefix = {0: w0}
+
+  @property
+  def num_vws(self) -> int:
+    return len(self.updates) + len(self.fixed_waves)
 
   def wave_sum(self, v: int, c: int) -> np.ndarray:
     """VW ``v``'s update of wave ``c``."""
@@ -47,33 +68,75 @@ class Replay:
     return total
 
   def global_weights(self, g: int) -> np.ndarray:
-    """``W0 + sum_{c<g} sum_v U[v, c]``, VWs in order within a wave (the PS's order)."""
+    """``W0 + sum_{c<g} sum_v U[v, c]``, VWs in order within a wave (the clock-aligned PS's order)."""
     if g not in self._global:
       w = self.global_weights(g - 1).copy()
-      for v in range(len(self.updates) + len(self.fixed_waves)):
+      for v in range(self.num_vws):
         w += self.wave_sum(v, g - 1)
       self._global[g] = w
     return self._global[g]
 
-  def local_weights(self, v: int, g: int, m: int) -> np.ndarray:
-    """``W(g, m)`` of VW ``v``: global weights of clock g plus its own updates ``g * Nm .. m - 1``."""
-    w = self.global_weights(g).copy()
-    for j in range(g * self.num_inflight, m):
+  def check_prefix(self, vector_clock: Sequence[int]) -> None:
+    """Asserts that the first ``sum(vc)`` logged updates are exactly VW u's waves ``0..vc[u]-1`` for every u."""
+    k = sum(vector_clock)
+    assert k <= len(self.applied_order), f"vector clock {list(vector_clock)} beyond the PS log ({k} > " \
+                                         f"{len(self.applied_order)})"
+    counts = [0] * self.num_vws
+    for c, v in self.applied_order[:k]:
+      assert c == counts[v], f"PS log applies VW {v}'s wave {c} before its wave {counts[v]}"
+      counts[v] += 1
+    assert counts == list(vector_clock), f"vector clock {list(vector_clock)} is not a prefix of the PS log " \
+                                         f"(its first {k} entries hold {counts})"
+
+  def global_weights_at(self, vector_clock: Sequence[int]) -> np.ndarray:
+    """G(vc): W0 plus the PS's first ``sum(vc)`` logged updates, in its order."""
+    if self.applied_order is None:
+      g = min(vector_clock)
+      assert all(c == g for c in vector_clock), f"vector clock {list(vector_clock)} needs the PS's log"
+      return self.global_weights(g)
+    self.check_prefix(vector_clock)
+    k = sum(vector_clock)
+    if k not in self._prefix:
+      j = max(i for i in self._prefix if i < k)
+      w = self._prefix[j].copy()
+      for c, v in self.applied_order[j:k]:
+        w += self.wave_sum(v, c)
+      self._prefix[k] = w
+    return self._prefix[k]
+
+  def final_global_weights(self, applied_order: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+    """W0 plus every logged update; ``applied_order`` replaces the log first (e.g. once scripted peers finished)."""
+    if applied_order is not None:
+      self.applied_order = [(int(c), int(v)) for c, v in applied_order]
+    counts = [0] * self.num_vws
+    for _, v in self.applied_order:
+      counts[v] += 1
+    return self.global_weights_at(counts)
+
+  def local_weights(self, v: int, vector_clock: Sequence[int] | int, m: int) -> np.ndarray:
+    """``W(vc, m)`` of VW ``v``: G(vc) plus its own updates ``vc[v] * Nm .. m - 1`` (an int g means vc = (g,)*N)."""
+    if isinstance(vector_clock, (int, np.integer)):
+      vector_clock = (int(vector_clock),) * self.num_vws
+    w = self.global_weights_at(vector_clock).copy()
+    for j in range(vector_clock[v] * self.num_inflight, m):
       w += self.updates[v][j]
     return w
 
 
 def replay(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax.GradientTransformation,
-           sources: list, num_inflight: int, fixed_waves: Sequence[Sequence[np.ndarray]] = ()) -> Replay:
+           sources: list, num_inflight: int, fixed_waves: Sequence[Sequence[np.ndarray]] = (),
+           applied_order: Sequence[Sequence[int]] | None = None) -> Replay:
   """Replays every record of VWs ``0..len(sources)-1`` one minibatch at a time at its recorded version.
 
   Args:
-    records: dicts as in minibatches.jsonl (``vw_id``, ``minibatch_id``, ``version_global_clock``,
-      ``version_local_updates``).
+    records: dicts as in minibatches.jsonl (``vw_id``, ``minibatch_id``, ``version_vector_clock``,
+      ``version_global_clock``, ``version_local_updates``).
     spec, params0, tx: the model, W0 (per-layer params) and the optimizer (one state per VW).
     sources: per replayed VW, its minibatches (``.get(minibatch_id) -> (images, labels)``).
     num_inflight: Nm.
     fixed_waves: VWs ``len(sources)..`` whose wave updates are given (scripted peers), flat float32 each.
+    applied_order: the PS's ``(wave_id, vw_id)`` log (``ps_applied.jsonl``); None: the clock-aligned order, which
+      then requires every record's vector clock to be uniform.
 
   Raises:
     AssertionError: the records' versions cannot be satisfied in any order (a WSP violation).
@@ -86,7 +149,8 @@ def replay(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax
 
   grad_fn = jax.jit(jax.grad(loss))
   by_vw = [sorted((r for r in records if r["vw_id"] == v), key=lambda r: r["minibatch_id"]) for v in range(num_vws)]
-  result = Replay(layout.flatten(params0), [{} for _ in range(num_vws)], fixed_waves, num_inflight)
+  result = Replay(layout.flatten(params0), [{} for _ in range(num_vws)], fixed_waves, num_inflight, applied_order)
+  total_vws = num_vws + len(fixed_waves)
   states = [tx.init(params0) for _ in range(num_vws)]
   done = [0] * num_vws
   total = sum(len(b) for b in by_vw)
@@ -96,11 +160,13 @@ def replay(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax
       if done[v] == len(by_vw[v]):
         continue
       r = by_vw[v][done[v]]
-      g, m = r["version_global_clock"], r["version_local_updates"]
-      if not all(done[u] >= g * num_inflight for u in range(num_vws)):
+      vc, m = tuple(r["version_vector_clock"]), r["version_local_updates"]
+      assert len(vc) == total_vws and min(vc) == r["version_global_clock"], r
+      if not all(done[u] >= vc[u] * num_inflight for u in range(num_vws)):
         continue
-      assert all(len(w) >= g for w in fixed_waves), f"VW {v} minibatch {r['minibatch_id']} used global clock {g}"
-      params = layout.unflatten(result.local_weights(v, g, m))
+      assert all(len(w) >= c for w, c in zip(fixed_waves, vc[num_vws:])), \
+          f"VW {v} minibatch {r['minibatch_id']} used vector clock {vc}"
+      params = layout.unflatten(result.local_weights(v, vc, m))
       grads = grad_fn(params, *sources[v].get(r["minibatch_id"]))
       u, states[v] = tx.update(grads, states[v], params)
       result.updates[v][r["minibatch_id"]] = layout.flatten(jax.device_get(u))
@@ -111,13 +177,17 @@ def replay(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax
 
 
 def replay_final_weights(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax.GradientTransformation,
-                         sources: list, num_inflight: int) -> np.ndarray:
-  """Returns the flat final global weights implied by ``records`` (dicts as in minibatches.jsonl).
+                         sources: list, num_inflight: int, applied_order: Sequence[Sequence[int]]) -> np.ndarray:
+  """Returns the flat final global weights implied by ``records`` (dicts as in minibatches.jsonl) and the PS's
+  ``applied_order`` (``(wave_id, vw_id)`` as in ps_applied.jsonl).
 
   Raises:
-    AssertionError: the records' versions cannot be satisfied in any order (a WSP violation).
+    AssertionError: the records' versions cannot be satisfied in any order (a WSP violation), or the log does not
+      hold every VW's waves once each.
   """
-  result = replay(records, spec, params0, tx, sources, num_inflight)
+  result = replay(records, spec, params0, tx, sources, num_inflight, applied_order=applied_order)
   num_vws = len(sources)
   num_waves = min(sum(1 for r in records if r["vw_id"] == v) for v in range(num_vws)) // num_inflight
-  return result.global_weights(num_waves)
+  assert sorted(applied_order) == sorted((c, v) for c in range(num_waves) for v in range(num_vws)), \
+      "the PS log must apply every VW's waves exactly once"
+  return result.final_global_weights()

@@ -193,15 +193,22 @@ def check_wsp_invariants(report, num_vws, num_waves, nm, d):
     assert r.version_local_updates >= r.minibatch_id - (nm - 1), r  # local staleness s_local = Nm - 1
     assert r.wave_id == r.minibatch_id // nm
     assert r.inject_time_s <= r.complete_time_s
-  assert report.ps_applied == [(w, v) for w in range(num_waves) for v in range(num_vws)]  # each wave once, in order
+  for r in recs:  # the vector clock names the pulled weights; its minimum is their global clock
+    assert len(r.version_vector_clock) == num_vws and min(r.version_vector_clock) == r.version_global_clock, r
+  assert outputs.applied_in_order(report.ps_applied, num_vws)  # each VW's waves once, in wave order
+  assert len(report.ps_applied) == num_vws * num_waves
+  if report.config["ps_apply"] == "clock_aligned":
+    assert report.ps_applied == [(w, v) for w in range(num_waves) for v in range(num_vws)]
+    assert all(len(set(r.version_vector_clock)) == 1 for r in recs)  # never an extra update
   assert report.final_global_clock == num_waves
   assert report.max_clock_distance <= d + 1
   for v in report.vws:
     assert v.num_pushes == num_waves
 
 
+@pytest.mark.parametrize("ps_apply", ["on_receipt", "clock_aligned"])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_heterogeneous_runs_obey_every_bound(seed):
+def test_random_heterogeneous_runs_obey_every_bound(seed, ps_apply):
   rng = np.random.default_rng(seed)
   n, s_count, nm, d = int(rng.integers(1, 5)), int(rng.integers(1, 6)), int(rng.integers(1, 6)), int(rng.integers(0, 4))
   times = [task_times.uniform_task_times(list(rng.uniform(1.0, 4.0, s_count)),
@@ -211,7 +218,7 @@ def test_random_heterogeneous_runs_obey_every_bound(seed):
   waves = 15
   contention = bool(seed % 2)
   r = run(times, num_waves=waves, num_inflight=nm, staleness_bound=d, pull_every_wave=bool(seed % 3),
-          ps_link_contention=contention)
+          ps_link_contention=contention, ps_apply=ps_apply)
   check_wsp_invariants(r, n, waves, nm, d)
   bound = cost_model.max_inflight_per_stage(s_count, nm)
   for v in r.vws:
@@ -222,7 +229,7 @@ def test_random_heterogeneous_runs_obey_every_bound(seed):
     assert g.busy_s == pytest.approx(waves * nm * tt.stage_time_s(g.stage_id), rel=1e-9)
     assert 0 < g.utilization <= 1 + 1e-12
   timing_only = engine.run(times, engine.EngineConfig(waves, nm, d, bool(seed % 3), records=False,
-                                                      ps_link_contention=contention))
+                                                      ps_link_contention=contention, ps_apply=ps_apply))
   assert timing_only.makespan_s == r.makespan_s and timing_only.minibatch_records == []
 
 
@@ -250,7 +257,7 @@ def test_task_events_follow_the_schedule_rules():
 # ``record.__dict__`` through jobs/outputs.RunOutputs.write_minibatches). None: NaN in strict JSON.
 MINIBATCH_ROW_TYPES = (("vw_id", int), ("minibatch_id", int), ("wave_id", int), ("local_clock_at_injection", int),
                        ("version_id", int), ("version_local_updates", int), ("version_global_clock", int),
-                       ("inject_time_s", float), ("complete_time_s", float), ("loss", type(None)))
+                       ("version_vector_clock", list), ("inject_time_s", float), ("complete_time_s", float), ("loss", type(None)))
 
 
 class OrderHooks:
@@ -265,8 +272,8 @@ class OrderHooks:
   def on_inject(self, vw_id, minibatch_id, t):
     self.calls.append(("inject", vw_id, minibatch_id, t))
 
-  def on_pull_reply(self, vw_id, global_clock, t):
-    self.calls.append(("pull", vw_id, global_clock, t))
+  def on_pull_reply(self, vw_id, vector_clock, t):
+    self.calls.append(("pull", vw_id, vector_clock, t))
 
 
 def test_engine_records_fill_every_field_of_the_runtime_row_by_its_definition(tmp_path):
@@ -299,7 +306,8 @@ def test_engine_records_fill_every_field_of_the_runtime_row_by_its_definition(tm
     assert p - (nm - 1) <= completed <= p
     assert row["local_clock_at_injection"] == completed // nm  # completed waves
     assert row["version_id"] == completed + len(pulls)  # +1 per completion and per installed pull
-    assert row["version_global_clock"] == (pulls[-1] if pulls else 0)
+    assert row["version_vector_clock"] == list(pulls[-1] if pulls else (0, 0))
+    assert row["version_global_clock"] == min(row["version_vector_clock"])
     assert row["inject_time_s"] == calls[inject_at[(v, p)]][3]
     assert row["complete_time_s"] == complete_time[(v, p)] == stage0_end[(v, p)] > row["inject_time_s"]
     assert row["loss"] is None  # NaN: the engine computes no loss
@@ -327,8 +335,11 @@ class RecordingHooks:
   def on_push(self, vw_id, wave_id, t):
     self.calls.append(("push", vw_id, wave_id, t))
 
-  def on_pull_reply(self, vw_id, global_clock, t):
-    self.calls.append(("pull", vw_id, global_clock, t))
+  def on_pull_sent(self, vw_id, vector_clock, t):
+    self.calls.append(("sent", vw_id, vector_clock, t))
+
+  def on_pull_reply(self, vw_id, vector_clock, t):
+    self.calls.append(("pull", vw_id, vector_clock, t))
 
 
 def test_hooks_are_called_in_the_documented_order():
@@ -357,11 +368,16 @@ def test_hooks_are_called_in_the_documented_order():
     assert [c[2] for c in calls if c[0] == "wave_end" and c[1] == v] == list(range(waves))
     clocks = [c[2] for c in calls if c[0] == "pull" and c[1] == v]
     assert clocks == sorted(clocks) and len(clocks) == r.vws[v].num_pulls
-  # Each record's version_global_clock is the last pull reply delivered to that VW before its injection.
+    # Each reply carries the vector clock the PS had when it answered (on_pull_sent), which comes first.
+    sent = [c for c in calls if c[0] == "sent" and c[1] == v]
+    assert [c[2] for c in sent] == clocks
+    pulls = [c for c in calls if c[0] == "pull" and c[1] == v]
+    assert all(index[a[:3]] < index[b[:3]] and a[3] <= b[3] for a, b in zip(sent, pulls))
+  # Each record's version_vector_clock is the last pull reply delivered to that VW before its injection.
   for rec in r.minibatch_records:
     before = calls[:index[("inject", rec.vw_id, rec.minibatch_id)]]
     pulls = [c[2] for c in before if c[0] == "pull" and c[1] == rec.vw_id]
-    assert rec.version_global_clock == (pulls[-1] if pulls else 0)
+    assert rec.version_vector_clock == (pulls[-1] if pulls else (0, 0))
 
 
 def test_engine_drives_the_sync_states_it_is_given():
@@ -410,3 +426,38 @@ def test_config_and_input_errors():
     engine.run([], engine.EngineConfig(1, 1))
   with pytest.raises(ValueError, match="gpu_ids"):
     engine.run([task_times.uniform_task_times([1.0])], engine.EngineConfig(1, 1), gpu_ids=[["a", "b"]])
+
+
+# ----------------------------------------------------------------------------------------- PS application modes
+def test_on_receipt_versions_hold_more_updates_than_clock_aligned_ones_at_the_same_clock():
+  """Same cluster (3 VWs, 1x / 1.5x / 3x slower, D = 2) under both modes: the clock rule, hence every timing and
+  every record's global clock, is the same; on_receipt's pulled weights hold every update clock_aligned's hold and,
+  for some minibatches, faster VWs' newer waves too (HetPipe §5–§6's extra updates); clock_aligned's never."""
+  times = [task_times.uniform_task_times([2.0, 2.0], push_ms=0.3, pull_ms=0.3),
+           task_times.uniform_task_times([3.0, 3.0], push_ms=0.3, pull_ms=0.3),
+           task_times.uniform_task_times([6.0, 6.0], push_ms=0.3, pull_ms=0.3)]
+  for pull_every_wave in (True, False):
+    runs = {mode: run(times, num_waves=12, num_inflight=2, staleness_bound=2, pull_every_wave=pull_every_wave,
+                      ps_apply=mode) for mode in ("on_receipt", "clock_aligned")}
+    on_receipt, aligned = runs["on_receipt"], runs["clock_aligned"]
+    assert on_receipt.makespan_s == aligned.makespan_s
+    assert [r.complete_time_s for r in on_receipt.minibatch_records] == \
+        [r.complete_time_s for r in aligned.minibatch_records]
+    more = 0
+    for a, b in zip(on_receipt.minibatch_records, aligned.minibatch_records):
+      assert (a.vw_id, a.minibatch_id, a.version_global_clock) == (b.vw_id, b.minibatch_id, b.version_global_clock)
+      g = b.version_global_clock
+      assert b.version_vector_clock == (g, g, g)
+      assert min(a.version_vector_clock) == g and all(c >= g for c in a.version_vector_clock)
+      more += sum(a.version_vector_clock) > 3 * g
+      assert wsp.extra_updates(b.version_vector_clock, b.vw_id) == 0
+    assert more >= 3, more  # lower bound: extra updates really occur
+    # Both logs hold every VW's waves once; only clock_aligned's is in wave-major order.
+    assert aligned.ps_applied == [(w, v) for w in range(12) for v in range(3)]
+    assert on_receipt.ps_applied != aligned.ps_applied
+    assert sorted(on_receipt.ps_applied) == sorted(aligned.ps_applied)
+
+
+def test_engine_rejects_an_unknown_ps_apply():
+  with pytest.raises(ValueError, match="ps_apply='eventually'"):
+    engine.EngineConfig(num_waves=1, num_inflight=1, ps_apply="eventually")

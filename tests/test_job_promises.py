@@ -25,7 +25,7 @@ from hetpipe_jax.runtime.param_layout import ParamLayout
 from hetpipe_jax.runtime.stage_executor import OVERRUN_TOLERANCE_S
 from hetpipe_jax.sim import engine, task_times
 from tests.mpi_util import check_task_trace, excess_over_stage_ms, read_jsonl, run_job, vw_start_times
-from tests.replay import replay_final_weights
+from tests.replay import read_applied_order, replay_final_weights
 
 KINDS = {"F": TaskKind.FORWARD, "B": TaskKind.BACKWARD, "FB": TaskKind.FORWARD_BACKWARD}
 
@@ -160,7 +160,8 @@ def test_mpi_run_length_eval_cadence_cosine_overruns_and_stage_devices(tmp_path,
   dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
   sources = [sharding.ShardedMinibatches(dataset, 2, v, 32, 0) for v in range(2)]
   tx = optax.sgd(lambda k: lr * 0.5 * (1.0 + jnp.cos(jnp.pi * jnp.minimum(k, mb) / mb)))
-  expected = replay_final_weights(read_jsonl(workdir / "minibatches.jsonl"), spec, params0, tx, sources, nm)
+  expected = replay_final_weights(read_jsonl(workdir / "minibatches.jsonl"), spec, params0, tx, sources, nm,
+                                  read_applied_order(workdir))
   actual = ParamLayout.from_layer_params(params0).flatten(checkpoint.restore_weights(workdir / "checkpoint"))
   np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
 

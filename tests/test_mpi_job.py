@@ -30,12 +30,18 @@ def _check_wsp(workdir, num_vws, num_minibatches, num_inflight, bound, reach=Tru
   records = read_jsonl(workdir / "minibatches.jsonl")
   assert len(records) == num_vws * num_minibatches
   num_waves = num_minibatches // num_inflight
-  # The PS applied every pushed wave exactly once (deterministic order: wave by wave, VW by VW).
+  # The PS applied every pushed wave exactly once, each VW's in wave order (clock_aligned: wave by wave, VW by VW).
   applied = [(a["wave_id"], a["vw_id"]) for a in read_jsonl(workdir / "ps_applied.jsonl")]
-  assert applied == [(w, v) for w in range(num_waves) for v in range(num_vws)]
+  assert sorted(applied) == [(w, v) for w in range(num_waves) for v in range(num_vws)]
+  assert all([w for w, u in applied if u == v] == list(range(num_waves)) for v in range(num_vws))
+  if summary["ps_apply"] == "clock_aligned":
+    assert applied == [(w, v) for w in range(num_waves) for v in range(num_vws)]
   assert summary["applied_waves_count"] == num_waves * num_vws and summary["applied_waves_in_order"] is True
   assert summary["global_clock"] == num_waves
   for r in records:
+    # The weights' vector clock: one entry per VW, its minimum the global clock, never ahead of the PS's log.
+    vc = r["version_vector_clock"]
+    assert len(vc) == num_vws and min(vc) == r["version_global_clock"] and max(vc) <= num_waves, r
     # Global bound: weights include every VW's waves 0..c-D-1 (pulled at global clock >= c - D).
     assert r["version_global_clock"] >= r["local_clock_at_injection"] - bound, r
     # Local bound: minibatch p includes the VW's own updates 0..p-Nm.
@@ -142,6 +148,7 @@ BAD_INPUTS = [
     ({"model": "mlp_tiny"}, 3, "was made for model 'cnn', not for model 'mlp_tiny'", DEFAULT),
     ({"batch_size": 32}, 3, "the plan was made for batch size 64 but config.batch_size=32", DEFAULT),
     # Stage devices: one distinct index per stage, and as many local devices as the largest index needs.
+    ({"ps_apply": "eventually"}, 3, "config.ps_apply='eventually' must be 'on_receipt' (HetPipe §5", TINY),
     ({"stage_devices": "0,0"}, 3, "config.stage_devices='0,0' must be distinct non-negative device indices", TINY),
     ({"stage_devices": "0"}, 3, "config.stage_devices lists 1 devices for 2 stages", TINY),
     ({"stage_devices": "0,2", "num_cpu_devices": 2}, 3,
@@ -166,24 +173,35 @@ def test_bad_input_fails_fast_on_every_rank(tmp_path, synthetic_data_dir, overri
   assert not (workdir / "summary.json").exists()
 
 
-def test_multi_vw_run_equals_sequential_replay_of_its_versions(tmp_path, synthetic_data_dir):
-  """N VWs, Nm > 1, D > 0: the final global weights equal a one-device replay of the recorded versions."""
-  from tests.replay import replay_final_weights
+@pytest.mark.parametrize("ps_apply", ["on_receipt", "clock_aligned"])
+def test_multi_vw_run_equals_sequential_replay_of_its_versions(tmp_path, synthetic_data_dir, ps_apply):
+  """N VWs of unequal speeds, Nm > 1, D > 0: the final global weights equal a one-device replay of the recorded
+  versions (vector clocks) and the PS's logged order. on_receipt (HetPipe §5): some minibatches really used faster
+  VWs' newer waves (extra updates); clock_aligned: none did."""
+  from tests.replay import read_applied_order, replay_final_weights
   num_vws, nm, mb, batch = 3, 2, 16, 16
   workdir = tmp_path / "run"
   proc = run_job(workdir, 1 + num_vws, {"data_dir": synthetic_data_dir, "num_virtual_workers": num_vws,
                                         "num_minibatches": mb, "num_inflight": nm, "staleness_bound": 1,
                                         "optimizer": "momentum", "learning_rate": 0.05, "batch_size": batch,
-                                        "emulate_stage_ms": "5,5;10,10;20,20"})
+                                        "emulate_stage_ms": "5,5;10,10;20,20", "ps_apply": ps_apply})
   assert proc.returncode == 0, proc.stderr[-3000:]
-  _, records = _check_wsp(workdir, num_vws, mb, nm, 1, reach=False)  # D is reached in test_wsp_bound_holds_and_is_...
+  summary, records = _check_wsp(workdir, num_vws, mb, nm, 1, reach=False)  # D is reached in test_wsp_bound_...
+  assert summary["ps_apply"] == ps_apply == json.loads((workdir / "config.json").read_text())["ps_apply"]
   assert any(r["version_global_clock"] < r["local_clock_at_injection"] for r in records)  # stale global weights
+  extra = [wsp.extra_updates(r["version_vector_clock"], r["vw_id"]) for r in records]
+  assert summary["extra_updates"]["minibatches_with_extra_updates"] == sum(e > 0 for e in extra)
+  assert summary["extra_updates"]["max_extra_updates"] == max(extra)
+  if ps_apply == "on_receipt":
+    assert sum(e > 0 for e in extra) >= 2, extra  # the case under test happened
+  else:
+    assert max(extra) == 0 and summary["applied_clock_aligned"] is True
   spec = models.get_model("mlp_tiny")
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
   dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
   sources = [sharding.ShardedMinibatches(dataset, num_vws, v, batch, 0) for v in range(num_vws)]
   expected = replay_final_weights(read_jsonl(workdir / "minibatches.jsonl"), spec, params0,
-                                  optax.sgd(0.05, momentum=0.9), sources, nm)
+                                  optax.sgd(0.05, momentum=0.9), sources, nm, read_applied_order(workdir))
   from hetpipe_jax.runtime.param_layout import ParamLayout
   actual = ParamLayout.from_layer_params(params0).flatten(checkpoint.restore_weights(workdir / "checkpoint"))
   np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)

@@ -70,11 +70,15 @@ def test_oracle2_replay_resnet_cut_after_groupnorm(synthetic_data_dir):
                                       num_inflight=2, num_minibatches=6, batch_size=4)
 
 
+@pytest.mark.parametrize("ps_apply", ["clock_aligned", "on_receipt"])
 @pytest.mark.parametrize("staleness_bound,pull_every_wave", [(1, True), (1, False), (2, True)])
-def test_pull_while_own_waves_are_unapplied_keeps_them(synthetic_data_dir, staleness_bound, pull_every_wave):
-  """VW 0 (D >= 1) beside a scripted VW 1 that pushes wave c - D when VW 0 pushes wave c: every pull VW 0 installs
-  lacks its own last pushed waves, which it must re-add (HetPipe §5). Its final local weights and the final global
-  weights must equal the sequential replay of its records on top of VW 1's given waves."""
+def test_pull_while_own_waves_are_unapplied_keeps_them(synthetic_data_dir, staleness_bound, pull_every_wave,
+                                                       ps_apply):
+  """VW 0 (D >= 1) beside a scripted VW 1 that pushes wave c - D when VW 0 pushes wave c. clock_aligned: every pull
+  VW 0 installs lacks its own last pushed waves, which it must re-add (HetPipe §5). on_receipt: the PS applied them
+  on receipt, so the pulled weights hold VW 0's waves beyond the global clock, and VW 0 must not add them twice.
+  Its final local weights and the final global weights must equal the sequential replay of its records (with their
+  vector clocks and the PS's log) on top of VW 1's given waves."""
   nm, num_waves = 2, 5
   n = nm * num_waves
   lag = staleness_bound
@@ -86,24 +90,32 @@ def test_pull_while_own_waves_are_unapplied_keeps_them(synthetic_data_dir, stale
 
   vw, source, params0, tx, server = build_vw(synthetic_data_dir, partition=TWO_STAGES, num_inflight=nm,
                                              staleness_bound=staleness_bound, optimizer=optax.sgd(0.05, momentum=0.9),
-                                             pull_every_wave=pull_every_wave, num_vws=2, client_factory=client_factory)
+                                             pull_every_wave=pull_every_wave, num_vws=2, client_factory=client_factory,
+                                             ps_apply=ps_apply)
   vw.run(n)
   client = vw.ps
-  # The case under test happened: pulls installed while VW 0 had pushed waves the PS had not applied.
-  assert any(pushed > clock for clock, pushed in client.pulls), client.pulls
+  if ps_apply == "clock_aligned":
+    # The case under test happened: pulls installed while VW 0 had pushed waves the PS had not applied.
+    assert any(pushed > vc[0] for vc, pushed in client.pulls), client.pulls
+  else:
+    # Every pulled copy holds all of VW 0's pushed waves, some beyond the global clock.
+    assert all(pushed == vc[0] for vc, pushed in client.pulls), client.pulls
+    assert any(vc[0] > min(vc) for vc, _ in client.pulls), client.pulls
   assert any(r.version_global_clock >= 1 for r in vw.records)
   records = [dataclasses.asdict(r) for r in vw.records]
   result = replay.replay(records, models.get_model("mlp_tiny"), params0, tx, [source], nm,
-                         fixed_waves=[client.peer_waves])
+                         fixed_waves=[client.peer_waves], applied_order=server.state.applied)
   layout = vw.layout
-  final_local = result.local_weights(0, vw.version.global_clock, vw.version.local_updates)
+  final_local = result.local_weights(0, vw.version.vector_clock, vw.version.local_updates)
   np.testing.assert_allclose(layout.flatten(vw.layer_params()), final_local, rtol=1e-5, atol=1e-6)
   client.finish()
   assert server.global_clock == num_waves
-  np.testing.assert_allclose(server.weights, result.global_weights(num_waves), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(server.weights, result.final_global_weights(server.state.applied), rtol=1e-5,
+                             atol=1e-6)
 
 
-def test_pull_installed_mid_wave_keeps_own_and_partial_waves(synthetic_data_dir):
+@pytest.mark.parametrize("ps_apply", ["clock_aligned", "on_receipt"])
+def test_pull_installed_mid_wave_keeps_own_and_partial_waves(synthetic_data_dir, ps_apply):
   """As above (D = 2, VW 1 one wave behind), with every pull reply held back until VW 0 is inside a wave: the
   installed weights must also keep the current partial wave's updates (minibatches completed, not yet pushed)."""
   nm, num_waves = 3, 5
@@ -118,26 +130,29 @@ def test_pull_installed_mid_wave_keeps_own_and_partial_waves(synthetic_data_dir)
 
   vw, source, params0, tx, server = build_vw(synthetic_data_dir, partition=TWO_STAGES, num_inflight=nm,
                                              staleness_bound=2, optimizer=optax.sgd(0.05, momentum=0.9),
-                                             num_vws=2, client_factory=client_factory)
+                                             num_vws=2, client_factory=client_factory, ps_apply=ps_apply)
   vw_box.append(vw)
   installs = []  # (pulled clock, own pushed waves, own minibatches completed in the current wave) at each install
   install = vw.install_pull
 
-  def logged_install(global_clock, flat):
-    installs.append((global_clock, len(vw.own_waves) and max(vw.own_waves) + 1, vw.version.local_updates % nm))
-    install(global_clock, flat)
+  def logged_install(vector_clock, flat):
+    installs.append((vector_clock, len(vw.own_waves) and max(vw.own_waves) + 1, vw.version.local_updates % nm))
+    install(vector_clock, flat)
 
   vw.install_pull = logged_install
   vw.run(n)
-  # The case under test happened: a pull installed inside a wave, with own pushed waves the PS had not applied.
-  assert any(pushed > clock and partial > 0 for clock, pushed, partial in installs), installs
+  # The case under test happened: a pull installed inside a wave, with own pushed waves beyond the global clock
+  # (clock_aligned: not in the pulled weights; on_receipt: in them).
+  assert any(pushed > min(vc) and partial > 0 for vc, pushed, partial in installs), installs
+  assert all((vc[0] == pushed) == (ps_apply == "on_receipt") or pushed == min(vc) for vc, pushed, _ in installs)
   records = [dataclasses.asdict(r) for r in vw.records]
   result = replay.replay(records, models.get_model("mlp_tiny"), params0, tx, [source], nm,
-                         fixed_waves=[vw.ps.peer_waves])
-  final_local = result.local_weights(0, vw.version.global_clock, vw.version.local_updates)
+                         fixed_waves=[vw.ps.peer_waves], applied_order=server.state.applied)
+  final_local = result.local_weights(0, vw.version.vector_clock, vw.version.local_updates)
   np.testing.assert_allclose(vw.layout.flatten(vw.layer_params()), final_local, rtol=1e-5, atol=1e-6)
   vw.ps.finish()
-  np.testing.assert_allclose(server.weights, result.global_weights(num_waves), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(server.weights, result.final_global_weights(server.state.applied), rtol=1e-5,
+                             atol=1e-6)
 
 
 def test_each_stage_function_compiles_once(synthetic_data_dir):

@@ -14,6 +14,7 @@ from hetpipe_jax.ps.transport import Kind, ProtocolError
 NUM_PARAMS = 7
 VW_ID = 2
 VW_RANK = VW_ID + 1  # rank r hosts VW r - 1; rank 0 is the PS
+NUM_VWS = 4
 ALL_KINDS = tuple(Kind)
 
 
@@ -205,7 +206,7 @@ def test_recv_payload_of_size_zero_receives_nothing():
 
 def test_client_push_sends_delta_then_metrics(fake_mpi):
   comm = FakeComm()
-  client = transport.MPIPSClient(comm, VW_ID, NUM_PARAMS)
+  client = transport.MPIPSClient(comm, VW_ID, NUM_PARAMS, NUM_VWS)
   delta = np.linspace(-1.0, 1.0, NUM_PARAMS)  # float64 in, float32 on the wire
   client.push(3, delta, loss_sum=2.5, num_minibatches=4)
   assert [(dest, tag) for dest, tag, _ in comm.sent] == [(0, transport.TAG_HEADER), (0, transport.TAG_DATA)] * 2
@@ -223,7 +224,7 @@ def test_client_push_sends_delta_then_metrics(fake_mpi):
 
 def test_client_pull_round_trip(fake_mpi):
   comm = FakeComm()
-  client = transport.MPIPSClient(comm, VW_ID, NUM_PARAMS)
+  client = transport.MPIPSClient(comm, VW_ID, NUM_PARAMS, NUM_VWS)
   assert client.poll_pull() is None  # nothing requested
   client.request_pull(5)
   assert len(comm.sent) == 1  # a header only, no payload
@@ -235,8 +236,9 @@ def test_client_pull_round_trip(fake_mpi):
   weights = np.arange(NUM_PARAMS, dtype=np.float32) / 4
   comm.inbox[(0, transport.TAG_HEADER)].append(transport.make_header(Kind.WEIGHTS, VW_ID, 8, NUM_PARAMS))
   comm.inbox[(0, transport.TAG_DATA)].append(weights)
+  comm.inbox[(0, transport.TAG_DATA)].append(np.array([9, 8, 11, 8], np.int64))  # the weights' vector clock
   clock, got = client.poll_pull()
-  assert clock == 8
+  assert clock == (9, 8, 11, 8)
   assert got.dtype == np.float32
   np.testing.assert_array_equal(got, weights)
   assert client.poll_pull() is None
@@ -251,21 +253,38 @@ def test_client_pull_round_trip(fake_mpi):
 ])
 def test_client_rejects_bad_reply(fake_mpi, reply, match):
   comm = FakeComm()
-  client = transport.MPIPSClient(comm, VW_ID, NUM_PARAMS)
+  client = transport.MPIPSClient(comm, VW_ID, NUM_PARAMS, NUM_VWS)
   client.request_pull(1)
   comm.inbox[(0, transport.TAG_HEADER)].append(reply)
   with pytest.raises(ProtocolError, match=match):
     client.poll_pull()
 
 
+def test_client_rejects_a_vector_clock_that_disagrees_with_the_global_clock(fake_mpi):
+  comm = FakeComm()
+  client = transport.MPIPSClient(comm, VW_ID, NUM_PARAMS, NUM_VWS)
+  client.request_pull(1)
+  comm.inbox[(0, transport.TAG_HEADER)].append(transport.make_header(Kind.WEIGHTS, VW_ID, 3, NUM_PARAMS))
+  comm.inbox[(0, transport.TAG_DATA)].append(np.zeros(NUM_PARAMS, np.float32))
+  comm.inbox[(0, transport.TAG_DATA)].append(np.array([4, 3, 5, 4], np.int64))  # min 3: fine
+  assert client.poll_pull()[0] == (4, 3, 5, 4)
+  client.request_pull(4)
+  comm.inbox[(0, transport.TAG_HEADER)].append(transport.make_header(Kind.WEIGHTS, VW_ID, 4, NUM_PARAMS))
+  comm.inbox[(0, transport.TAG_DATA)].append(np.zeros(NUM_PARAMS, np.float32))
+  comm.inbox[(0, transport.TAG_DATA)].append(np.array([5, 5, 5, 5], np.int64))  # min 5, header says 4
+  with pytest.raises(ProtocolError, match=r"global clock 4 carry vector clock \[5, 5, 5, 5\]"):
+    client.poll_pull()
+
+
 def test_client_finish_sends_report_and_waits(fake_mpi):
   comm = FakeComm(send_tests=3)  # every send needs three Test() calls
-  client = transport.MPIPSClient(comm, VW_ID, NUM_PARAMS)
+  client = transport.MPIPSClient(comm, VW_ID, NUM_PARAMS, NUM_VWS)
   client.push(0, np.zeros(NUM_PARAMS), 1.0, 2)
   client.request_pull(1)
   # The PS's reply to the pull is already on its way; finish must drain it.
   comm.inbox[(0, transport.TAG_HEADER)].append(transport.make_header(Kind.WEIGHTS, VW_ID, 1, NUM_PARAMS))
   comm.inbox[(0, transport.TAG_DATA)].append(np.ones(NUM_PARAMS, np.float32))
+  comm.inbox[(0, transport.TAG_DATA)].append(np.array([1, 1, 2, 1], np.int64))
   report = {"records": [1, 2], "vw": "é"}
   client.finish(4, report)
   assert all(r.done for r in comm.send_requests)

@@ -23,20 +23,77 @@ def test_waves_and_bound():
     assert wsp.may_inject(c, g, d) == all(w < g for w in range(0, c - d))
 
 
-def test_ps_state_applies_each_wave_once_in_order():
+def _random_pushes(rng, n, num_waves):
+  """A random interleaving of n VWs' pushes of waves 0..num_waves-1 (each VW in wave order)."""
+  pending = [0] * n
+  while any(p < num_waves for p in pending):
+    v = rng.choice([v for v in range(n) if pending[v] < num_waves])
+    yield v, pending[v]
+    pending[v] += 1
+
+
+def test_ps_state_clock_aligned_applies_each_wave_once_every_vw_pushed_it():
   rng = random.Random(0)
   for n in (1, 2, 3):
-    state = wsp.ParameterServerState(n)
-    pushes = [(v, w) for v in range(n) for w in range(5)]
-    pending = {v: 0 for v in range(n)}
+    state = wsp.ParameterServerState(n, "clock_aligned")
+    pushed = [0] * n
     applied = []
-    while any(pending[v] < 5 for v in range(n)):
-      v = rng.choice([v for v in range(n) if pending[v] < 5])
-      applied += state.push(v, pending[v])
-      pending[v] += 1
-      assert state.global_clock == min(pending.values())
-    assert sorted(applied) == sorted((w, v) for v, w in pushes)
-    assert applied == [(w, v) for w in range(5) for v in range(n)]
+    for v, w in _random_pushes(rng, n, 5):
+      applied += state.push(v, w)
+      pushed[v] += 1
+      assert state.global_clock == min(pushed)
+      # Definition: the global weights hold exactly every VW's waves below the global clock.
+      assert state.vector_clock() == (min(pushed),) * n
+    assert applied == [(w, v) for w in range(5) for v in range(n)] == state.applied
+
+
+def test_ps_state_on_receipt_applies_each_push_when_it_arrives():
+  """HetPipe §5: w_global += ũ on receipt; c_global = c + 1 only once every VW pushed wave c."""
+  rng = random.Random(1)
+  for n in (1, 2, 3, 4):
+    state = wsp.ParameterServerState(n)  # on_receipt is the default
+    assert state.ps_apply == "on_receipt"
+    pushed = [0] * n
+    arrivals = []
+    for v, w in _random_pushes(rng, n, 6):
+      assert state.push(v, w) == [(w, v)]  # applied at once
+      arrivals.append((w, v))
+      pushed[v] += 1
+      assert state.vector_clock() == tuple(pushed)  # the global weights hold every wave pushed so far
+      assert state.global_clock == min(pushed)
+    assert state.applied == arrivals  # the log is the arrival order
+
+
+def test_ps_modes_hold_the_same_waves_at_every_global_clock_and_on_receipt_more_in_between():
+  """Both modes agree on the global clock after every push; on_receipt's weights hold a superset of
+  clock_aligned's, strictly larger whenever some VW is ahead of the slowest (lower bound, not only upper)."""
+  rng = random.Random(2)
+  n = 3
+  on_receipt, aligned = wsp.ParameterServerState(n, "on_receipt"), wsp.ParameterServerState(n, "clock_aligned")
+  strictly_more = 0
+  for v, w in _random_pushes(rng, n, 8):
+    on_receipt.push(v, w)
+    aligned.push(v, w)
+    assert on_receipt.global_clock == aligned.global_clock
+    a, b = on_receipt.vector_clock(), aligned.vector_clock()
+    assert all(x >= y for x, y in zip(a, b))
+    ahead = max(a) > min(a)
+    assert (sum(a) > sum(b)) == ahead
+    strictly_more += ahead
+  assert strictly_more > 0
+
+
+def test_ps_apply_is_checked():
+  with pytest.raises(ValueError, match="ps_apply='sometimes' is not a PS application mode"):
+    wsp.ParameterServerState(2, "sometimes")
+  assert wsp.check_ps_apply("clock_aligned") == "clock_aligned"
+
+
+def test_extra_updates_counts_other_vws_waves_beyond_the_global_clock():
+  assert wsp.extra_updates((3, 5, 4), 0) == 2 + 1
+  assert wsp.extra_updates((3, 5, 4), 1) == 0 + 1  # its own waves are not extra updates of other workers
+  assert wsp.extra_updates((2, 2), 0) == 0
+  assert wsp.global_clock_of((3, 5, 4)) == 3
 
 
 def test_ps_state_rejects_duplicates_and_gaps():
@@ -50,15 +107,27 @@ def test_ps_state_rejects_duplicates_and_gaps():
     state.push(2, 0)
 
 
-def test_parameter_server_sums_waves_in_fixed_order():
-  ps = ParameterServer(np.zeros(3, np.float32), 2)
+def test_parameter_server_clock_aligned_sums_waves_in_fixed_order():
+  ps = ParameterServer(np.zeros(3, np.float32), 2, "clock_aligned")
   assert ps.push(1, 0, np.array([1, 2, 3], np.float32)) == 0  # held until VW 0 pushes wave 0
-  assert ps.snapshot()[0] == 0 and not ps.snapshot()[1].any()
+  assert ps.snapshot()[0] == (0, 0) and not ps.snapshot()[1].any()
   assert ps.push(0, 0, np.array([10, 20, 30], np.float32)) == 2
   clock, w = ps.snapshot()
-  assert clock == 1 and w.tolist() == [11, 22, 33]
+  assert clock == (1, 1) and w.tolist() == [11, 22, 33]
   with pytest.raises(ValueError, match="floats"):
     ps.push(0, 1, np.zeros(2, np.float32))
+
+
+def test_parameter_server_on_receipt_adds_each_update_when_it_arrives():
+  ps = ParameterServer(np.zeros(3, np.float32), 2)
+  assert ps.push(1, 0, np.array([1, 2, 3], np.float32)) == 1
+  vc, w = ps.snapshot()
+  assert vc == (0, 1) and ps.global_clock == 0 and w.tolist() == [1, 2, 3]
+  assert ps.push(1, 1, np.array([100, 0, 0], np.float32)) == 1  # VW 1 runs ahead: its wave 1 is applied too
+  assert ps.push(0, 0, np.array([10, 20, 30], np.float32)) == 1
+  vc, w = ps.snapshot()
+  assert vc == (1, 2) and ps.global_clock == 1 and w.tolist() == [111, 22, 33]
+  assert ps.state.applied == [(0, 1), (1, 1), (0, 0)]
 
 
 def test_vw_sync_state_paper_example():
@@ -127,7 +196,8 @@ def test_pending_pulls_are_served_in_arrival_order_once_the_clock_allows():
 
 
 def test_own_waves_after_pull_keeps_the_waves_the_ps_does_not_hold():
-  # Pulled weights of global clock g hold waves 0..g-1 of every VW: re-add own waves >= g, in wave order.
+  # Pulled weights holding the VW's own waves 0..k-1 (its vector-clock entry; g under clock_aligned): re-add its
+  # own waves >= k, in wave order.
   assert wsp.own_waves_after_pull({3: "a", 1: "b", 2: "c"}, 2) == [2, 3]
   assert wsp.own_waves_after_pull([0, 1], 2) == []
   assert wsp.own_waves_after_pull([4, 2, 3], 0) == [2, 3, 4]
@@ -179,8 +249,9 @@ def test_injection_step_at_the_staleness_bound_waits_and_requests_one_pull():
   assert wsp.injection_step(rules, sync, 8) == (range(0), None, False) and sync.pull_required is None
 
 
-def test_local_ps_client_answers_a_pending_pull_after_the_push_that_allows_it():
-  server = ParameterServer(np.zeros(2, np.float32), 2)
+@pytest.mark.parametrize("ps_apply", ["on_receipt", "clock_aligned"])
+def test_local_ps_client_answers_a_pending_pull_after_the_push_that_allows_it(ps_apply):
+  server = ParameterServer(np.zeros(2, np.float32), 2, ps_apply)
   clients = [LocalPSClient(server, v) for v in range(2)]
   assert clients[0].poll_pull() is None  # nothing requested
   clients[0].request_pull(1)
@@ -189,7 +260,10 @@ def test_local_ps_client_answers_a_pending_pull_after_the_push_that_allows_it():
   assert clients[0].poll_pull() is None  # global clock still 0
   clients[1].push(0, np.full(2, 2.0, np.float32), 1.0, 1)  # another VW's push serves VW 0's pull
   clock, weights = clients[0].poll_pull()
-  assert clock == 1 and weights.tolist() == [3.0, 3.0]
+  assert clock == (1, 1) and weights.tolist() == [3.0, 3.0]
   assert clients[0].poll_pull() is None  # answered once
-  clients[1].request_pull(1)  # answerable at once
-  assert clients[1].poll_pull()[0] == 1
+  clients[0].push(1, np.full(2, 10.0, np.float32), 1.0, 1)  # VW 0 runs a wave ahead
+  clients[1].request_pull(1)  # answerable at once; on receipt it also carries VW 0's wave 1
+  extra = ps_apply == "on_receipt"
+  assert clients[1].poll_pull()[0] == ((2, 1) if extra else (1, 1))
+  assert server.weights.tolist() == ([13.0, 13.0] if extra else [3.0, 3.0])

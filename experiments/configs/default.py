@@ -36,7 +36,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.emulate_plan = False  # True: the cost model's times for the plan's GPU types (needs config.plan)
   # HetPipe pipeline and WSP (HetPipe §4-§5).
   c.staleness_bound = 1  # D: a VW may run at most D waves ahead of the slowest
-  c.pull_every_wave = True  # also pull (without waiting) at every wave end; False: only when D forces it
+  # Pull policy. True (our refinement): also pull, without waiting, at every wave end, asking for what the next
+  # wave needs, so VWs in step never wait for a pull. False (HetPipe §5): pull only when the bound D requires it,
+  # at the end of a wave, and wait for the reply.
+  c.pull_every_wave = True
+  # How the PS applies wave updates. "on_receipt" (HetPipe §5): each VW's wave update is added to the global
+  # weights when it arrives, so pulls also see faster VWs' newer waves. "clock_aligned": wave c is added once every
+  # VW pushed it (deterministic order; an ablation).
+  c.ps_apply = "on_receipt"
   # Optimizer (optax), applied by every VW to its own minibatches.
   c.optimizer = "adam"  # "adam" | "sgd" | "momentum"
   c.learning_rate = 1e-3

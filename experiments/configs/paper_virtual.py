@@ -14,4 +14,8 @@ def get_config():
   c.plan = "experiments/plans/hetpipe_paper_cnn_b64_ed.json"
   c.emulate_plan = True  # task durations from the cost model for TITAN V / TITAN RTX / RTX 2060 / P4000
   c.staleness_bound = 1
+  # The paper's WSP (HetPipe §5): the PS applies wave updates on receipt and a VW pulls only when the staleness
+  # bound requires it (at the end of a wave, waiting for the reply).
+  c.ps_apply = "on_receipt"
+  c.pull_every_wave = False
   return c

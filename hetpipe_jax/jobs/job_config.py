@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from hetpipe_jax.paths import repo_path
 from hetpipe_jax.rules import partition as partition_rules
+from hetpipe_jax.rules import wsp
 from hetpipe_jax.rules.partition import Partition
 
 
@@ -123,6 +124,9 @@ def _check_scalars(config: Any) -> None:
       raise ConfigError(f"config.{name}={value}: must be >= 1{extra}, or leave it unset to take the plan's value")
   if config.staleness_bound < 0:
     raise ConfigError(f"config.staleness_bound={config.staleness_bound}: D must be >= 0 (0 = BSP with pipelining)")
+  if config.ps_apply not in wsp.PS_APPLY_MODES:
+    raise ConfigError(f"config.ps_apply={config.ps_apply!r} must be 'on_receipt' (HetPipe §5: the PS adds each wave "
+                      "update when it arrives) or 'clock_aligned' (a wave is added once every VW pushed it)")
   if config.batch_size < 1:
     raise ConfigError(f"config.batch_size={config.batch_size} must be >= 1")
   if config.platform not in ("cpu", "gpu"):

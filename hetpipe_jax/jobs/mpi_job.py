@@ -129,9 +129,10 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
   optimizer = make_optimizer(config, num_mb)
   stages = stages_lib.build_stages(spec, partition, devices, optimizer)
   source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
-  client = MPIPSClient(comm, vw_id, layout.num_params)
+  client = MPIPSClient(comm, vw_id, layout.num_params, settings.num_virtual_workers)
   vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, settings.num_inflight,
-                     settings.staleness_bound, client, source.get, pull_every_wave=config.pull_every_wave,
+                     settings.staleness_bound, client, source.get,
+                     num_virtual_workers=settings.num_virtual_workers, pull_every_wave=config.pull_every_wave,
                      task_time_s=task_times.task_duration_s if task_times else None)
   logging.info("[VW %d] %d stages %s on %s, %d minibatches", vw_id, len(stages), partition,
                [str(d) for d in devices], num_mb)
@@ -161,20 +162,21 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
   evaluator = Evaluator(spec, layout, dataset.test_images, dataset.test_labels, config.eval_batch_size,
                         jax.local_devices()[0])
   eval_every = eval_every_waves(config, settings, dataset.num_train)
-  server = ParameterServer(flat0, settings.num_virtual_workers)
+  server = ParameterServer(flat0, settings.num_virtual_workers, config.ps_apply)
   service = ParameterServerService(comm, server, num_minibatches_per_vw=num_mb, num_inflight=settings.num_inflight,
                                    evaluate=evaluator.evaluate, eval_every_waves=eval_every,
                                    log_every_waves=config.log_every_waves, log_metrics=outputs.log_metrics,
                                    progress=config.progress)
-  logging.info("[PS] %d VWs x %d minibatches (Nm=%d, D=%d), model %s with %d parameters", settings.num_virtual_workers,
-               num_mb, settings.num_inflight, settings.staleness_bound, spec.name, layout.num_params)
+  logging.info("[PS] %d VWs x %d minibatches (Nm=%d, D=%d, ps_apply=%s), model %s with %d parameters",
+               settings.num_virtual_workers, num_mb, settings.num_inflight, settings.staleness_bound, config.ps_apply,
+               spec.name, layout.num_params)
   t0 = time.perf_counter()
   service.run()
   wall = time.perf_counter() - t0
   final = evaluator.evaluate(server.weights)
   service.last_eval = final
   service.log_metrics(server.global_clock, evaluated=True)
-  outputs.write_minibatches(r for rep in service.reports.values() for r in rep["records"])
+  extra = outputs.write_minibatches(r for rep in service.reports.values() for r in rep["records"])
   applied = outputs.write_ps_applied(server.state.applied, settings.num_virtual_workers)
   if config.save_task_trace:
     _write_runtime_trace(service.reports, settings.num_inflight, outputs.dir)
@@ -197,9 +199,10 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
       "wall_time_s": wall,
       "minibatches_per_s": total / wall,
       "images_per_s": total * config.batch_size / wall,
-      **settings_summary(settings, partitions, config.batch_size),
+      **settings_summary(settings, partitions, config),
       "global_clock": server.global_clock,
       **applied,
+      **extra,
       "trace_counts": {str(vw): rep["trace_counts"] for vw, rep in sorted(service.reports.items())},
       "evaluations": service.evals,
       "per_vw": per_vw,

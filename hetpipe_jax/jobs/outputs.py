@@ -7,7 +7,8 @@ Runtime layer (json, orbax through :mod:`hetpipe_jax.jobs.checkpoint`, matplotli
   replaced by the value that ran, and where it came from);
 * ``metrics.jsonl``: one line per logged global-clock tick (loss, test accuracy when evaluated, times, rates);
 * ``minibatches.jsonl``: every minibatch's :class:`hetpipe_jax.rules.records.MinibatchRecord`;
-* ``ps_applied.jsonl``: the parameter server's wave applications in order (``wave_id``, ``vw_id``);
+* ``ps_applied.jsonl``: the parameter server's wave applications in order (``wave_id``, ``vw_id``): the arrival
+  order under ``ps_apply="on_receipt"``; with ``minibatches.jsonl``'s vector clocks it replays the run;
 * ``summary.json``: the run's results and the settings that ran (the application list only as a count and a check);
 * ``metrics.png``: loss and test accuracy against time and minibatches;
 * ``checkpoint/``: the final global weights (orbax).
@@ -20,6 +21,7 @@ import pathlib
 from typing import Any, Iterable, Mapping, Sequence
 
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, config_to_json, format_partitions
+from hetpipe_jax.rules import records as records_lib
 from hetpipe_jax.sim.engine_report import json_safe
 
 FINISHED_MARKERS = ("summary.json", "checkpoint")
@@ -33,7 +35,20 @@ def check_workdir(workdir: str | pathlib.Path) -> None:
 
 
 def applied_in_order(applied: Sequence[Sequence[int]], num_virtual_workers: int) -> bool:
-  """True when ``applied`` is ``(wave 0, VW 0..N-1), (wave 1, VW 0..N-1), ...``: every wave once, in order (§5)."""
+  """True when every VW's waves appear once each, in wave order (0, 1, 2, ...), and every VW has as many (§5).
+
+  Holds under both ``ps_apply`` modes; :func:`applied_clock_aligned` is the stricter order of ``clock_aligned``.
+  """
+  per_vw: list[list[int]] = [[] for _ in range(num_virtual_workers)]
+  for wave, vw in applied:
+    if not 0 <= vw < num_virtual_workers:
+      return False
+    per_vw[vw].append(int(wave))
+  return all(waves == list(range(len(per_vw[0]))) for waves in per_vw)
+
+
+def applied_clock_aligned(applied: Sequence[Sequence[int]], num_virtual_workers: int) -> bool:
+  """True when ``applied`` is ``(wave 0, VW 0..N-1), (wave 1, VW 0..N-1), ...`` (``ps_apply="clock_aligned"``)."""
   return [tuple(a) for a in applied] == [(w, v) for w in range(len(applied) // max(num_virtual_workers, 1))
                                          for v in range(num_virtual_workers)]
 
@@ -63,20 +78,24 @@ class RunOutputs:
     self._metrics.write(json.dumps(json_safe(dict(line))) + "\n")
     self._metrics.flush()
 
-  def write_minibatches(self, records: Iterable[Mapping[str, Any]]) -> None:
-    """Writes ``minibatches.jsonl``, sorted by (VW, minibatch)."""
+  def write_minibatches(self, records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Writes ``minibatches.jsonl``, sorted by (VW, minibatch); returns the summary's extra-update statistics
+    (:func:`hetpipe_jax.rules.records.extra_update_stats`)."""
     rows = sorted((dict(r) for r in records), key=lambda r: (r["vw_id"], r["minibatch_id"]))
     with open(self.dir / "minibatches.jsonl", "w", encoding="utf-8") as f:
       for r in rows:
         f.write(json.dumps(json_safe(r)) + "\n")
+    return {"extra_updates": records_lib.extra_update_stats(rows)}
 
   def write_ps_applied(self, applied: Sequence[Sequence[int]], num_virtual_workers: int) -> dict[str, Any]:
-    """Writes ``ps_applied.jsonl``; returns the summary fields (count, and whether the order is WSP's)."""
+    """Writes ``ps_applied.jsonl``; returns the summary fields: the count, whether each VW's waves were applied once
+    each in order, and whether the whole order is clock-aligned."""
     with open(self.dir / "ps_applied.jsonl", "w", encoding="utf-8") as f:
       for wave, vw in applied:
         f.write(json.dumps({"wave_id": int(wave), "vw_id": int(vw)}) + "\n")
     return {"applied_waves_count": len(applied),
-            "applied_waves_in_order": applied_in_order(applied, num_virtual_workers)}
+            "applied_waves_in_order": applied_in_order(applied, num_virtual_workers),
+            "applied_clock_aligned": applied_clock_aligned(applied, num_virtual_workers)}
 
   def save_checkpoint(self, layer_params: list[Any]) -> pathlib.Path:
     """Saves the final global weights in ``checkpoint/`` (orbax); returns its path."""
@@ -93,11 +112,11 @@ class RunOutputs:
 
 
 def settings_summary(settings: JobSettings, partitions: Sequence[Sequence[Sequence[int]]],
-                     batch_size: int) -> dict[str, Any]:
+                     config: Any) -> dict[str, Any]:
   """The settings that ran, as both jobs record them in ``summary.json`` (the same values as ``config.json``)."""
   return {
       "model": settings.model,
-      "batch_size": batch_size,
+      "batch_size": config.batch_size,
       "num_virtual_workers": settings.num_virtual_workers,
       "num_stages": settings.num_stages,
       "num_stages_per_vw": [len(p) for p in partitions],
@@ -106,6 +125,8 @@ def settings_summary(settings: JobSettings, partitions: Sequence[Sequence[Sequen
       "num_inflight": settings.num_inflight,
       "local_staleness": settings.num_inflight - 1,
       "staleness_bound": settings.staleness_bound,
+      "ps_apply": config.ps_apply,
+      "pull_every_wave": config.pull_every_wave,
       "plan": settings.plan is not None,
       "setting_sources": dict(settings.sources),
   }

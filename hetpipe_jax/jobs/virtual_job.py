@@ -55,7 +55,7 @@ def run(config: Any, settings: JobSettings, workdir: str) -> dict:
 
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(config.seed)))
   layout = ParamLayout.from_layer_params(params0)
-  server = ParameterServer(layout.flatten(params0), settings.num_virtual_workers)
+  server = ParameterServer(layout.flatten(params0), settings.num_virtual_workers, config.ps_apply)
   devices = jax.local_devices()
   outbox: dict = {}
   vws, next_device = [], 0
@@ -67,6 +67,7 @@ def run(config: Any, settings: JobSettings, workdir: str) -> dict:
     source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, v, config.batch_size, config.seed)
     vws.append(VirtualWorker(v, stages, layout, layout.unflatten(server.weights), optimizer, settings.num_inflight,
                              settings.staleness_bound, virtual_time.RecordingPSClient(v, outbox), source.get,
+                             num_virtual_workers=settings.num_virtual_workers,
                              pull_every_wave=config.pull_every_wave))
 
   evaluator = Evaluator(spec, layout, dataset.test_images, dataset.test_labels, config.eval_batch_size, devices[0])
@@ -111,7 +112,7 @@ def run(config: Any, settings: JobSettings, workdir: str) -> dict:
   total = num_mb * len(vws)
   outputs.log_metrics({"minibatches": total, "global_clock": server.global_clock, "loss": state["loss"],
                        "simulated_time_s": report.makespan_s, **final})
-  outputs.write_minibatches(r.__dict__ for vw in vws for r in vw.records)
+  extra = outputs.write_minibatches(r.__dict__ for vw in vws for r in vw.records)
   applied = outputs.write_ps_applied(server.state.applied, settings.num_virtual_workers)
   if config.save_task_trace:
     from hetpipe_jax.sim import gantt
@@ -133,9 +134,10 @@ def run(config: Any, settings: JobSettings, workdir: str) -> dict:
       "images_per_s": total * config.batch_size / report.makespan_s,
       "steady_minibatches_per_s": report.total_minibatches_per_s,
       "host_wall_time_s": host_s,
-      **settings_summary(settings, partitions, config.batch_size),
+      **settings_summary(settings, partitions, config),
       "global_clock": server.global_clock,
       **applied,
+      **extra,
       "evaluations": state["evals"],
       "wait_s": {str(v.vw_id): v.wait_s for v in report.vws},
       "idle_s": {str(v.vw_id): v.idle_s for v in report.vws},

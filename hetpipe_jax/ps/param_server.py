@@ -1,4 +1,4 @@
-"""The parameter server: global weights updated by whole waves under WSP (HetPipe §5).
+"""The parameter server: global weights updated by wave updates under WSP, on receipt or clock-aligned (HetPipe §5).
 
 Runtime layer (numpy only; the MPI loop lives in :mod:`hetpipe_jax.ps.service`). The bookkeeping (which waves are
 applied, the global clock, pending pulls) is the pure :class:`hetpipe_jax.rules.wsp.ParameterServerState`; this class
@@ -18,14 +18,19 @@ class ParameterServer:
   Args:
     initial_weights: W0, float32 ``[num_params]`` (copied).
     num_virtual_workers: N >= 1.
+    ps_apply: ``"on_receipt"`` (HetPipe §5, default): a pushed wave update is added to the global weights at once;
+      ``"clock_aligned"``: it is held until every VW has pushed that wave, then all N are added in VW order.
 
-  A pushed wave update is held until every VW has pushed that wave, then all N are added in VW order, so the global
-  weights at clock g are ``W0 + sum_{c<g} sum_v u[v, c]`` computed in one fixed order.
+  Either way the global weights are W0 plus the updates of ``state.applied``, added in that order (the order a
+  replay follows), and a copy is named by its vector clock (:meth:`snapshot`).
+
+  Raises:
+    ValueError: ``num_virtual_workers < 1`` or an unknown ``ps_apply``.
   """
 
-  def __init__(self, initial_weights: np.ndarray, num_virtual_workers: int):
+  def __init__(self, initial_weights: np.ndarray, num_virtual_workers: int, ps_apply: str = "on_receipt"):
     self.weights = np.array(initial_weights, dtype=np.float32, copy=True)
-    self.state = wsp.ParameterServerState(num_virtual_workers)
+    self.state = wsp.ParameterServerState(num_virtual_workers, ps_apply)
     self._pending: dict[tuple[int, int], np.ndarray] = {}
 
   @property
@@ -42,14 +47,17 @@ class ParameterServer:
       raise ValueError(f"VW {vw_id} pushed {delta.shape[0] if delta.ndim else 0} floats for wave {wave_id}; the "
                        f"model has {self.weights.size}")
     ready = self.state.push(vw_id, wave_id)
+    if ready == [(wave_id, vw_id)]:  # on receipt: no copy needed
+      self.weights += np.asarray(delta, np.float32)
+      return 1
     self._pending[(wave_id, vw_id)] = np.array(delta, np.float32, copy=True)
     for key in ready:
       self.weights += self._pending.pop(key)
     return len(ready)
 
-  def snapshot(self) -> tuple[int, np.ndarray]:
-    """``(global_clock, copy of the global weights)``."""
-    return self.global_clock, self.weights.copy()
+  def snapshot(self) -> tuple[tuple[int, ...], np.ndarray]:
+    """``(vector clock, copy of the global weights)``; the vector clock's minimum is the global clock."""
+    return self.state.vector_clock(), self.weights.copy()
 
 
 class LocalPSClient:

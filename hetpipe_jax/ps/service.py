@@ -1,7 +1,7 @@
 """Rank 0: the parameter server's MPI service loop: pushes, pulls, evaluation and metrics lines (HetPipe §5).
 
 Runtime layer. Polls for headers with ``Iprobe`` and sleeps when idle (MPICH's blocking receives spin, and the
-machine's cores belong to the VWs), applies whole waves through :class:`ParameterServer`, answers pulls once the
+machine's cores belong to the VWs), applies wave updates (on receipt, or clock-aligned) through :class:`ParameterServer`, answers pulls once the
 global clock allows (pending ones are kept by :class:`hetpipe_jax.rules.wsp.ParameterServerState`), evaluates the global
 weights every ``eval_every_waves`` clock ticks and writes ``metrics.jsonl`` lines through the run's
 :class:`~hetpipe_jax.jobs.outputs.RunOutputs`.
@@ -103,12 +103,15 @@ class ParameterServerService:
       self._bar.close()
 
   def _serve_pulls(self, vw_ids: list[int]) -> None:
-    """Sends the current global weights to each of ``vw_ids`` (pulls the PS state answers), in order."""
+    """Sends the current global weights and their vector clock to each of ``vw_ids`` (pulls the PS state answers),
+    in order."""
     for vw in vw_ids:
-      clock, weights = self.server.snapshot()
-      header = transport.make_header(Kind.WEIGHTS, vw, clock, weights.size)
+      vector_clock, weights = self.server.snapshot()
+      vc = np.array(vector_clock, np.int64)
+      header = transport.make_header(Kind.WEIGHTS, vw, self.server.global_clock, weights.size)
       self.sends.append((self.comm.Isend(header, dest=vw + 1, tag=transport.TAG_HEADER), header))
       self.sends.append((self.comm.Isend(weights, dest=vw + 1, tag=transport.TAG_DATA), weights))
+      self.sends.append((self.comm.Isend(vc, dest=vw + 1, tag=transport.TAG_DATA), vc))
 
   def _on_clock(self, clock: int) -> None:
     evaluated = False

@@ -10,9 +10,12 @@ kind       direction               ``wave`` field     payload
 PUSH       VW → PS                 wave id            float32 ``[num_params]``
 METRICS    VW → PS                 wave id            float64 ``[METRICS_SIZE]``
 PULL       VW → PS                 required clock     none
-WEIGHTS    PS → VW                 global clock       float32 ``[num_params]``
+WEIGHTS    PS → VW                 global clock       float32 ``[num_params]``, then int64 ``[N]``
 DONE       VW → PS                 waves done         uint8 JSON (records, stats)
 =========  ======================  =================  ==========================
+
+A WEIGHTS reply is followed by a second payload on ``TAG_DATA``: the weights' vector clock (per VW, how many of its
+waves they hold; HetPipe §5 under ``ps_apply="on_receipt"``), whose minimum must equal the header's global clock.
 """
 
 from __future__ import annotations
@@ -81,12 +84,13 @@ class MPIPSClient:
   until their requests complete.
   """
 
-  def __init__(self, comm, vw_id: int, num_params: int):
+  def __init__(self, comm, vw_id: int, num_params: int, num_virtual_workers: int):
     from mpi4py import MPI  # runtime-only dependency
     self._mpi = MPI
     self.comm = comm
     self.vw_id = vw_id
     self.num_params = num_params
+    self.num_virtual_workers = num_virtual_workers
     self._sends: list = []  # (request, buffer)
     self._pull_header: np.ndarray | None = None
     self._pull_request = None
@@ -124,7 +128,13 @@ class MPIPSClient:
     check_header(self._pull_header, 0, num_params=self.num_params, expect_kinds=(Kind.WEIGHTS,))
     weights = np.empty(self.num_params, np.float32)
     self.comm.Recv(weights, source=0, tag=TAG_DATA)
-    return int(self._pull_header[3]), weights
+    vector_clock = np.empty(self.num_virtual_workers, np.int64)
+    self.comm.Recv(vector_clock, source=0, tag=TAG_DATA)
+    clock = int(self._pull_header[3])
+    if int(vector_clock.min()) != clock or int(vector_clock.max()) < 0:
+      raise ProtocolError(f"WEIGHTS for VW {self.vw_id} at global clock {clock} carry vector clock "
+                          f"{vector_clock.tolist()} (its minimum must be the global clock)")
+    return tuple(int(c) for c in vector_clock), weights
 
   def finish(self, num_waves: int, report: dict) -> None:
     """Sends DONE with a JSON report and waits for every send to complete (a reply to a pull is drained)."""

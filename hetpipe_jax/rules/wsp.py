@@ -6,7 +6,15 @@ Planning layer: pure Python. Terms (see WORKSPACE.md glossary):
 * a VW's ``local_clock`` is the number of waves it has completed; at the end of wave c it pushes that wave's
   aggregated update and its local clock becomes c + 1;
 * the PS's ``global_clock`` is the minimum local clock over VWs; the global weights hold every VW's updates of
-  waves ``0..global_clock-1`` and nothing else (a wave is applied once every VW pushed it, in VW order);
+  waves ``0..global_clock-1`` and, under ``ps_apply="on_receipt"`` (the paper's WSP, the default), whatever later
+  waves faster VWs have already pushed: the PS adds each wave update to the global weights when it arrives (§5:
+  "When the parameter server receives the updates ũ from the virtual worker, the parameter server updates the
+  global version of the weights as w_global = w_global + ũ"). Under ``ps_apply="clock_aligned"`` (our
+  deterministic variant) a wave is applied only once every VW pushed it, in VW order, so the global weights hold
+  exactly waves ``0..global_clock-1``;
+* a *vector clock* says which updates a copy of the global weights holds: per VW, how many of its waves
+  (waves ``0..vc[v]-1``; each VW pushes in wave order, so the applied waves of a VW are always a prefix). Its
+  minimum is the global clock of the copy;
 * ``staleness_bound`` D: a VW with local clock c must use weights holding every VW's updates of waves
   ``0..c-D-1``, i.e. weights pulled at global clock >= c - D. D = 0 is BSP with pipelining.
 
@@ -24,9 +32,24 @@ its decisions and never advance the state).
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from hetpipe_jax.rules import schedule
+
+PS_APPLY_MODES = ("on_receipt", "clock_aligned")
+
+
+def check_ps_apply(ps_apply: str) -> str:
+  """Returns ``ps_apply`` if it names a PS application mode.
+
+  Raises:
+    ValueError: not one of :data:`PS_APPLY_MODES`.
+  """
+  if ps_apply not in PS_APPLY_MODES:
+    raise ValueError(f"ps_apply={ps_apply!r} is not a PS application mode: use 'on_receipt' (HetPipe §5, the PS "
+                     "adds each wave update when it arrives) or 'clock_aligned' (a wave is added once every VW "
+                     "pushed it)")
+  return ps_apply
 
 
 def wave_of(minibatch_id: int, num_inflight: int) -> int:
@@ -54,22 +77,35 @@ def clock_distance(local_clocks: list[int]) -> int:
   return max(local_clocks) - min(local_clocks)
 
 
-def own_waves_after_pull(own_waves: Iterable[int], global_clock: int) -> list[int]:
-  """The VW's own pushed waves to keep on top of pulled global weights of ``global_clock`` (HetPipe §5).
+def global_clock_of(vector_clock: Sequence[int]) -> int:
+  """The global clock a copy of the global weights guarantees: ``min_v vc[v]`` (every VW's waves below it)."""
+  return min(vector_clock)
 
-  The pulled weights hold every VW's waves ``0..global_clock-1``; the VW's own waves from ``global_clock`` on are
-  pushed but not yet applied at the PS, so the VW re-adds them (and its current partial wave, which it has not
-  pushed) to the pulled weights: local = global + own waves >= g + partial wave. Waves below ``global_clock`` are
-  dropped (the global weights hold them).
+
+def extra_updates(vector_clock: Sequence[int], vw_id: int) -> int:
+  """Waves of *other* VWs a copy holds beyond its global clock g: ``sum_{u != v} (vc[u] - g)`` (HetPipe §6's
+  "extra updates of other workers"; always 0 under ``clock_aligned``)."""
+  g = min(vector_clock)
+  return sum(c - g for u, c in enumerate(vector_clock) if u != vw_id)
+
+
+def own_waves_after_pull(own_waves: Iterable[int], own_waves_applied: int) -> list[int]:
+  """The VW's own pushed waves to keep on top of pulled global weights (HetPipe §5).
+
+  The pulled weights hold the VW's own waves ``0..own_waves_applied-1`` (its entry of the pull's vector clock;
+  the global clock under ``clock_aligned``, every wave it had pushed when the PS answered under ``on_receipt``).
+  Its later pushed waves are not applied at the PS yet, so the VW re-adds them (and its current partial wave,
+  which it has not pushed) to the pulled weights: local = global + own waves >= own_waves_applied + partial wave.
+  Waves below ``own_waves_applied`` are dropped (the global weights hold them).
 
   Args:
     own_waves: wave indices of the own pushed updates the VW still holds (any order).
-    global_clock: g, the global clock of the pulled weights.
+    own_waves_applied: how many of the VW's own waves the pulled weights hold.
 
   Returns:
     The waves to keep, ascending (the order they are re-added in).
   """
-  return sorted(c for c in own_waves if c >= global_clock)
+  return sorted(c for c in own_waves if c >= own_waves_applied)
 
 
 @dataclasses.dataclass
@@ -78,18 +114,26 @@ class ParameterServerState:
 
   Args:
     num_virtual_workers: N >= 1.
+    ps_apply: ``"on_receipt"`` (HetPipe §5; default): a pushed wave is applied at once, so the global weights also
+      hold faster VWs' newer waves; ``"clock_aligned"``: wave c is applied once every VW pushed it, VWs in order.
 
-  The caller adds each wave update returned by :meth:`push` to the global weights in the returned order, which is
-  deterministic (wave by wave, VW 0..N-1 within a wave), so the global weights at clock g are always
-  ``W0 + sum_{c<g} sum_v u[v, c]`` with the same floating-point order.
+  The caller adds each wave update returned by :meth:`push` to the global weights in the returned order; the
+  whole order is kept in ``applied`` (the log a replay follows). Any copy of the global weights is
+  ``W0 + the first sum(vc) entries of applied``, named by its vector clock vc (:meth:`vector_clock`). The global
+  clock (``min_v`` of VW v's pushed waves) moves the same way under both modes.
 
   Pulls: :meth:`request_pull` when a VW's request arrives (answer now, or keep it pending); after every push,
   :meth:`serve_pending_pulls` names the pending VWs to answer now, in the order their requests arrived. The MPI
   service, the engine and the in-process client all keep their pending pulls here.
+
+  Raises:
+    ValueError: ``num_virtual_workers < 1`` or an unknown ``ps_apply``.
   """
 
   num_virtual_workers: int
+  ps_apply: str = "on_receipt"
   pushed_waves: list[int] = dataclasses.field(default_factory=list)  # per VW: waves pushed (= its local clock)
+  applied_waves: list[int] = dataclasses.field(default_factory=list)  # per VW: waves in the global weights
   global_clock: int = 0
   applied: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (wave, vw) in application order
   # vw -> required global clock of its unanswered pull, in the order the requests arrived (at most one per VW).
@@ -98,11 +142,16 @@ class ParameterServerState:
   def __post_init__(self):
     if self.num_virtual_workers < 1:
       raise ValueError(f"num_virtual_workers must be >= 1, got {self.num_virtual_workers}")
+    check_ps_apply(self.ps_apply)
     if not self.pushed_waves:
       self.pushed_waves = [0] * self.num_virtual_workers
+    if not self.applied_waves:
+      self.applied_waves = [0] * self.num_virtual_workers
 
   def push(self, vw_id: int, wave_id: int) -> list[tuple[int, int]]:
-    """Records VW ``vw_id``'s update of ``wave_id``; returns the (wave, vw) updates that now become applicable.
+    """Records VW ``vw_id``'s update of ``wave_id``; returns the (wave, vw) updates to apply now, in order.
+
+    ``on_receipt``: just this one. ``clock_aligned``: every VW's update of each wave that every VW has now pushed.
 
     Raises:
       ValueError: unknown VW, or a wave pushed twice or out of order (each wave is pushed exactly once, in order).
@@ -111,14 +160,27 @@ class ParameterServerState:
       raise ValueError(f"push from unknown VW {vw_id} (have {self.num_virtual_workers})")
     if wave_id != self.pushed_waves[vw_id]:
       raise ValueError(f"VW {vw_id} pushed wave {wave_id}, expected wave {self.pushed_waves[vw_id]}")
-    self.pushed_waves[vw_id] += 1
-    ready = []
-    while min(self.pushed_waves) > self.global_clock:
-      wave = self.global_clock
-      ready.extend((wave, v) for v in range(self.num_virtual_workers))
-      self.global_clock += 1
+    pushed = self.pushed_waves
+    pushed[vw_id] += 1
+    if self.ps_apply == "on_receipt":
+      ready = [(wave_id, vw_id)]
+      self.applied_waves[vw_id] += 1
+      if wave_id == self.global_clock:
+        self.global_clock = min(pushed)
+    else:
+      ready = []
+      while min(pushed) > self.global_clock:
+        wave = self.global_clock
+        ready.extend((wave, v) for v in range(self.num_virtual_workers))
+        self.global_clock += 1
+      if ready:
+        self.applied_waves = [self.global_clock] * self.num_virtual_workers
     self.applied.extend(ready)
     return ready
+
+  def vector_clock(self) -> tuple[int, ...]:
+    """Per VW, how many of its waves the global weights hold now (``min`` = the global clock)."""
+    return tuple(self.applied_waves)
 
   def can_serve_pull(self, required_clock: int) -> bool:
     """True when the global weights include waves ``0..required_clock-1``."""

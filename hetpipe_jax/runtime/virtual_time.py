@@ -68,7 +68,8 @@ class VirtualTimeHooks:
     self.outbox = outbox
     self.on_clock = on_clock
     self.inflight: list[dict] = [{} for _ in vws]
-    self.snapshots: dict[int, np.ndarray] = {0: server.weights.copy()}  # global weights by clock, for pulls
+    # Per VW, the global weights its answered pull carries (taken when the PS answers; one pull outstanding per VW).
+    self.replies: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
     self.losses: list[tuple[int, float, int]] = []  # (vw, loss sum, minibatches) of applied waves
 
   def on_inject(self, vw_id: int, minibatch_id: int, t: float) -> None:
@@ -91,19 +92,23 @@ class VirtualTimeHooks:
     self.server.push(vw_id, wave_id, delta)
     self.losses.append((vw_id, loss_sum, count))
     for clock in range(before + 1, self.server.global_clock + 1):
-      self.snapshots[clock] = self.server.weights.copy()
       if self.on_clock is not None:
         self.on_clock(clock, t, self.losses)
         self.losses = []
-    # A reply still in flight carries a clock >= its VW's installed clock (the engine's state, shared with the VW);
-    # older snapshots are unreachable.
-    oldest = min(vw.sync.weights_global_clock for vw in self.vws)
-    for clock in [c for c in self.snapshots if c < oldest]:
-      del self.snapshots[clock]
 
-  def on_pull_reply(self, vw_id: int, global_clock: int, t: float) -> None:
+  def on_pull_sent(self, vw_id: int, vector_clock: tuple[int, ...], t: float) -> None:
     del t
-    self.vws[vw_id].install_pull(global_clock, self.snapshots[global_clock])
+    got, weights = self.server.snapshot()
+    if got != tuple(vector_clock):
+      raise AssertionError(f"the engine's PS answers VW {vw_id} with vector clock {list(vector_clock)}, the "
+                           f"in-process PS holds {list(got)}")
+    self.replies[vw_id] = (got, weights)
+
+  def on_pull_reply(self, vw_id: int, vector_clock: tuple[int, ...], t: float) -> None:
+    del t
+    got, weights = self.replies.pop(vw_id)
+    assert got == tuple(vector_clock), (vw_id, got, vector_clock)
+    self.vws[vw_id].install_pull(got, weights)
 
 
 def run(vws: Sequence[VirtualWorker], server: ParameterServer, outbox: dict, task_times: Sequence[VWTaskTimes],
@@ -111,7 +116,8 @@ def run(vws: Sequence[VirtualWorker], server: ParameterServer, outbox: dict, tas
         on_clock: Callable[[int, float, list], None] | None = None) -> tuple[engine_lib.EngineReport, float]:
   """Runs every VW for ``num_waves`` waves in simulated time; returns the engine's report and host seconds.
 
-  The engine drives each VW's own ``sync`` state (module docstring).
+  The engine drives each VW's own ``sync`` state (module docstring) and applies pushes as ``server`` does
+  (``server.state.ps_apply``), so the engine's PS and the in-process one hold the same updates at every event.
 
   Raises:
     ValueError: the VWs, task times and Nm do not agree, or a VW's sync state disagrees with ``staleness_bound``
@@ -121,7 +127,8 @@ def run(vws: Sequence[VirtualWorker], server: ParameterServer, outbox: dict, tas
     raise ValueError(f"{len(vws)} virtual workers but {len(task_times)} task-time entries")
   num_inflight = vws[0].num_inflight
   config = engine_lib.EngineConfig(num_waves=num_waves, num_inflight=num_inflight, staleness_bound=staleness_bound,
-                                   pull_every_wave=pull_every_wave, records=True)
+                                   pull_every_wave=pull_every_wave, records=True,
+                                   ps_apply=server.state.ps_apply)
   hooks = VirtualTimeHooks(vws, server, outbox, on_clock)
   t0 = time.perf_counter()
   report = engine_lib.run(task_times, config, hooks=hooks, sync_states=[vw.sync for vw in vws])

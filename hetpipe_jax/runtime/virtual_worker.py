@@ -53,8 +53,12 @@ class PSClient(Protocol):
   def request_pull(self, required_clock: int) -> None:
     """Asks for the global weights once the global clock is >= ``required_clock``."""
 
-  def poll_pull(self) -> tuple[int, np.ndarray] | None:
-    """Non-blocking: ``(global_clock, float32 [num_params])`` if a pull reply arrived, else None."""
+  def poll_pull(self) -> tuple[tuple[int, ...], np.ndarray] | None:
+    """Non-blocking: ``(vector clock, float32 [num_params])`` if a pull reply arrived, else None.
+
+    The vector clock has one entry per VW (how many of its waves the weights hold); its minimum is the global
+    clock.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +68,20 @@ class WeightVersion:
   Attributes:
     params: per stage, that stage's per-layer params on its device.
     local_updates: how many of this VW's own minibatch updates it includes (minibatches ``0..local_updates-1``).
-    global_clock: the global clock of the last pulled global weights it includes (every VW's waves
-      ``0..global_clock-1``).
+    vector_clock: per VW, how many of its waves the last pulled global weights hold (HetPipe §5; entries above
+      the minimum are extra updates, under ``ps_apply="on_receipt"``).
     version_id: increments on every change.
   """
 
   params: tuple
   local_updates: int
-  global_clock: int
+  vector_clock: tuple[int, ...]
   version_id: int
+
+  @property
+  def global_clock(self) -> int:
+    """The guaranteed global clock: every VW's waves ``0..global_clock-1`` are included."""
+    return min(self.vector_clock)
 
 
 @dataclasses.dataclass
@@ -123,6 +132,7 @@ class VirtualWorker:
     staleness_bound: D >= 0.
     ps: the parameter-server client.
     get_minibatch: ``minibatch_id -> (images [b, ...] float32, labels [b] int32)`` numpy arrays.
+    num_virtual_workers: N, the length of the pulled weights' vector clocks.
     pull_every_wave: also pull (without waiting) at every wave end; False pulls only when the bound forces it.
     poll_interval_s: the longest the scheduler blocks waiting for a completion before polling the PS again.
     on_minibatch: optional callback ``(MinibatchRecord) -> None`` for each completed minibatch, called at its
@@ -133,15 +143,19 @@ class VirtualWorker:
       cluster in wall time; real work that takes longer is counted in ``VWStats.num_overruns`` / ``overrun_s``.
 
   Raises:
-    ValueError: ``num_inflight < 1`` or ``staleness_bound < 0``.
+    ValueError: ``num_inflight < 1``, ``staleness_bound < 0``, or ``vw_id`` not in ``[0, num_virtual_workers)``.
   """
 
   def __init__(self, vw_id: int, stages: Sequence[Stage], layout: ParamLayout, initial_layer_params: Sequence[Any],
                optimizer: optax.GradientTransformation, num_inflight: int, staleness_bound: int, ps: PSClient,
-               get_minibatch: Callable[[int], tuple[np.ndarray, np.ndarray]], pull_every_wave: bool = True,
+               get_minibatch: Callable[[int], tuple[np.ndarray, np.ndarray]], *, num_virtual_workers: int,
+               pull_every_wave: bool = True,
                poll_interval_s: float = 1e-3, on_minibatch: Callable[[MinibatchRecord], None] | None = None,
                task_time_s: Callable[[Task], float] | None = None):
     self.sync = wsp.VWSyncState(num_inflight, staleness_bound, pull_every_wave)  # validates Nm and D
+    if not 0 <= vw_id < num_virtual_workers:
+      raise ValueError(f"vw_id={vw_id} must be in [0, num_virtual_workers={num_virtual_workers})")
+    self.num_virtual_workers = num_virtual_workers
     self.vw_id = vw_id
     self.stages = list(stages)
     self.layout = layout
@@ -161,7 +175,7 @@ class VirtualWorker:
     # Compile the update and the rebase now, not at the first completion / pull (a stall inside wave 1).
     jax.block_until_ready([(st.update(p, o, z, z), st.add(p, z))
                            for st, p, o, z in zip(self.stages, params, self.opt_states, self._zeros)])
-    self.version = WeightVersion(params, 0, 0, 0)
+    self.version = WeightVersion(params, 0, (0,) * num_virtual_workers, 0)
     self.wave_delta = list(self._zeros)
     self.own_waves: dict[int, list] = {}  # wave -> per-stage delta, own waves not yet in pulled global weights
     self.records: list[MinibatchRecord] = []
@@ -174,10 +188,10 @@ class VirtualWorker:
     start, end = st.layer_range
     return jax.device_put(list(layer_params[start:end]), st.device)
 
-  def _new_version(self, params, *, local_updates=None, global_clock=None) -> WeightVersion:
+  def _new_version(self, params, *, local_updates=None, vector_clock=None) -> WeightVersion:
     v = self.version
     return WeightVersion(tuple(params), v.local_updates if local_updates is None else local_updates,
-                         v.global_clock if global_clock is None else global_clock, v.version_id + 1)
+                         v.vector_clock if vector_clock is None else tuple(vector_clock), v.version_id + 1)
 
   # ---------------------------------------------------------------- main loop
   def run(self, num_minibatches: int) -> VWStats:
@@ -209,7 +223,7 @@ class VirtualWorker:
           reply = self.ps.poll_pull()
           if reply is not None:
             t = time.perf_counter()
-            self.sync.on_pull_reply(reply[0])
+            self.sync.on_pull_reply(wsp.global_clock_of(reply[0]))
             self.install_pull(*reply)
             stats.sync_s += time.perf_counter() - t
           # 2. Completions (each stage reports in its own order; the queue keeps completion order).
@@ -293,7 +307,7 @@ class VirtualWorker:
     first, last = self.stages[0], self.stages[-1]
     v = self.version
     rec = MinibatchRecord(self.vw_id, p, wsp.wave_of(p, self.num_inflight), self.sync.local_clock, v.version_id,
-                          v.local_updates, v.global_clock, now)
+                          v.local_updates, v.global_clock, v.vector_clock, now)
     self.records.append(rec)
     x = jax.device_put(images, first.device)
     y = jax.device_put(labels, last.device)
@@ -374,18 +388,24 @@ class VirtualWorker:
     self.own_waves[wave_id] = self.wave_delta
     self.wave_delta = list(self._zeros)
 
-  def install_pull(self, global_clock: int, flat: np.ndarray) -> None:
+  def install_pull(self, vector_clock: Sequence[int], flat: np.ndarray) -> None:
     """Local weights := pulled global weights + own updates the global weights do not hold yet.
 
-    The own waves kept are :func:`hetpipe_jax.rules.wsp.own_waves_after_pull`'s, then the current partial wave. An
-    action: the driver calls ``sync.on_pull_reply``.
+    The own waves kept are :func:`hetpipe_jax.rules.wsp.own_waves_after_pull`'s (those beyond the vector clock's own
+    entry), then the current partial wave. An action: the driver calls ``sync.on_pull_reply``.
 
     Args:
-      global_clock: the pulled weights' global clock.
+      vector_clock: the pulled weights' vector clock (per VW, how many of its waves they hold).
       flat: the pulled global weights, float32 ``[num_params]``.
+
+    Raises:
+      ValueError: the vector clock does not have one entry per VW.
     """
+    if len(vector_clock) != self.num_virtual_workers:
+      raise ValueError(f"[VW {self.vw_id}] pulled weights with vector clock {list(vector_clock)}: expected "
+                       f"{self.num_virtual_workers} entries")
     self.stats.num_pulls += 1
-    keep = wsp.own_waves_after_pull(self.own_waves, global_clock)
+    keep = wsp.own_waves_after_pull(self.own_waves, vector_clock[self.vw_id])
     self.own_waves = {c: self.own_waves[c] for c in keep}
     params = []
     for s, st in enumerate(self.stages):
@@ -394,9 +414,9 @@ class VirtualWorker:
       for c in keep:
         p = st.add(p, self.own_waves[c][s])
       params.append(st.add(p, self.wave_delta[s]))
-    self.version = self._new_version(params, global_clock=global_clock)
-    logging.log_every_n_seconds(logging.INFO, "[VW %d] pulled global clock %d (local clock %d)", 10, self.vw_id,
-                                global_clock, self.sync.local_clock)
+    self.version = self._new_version(params, vector_clock=vector_clock)
+    logging.log_every_n_seconds(logging.INFO, "[VW %d] pulled global clock %d, vector clock %s (local clock %d)", 10,
+                                self.vw_id, self.version.global_clock, list(vector_clock), self.sync.local_clock)
 
   # ---------------------------------------------------------------- results
   def layer_params(self) -> list[Any]:

@@ -12,10 +12,13 @@ push and pull), and one :class:`wsp.ParameterServerState` for the PS. Only time 
 * a minibatch completes when its backward on stage 0 ends; then the VW's weights update, and at a wave end the VW
   sends the wave's push, which arrives at the PS ``push_s`` later, and (``pull_every_wave``) a non-waiting pull
   request;
+* the PS applies a push when it arrives (``ps_apply="on_receipt"``, HetPipe §5) or once every VW pushed that wave
+  (``"clock_aligned"``), through ``ParameterServerState.push``;
 * a pull request is a tiny message on the same ordered channel as the VW's pushes, so it reaches the PS no earlier
   than the VW's last push; the PS answers it at once or keeps it pending (``ParameterServerState.request_pull``,
   then ``serve_pending_pulls`` after each push that advances the global clock, in arrival order); the reply (the
-  global weights) arrives ``pull_s`` later and is installed (``VWSyncState.on_pull_reply``);
+  global weights as they are when it is answered, named by their vector clock) arrives ``pull_s`` later and is
+  installed (``VWSyncState.on_pull_reply``);
 * minibatches are injected by ``wsp.injection_step`` (Nm in flight, the run's length, the WSP gate and the pull
   it requests), re-run whenever its inputs can change (a minibatch completes, a pull reply arrives).
 
@@ -38,9 +41,10 @@ virtual time, ties in the order they were created. Within one event:
    push is sent; then any pull request is sent; then ``on_inject(vw_id, minibatch_id, t)`` per injection; then
    ``on_task_start(vw_id, task, t)`` per stage that starts a task (stage order).
 3. A push arrives at the PS: ``on_push(vw_id, wave_id, t_arrival)``, then the PS applies it
-   (``ParameterServerState.push``) and answers the pulls it can now serve.
-4. A pull reply arrives: ``on_pull_reply(vw_id, global_clock, t)``, then ``VWSyncState.on_pull_reply``, then
-   ``on_inject`` / ``on_task_start`` as in 2.
+   (``ParameterServerState.push``) and answers the pulls it can now serve: ``on_pull_sent(vw_id, vector_clock, t)``
+   per answered pull, in the order the requests arrived (also when a pull request arrives and is answered at once).
+4. A pull reply arrives: ``on_pull_reply(vw_id, vector_clock, t)`` (the vector clock of the weights as they were
+   when the PS answered), then ``VWSyncState.on_pull_reply``, then ``on_inject`` / ``on_task_start`` as in 2.
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ from hetpipe_jax.sim.task_times import VWTaskTimes
 _TASK_END, _PUSH_ARRIVAL, _PULL_REQUEST, _PULL_REPLY = 0, 1, 2, 3
 _BACKWARD = TaskKind.BACKWARD
 _FORWARD = TaskKind.FORWARD
-_HOOK_NAMES = ("on_inject", "on_task_start", "on_minibatch_complete", "on_wave_end", "on_push", "on_pull_reply")
+_HOOK_NAMES = ("on_inject", "on_task_start", "on_minibatch_complete", "on_wave_end", "on_push", "on_pull_sent",
+               "on_pull_reply")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +77,9 @@ class EngineConfig:
     num_waves: waves each VW trains (``num_waves * num_inflight`` minibatches).
     num_inflight: Nm, minibatches in flight per VW (= per wave), HetPipe §4.
     staleness_bound: D >= 0, HetPipe §5.
-    pull_every_wave: pull without waiting at every wave end (as the runtime's default).
+    pull_every_wave: pull without waiting at every wave end (our refinement); False pulls only when the staleness
+      bound requires it, at the wave end, and waits (HetPipe §5's policy).
+    ps_apply: ``"on_receipt"`` (HetPipe §5: the PS adds a wave update when it arrives) or ``"clock_aligned"``.
     records: keep per-minibatch records, per-task events, PS waits and the PS's application order; False is the
       timing-only mode.
     ps_link_contention: serialise all pushes and pull replies on one shared PS link (module docstring).
@@ -84,8 +91,10 @@ class EngineConfig:
   pull_every_wave: bool = True
   records: bool = True
   ps_link_contention: bool = False
+  ps_apply: str = "on_receipt"
 
   def __post_init__(self):
+    wsp.check_ps_apply(self.ps_apply)
     if self.num_waves < 1:
       raise ValueError(f"num_waves must be >= 1, got {self.num_waves}")
     if self.num_inflight < 1:
@@ -99,9 +108,10 @@ class _VW:
 
   __slots__ = ("vw_id", "times", "rules", "sync", "num_stages", "total", "dur_fwd", "dur_bwd", "queued", "running",
                "started", "busy_s", "num_tasks", "active", "idle_since", "idle_s", "wait_since", "wait_s",
-               "completions", "version_id", "num_pushes", "num_pulls", "last_push_arrival", "records")
+               "completions", "version_id", "num_pushes", "num_pulls", "last_push_arrival", "records", "vector_clock")
 
-  def __init__(self, vw_id: int, times: VWTaskTimes, config: EngineConfig, sync: wsp.VWSyncState | None):
+  def __init__(self, vw_id: int, times: VWTaskTimes, config: EngineConfig, sync: wsp.VWSyncState | None,
+               num_vws: int):
     s_count = times.num_stages
     self.vw_id = vw_id
     self.times = times
@@ -133,6 +143,7 @@ class _VW:
     self.num_pulls = 0
     self.last_push_arrival = 0.0
     self.records: dict[int, MinibatchRecord] = {}
+    self.vector_clock = (0,) * num_vws  # of the installed pulled weights
 
 
 def _check_sync_states(sync_states: Sequence[wsp.VWSyncState], num_vws: int, config: EngineConfig) -> None:
@@ -177,13 +188,13 @@ class Engine:
       sync_states = [None] * len(task_times)
     else:
       _check_sync_states(sync_states, len(task_times), config)
-    self.vws = [_VW(v, t, config, sync) for v, (t, sync) in enumerate(zip(task_times, sync_states))]
+    self.vws = [_VW(v, t, config, sync, len(task_times)) for v, (t, sync) in enumerate(zip(task_times, sync_states))]
     if gpu_ids is None:
       gpu_ids = [[f"vw{v}/s{s}" for s in range(w.num_stages)] for v, w in enumerate(self.vws)]
     if len(gpu_ids) != len(self.vws) or any(len(g) != w.num_stages for g, w in zip(gpu_ids, self.vws)):
       raise ValueError("gpu_ids must list one name per stage of every virtual worker")
     self.gpu_ids = [list(g) for g in gpu_ids]
-    self.ps = wsp.ParameterServerState(len(self.vws))
+    self.ps = wsp.ParameterServerState(len(self.vws), config.ps_apply)
     self.hooks = {name: getattr(hooks, name, None) for name in _HOOK_NAMES}
     self._heap: list = []
     self._seq = 0
@@ -213,7 +224,11 @@ class Engine:
     self._push_event(max(t, vw.last_push_arrival), _PULL_REQUEST, vw.vw_id, required)
 
   def _send_pull_reply(self, v: int, t: float) -> None:
-    self._push_event(self._ps_transfer_arrival(t, self.vws[v].times.pull_s), _PULL_REPLY, v, self.ps.global_clock)
+    vector_clock = self.ps.vector_clock()
+    hook = self.hooks["on_pull_sent"]
+    if hook is not None:
+      hook(v, vector_clock, t)
+    self._push_event(self._ps_transfer_arrival(t, self.vws[v].times.pull_s), _PULL_REPLY, v, vector_clock)
 
   def _try_inject(self, vw: _VW, t: float) -> None:
     """Runs the VW's injection step (``wsp.injection_step``) and accounts for its outcome at time ``t``."""
@@ -240,7 +255,8 @@ class Engine:
       rules, sync = vw.rules, vw.sync
       for p in injected:
         vw.records[p] = MinibatchRecord(vw.vw_id, p, wsp.wave_of(p, rules.num_inflight), sync.local_clock,
-                                        vw.version_id, rules.num_completed, sync.weights_global_clock, t)
+                                        vw.version_id, rules.num_completed, sync.weights_global_clock,
+                                        vw.vector_clock, t)
     if on_inject is not None:
       for p in injected:
         on_inject(vw.vw_id, p, t)
@@ -349,7 +365,8 @@ class Engine:
         hook = self.hooks["on_pull_reply"]
         if hook is not None:
           hook(v, arg, t)
-        vw.sync.on_pull_reply(arg)
+        vw.sync.on_pull_reply(min(arg))
+        vw.vector_clock = arg
         vw.version_id += 1
         vw.num_pulls += 1
         self._try_inject(vw, t)
