@@ -79,3 +79,35 @@ def test_validate_engine_smoke(tmp_path):
     assert rates["total_mb_per_s"] > 0 and not rates["total_is_sum_of_per_vw"], side
   assert _finite(row["error_pct"], *row["per_vw_error_pct"], row["measured"]["job_wall_s"])
   assert row["case"]["name"] in proc.stdout  # the table
+
+
+@pytest.mark.mpi
+def test_wsp_study_smoke(tmp_path, synthetic_data_dir):
+  out = tmp_path / "study"
+  proc = _run(["experiments/wsp_study.py", "--smoke", f"--data_dir={synthetic_data_dir}", f"--output_dir={out}"],
+              timeout=240)
+  result = json.loads(proc.stdout)
+  assert result == json.loads((out / "wsp_study.json").read_text())
+  assert (out / "wsp_study.png").stat().st_size > 5_000 and "| on_receipt |" in (out / "wsp_study.md").read_text()
+  assert set(result["cases"]) == {"default", "het3_d2"}
+  for name, case in result["cases"].items():
+    engine_rows = case["engine"]
+    assert {(r["ps_apply"], r["pull_every_wave"]) for r in engine_rows} == {
+        (a, p) for a in ("on_receipt", "clock_aligned") for p in (True, False)}
+    for r in engine_rows:
+      assert _finite(r["predicted_minibatches_per_s"], r["fraction_with_extra_updates"]) and r["num_waves"] == 10
+      if r["ps_apply"] == "clock_aligned":
+        assert r["minibatches_with_extra_updates"] == 0
+    trained = {r["ps_apply"]: r for r in case["trained"]}
+    assert set(trained) == {"on_receipt", "clock_aligned"}
+    assert trained["clock_aligned"]["minibatches_with_extra_updates"] == 0
+    for mode, r in trained.items():  # each run's own summary and config say the mode that ran
+      summary = json.loads((out / f"{name}-{mode}" / "summary.json").read_text())
+      config = json.loads((out / f"{name}-{mode}" / "config.json").read_text())
+      assert summary["ps_apply"] == config["ps_apply"] == mode
+      assert r["test_accuracy"] == summary["test_accuracy"]
+  het = result["cases"]["het3_d2"]
+  assert {r["mode"] for r in het["trained"]} == {"virtual"} and het["trained"][0]["num_virtual_workers"] == 3
+  # 3 VWs at 1x / 1.5x / 3x with D = 2: the fast VWs' newer waves reach the others' weights on receipt.
+  assert next(r for r in het["trained"] if r["ps_apply"] == "on_receipt")["minibatches_with_extra_updates"] > 0
+  assert all(r["minibatches_with_extra_updates"] > 0 for r in het["engine"] if r["ps_apply"] == "on_receipt")
