@@ -124,6 +124,7 @@ def test_per_vw_partitions_are_recorded_per_vw():
     ({"platform": "tpu"}, r"config.platform='tpu'"),
     ({"optimizer": "lamb"}, r"config.optimizer='lamb'"),
     ({"lr_schedule": "step"}, r"config.lr_schedule='step'"),
+    ({"ps_apply": "batched"}, r"config.ps_apply='batched' must be 'on_receipt'"),
     ({"learning_rate": 0.0}, r"config.learning_rate=0.0"),
     ({"partition": "0-3,3-7"}, r"config.partition='0-3,3-7' is malformed"),
     ({"partition": "0:1,1:2,2:3"}, r"has \[3\] ranges but config.num_stages=2"),
