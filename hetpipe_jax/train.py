@@ -1,7 +1,7 @@
 """Entry point: HetPipe training over MPI (rank 0 = parameter server, ranks 1..N = virtual workers).
 
   mpiexec -n <1+N> python -m mpi4py -m hetpipe_jax.train --config=experiments/configs/default.py \
-      --workdir=runs/default [--config.staleness_bound=2 ...]
+      --workdir=runs/default [--config.staleness_bound=2 ...] [--resume]
 
 jax is imported only after the config is read, so the forced host-device count for CPU stages is set first.
 """
@@ -21,6 +21,8 @@ _PLAN = flags.DEFINE_string("plan", None, "Plan JSON from `python -m hetpipe_jax
 _MODE = flags.DEFINE_enum("mode", "mpi", ["mpi", "virtual"],
                           "mpi: rank 0 = PS, ranks 1..N = VWs, wall time. virtual: one process runs every VW in "
                           "simulated time (the event engine's schedule, real numerics).")
+_RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --workdir from its newest readable checkpoint "
+                            "(config.checkpoint_every_waves > 0 writes them); the config may name a new plan.")
 flags.mark_flags_as_required(["config", "workdir"])
 _REPORT_GRACE_S = 3.0
 
@@ -44,6 +46,7 @@ def main(argv) -> None:
   from mpi4py import MPI
   from hetpipe_jax.data.fashion_mnist import DataError
   from hetpipe_jax.jobs.job_config import ConfigError, resolve_settings
+  from hetpipe_jax.ps.param_server import BadUpdateError
   comm = MPI.COMM_WORLD
   rank = comm.Get_rank()
   logging.set_verbosity(logging.INFO if rank == 0 else logging.WARNING)
@@ -58,11 +61,11 @@ def main(argv) -> None:
         raise ConfigError(f"--mode=virtual runs in one process; launch it without mpiexec (world size is "
                           f"{comm.Get_size()})")
       from hetpipe_jax.jobs import virtual_job
-      virtual_job.run(config, settings, _WORKDIR.value)
+      virtual_job.run(config, settings, _WORKDIR.value, resume=_RESUME.value)
     else:
       from hetpipe_jax.jobs import mpi_job
-      mpi_job.run(config, settings, _WORKDIR.value, comm)
-  except (ConfigError, DataError, FileExistsError) as e:
+      mpi_job.run(config, settings, _WORKDIR.value, comm, resume=_RESUME.value)
+  except (ConfigError, DataError, FileExistsError, BadUpdateError) as e:
     # Every rank validates the same settings; rank 0 reports and its exit aborts the mpi_job. Another rank reports
     # only if it is still alive after a moment (its failure was its own, e.g. a data file missing on its node).
     if rank != 0:

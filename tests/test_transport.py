@@ -64,7 +64,7 @@ def test_bad_magic(magic, text):
     check(header(magic=magic))
 
 
-@pytest.mark.parametrize("kind_value", [0, 6, -1, 99])
+@pytest.mark.parametrize("kind_value", [0, 8, -1, 99])
 def test_unknown_kind(kind_value):
   with pytest.raises(ProtocolError, match=f"message from rank {VW_RANK} has unknown kind {kind_value}$"):
     check(header(kind=kind_value))

@@ -116,6 +116,24 @@ def _parse_devices(text: str, num_stages: int) -> tuple[int, ...]:
   return devices
 
 
+def parse_debug_nan_update(text: str) -> tuple[int, int] | None:
+  """``config.debug_nan_update`` (``"vw:wave"``, a fault drill) as ``(vw, wave)``; None when empty.
+
+  Raises:
+    ConfigError: malformed.
+  """
+  if not text.strip():
+    return None
+  try:
+    vw, wave = (int(x) for x in text.split(":"))
+  except ValueError:
+    raise ConfigError(f"config.debug_nan_update={text!r} is malformed: use 'vw:wave' (e.g. '1:3'), or '' for "
+                      "none") from None
+  if vw < 0 or wave < 0:
+    raise ConfigError(f"config.debug_nan_update={text!r}: the VW and the wave must be >= 0")
+  return vw, wave
+
+
 def _check_scalars(config: Any) -> None:
   for name in ("num_inflight", "num_virtual_workers", "num_stages"):
     value = config.get(name)
@@ -137,6 +155,12 @@ def _check_scalars(config: Any) -> None:
     raise ConfigError(f"config.lr_schedule={config.lr_schedule!r} must be 'constant' or 'cosine'")
   if not config.learning_rate > 0:
     raise ConfigError(f"config.learning_rate={config.learning_rate} must be > 0")
+  if config.checkpoint_every_waves < 0:
+    raise ConfigError(f"config.checkpoint_every_waves={config.checkpoint_every_waves} must be >= 0 (0: only the "
+                      "final weights)")
+  if config.checkpoint_max_to_keep < 1:
+    raise ConfigError(f"config.checkpoint_max_to_keep={config.checkpoint_max_to_keep} must be >= 1")
+  parse_debug_nan_update(config.debug_nan_update)
 
 
 def _settings_from_plan(config: Any, plan: Any) -> JobSettings:

@@ -20,6 +20,7 @@ import optax
 
 from hetpipe_jax import models
 from hetpipe_jax.data import fashion_mnist, sharding
+from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs.job_config import (ConfigError, JobSettings, check_devices, check_partitions, check_world_size,
                                          emulated_task_times, resolved_config)
 from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, settings_summary
@@ -85,17 +86,22 @@ def prepare(config: Any, settings: JobSettings, world_size: int,
   return spec, partitions
 
 
-def run(config: Any, settings: JobSettings, workdir: str, comm) -> dict | None:
+def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = False) -> dict | None:
   """Runs the job on this rank; returns the summary on rank 0, None on VW ranks.
+
+  With ``config.checkpoint_every_waves = K > 0`` the run is cut into segments at the global clocks K, 2K, ...; each
+  segment's end is a checkpoint barrier (:mod:`hetpipe_jax.jobs.resume`).
 
   Args:
     config: the job's ConfigDict.
     settings: :func:`hetpipe_jax.jobs.job_config.resolve_settings` of ``config`` (the plan read once).
     workdir: the run's output directory.
     comm: the MPI communicator (rank 0 = PS, rank r = VW r-1).
+    resume: continue from the newest readable checkpoint in ``workdir`` (any plan of the same model).
 
   Raises:
-    ConfigError: invalid settings (raised identically on every rank before any work).
+    ConfigError: invalid settings (raised identically on every rank before any work), ``resume`` without
+      checkpoints (or checkpoints without it), a checkpoint of another model, nothing left to train.
     fashion_mnist.DataError: missing or corrupt dataset files.
   """
   rank, world = comm.Get_rank(), comm.Get_size()
@@ -105,23 +111,76 @@ def run(config: Any, settings: JobSettings, workdir: str, comm) -> dict | None:
                                        expected_counts=(60000, 10000) if config.check_counts else None)
   num_mb = minibatches_per_vw(config, settings, dataset.num_train)
   check_workdir(workdir)
-  comm.Barrier()  # every rank passed validation (a failing rank aborts the job before this)
-
+  resume_lib.check_resume_workdir(workdir, resume)
   layout = ParamLayout.from_layer_params(
       jax.eval_shape(lambda: models.init_layer_params(spec, jax.random.key(config.seed))))
-  if rank == 0:
+  # Every rank reads the checkpoint itself (the same files), so a bad one stops every rank before any work.
+  point = (resume_lib.load_resume_point(workdir, settings, partitions, layout, spec.num_layers, spec.name)
+           if resume else None)
+  start_mb = point.minibatch_start if point else 0
+  if (num_mb - start_mb) // settings.num_inflight < 1:
+    raise ConfigError(f"--resume: the checkpoint has {start_mb} of the run's {num_mb} minibatches per VW done; "
+                      "nothing is left to train (raise config.num_epochs or config.num_minibatches)")
+  comm.Barrier()  # every rank passed validation (a failing rank aborts the job before this)
+
+  if point is not None:
+    flat0 = point.flat_weights
+  elif rank == 0:
     flat0 = layout.flatten(jax.device_get(models.init_layer_params(spec, jax.random.key(config.seed))))
   else:
     flat0 = np.empty(layout.num_params, np.float32)
-  comm.Bcast(flat0, root=0)  # every VW starts from rank 0's W0, bit for bit
+  if point is None:
+    comm.Bcast(flat0, root=0)  # every VW starts from rank 0's W0, bit for bit
   if rank == 0:
-    return _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, workdir, comm)
+    return _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, workdir, comm, point)
   _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partitions[rank - 1], rank - 1, comm,
-          emulated[rank - 1] if emulated else None)
+          emulated[rank - 1] if emulated else None, point)
   return None
 
 
-def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, vw_id, comm, task_times) -> None:
+def _segments(config, settings, num_mb: int, point) -> tuple[int, int, list[tuple[int, int]]]:
+  """``(first clock, total waves, segments)`` of this run (after the resume point, if any)."""
+  start_mb = point.minibatch_start if point else 0
+  clock0 = point.step if point else 0
+  total = clock0 + (num_mb - start_mb) // settings.num_inflight
+  return clock0, total, resume_lib.segments(clock0, total, config.checkpoint_every_waves)
+
+
+def _checkpoint_due(config, end: int, total: int) -> bool:
+  return config.checkpoint_every_waves > 0 and (end % config.checkpoint_every_waves == 0 or end == total)
+
+
+def _opt_state_bytes(scalars: list, per_layer: list) -> np.ndarray:
+  """A VW's optimizer state by layer as one uint8 buffer (its leaves' bytes in tree order; nothing pickled)."""
+  leaves = jax.tree.leaves((scalars, per_layer))
+  return np.concatenate([np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8) for x in leaves] or
+                        [np.zeros(0, np.uint8)])
+
+
+def _opt_state_from_bytes(buffer: np.ndarray, template: tuple[list, list]) -> tuple[list, list]:
+  """Inverse of :func:`_opt_state_bytes` given a state of the same structure (shapes and dtypes).
+
+  Raises:
+    ValueError: the buffer's size does not match the template's.
+  """
+  leaves, treedef = jax.tree.flatten(template)
+  out, pos = [], 0
+  for leaf in leaves:
+    leaf = np.asarray(leaf)
+    n = leaf.size * leaf.dtype.itemsize
+    out.append(buffer[pos:pos + n].view(leaf.dtype).reshape(leaf.shape).copy())
+    pos += n
+  if pos != buffer.size:
+    raise ValueError(f"optimizer state of {buffer.size} bytes, expected {pos}")
+  return jax.tree.unflatten(treedef, out)
+
+
+_STAT_SUMS = ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes", "num_tasks", "num_overruns", "overrun_s",
+              "host_busy_s", "update_s", "sync_s", "inject_s", "dispatch_s")
+
+
+def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, vw_id, comm, task_times,
+            point) -> None:
   from hetpipe_jax.runtime.virtual_worker import VirtualWorker
   from hetpipe_jax.ps.transport import MPIPSClient
 
@@ -130,58 +189,171 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
   stages = stages_lib.build_stages(spec, partition, devices, optimizer)
   source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
   client = MPIPSClient(comm, vw_id, layout.num_params, settings.num_virtual_workers)
-  vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, settings.num_inflight,
-                     settings.staleness_bound, client, source.get,
-                     num_virtual_workers=settings.num_virtual_workers, pull_every_wave=config.pull_every_wave,
-                     task_time_s=task_times.task_duration_s if task_times else None)
+  nm = settings.num_inflight
+  clock0, total, segs = _segments(config, settings, num_mb, point)
+  start_mb = point.minibatch_start if point else 0
+  off = resume_lib.Offsets(clock0, start_mb, 0.0)
+  vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, nm, settings.staleness_bound, client,
+                     lambda p: source.get(off.minibatch + p), num_virtual_workers=settings.num_virtual_workers,
+                     pull_every_wave=config.pull_every_wave,
+                     task_time_s=task_times.task_duration_s if task_times else None,
+                     corrupt_update=resume_lib.nan_injector(config, vw_id, off))
+  first_start = None
+  if point is not None:
+    vw.load_opt_state(*point.opt_states[vw_id])
+    vw.set_version_id(point.meta["version_ids"][vw_id % len(point.meta["version_ids"])])
+    first_start = point.meta.get("start_unix_s", {}).get(str(vw_id % int(point.meta["num_virtual_workers"])))
   logging.info("[VW %d] %d stages %s on %s, %d minibatches", vw_id, len(stages), partition,
                [str(d) for d in devices], num_mb)
-  stats = vw.run(num_mb)
-  report = {
-      "records": [r.__dict__ for r in vw.records],
-      "stats": stats.__dict__,
+  totals: dict[str, Any] = dict.fromkeys(_STAT_SUMS, 0)
+  peaks: list[int] = [0] * len(stages)
+  max_concurrent = 0
+  sent = 0  # records already sent to the PS
+  for i, (first, end) in enumerate(segs):
+    off.clock, off.minibatch = first, start_mb + (first - clock0) * nm
+    mark = len(vw.records)
+    before = dict(vw.stats.__dict__)
+    stats = vw.run((end - first) * nm)
+    if first_start is None:
+      first_start = stats.start_unix_s
+    off.time_s = stats.start_unix_s - first_start
+    for rec in vw.records[mark:]:
+      resume_lib.shift_record(rec, off)
+    for k in _STAT_SUMS:
+      totals[k] += (stats.__dict__[k] - before[k]) if k != "wall_time_s" else stats.wall_time_s
+    peaks = [max(a, b) for a, b in zip(peaks, stats.peak_inflight_per_stage)]
+    max_concurrent = max(max_concurrent, stats.max_concurrent_tasks)
+    report = {"records": [r.__dict__ for r in vw.records[sent:]], "version_id": vw.version.version_id,
+              "start_unix_s": first_start}
+    sent = len(vw.records)
+    if i + 1 < len(segs):  # a checkpoint barrier: the PS holds every VW's waves of the run so far
+      opt = _opt_state_bytes(*vw.opt_state_by_layer()) if _checkpoint_due(config, end, total) else None
+      _, flat = client.barrier(end - first, report, opt)
+      vw.begin_segment(flat)
+  stats = {**dict(vw.stats.__dict__), **totals, "peak_inflight_per_stage": peaks,
+           "max_concurrent_tasks": max_concurrent, "start_unix_s": first_start}
+  if _checkpoint_due(config, total, total):  # the final checkpoint's optimizer state, before DONE
+    client.send_opt_state(num_mb // nm, _opt_state_bytes(*vw.opt_state_by_layer()))
+  report.update({
+      "stats": stats,
       "partition": [list(r) for r in partition],
       "stage_devices": [d.id for d in devices],
       "trace_counts": {s.stage_id: dict(s.trace_counts) for s in stages},
       "tasks": vw.task_log if config.save_task_trace else [],
-  }
-  client.finish(num_mb // settings.num_inflight, report)
-  logging.info("[VW %d] done: %.1f s, wait %.2f s, idle %.2f s", vw_id, stats.wall_time_s, stats.wait_s,
-               stats.idle_s)
+  })
+  client.finish(num_mb // nm, report)
+  logging.info("[VW %d] done: %.1f s, wait %.2f s, idle %.2f s", vw_id, totals["wall_time_s"], totals["wait_s"],
+               totals["idle_s"])
 
 
-def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, workdir, comm) -> dict:
+def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, workdir, comm, point) -> dict:
+  from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
   from hetpipe_jax.jobs.evaluation import Evaluator
   from hetpipe_jax.ps.param_server import ParameterServer
   from hetpipe_jax.ps.service import ParameterServerService
+  from hetpipe_jax.rules import wsp
+  from hetpipe_jax.runtime import opt_state
 
+  n, nm = settings.num_virtual_workers, settings.num_inflight
+  meta = point.meta if point else {}
+  if point is not None:  # metrics.jsonl as it was at the checkpoint (later lines belong to the lost part)
+    resume_lib.rewrite_lines(pathlib.Path(workdir) / "metrics.jsonl", meta["metrics"])
   outputs = RunOutputs(workdir)
-  outputs.write_config(resolved_config(config, settings, partitions))
+  config_json = resolved_config(config, settings, partitions)
+  outputs.write_config(config_json)
   for note in settings.notes:
     logging.info("[PS] %s", note)
   evaluator = Evaluator(spec, layout, dataset.test_images, dataset.test_labels, config.eval_batch_size,
                         jax.local_devices()[0])
   eval_every = eval_every_waves(config, settings, dataset.num_train)
-  server = ParameterServer(flat0, settings.num_virtual_workers, config.ps_apply)
-  service = ParameterServerService(comm, server, num_minibatches_per_vw=num_mb, num_inflight=settings.num_inflight,
+  server = ParameterServer(flat0, n, config.ps_apply)
+  clock0, total, segs = _segments(config, settings, num_mb, point)
+  start_mb = point.minibatch_start if point else 0
+  service = ParameterServerService(comm, server, num_minibatches_per_vw=num_mb, num_inflight=nm,
                                    evaluate=evaluator.evaluate, eval_every_waves=eval_every,
                                    log_every_waves=config.log_every_waves, log_metrics=outputs.log_metrics,
                                    progress=config.progress)
-  logging.info("[PS] %d VWs x %d minibatches (Nm=%d, D=%d, ps_apply=%s), model %s with %d parameters",
-               settings.num_virtual_workers, num_mb, settings.num_inflight, settings.staleness_bound, config.ps_apply,
-               spec.name, layout.num_params)
+  service.minibatches_done = [start_mb] * n
+  service.evals = list(meta.get("evals", []))
+  service.last_loss = meta.get("last_loss", float("nan"))
+  service.recent_losses = list(meta.get("pending_losses", []))
+  service.time_offset_s = float(meta.get("time_s", 0.0))
+  if service._bar is not None:  # pylint: disable=protected-access
+    service._bar.update(start_mb * n)  # pylint: disable=protected-access
+  logging.info("[PS] %d VWs x %d minibatches (Nm=%d, D=%d, ps_apply=%s), model %s with %d parameters%s", n, num_mb, nm,
+               settings.staleness_bound, config.ps_apply, spec.name, layout.num_params,
+               f", resumed at global clock {clock0}" if point else "")
+  records: list[dict] = list(meta.get("records", []))
+  applied: list[tuple[int, int]] = [tuple(a) for a in meta.get("applied", [])]
+  resumes = list(meta.get("resumes", []))
+  if point is not None:
+    resumes.append({"global_clock": clock0, "minibatches_per_vw": start_mb, "time_s": meta["time_s"],
+                    "checkpoint": str(pathlib.Path(workdir) / "checkpoints" / str(clock0)), "notes": point.notes})
+  start_unix = dict(meta.get("start_unix_s", {}))
+  version_ids = list(meta.get("version_ids", [0] * n))
+  params0 = layout.unflatten(flat0)
+  templates = []  # per VW, the structure of its optimizer state by layer (to read the bytes it sends)
+  for part in partitions:
+    tx = make_optimizer(config, num_mb)
+    scalars, per_layer = None, []
+    for start, end in part:
+      sc, layers = opt_state.split_by_layer(tx.init(list(params0[start:end])), params0[start:end])
+      scalars = sc if scalars is None else scalars
+      per_layer.extend(layers)
+    templates.append((scalars, per_layer))
+  store = TrainingCheckpoints(workdir, config.checkpoint_max_to_keep) if config.checkpoint_every_waves > 0 else None
+  ckpt_stats: list[dict] = []
   t0 = time.perf_counter()
-  service.run()
+
+  def take_reports(reps: dict) -> None:
+    for vw, rep in sorted(reps.items()):
+      records.extend(rep["records"])
+      version_ids[vw] = rep["version_id"]
+      start_unix.setdefault(str(vw), rep["start_unix_s"])
+
+  def save(end: int, opt_buffers: dict) -> None:
+    opt_states = {v: _opt_state_from_bytes(np.asarray(buf, np.uint8), templates[v]) for v, buf in opt_buffers.items()}
+    ckpt_meta = resume_lib.checkpoint_meta(
+        step=end, settings=settings, partitions=partitions, model_name=spec.name, num_layers=spec.num_layers,
+        opt_parts_per_layer=len(templates[0][1][0]) if templates[0][1] else 0,
+        minibatches_done=start_mb + (end - clock0) * nm, applied=applied, records=records,
+        metrics=resume_lib.read_lines(outputs.dir / "metrics.jsonl"), evals=service.evals,
+        time_s=service.time_offset_s + time.perf_counter() - service.t0, config_json=config_json, resumes=resumes,
+        version_ids=version_ids, last_loss=service.last_loss, pending_losses=service.recent_losses,
+        extra={"mode": "mpi", "start_unix_s": start_unix})
+    ckpt_stats.append(resume_lib.save_training_checkpoint(store, end, layout.unflatten(server.weights), opt_states,
+                                                          ckpt_meta))
+
+  try:
+    for i, (first, end) in enumerate(segs):
+      if i:
+        server.state = wsp.ParameterServerState(n, config.ps_apply)
+      service.clock_offset = first
+      service.expect_opt_state = _checkpoint_due(config, end, total)
+      service.run()
+      applied += [(first + w, v) for w, v in server.state.applied]
+      take_reports(service.segment_reports if i + 1 < len(segs) else service.reports)
+      if i + 1 < len(segs):
+        if service.expect_opt_state:
+          save(end, service.segment_opt)
+        service.release_barrier()
+    if store is not None and service.expect_opt_state:
+      save(total, service.segment_opt)
+  finally:
+    if store is not None:
+      store.close()
+    service.close()
   wall = time.perf_counter() - t0
   final = evaluator.evaluate(server.weights)
   service.last_eval = final
-  service.log_metrics(server.global_clock, evaluated=True)
-  extra = outputs.write_minibatches(r for rep in service.reports.values() for r in rep["records"])
-  applied = outputs.write_ps_applied(server.state.applied, settings.num_virtual_workers)
+  service.log_metrics(total, evaluated=True)
+  extra = outputs.write_minibatches(records)
+  applied_fields = outputs.write_ps_applied(applied, n)
   if config.save_task_trace:
-    _write_runtime_trace(service.reports, settings.num_inflight, outputs.dir)
+    _write_runtime_trace(service.reports, nm, outputs.dir)
   ckpt = outputs.save_checkpoint(layout.unflatten(server.weights))
-  total = settings.num_virtual_workers * num_mb
+  total_mb = n * num_mb
+  trained_mb = n * (num_mb - start_mb)
   per_vw = {str(vw): {k: rep["stats"][k] for k in ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes",
                                                    "peak_inflight_per_stage", "max_concurrent_tasks", "num_tasks",
                                                    "num_overruns", "overrun_s", "host_busy_s",
@@ -194,14 +366,14 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
       "test_accuracy": final["test_accuracy"],
       "test_loss": final["test_loss"],
       "final_train_loss": service.last_loss,
-      "num_minibatches": total,
+      "num_minibatches": total_mb,
       "num_minibatches_per_vw": num_mb,
       "wall_time_s": wall,
-      "minibatches_per_s": total / wall,
-      "images_per_s": total * config.batch_size / wall,
+      "minibatches_per_s": trained_mb / wall,
+      "images_per_s": trained_mb * config.batch_size / wall,
       **settings_summary(settings, partitions, config),
-      "global_clock": server.global_clock,
-      **applied,
+      "global_clock": total,
+      **applied_fields,
       **extra,
       "trace_counts": {str(vw): rep["trace_counts"] for vw, rep in sorted(service.reports.items())},
       "evaluations": service.evals,
@@ -209,12 +381,13 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
       "wait_s": {vw: v["wait_s"] for vw, v in per_vw.items()},
       "idle_s": {vw: v["idle_s"] for vw, v in per_vw.items()},
       "checkpoint": str(ckpt),
+      **resume_lib.checkpoint_summary(config, ckpt_stats, resumes),
   }
   if not math.isfinite(summary["test_loss"]):
     logging.warning("[PS] final test loss is not finite")
   outputs.finish(summary)
   logging.info("[PS] done: test accuracy %.4f, %d minibatches in %.1f s (%.1f minibatches/s)",
-               final["test_accuracy"], total, wall, total / wall)
+               final["test_accuracy"], trained_mb, wall, trained_mb / wall)
   return summary
 
 

@@ -17,6 +17,7 @@ Runtime layer (json, orbax through :mod:`hetpipe_jax.jobs.checkpoint`, matplotli
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -28,10 +29,18 @@ FINISHED_MARKERS = ("summary.json", "checkpoint")
 
 
 def check_workdir(workdir: str | pathlib.Path) -> None:
-  """Raises :class:`ConfigError` when ``workdir`` already holds a finished run (nothing is ever overwritten)."""
+  """Raises :class:`ConfigError` when ``workdir`` already holds a finished run (nothing is ever overwritten) or
+  cannot be written (it is created if missing)."""
   out = pathlib.Path(workdir)
   if any((out / name).exists() for name in FINISHED_MARKERS):
     raise ConfigError(f"--workdir={workdir} already holds a finished run; choose a new --workdir")
+  try:  # before any work: a workdir that cannot be written fails now, not at the first checkpoint
+    out.mkdir(parents=True, exist_ok=True)
+    probe = out / f".write_probe_{os.getpid()}"
+    probe.write_text("ok")
+    probe.unlink()
+  except OSError as e:
+    raise ConfigError(f"--workdir={workdir} cannot be written ({e.strerror or e}); choose a writable --workdir") from None
 
 
 def applied_in_order(applied: Sequence[Sequence[int]], num_virtual_workers: int) -> bool:

@@ -7,6 +7,7 @@ simulated seconds (labelled ``simulated_*``) from the cost model's task duration
 
 from __future__ import annotations
 
+import pathlib
 import time
 from typing import Any
 
@@ -19,24 +20,31 @@ from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs.evaluation import Evaluator
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
 from hetpipe_jax.jobs.mpi_job import eval_every_waves, make_optimizer, minibatches_per_vw, prepare
-from hetpipe_jax.jobs.outputs import RunOutputs, settings_summary
+from hetpipe_jax.jobs import resume as resume_lib
+from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
+from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, settings_summary
+from hetpipe_jax.rules import wsp
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime import virtual_time
 from hetpipe_jax.runtime.param_layout import ParamLayout
 from hetpipe_jax.runtime.virtual_worker import VirtualWorker
+from hetpipe_jax.sim import engine_report
 
 
-def run(config: Any, settings: JobSettings, workdir: str) -> dict:
-  """Trains in virtual time; writes the run's outputs (:mod:`hetpipe_jax.jobs.outputs`).
+def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) -> dict:
+  """Trains in virtual time; writes the run's outputs (:mod:`hetpipe_jax.jobs.outputs`) and, every
+  ``config.checkpoint_every_waves`` global-clock ticks, a training checkpoint (:mod:`hetpipe_jax.jobs.resume`).
 
   Args:
     config: the job's ConfigDict.
     settings: :func:`hetpipe_jax.jobs.job_config.resolve_settings` of ``config`` (the plan read once).
     workdir: the run's output directory.
+    resume: continue from the newest readable checkpoint in ``workdir`` (any plan of the same model).
 
   Raises:
-    ConfigError: invalid settings, or no task times (set ``config.emulate_stage_ms`` or use a plan).
+    ConfigError: invalid settings, no task times (set ``config.emulate_stage_ms`` or use a plan), ``resume``
+      without checkpoints (or checkpoints without ``resume``), or a checkpoint of another model.
   """
   spec, partitions = prepare(config, settings, world_size=settings.world_size, check_local_devices=False)
   # Virtual time needs task durations: synthetic ones, or else the plan's GPU types through the cost model (which
@@ -48,49 +56,81 @@ def run(config: Any, settings: JobSettings, workdir: str) -> dict:
   dataset = fashion_mnist.load_fashion_mnist(config.data_dir or None,
                                         expected_counts=(60000, 10000) if config.check_counts else None)
   num_mb = minibatches_per_vw(config, settings, dataset.num_train)
+  check_workdir(workdir)
+  resume_lib.check_resume_workdir(workdir, resume)
+  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(config.seed)))
+  layout = ParamLayout.from_layer_params(params0)
+  point = (resume_lib.load_resume_point(workdir, settings, partitions, layout, spec.num_layers, spec.name)
+           if resume else None)
+  nm, n = settings.num_inflight, settings.num_virtual_workers
+  start_mb = point.minibatch_start if point else 0
+  num_waves = (num_mb - start_mb) // nm  # waves of this run (after the resume point)
+  if num_waves < 1:
+    raise ConfigError(f"--resume: the checkpoint has {start_mb} of the run's {num_mb} minibatches per VW done; "
+                      "nothing is left to train (raise config.num_epochs or config.num_minibatches)")
+  clock0 = point.step if point else 0
+  if point:  # metrics.jsonl as it was at the checkpoint (later lines belong to the lost part of the run)
+    resume_lib.rewrite_lines(pathlib.Path(workdir) / "metrics.jsonl", point.meta["metrics"])
   outputs = RunOutputs(workdir)
-  outputs.write_config(resolved_config(config, settings, partitions, emulate_plan=use_plan or config.emulate_plan))
+  config_json = resolved_config(config, settings, partitions, emulate_plan=use_plan or config.emulate_plan)
+  outputs.write_config(config_json)
   for note in settings.notes:
     logging.info("[virtual] %s", note)
 
-  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(config.seed)))
-  layout = ParamLayout.from_layer_params(params0)
-  server = ParameterServer(layout.flatten(params0), settings.num_virtual_workers, config.ps_apply)
+  server = ParameterServer(point.flat_weights if point else layout.flatten(params0), n, config.ps_apply)
   devices = jax.local_devices()
   outbox: dict = {}
   vws, next_device = [], 0
+  data_offset = [start_mb] * n  # per VW: minibatches done before the current segment
+  meta = point.meta if point else {}
+  off = resume_lib.Offsets(clock0, start_mb, float(meta.get("time_s", 0.0)))
   for v, partition in enumerate(partitions):
     stage_devices = [devices[(next_device + s) % len(devices)] for s in range(len(partition))]
     next_device += len(partition)
     optimizer = make_optimizer(config, num_mb)
     stages = stages_lib.build_stages(spec, partition, stage_devices, optimizer)
-    source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, v, config.batch_size, config.seed)
-    vws.append(VirtualWorker(v, stages, layout, layout.unflatten(server.weights), optimizer, settings.num_inflight,
-                             settings.staleness_bound, virtual_time.RecordingPSClient(v, outbox), source.get,
-                             num_virtual_workers=settings.num_virtual_workers,
-                             pull_every_wave=config.pull_every_wave))
+    source = sharding.ShardedMinibatches(dataset, n, v, config.batch_size, config.seed)
+    vw = VirtualWorker(v, stages, layout, layout.unflatten(server.weights), optimizer, nm, settings.staleness_bound,
+                       virtual_time.RecordingPSClient(v, outbox),
+                       lambda p, get=source.get, v=v: get(data_offset[v] + p),
+                       num_virtual_workers=n, pull_every_wave=config.pull_every_wave,
+                       corrupt_update=resume_lib.nan_injector(config, v, off))
+    if point:
+      vw.load_opt_state(*point.opt_states[v])
+      vw.set_version_id(point.meta["version_ids"][v % len(point.meta["version_ids"])])
+    vws.append(vw)
 
   evaluator = Evaluator(spec, layout, dataset.test_images, dataset.test_labels, config.eval_batch_size, devices[0])
-  num_waves = num_mb // settings.num_inflight
   eval_every = eval_every_waves(config, settings, dataset.num_train)
+  total_waves = clock0 + num_waves
   bar = None
   if config.progress:
     from tqdm import tqdm
-    bar = tqdm(total=num_waves, desc="[virtual] global clock", unit="wave", mininterval=1.0, dynamic_ncols=True)
-  state: dict[str, Any] = {"loss": float("nan"), "losses": [], "evals": []}
+    bar = tqdm(total=total_waves, initial=clock0, desc="[virtual] global clock", unit="wave", mininterval=1.0,
+               dynamic_ncols=True)
+  state: dict[str, Any] = {"loss": meta.get("last_loss", float("nan")), "losses": list(meta.get("pending_losses", [])),
+                           "evals": list(meta.get("evals", []))}
+  records: list[dict] = list(meta.get("records", []))
+  applied: list[tuple[int, int]] = [tuple(a) for a in meta.get("applied", [])]
+  resumes = list(meta.get("resumes", []))
+  if point:
+    resumes.append({"global_clock": clock0, "minibatches_per_vw": start_mb, "time_s": meta["time_s"],
+                    "checkpoint": str(pathlib.Path(workdir) / "checkpoints" / str(clock0)), "notes": point.notes})
   host_t0 = time.perf_counter()
 
   def on_clock(clock: int, t: float, losses: list) -> None:
-    state["losses"] += [s / max(n, 1) for _, s, n in losses]
+    clock += off.clock
+    t += off.time_s
+    state["losses"] += [s / max(k, 1) for _, s, k in losses]
     evaluated = eval_every > 0 and clock % eval_every == 0
     if clock % max(1, config.log_every_waves) and not evaluated:
       return
     if state["losses"]:
       state["loss"] = float(np.mean(state["losses"]))
       state["losses"] = []
-    line = {"minibatches": clock * settings.num_inflight * settings.num_virtual_workers, "wave": clock - 1,
-            "global_clock": clock, "loss": state["loss"], "simulated_time_s": t,
-            "minibatches_per_simulated_s": clock * settings.num_inflight * settings.num_virtual_workers / t,
+    done = (start_mb + (clock - clock0) * nm) * n
+    line = {"minibatches": done, "wave": clock - 1, "global_clock": clock, "loss": state["loss"],
+            "simulated_time_s": t, "minibatches_per_simulated_s": done / t,
             "host_wall_time_s": time.perf_counter() - host_t0}
     if evaluated:
       line.update(evaluator.evaluate(server.weights))
@@ -101,25 +141,65 @@ def run(config: Any, settings: JobSettings, workdir: str) -> dict:
       bar.update(clock - bar.n)
       bar.set_postfix({"loss": f"{state['loss']:.3f}", "sim_s": f"{t:.1f}"}, refresh=False)
 
-  logging.info("[virtual] %d VWs x %d minibatches (Nm=%d, D=%d) of %s in simulated time", len(vws), num_mb,
-               settings.num_inflight, settings.staleness_bound, spec.name)
-  report, host_s = virtual_time.run(vws, server, outbox, times, num_waves, settings.staleness_bound,
-                                    config.pull_every_wave, on_clock)
+  logging.info("[virtual] %d VWs x %d minibatches (Nm=%d, D=%d, ps_apply=%s) of %s in simulated time%s", n, num_mb,
+               nm, settings.staleness_bound, config.ps_apply, spec.name,
+               f", resumed at global clock {clock0}" if point else "")
+  store = TrainingCheckpoints(workdir, config.checkpoint_max_to_keep) if config.checkpoint_every_waves > 0 else None
+  ckpt_stats: list[dict] = []
+  report = None
+  wait_s, idle_s, max_distance = [0.0] * n, [0.0] * n, 0
+  try:
+    for first, end in resume_lib.segments(clock0, total_waves, config.checkpoint_every_waves):
+      if first != clock0 or point:
+        server.state = wsp.ParameterServerState(n, config.ps_apply)
+        for vw in vws:
+          vw.begin_segment(server.weights)
+      off.clock, off.minibatch = first, start_mb + (first - clock0) * nm
+      for v in range(n):
+        data_offset[v] = off.minibatch
+      marks = [len(vw.records) for vw in vws]
+      report, _ = virtual_time.run(vws, server, outbox, times, end - first, settings.staleness_bound,
+                                   config.pull_every_wave, on_clock)
+      for vw, mark in zip(vws, marks):
+        for rec in vw.records[mark:]:
+          resume_lib.shift_record(rec, off)
+          records.append(dict(rec.__dict__))
+      applied += [(first + w, v) for w, v in server.state.applied]
+      for r in report.vws:
+        wait_s[r.vw_id] += r.wait_s
+        idle_s[r.vw_id] += r.idle_s
+      max_distance = max(max_distance, report.max_clock_distance)
+      # The barrier: the last pushes reach the PS and its weights reach every VW before the next segment starts.
+      off.time_s += report.makespan_s + max(t.push_s + t.pull_s for t in times)
+      if store is not None and (end % config.checkpoint_every_waves == 0 or end == total_waves):
+        ckpt_meta = resume_lib.checkpoint_meta(
+            step=end, settings=settings, partitions=partitions, model_name=spec.name, num_layers=spec.num_layers,
+            opt_parts_per_layer=len(vws[0].opt_state_by_layer()[1][0]), minibatches_done=off.minibatch + (end - first) * nm,
+            applied=applied, records=records, metrics=resume_lib.read_lines(outputs.dir / "metrics.jsonl"),
+            evals=state["evals"], time_s=off.time_s, config_json=config_json, resumes=resumes,
+            version_ids=[vw.version.version_id for vw in vws], last_loss=state["loss"],
+            pending_losses=state["losses"], extra={"mode": "virtual"})
+        ckpt_stats.append(resume_lib.save_training_checkpoint(store, end, layout.unflatten(server.weights),
+                                                   {v: vw.opt_state_by_layer() for v, vw in enumerate(vws)}, ckpt_meta))
+  finally:
+    if store is not None:
+      store.close()
   if bar is not None:
-    bar.update(num_waves - bar.n)
+    bar.update(total_waves - bar.n)
     bar.close()
   final = evaluator.evaluate(server.weights)
-  total = num_mb * len(vws)
-  outputs.log_metrics({"minibatches": total, "global_clock": server.global_clock, "loss": state["loss"],
-                       "simulated_time_s": report.makespan_s, **final})
-  extra = outputs.write_minibatches(r.__dict__ for vw in vws for r in vw.records)
-  applied = outputs.write_ps_applied(server.state.applied, settings.num_virtual_workers)
+  total = num_mb * n
+  outputs.log_metrics({"minibatches": total, "global_clock": total_waves, "loss": state["loss"],
+                       "simulated_time_s": off.time_s, **final})
+  extra = outputs.write_minibatches(records)
+  applied_fields = outputs.write_ps_applied(applied, n)
   if config.save_task_trace:
     from hetpipe_jax.sim import gantt
     from hetpipe_jax.sim import trace
     trace.write_trace(trace.report_trace(report), str(outputs.dir / "trace.json"))
     gantt.plot_report(report, str(outputs.dir / "gantt.png"))
   ckpt = outputs.save_checkpoint(layout.unflatten(server.weights))
+  sim_time = off.time_s
   summary = {
       "mode": "virtual",
       "time_unit": "simulated seconds",
@@ -128,23 +208,26 @@ def run(config: Any, settings: JobSettings, workdir: str) -> dict:
       "final_train_loss": state["loss"],
       "num_minibatches": total,
       "num_minibatches_per_vw": num_mb,
-      "simulated_time_s": report.makespan_s,
-      "wall_time_s": report.makespan_s,
-      "minibatches_per_s": total / report.makespan_s,
-      "images_per_s": total * config.batch_size / report.makespan_s,
-      "steady_minibatches_per_s": report.total_minibatches_per_s,
-      "host_wall_time_s": host_s,
+      "simulated_time_s": sim_time,
+      "wall_time_s": sim_time,
+      "minibatches_per_s": total / sim_time,
+      "images_per_s": total * config.batch_size / sim_time,
+      "steady_minibatches_per_s": engine_report.steady_rates(
+          [[r["complete_time_s"] for r in records if r["vw_id"] == v and r["minibatch_id"] >= start_mb]
+           for v in range(n)], nm, warmup_waves=1)[1],
+      "host_wall_time_s": time.perf_counter() - host_t0,
       **settings_summary(settings, partitions, config),
-      "global_clock": server.global_clock,
-      **applied,
+      "global_clock": total_waves,
+      **applied_fields,
       **extra,
       "evaluations": state["evals"],
-      "wait_s": {str(v.vw_id): v.wait_s for v in report.vws},
-      "idle_s": {str(v.vw_id): v.idle_s for v in report.vws},
-      "max_clock_distance": report.max_clock_distance,
+      "wait_s": {str(v): w for v, w in enumerate(wait_s)},
+      "idle_s": {str(v): w for v, w in enumerate(idle_s)},
+      "max_clock_distance": max_distance,
       "checkpoint": str(ckpt),
+      **resume_lib.checkpoint_summary(config, ckpt_stats, resumes),
   }
   outputs.finish(summary)
   logging.info("[virtual] done: test accuracy %.4f, %d minibatches in %.1f simulated s (%.1f host s)",
-               final["test_accuracy"], total, report.makespan_s, host_s)
+               final["test_accuracy"], total, sim_time, summary["host_wall_time_s"])
   return summary

@@ -12,6 +12,10 @@ import numpy as np
 from hetpipe_jax.rules import wsp
 
 
+class BadUpdateError(ValueError):
+  """A wave update the PS refuses (wrong size, NaN or Inf); the message names the VW and the wave."""
+
+
 class ParameterServer:
   """Global weights as one float32 vector ``[num_params]`` plus pending wave updates.
 
@@ -41,11 +45,16 @@ class ParameterServer:
     """Accepts VW ``vw_id``'s aggregated update of ``wave_id``; returns the number of wave updates applied now.
 
     Raises:
-      ValueError: wrong size, or the wave was already pushed / pushed out of order.
+      BadUpdateError: wrong size, or NaN/Inf values (nothing is applied; the global weights are untouched).
+      ValueError: the wave was already pushed, or pushed out of order.
     """
     if delta.shape != self.weights.shape:
-      raise ValueError(f"VW {vw_id} pushed {delta.shape[0] if delta.ndim else 0} floats for wave {wave_id}; the "
-                       f"model has {self.weights.size}")
+      raise BadUpdateError(f"VW {vw_id} pushed {delta.shape[0] if delta.ndim else 0} floats for wave {wave_id}; the "
+                           f"model has {self.weights.size}")
+    if not np.isfinite(delta).all():
+      bad = int(np.size(delta) - np.count_nonzero(np.isfinite(delta)))
+      raise BadUpdateError(f"VW {vw_id}'s update of wave {wave_id} has {bad} NaN/Inf values: refused before it "
+                           "touched the global weights (training diverged on that VW: lower config.learning_rate)")
     ready = self.state.push(vw_id, wave_id)
     if ready == [(wave_id, vw_id)]:  # on receipt: no copy needed
       self.weights += np.asarray(delta, np.float32)

@@ -57,17 +57,31 @@ class ParameterServerService:
     self.evals: list[dict] = []
     self.t0 = time.perf_counter()
     self._logged_clock = 0
+    self.clock_offset = 0  # the segment's first global clock (checkpoint segments, jobs/resume.py)
+    self.time_offset_s = 0.0  # wall seconds of the run before this process (a resumed run)
+    self.expect_opt_state = False  # this segment ends in a checkpoint: VWs send their optimizer states
+    self.segment_reports: dict[int, dict] = {}
+    self.segment_opt: dict[int, np.ndarray] = {}
     self._bar = None
     if progress:
       from tqdm import tqdm
-      self._bar = tqdm(total=self.n * num_minibatches_per_vw, desc="[PS] minibatches", unit="mb", mininterval=1.0,
-                       dynamic_ncols=True)
+      self._bar = tqdm(total=self.n * num_minibatches_per_vw, initial=sum(self.minibatches_done),
+                       desc="[PS] minibatches", unit="mb", mininterval=1.0, dynamic_ncols=True)
 
   def run(self) -> None:
+    """Serves one segment: until every VW has sent DONE or SEGMENT (a checkpoint barrier; see
+    :mod:`hetpipe_jax.jobs.resume`). Their reports are in ``reports`` (DONE) and ``segment_reports`` (SEGMENT), the
+    optimizer states sent with SEGMENT in ``segment_opt``.
+
+    Raises:
+      transport.ProtocolError: a malformed or unexpected message.
+      BadUpdateError: a wave update with NaN/Inf or the wrong size (nothing of it is applied).
+    """
     from mpi4py import MPI
     status = MPI.Status()
     header = np.empty(transport.HEADER_SIZE, np.int64)
-    while len(self.reports) < self.n:
+    self.segment_reports, self.segment_opt = {}, {}
+    while len(self.reports) + len(self.segment_reports) < self.n or len(self.segment_opt) < self._opt_expected():
       if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=transport.TAG_HEADER, status=status):
         self.sends = [(r, b) for r, b in self.sends if not r.Test()]
         time.sleep(5e-4)
@@ -75,7 +89,8 @@ class ParameterServerService:
       src = status.Get_source()
       self.comm.Recv(header, source=src, tag=transport.TAG_HEADER)
       kind = transport.check_header(header, src, num_params=self.server.weights.size,
-                                    expect_kinds=(Kind.PUSH, Kind.METRICS, Kind.PULL, Kind.DONE))
+                                    expect_kinds=(Kind.PUSH, Kind.METRICS, Kind.PULL, Kind.DONE, Kind.SEGMENT,
+                                                  Kind.OPTSTATE))
       vw, wave, size = int(header[2]), int(header[3]), int(header[4])
       payload = transport.recv_payload(self.comm, src, kind, size) if kind is not Kind.PULL else None
       if kind is Kind.PUSH:
@@ -83,7 +98,7 @@ class ParameterServerService:
         self.server.push(vw, wave, payload)
         self._serve_pulls(self.server.state.serve_pending_pulls())
         for clock in range(before + 1, self.server.global_clock + 1):
-          self._on_clock(clock)
+          self._on_clock(self.clock_offset + clock)
       elif kind is Kind.METRICS:
         loss_sum, count, _ = payload
         self.minibatches_done[vw] += int(count)
@@ -93,12 +108,30 @@ class ParameterServerService:
       elif kind is Kind.PULL:
         if self.server.state.request_pull(vw, wave):  # else pending until a push advances the global clock
           self._serve_pulls([vw])
+      elif kind is Kind.SEGMENT:
+        self.segment_reports[vw] = json.loads(payload.tobytes().decode())
+      elif kind is Kind.OPTSTATE:
+        self.segment_opt[vw] = payload
       else:
         self.reports[vw] = json.loads(payload.tobytes().decode())
         logging.info("[PS] VW %d done (%d waves)", vw, wave)
+    self.flush_sends()
+
+  def _opt_expected(self) -> int:
+    """Optimizer states expected this segment: one per VW when it ends in a checkpoint."""
+    return self.n if self.expect_opt_state else 0
+
+  def flush_sends(self) -> None:
     while self.sends:
       self.sends = [(r, b) for r, b in self.sends if not r.Test()]
       time.sleep(1e-4)
+
+  def release_barrier(self) -> None:
+    """Ends a checkpoint barrier: sends every VW the global weights (they hold every VW's waves so far)."""
+    self._serve_pulls(list(range(self.n)))
+    self.flush_sends()
+
+  def close(self) -> None:
     if self._bar is not None:
       self._bar.close()
 
@@ -127,7 +160,7 @@ class ParameterServerService:
     if self.recent_losses:
       self.last_loss = float(np.mean(self.recent_losses))
       self.recent_losses = []
-    wall = time.perf_counter() - self.t0
+    wall = time.perf_counter() - self.t0 + self.time_offset_s
     done = sum(self.minibatches_done)
     line: dict[str, Any] = {"minibatches": done, "wave": clock - 1, "global_clock": clock, "loss": self.last_loss,
                             "wall_time_s": wall, "minibatches_per_s": done / wall if wall > 0 else 0.0}

@@ -12,6 +12,9 @@ METRICS    VW → PS                 wave id            float64 ``[METRICS_SIZE]
 PULL       VW → PS                 required clock     none
 WEIGHTS    PS → VW                 global clock       float32 ``[num_params]``, then int64 ``[N]``
 DONE       VW → PS                 waves done         uint8 JSON (records, stats)
+SEGMENT    VW → PS                 waves done         uint8 JSON (the segment's records, stats; a checkpoint
+                                                      barrier, see :mod:`hetpipe_jax.jobs.resume`)
+OPTSTATE   VW → PS                 waves done         uint8: the VW's optimizer state by layer, leaves' bytes
 =========  ======================  =================  ==========================
 
 A WEIGHTS reply is followed by a second payload on ``TAG_DATA``: the weights' vector clock (per VW, how many of its
@@ -39,6 +42,8 @@ class Kind(enum.IntEnum):
   PULL = 3
   WEIGHTS = 4
   DONE = 5
+  SEGMENT = 6
+  OPTSTATE = 7
 
 
 class ProtocolError(RuntimeError):
@@ -136,6 +141,35 @@ class MPIPSClient:
                           f"{vector_clock.tolist()} (its minimum must be the global clock)")
     return tuple(int(c) for c in vector_clock), weights
 
+  def drain_pull(self) -> None:
+    """Waits for the reply to an outstanding pull and drops it (a segment's end: the barrier's weights follow)."""
+    while self._pull_request is not None:
+      if self.poll_pull() is None:
+        time.sleep(1e-4)
+
+  def barrier(self, num_waves: int, report: dict, opt_state: np.ndarray | None) -> tuple[tuple[int, ...], np.ndarray]:
+    """A checkpoint barrier: sends the segment's report (and the optimizer state, when a checkpoint is due) and
+    waits, without spinning, for the PS's global weights, which hold every VW's waves of the run so far.
+
+    Returns:
+      ``(vector clock, float32 [num_params])`` as :meth:`poll_pull`.
+    """
+    self.drain_pull()
+    self._isend(Kind.SEGMENT, num_waves, np.frombuffer(json.dumps(report).encode(), dtype=np.uint8).copy())
+    if opt_state is not None:
+      self._isend(Kind.OPTSTATE, num_waves, opt_state)
+    self._pull_header = np.empty(HEADER_SIZE, np.int64)
+    self._pull_request = self.comm.Irecv(self._pull_header, source=0, tag=TAG_HEADER)
+    while True:
+      reply = self.poll_pull()
+      if reply is not None:
+        return reply
+      time.sleep(2e-4)
+
+  def send_opt_state(self, num_waves: int, opt_state: np.ndarray) -> None:
+    """Sends the VW's optimizer state (uint8 bytes) for the checkpoint at the run's end (before :meth:`finish`)."""
+    self._isend(Kind.OPTSTATE, num_waves, opt_state)
+
   def finish(self, num_waves: int, report: dict) -> None:
     """Sends DONE with a JSON report and waits for every send to complete (a reply to a pull is drained)."""
     payload = np.frombuffer(json.dumps(report).encode(), dtype=np.uint8).copy()
@@ -149,7 +183,8 @@ class MPIPSClient:
 
 def recv_payload(comm, source: int, kind: Kind, size: int) -> np.ndarray:
   """Receives the payload that follows a header of ``kind`` (blocking; it was sent right after the header)."""
-  dtype = {Kind.PUSH: np.float32, Kind.WEIGHTS: np.float32, Kind.METRICS: np.float64, Kind.DONE: np.uint8}[kind]
+  dtype = {Kind.PUSH: np.float32, Kind.WEIGHTS: np.float32, Kind.METRICS: np.float64, Kind.DONE: np.uint8,
+           Kind.SEGMENT: np.uint8, Kind.OPTSTATE: np.uint8}[kind]
   buf = np.empty(size, dtype)
   if size:
     comm.Recv(buf, source=source, tag=TAG_DATA)

@@ -44,6 +44,13 @@ from hetpipe_jax.runtime.stage_executor import OVERRUN_TOLERANCE_S, StageExecuto
 from hetpipe_jax.runtime.stages import Stage
 
 
+def _host_copy(tree):
+  """Copies host arrays before ``device_put``: on the CPU backend a device array may alias the numpy buffer it came
+  from, and the buffers weights come from (the PS's global weights) change in place while computations that read
+  them may still be running asynchronously."""
+  return jax.tree.map(lambda a: np.array(a, copy=True), tree)
+
+
 class PSClient(Protocol):
   """What a VW needs from the parameter server (in-process or over MPI)."""
 
@@ -141,6 +148,8 @@ class VirtualWorker:
       (compute + sending its output). A task is then observed done no earlier than its emulated start
       (``max(dispatch, previous emulated end on the stage)``) plus that duration, so the VW runs like the mixed
       cluster in wall time; real work that takes longer is counted in ``VWStats.num_overruns`` / ``overrun_s``.
+    corrupt_update: fault drills only: ``(wave_id, flat update) -> None`` may alter a wave's update before it is
+      pushed (``config.debug_nan_update`` puts a NaN in one, which the PS must refuse).
 
   Raises:
     ValueError: ``num_inflight < 1``, ``staleness_bound < 0``, or ``vw_id`` not in ``[0, num_virtual_workers)``.
@@ -151,7 +160,8 @@ class VirtualWorker:
                get_minibatch: Callable[[int], tuple[np.ndarray, np.ndarray]], *, num_virtual_workers: int,
                pull_every_wave: bool = True,
                poll_interval_s: float = 1e-3, on_minibatch: Callable[[MinibatchRecord], None] | None = None,
-               task_time_s: Callable[[Task], float] | None = None):
+               task_time_s: Callable[[Task], float] | None = None,
+               corrupt_update: Callable[[int, np.ndarray], None] | None = None):
     self.sync = wsp.VWSyncState(num_inflight, staleness_bound, pull_every_wave)  # validates Nm and D
     if not 0 <= vw_id < num_virtual_workers:
       raise ValueError(f"vw_id={vw_id} must be in [0, num_virtual_workers={num_virtual_workers})")
@@ -166,6 +176,7 @@ class VirtualWorker:
     self.poll_interval_s = poll_interval_s
     self.on_minibatch = on_minibatch
     self.task_time_s = task_time_s
+    self.corrupt_update = corrupt_update
     self.optimizer = optimizer
     params = tuple(self._place_stage(initial_layer_params, st) for st in self.stages)
     # Constant outputs (Adam's step count, zeros) are not committed by jit: place them explicitly.
@@ -186,7 +197,7 @@ class VirtualWorker:
   # ---------------------------------------------------------------- placement helpers
   def _place_stage(self, layer_params: Sequence[Any], st: Stage):
     start, end = st.layer_range
-    return jax.device_put(list(layer_params[start:end]), st.device)
+    return jax.device_put(_host_copy(list(layer_params[start:end])), st.device)
 
   def _new_version(self, params, *, local_updates=None, vector_clock=None) -> WeightVersion:
     v = self.version
@@ -383,6 +394,8 @@ class VirtualWorker:
         self.on_minibatch(rec)
     self._wave_losses = []
     flat = np.concatenate([self.layout.flatten(h, st.layer_range[0]) for h, st in zip(host, self.stages)])
+    if self.corrupt_update is not None:  # fault drills only (config.debug_nan_update)
+      self.corrupt_update(wave_id, flat)
     self.ps.push(wave_id, flat, loss_sum, self.num_inflight)
     self.stats.num_pushes += 1
     self.own_waves[wave_id] = self.wave_delta
@@ -410,13 +423,64 @@ class VirtualWorker:
     params = []
     for s, st in enumerate(self.stages):
       start, end = st.layer_range
-      p = jax.device_put(self.layout.unflatten(flat, start, end), st.device)
+      p = jax.device_put(_host_copy(self.layout.unflatten(flat, start, end)), st.device)
       for c in keep:
         p = st.add(p, self.own_waves[c][s])
       params.append(st.add(p, self.wave_delta[s]))
     self.version = self._new_version(params, vector_clock=vector_clock)
     logging.log_every_n_seconds(logging.INFO, "[VW %d] pulled global clock %d, vector clock %s (local clock %d)", 10,
                                 self.vw_id, self.version.global_clock, list(vector_clock), self.sync.local_clock)
+
+  # ---------------------------------------------------------------- checkpoint segments
+  def begin_segment(self, flat: np.ndarray) -> None:
+    """Starts a new WSP segment from global weights that hold every VW's waves so far (a checkpoint barrier).
+
+    Checkpoints are WSP barriers (WORKSPACE.md): every VW finishes the segment's last wave, the PS holds every wave,
+    and each VW continues from those global weights with nothing of its own outstanding. Clocks restart at 0 for the
+    segment (the job adds the segment's offsets to records and logs), the optimizer states carry over.
+
+    Args:
+      flat: the global weights, float32 ``[num_params]``.
+    """
+    params = []
+    for st in self.stages:
+      start, end = st.layer_range
+      params.append(jax.device_put(_host_copy(self.layout.unflatten(flat, start, end)), st.device))
+    self.version = WeightVersion(tuple(params), 0, (0,) * self.num_virtual_workers, self.version.version_id + 1)
+    self.own_waves = {}
+    self.wave_delta = list(self._zeros)
+    self._wave_losses = []
+    self.sync = wsp.VWSyncState(self.num_inflight, self.staleness_bound, self.sync.pull_every_wave)
+
+  def set_version_id(self, version_id: int) -> None:
+    """Continues a resumed VW's version numbering (records' ``version_id``) from its checkpoint."""
+    self.version = dataclasses.replace(self.version, version_id=version_id)
+
+  def opt_state_by_layer(self) -> tuple[list[np.ndarray], list[list[Any]]]:
+    """The VW's optimizer state split by layer (:func:`hetpipe_jax.runtime.opt_state.split_by_layer`), all its layers
+    in order; the shared scalars are stage 0's (every stage updates once per minibatch, so they agree)."""
+    from hetpipe_jax.runtime import opt_state  # pylint: disable=g-import-not-at-top
+    host_states, host_params = jax.device_get((self.opt_states, list(self.version.params)))
+    scalars, per_layer = None, []
+    for state, params in zip(host_states, host_params):
+      s, layers = opt_state.split_by_layer(state, params)
+      scalars = s if scalars is None else scalars
+      per_layer.extend(layers)
+    return scalars, per_layer
+
+  def load_opt_state(self, scalars: list, per_layer: list[list[Any]]) -> None:
+    """Sets every stage's optimizer state from :meth:`opt_state_by_layer` parts (of any partition).
+
+    Raises:
+      ValueError: the parts do not fit this model and optimizer.
+    """
+    from hetpipe_jax.runtime import opt_state  # pylint: disable=g-import-not-at-top
+    states = []
+    for st, params in zip(self.stages, jax.device_get(list(self.version.params))):
+      start, end = st.layer_range
+      state = opt_state.join_layers(self.optimizer, params, scalars, per_layer[start:end])
+      states.append(jax.device_put(state, st.device))
+    self.opt_states = states
 
   # ---------------------------------------------------------------- results
   def layer_params(self) -> list[Any]:
