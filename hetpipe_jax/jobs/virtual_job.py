@@ -147,7 +147,9 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
   store = TrainingCheckpoints(workdir, config.checkpoint_max_to_keep) if config.checkpoint_every_waves > 0 else None
   ckpt_stats: list[dict] = []
   report = None
-  wait_s, idle_s, max_distance = [0.0] * n, [0.0] * n, 0
+  wait_s = (list(meta.get("wait_s", [])) + [0.0] * n)[:n]  # per VW, over the whole run (a new plan may change N)
+  idle_s = (list(meta.get("idle_s", [])) + [0.0] * n)[:n]
+  max_distance = int(meta.get("max_clock_distance", 0))
   try:
     for first, end in resume_lib.segments(clock0, total_waves, config.checkpoint_every_waves):
       if first != clock0 or point:
@@ -155,6 +157,7 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
         for vw in vws:
           vw.begin_segment(server.weights)
       off.clock, off.minibatch = first, start_mb + (first - clock0) * nm
+      server.wave_offset = first
       for v in range(n):
         data_offset[v] = off.minibatch
       marks = [len(vw.records) for vw in vws]
@@ -178,7 +181,8 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
             applied=applied, records=records, metrics=resume_lib.read_lines(outputs.dir / "metrics.jsonl"),
             evals=state["evals"], time_s=off.time_s, config_json=config_json, resumes=resumes,
             version_ids=[vw.version.version_id for vw in vws], last_loss=state["loss"],
-            pending_losses=state["losses"], extra={"mode": "virtual"})
+            pending_losses=state["losses"],
+            extra={"mode": "virtual", "wait_s": wait_s, "idle_s": idle_s, "max_clock_distance": max_distance})
         ckpt_stats.append(resume_lib.save_training_checkpoint(store, end, layout.unflatten(server.weights),
                                                    {v: vw.opt_state_by_layer() for v, vw in enumerate(vws)}, ckpt_meta))
   finally:

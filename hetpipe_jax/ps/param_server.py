@@ -36,6 +36,7 @@ class ParameterServer:
     self.weights = np.array(initial_weights, dtype=np.float32, copy=True)
     self.state = wsp.ParameterServerState(num_virtual_workers, ps_apply)
     self._pending: dict[tuple[int, int], np.ndarray] = {}
+    self.wave_offset = 0  # added to wave ids in messages (checkpoint segments number their waves from 0)
 
   @property
   def global_clock(self) -> int:
@@ -49,11 +50,12 @@ class ParameterServer:
       ValueError: the wave was already pushed, or pushed out of order.
     """
     if delta.shape != self.weights.shape:
-      raise BadUpdateError(f"VW {vw_id} pushed {delta.shape[0] if delta.ndim else 0} floats for wave {wave_id}; the "
-                           f"model has {self.weights.size}")
+      raise BadUpdateError(f"VW {vw_id} pushed {delta.shape[0] if delta.ndim else 0} floats for wave "
+                           f"{wave_id + self.wave_offset}; the model has {self.weights.size}")
     if not np.isfinite(delta).all():
       bad = int(np.size(delta) - np.count_nonzero(np.isfinite(delta)))
-      raise BadUpdateError(f"VW {vw_id}'s update of wave {wave_id} has {bad} NaN/Inf values: refused before it "
+      raise BadUpdateError(f"VW {vw_id}'s update of wave {wave_id + self.wave_offset} has {bad} NaN/Inf values: "
+                           "refused before it "
                            "touched the global weights (training diverged on that VW: lower config.learning_rate)")
     ready = self.state.push(vw_id, wave_id)
     if ready == [(wave_id, vw_id)]:  # on receipt: no copy needed

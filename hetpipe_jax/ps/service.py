@@ -81,6 +81,7 @@ class ParameterServerService:
     status = MPI.Status()
     header = np.empty(transport.HEADER_SIZE, np.int64)
     self.segment_reports, self.segment_opt = {}, {}
+    self.server.wave_offset = self.clock_offset
     while len(self.reports) + len(self.segment_reports) < self.n or len(self.segment_opt) < self._opt_expected():
       if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=transport.TAG_HEADER, status=status):
         self.sends = [(r, b) for r, b in self.sends if not r.Test()]
