@@ -249,3 +249,9 @@ def test_config_records_the_checkpoint_settings(tmp_path, synthetic_data_dir):
   config = json.loads((tmp_path / "run" / "config.json").read_text())
   assert config["checkpoint_every_waves"] == summary["checkpoint_every_waves"] == 4
   assert [c["global_clock"] for c in summary["checkpoints"]] == [4]
+  store = checkpoint.TrainingCheckpoints(tmp_path / "run")
+  step, _, _, meta = store.restore_latest()
+  store.close()
+  # A checkpoint says where it came from: the config as it ran, the plan (none here) and the code version.
+  assert step == 4 and meta["config"] == config and meta["plan"] is None and meta["code_version"] not in ("", None)
+  assert meta["minibatches_done_per_vw"] == 8 and meta["num_inflight"] == 2 and len(meta["records"]) == 3 * 8

@@ -15,6 +15,7 @@ records, the PS's log and metrics, so the outputs read as one run.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import pathlib
 import subprocess
@@ -191,7 +192,21 @@ def checkpoint_meta(*, step: int, settings: JobSettings, partitions: Sequence[Se
           "minibatches_done_per_vw": minibatches_done, "applied": [list(map(int, a)) for a in applied],
           "records": list(records), "metrics": list(metrics), "evals": list(evals), "time_s": time_s,
           "version_ids": list(version_ids), "last_loss": last_loss, "pending_losses": list(pending_losses),
-          "config": config_json, "code_version": code_version(), "resumes": list(resumes), **(extra or {})}
+          "config": config_json, "plan": _plan_record(config_json.get("plan")), "code_version": code_version(),
+          "resumes": list(resumes), **(extra or {})}
+
+
+def _plan_record(plan_path: str | None) -> dict[str, Any] | None:
+  """The plan a checkpoint came from: its path and the SHA-256 of its file (None without a plan)."""
+  if not plan_path:
+    return None
+  path = pathlib.Path(plan_path)
+  if not path.is_absolute():
+    path = REPO_ROOT / path
+  try:
+    return {"path": str(plan_path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+  except OSError:
+    return {"path": str(plan_path), "sha256": None}
 
 
 def save_training_checkpoint(store, step: int, weights: list, opt_states: dict, meta: dict) -> dict[str, float]:
