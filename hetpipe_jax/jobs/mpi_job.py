@@ -206,6 +206,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
   logging.info("[VW %d] %d stages %s on %s, %d minibatches", vw_id, len(stages), partition,
                [str(d) for d in devices], num_mb)
   totals: dict[str, Any] = dict.fromkeys(_STAT_SUMS, 0)
+  totals["barrier_s"] = 0.0  # at checkpoint barriers: sending the state, waiting for the others and the save
   peaks: list[int] = [0] * len(stages)
   max_concurrent = 0
   sent = 0  # records already sent to the PS
@@ -227,9 +228,11 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
               "start_unix_s": first_start}
     sent = len(vw.records)
     if i + 1 < len(segs):  # a checkpoint barrier: the PS holds every VW's waves of the run so far
+      t_barrier = time.perf_counter()
       opt = _opt_state_bytes(*vw.opt_state_by_layer()) if _checkpoint_due(config, end, total) else None
       _, flat = client.barrier(end - first, report, opt)
       vw.begin_segment(flat)
+      totals["barrier_s"] += time.perf_counter() - t_barrier
   stats = {**dict(vw.stats.__dict__), **totals, "peak_inflight_per_stage": peaks,
            "max_concurrent_tasks": max_concurrent, "start_unix_s": first_start}
   if _checkpoint_due(config, total, total):  # the final checkpoint's optimizer state, before DONE
@@ -357,7 +360,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
   per_vw = {str(vw): {k: rep["stats"][k] for k in ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes",
                                                    "peak_inflight_per_stage", "max_concurrent_tasks", "num_tasks",
                                                    "num_overruns", "overrun_s", "host_busy_s",
-                                                   "start_unix_s")}
+                                                   "start_unix_s", "barrier_s")}
             | {"stage_devices": rep["stage_devices"]}
             for vw, rep in sorted(service.reports.items())}
   summary = {
@@ -382,6 +385,9 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
       "idle_s": {vw: v["idle_s"] for vw, v in per_vw.items()},
       "checkpoint": str(ckpt),
       **resume_lib.checkpoint_summary(config, ckpt_stats, resumes),
+      # The slowest VW's seconds in checkpoint barriers (send its state, wait for the others and the save) over the
+      # run's wall time: what checkpoints cost beyond the pipeline drain at each barrier.
+      "checkpoint_barrier_fraction": max(v["barrier_s"] for v in per_vw.values()) / wall,
   }
   if not math.isfinite(summary["test_loss"]):
     logging.warning("[PS] final test loss is not finite")
