@@ -29,13 +29,21 @@ class TaskKind(enum.Enum):
   FORWARD_BACKWARD = "FB"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Task:
   """One unit of work on one stage: a forward, a backward, or (last stage) forward+backward of one minibatch."""
 
   stage_id: int
   kind: TaskKind
   minibatch_id: int
+
+  def __init__(self, stage_id: int, kind: TaskKind, minibatch_id: int):
+    # The dataclass's generated frozen __init__ sets each field through object.__setattr__; writing the instance
+    # dict directly is the same result at half the cost (the engine creates one Task per task it simulates).
+    fields = self.__dict__
+    fields["stage_id"] = stage_id
+    fields["kind"] = kind
+    fields["minibatch_id"] = minibatch_id
 
   def __str__(self) -> str:
     return f"{self.stage_id}{self.kind.value}{self.minibatch_id}"
@@ -53,6 +61,11 @@ class Task:
     return Task(int(m.group(1)), TaskKind(m.group(2)), int(m.group(3)))
 
 
+_FORWARD = TaskKind.FORWARD
+_BACKWARD = TaskKind.BACKWARD
+_FORWARD_BACKWARD = TaskKind.FORWARD_BACKWARD
+
+
 def first_task(num_stages: int, minibatch_id: int) -> Task:
   """The task that injects ``minibatch_id`` into stage 0 (``FB`` when the pipeline has one stage)."""
   kind = TaskKind.FORWARD_BACKWARD if num_stages == 1 else TaskKind.FORWARD
@@ -61,19 +74,17 @@ def first_task(num_stages: int, minibatch_id: int) -> Task:
 
 def successors(task: Task, num_stages: int) -> list[Task]:
   """Tasks whose data dependency is satisfied by ``task`` completing (its output arriving at the neighbour)."""
-  last = num_stages - 1
-  s, p = task.stage_id, task.minibatch_id
-  if task.kind is TaskKind.FORWARD:
-    nxt = TaskKind.FORWARD_BACKWARD if s + 1 == last else TaskKind.FORWARD
-    return [Task(s + 1, nxt, p)]
+  s = task.stage_id
+  if task.kind is _FORWARD:
+    return [Task(s + 1, _FORWARD_BACKWARD if s + 2 == num_stages else _FORWARD, task.minibatch_id)]
   if s == 0:  # backward (or single-stage FB) on stage 0 completes the minibatch
     return []
-  return [Task(s - 1, TaskKind.BACKWARD, p)]
+  return [Task(s - 1, _BACKWARD, task.minibatch_id)]
 
 
 def completes_minibatch(task: Task) -> bool:
   """True for the task whose completion completes its minibatch (backward on stage 0)."""
-  return task.stage_id == 0 and task.kind is not TaskKind.FORWARD
+  return task.stage_id == 0 and task.kind is not _FORWARD
 
 
 class PipelineRules:
@@ -138,17 +149,19 @@ class PipelineRules:
       return None
     task = queue.popleft()
     p = task.minibatch_id
-    if task.kind is TaskKind.BACKWARD:
+    kind = task.kind
+    if kind is _BACKWARD:
       expected = self._next_backward[stage_id]
       self._next_backward[stage_id] = p + 1
     else:
       expected = self._next_forward[stage_id]
       self._next_forward[stage_id] = p + 1
-      if task.kind is TaskKind.FORWARD:
-        self._held[stage_id] += 1
-        self.peak_held[stage_id] = max(self.peak_held[stage_id], self._held[stage_id])
-      else:  # FB holds its minibatch only while it runs
-        self.peak_held[stage_id] = max(self.peak_held[stage_id], self._held[stage_id] + 1)
+      held = self._held[stage_id] + 1  # the minibatches the stage holds once this task starts
+      if kind is _FORWARD:
+        self._held[stage_id] = held
+      # else FB: it holds its minibatch only while it runs
+      if held > self.peak_held[stage_id]:
+        self.peak_held[stage_id] = held
     if p != expected:
       raise AssertionError(f"schedule rule violated on stage {stage_id}: {task} started, expected minibatch {expected}")
     self._running[stage_id].append(task)
@@ -157,20 +170,21 @@ class PipelineRules:
   def complete(self, task: Task) -> list[Task]:
     """Marks a started task done; returns the tasks it made ready (already enqueued, FIFO)."""
     running = self._running[task.stage_id]
-    if not running or running[0] != task:
+    if not running or (running[0] is not task and running[0] != task):
       head = running[0] if running else None
       raise AssertionError(f"task {task} completed but the oldest running task on its stage is {head} (a stage "
                            "completes its tasks in the order they started)")
     running.popleft()
-    if task.kind is TaskKind.BACKWARD:
+    if task.kind is _BACKWARD:
       self._held[task.stage_id] -= 1
     if completes_minibatch(task):
       if task.minibatch_id != self.num_completed:
         raise AssertionError(f"minibatch {task.minibatch_id} completed out of order (expected {self.num_completed})")
       self.num_completed += 1
     new = successors(task, self.num_stages)
+    ready = self._ready
     for t in new:
-      self._ready[t.stage_id].append(t)
+      ready[t.stage_id].append(t)
     return new
 
   def idle(self) -> bool:

@@ -18,7 +18,8 @@ push and pull), and one :class:`wsp.ParameterServerState` for the PS. Only time 
   than the VW's last push; the PS answers it at once or keeps it pending (``ParameterServerState.request_pull``,
   then ``serve_pending_pulls`` after each push that advances the global clock, in arrival order); the reply (the
   global weights as they are when it is answered, named by their vector clock) arrives ``pull_s`` later and is
-  installed (``VWSyncState.on_pull_reply``);
+  installed (``VWSyncState.on_pull_reply``). With no records and no pull hooks nothing reads the vector clock, so
+  the reply carries only its minimum, the global clock (an O(1) reply instead of O(N));
 * minibatches are injected by ``wsp.injection_step`` (Nm in flight, the run's length, the WSP gate and the pull
   it requests), re-run whenever its inputs can change (a minibatch completes, a pull reply arrives).
 
@@ -30,6 +31,12 @@ state objects (``sync_states``), so each VW has one state, which the engine adva
 Optional link contention (``ps_link_contention``): every push and every pull reply crosses one shared link at the
 PS (its node's NIC), one transfer at a time in request order, so PS traffic serialises; pipeline sends stay part of
 their tasks (they already serialise with the sender's compute).
+
+Speed (timing-only mode, ``records=False``): an event does only the work its outcome needs. It examines only the
+stages whose device or queue it changed (``_start_ready``), looks for pending pulls to answer only after a push that
+advanced the global clock, and builds a reply's O(N) vector clock only when records or pull hooks read it. That is
+about 2-3 µs per event on a 2-core machine (``scripts/bench_engine.py``); ``scripts/engine_fingerprint.py`` checks
+that a speed-up leaves every result bit-identical.
 
 Hooks (``hooks`` argument; any object, each method optional) are called in event order: events run in order of
 virtual time, ties in the order they were created. Within one event:
@@ -52,6 +59,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
+import itertools
 import time
 from typing import Any, Sequence
 
@@ -64,6 +72,8 @@ from hetpipe_jax.sim.task_times import VWTaskTimes
 
 _TASK_END, _PUSH_ARRIVAL, _PULL_REQUEST, _PULL_REPLY = 0, 1, 2, 3
 _BACKWARD = TaskKind.BACKWARD
+_STAGE_0 = (0,)
+_heappush = heapq.heappush
 _FORWARD = TaskKind.FORWARD
 _HOOK_NAMES = ("on_inject", "on_task_start", "on_minibatch_complete", "on_wave_end", "on_push", "on_pull_sent",
                "on_pull_reply")
@@ -103,12 +113,26 @@ class EngineConfig:
       raise ValueError(f"staleness_bound (D) must be >= 0, got {self.staleness_bound}")
 
 
+class _GPU:
+  """One stage's device: its queue of dispatched tasks, the task it runs, and its accounting."""
+
+  __slots__ = ("stage_id", "queue", "task", "started", "busy_s", "num_tasks")
+
+  def __init__(self, stage_id: int):
+    self.stage_id = stage_id
+    self.queue = collections.deque()  # popped (dispatched), waiting for the device
+    self.task: Task | None = None
+    self.started = 0.0
+    self.busy_s = 0.0
+    self.num_tasks = 0
+
+
 class _VW:
   """One virtual worker's engine state (rules + devices + accounting)."""
 
-  __slots__ = ("vw_id", "times", "rules", "sync", "num_stages", "total", "dur_fwd", "dur_bwd", "queued", "running",
-               "started", "busy_s", "num_tasks", "active", "idle_since", "idle_s", "wait_since", "wait_s",
-               "completions", "version_id", "num_pushes", "num_pulls", "last_push_arrival", "records", "vector_clock")
+  __slots__ = ("vw_id", "times", "rules", "sync", "num_stages", "total", "dur_fwd", "dur_bwd", "gpus", "active",
+               "idle_since", "idle_s", "wait_since", "wait_s", "completions", "version_id", "num_pushes", "num_pulls",
+               "last_push_arrival", "records", "vector_clock")
 
   def __init__(self, vw_id: int, times: VWTaskTimes, config: EngineConfig, sync: wsp.VWSyncState | None,
                num_vws: int):
@@ -127,11 +151,7 @@ class _VW:
                     for s in range(s_count)]
     self.dur_bwd = [times.task_duration_s(Task(s, TaskKind.BACKWARD, 0)) if s < last else 0.0
                     for s in range(s_count)]
-    self.queued = [collections.deque() for _ in range(s_count)]  # popped (dispatched), waiting for the device
-    self.running: list[Task | None] = [None] * s_count
-    self.started = [0.0] * s_count
-    self.busy_s = [0.0] * s_count
-    self.num_tasks = [0] * s_count
+    self.gpus = [_GPU(s) for s in range(s_count)]
     self.active = 0  # tasks ready or running
     self.idle_since: float | None = 0.0
     self.idle_s = 0.0
@@ -196,8 +216,14 @@ class Engine:
     self.gpu_ids = [list(g) for g in gpu_ids]
     self.ps = wsp.ParameterServerState(len(self.vws), config.ps_apply)
     self.hooks = {name: getattr(hooks, name, None) for name in _HOOK_NAMES}
+    self._on_task_start = self.hooks["on_task_start"]
+    self._on_inject = self.hooks["on_inject"]
+    # A pull reply carries the vector clock of the weights it holds only when someone reads it (records, pull
+    # hooks); otherwise just their global clock (the vector clock's minimum), which is all the VW's rules need.
+    self._vector_clocks = (config.records or self.hooks["on_pull_sent"] is not None
+                           or self.hooks["on_pull_reply"] is not None)
     self._heap: list = []
-    self._seq = 0
+    self._seq = itertools.count(1)  # creation order of events: breaks ties in time
     self._ps_link_free = 0.0
     self._task_events: list = []
     self._ps_waits: list[tuple[int, float, float]] = []
@@ -210,8 +236,7 @@ class Engine:
 
   # ------------------------------------------------------------------ scheduling helpers
   def _push_event(self, t: float, code: int, vw_id: int, arg) -> None:
-    self._seq += 1
-    heapq.heappush(self._heap, (t, self._seq, code, vw_id, arg))
+    _heappush(self._heap, (t, next(self._seq), code, vw_id, arg))
 
   def _ps_transfer_arrival(self, t: float, duration: float) -> float:
     if not self.config.ps_link_contention:
@@ -224,11 +249,16 @@ class Engine:
     self._push_event(max(t, vw.last_push_arrival), _PULL_REQUEST, vw.vw_id, required)
 
   def _send_pull_reply(self, v: int, t: float) -> None:
-    vector_clock = self.ps.vector_clock()
-    hook = self.hooks["on_pull_sent"]
-    if hook is not None:
-      hook(v, vector_clock, t)
-    self._push_event(self._ps_transfer_arrival(t, self.vws[v].times.pull_s), _PULL_REPLY, v, vector_clock)
+    """The PS answers VW ``v``'s pull at ``t``: the reply carries the weights' vector clock (or, when no one reads
+    it, only their global clock)."""
+    if self._vector_clocks:
+      reply = self.ps.vector_clock()
+      hook = self.hooks["on_pull_sent"]
+      if hook is not None:
+        hook(v, reply, t)
+    else:
+      reply = self.ps.global_clock
+    self._push_event(self._ps_transfer_arrival(t, self.vws[v].times.pull_s), _PULL_REPLY, v, reply)
 
   def _try_inject(self, vw: _VW, t: float) -> None:
     """Runs the VW's injection step (``wsp.injection_step``) and accounts for its outcome at time ``t``."""
@@ -250,7 +280,7 @@ class Engine:
       vw.idle_s += t - vw.idle_since
       vw.idle_since = None
     vw.active += len(injected)
-    on_inject = self.hooks["on_inject"]
+    on_inject = self._on_inject
     if self.config.records:
       rules, sync = vw.rules, vw.sync
       for p in injected:
@@ -260,23 +290,36 @@ class Engine:
     if on_inject is not None:
       for p in injected:
         on_inject(vw.vw_id, p, t)
+    rules, q = vw.rules, vw.gpus[0].queue
+    for _ in injected:  # each injection made one task ready on stage 0 (the ready queues were empty)
+      q.append(rules.pop_ready(0))
 
-  def _start_ready(self, vw: _VW, t: float) -> None:
+  def _dispatch_all(self, vw: _VW) -> None:
     """Hands every ready task to its stage's device queue (``pop_ready``, FIFO, as the runtime hands it to the
-    stage's executor) and starts the head of each free device's queue."""
-    rules, running, queued = vw.rules, vw.running, vw.queued
-    on_task_start = self.hooks["on_task_start"]
+    stage's executor)."""
+    rules, gpus = vw.rules, vw.gpus
     for s in range(vw.num_stages):
-      q = queued[s]
+      q = gpus[s].queue
       while rules.has_ready(s):
         q.append(rules.pop_ready(s))
-      if running[s] is None and q:
-        task = q.popleft()
-        running[s] = task
-        vw.started[s] = t
-        self._seq += 1
+
+  def _start_ready(self, vw: _VW, t: float, stages) -> None:
+    """Starts the head of each free device's queue among ``stages`` (ascending), whose ready tasks are dispatched.
+
+    Between events every ready task is dispatched and every free device's queue is empty, and an event changes only
+    the stages it names here (the one a task ended on, the one its successor became ready on, stage 0 after
+    injections), so starting those in stage order is starting every stage in stage order.
+    """
+    gpus = vw.gpus
+    on_task_start = self._on_task_start
+    for s in stages:
+      gpu = gpus[s]
+      q = gpu.queue
+      if gpu.task is None and q:
+        task = gpu.task = q.popleft()
+        gpu.started = t
         d = vw.dur_bwd[s] if task.kind is _BACKWARD else vw.dur_fwd[s]
-        heapq.heappush(self._heap, (t + d, self._seq, _TASK_END, vw.vw_id, s))
+        _heappush(self._heap, (t + d, next(self._seq), _TASK_END, vw.vw_id, gpu))
         if on_task_start is not None:
           on_task_start(vw.vw_id, task, t)
 
@@ -324,58 +367,76 @@ class Engine:
     wall0 = time.perf_counter()
     for vw in self.vws:
       self._try_inject(vw, 0.0)
-      self._start_ready(vw, 0.0)
-    heap, vws, records = self._heap, self.vws, self.config.records
+      self._dispatch_all(vw)
+      self._start_ready(vw, 0.0, range(vw.num_stages))
+    heap, vws, records, ps = self._heap, self.vws, self.config.records, self.ps
     task_events = self._task_events
     heappop = heapq.heappop
-    num_events = 0
+    start_ready = self._start_ready
+    vector_clocks = self._vector_clocks
     while heap:
       t, _, code, v, arg = heappop(heap)
-      num_events += 1
       vw = vws[v]
       if code == _TASK_END:
-        s = arg
-        task = vw.running[s]
-        vw.running[s] = None
-        start = vw.started[s]
-        vw.busy_s[s] += t - start
-        vw.num_tasks[s] += 1
+        gpu = arg
+        task = gpu.task
+        gpu.task = None
+        start = gpu.started
+        gpu.busy_s += t - start
+        gpu.num_tasks += 1
         if records:
           task_events.append((v, task, start, t))
         rules = vw.rules
+        num_completed = rules.num_completed
         new = rules.complete(task)
+        if len(new) == 1 and rules.num_completed == num_completed:  # the output moves on to a neighbouring stage
+          ns = new[0].stage_id
+          successor = vw.gpus[ns]
+          successor.queue.append(rules.pop_ready(ns))
+          if successor.task is None or gpu.queue:  # else both devices stay as they are (busy; idle, nothing queued)
+            s = gpu.stage_id
+            start_ready(vw, t, (s, ns) if s < ns else (ns, s))
+          continue
         vw.active += len(new) - 1
-        if schedule.completes_minibatch(task):
+        if rules.num_completed != num_completed:  # the task completed its minibatch (schedule.completes_minibatch)
           self._complete_minibatch(vw, task.minibatch_id, t)
           self._try_inject(vw, t)
         if vw.active == 0 and rules.num_completed < vw.total:
           vw.idle_since = t
-        self._start_ready(vw, t)
+        if new or gpu.stage_id:
+          self._dispatch_all(vw)
+          start_ready(vw, t, range(vw.num_stages))
+        else:  # stage 0 completed a minibatch: only stage 0 changed (its device, its injections)
+          start_ready(vw, t, _STAGE_0)
       elif code == _PUSH_ARRIVAL:
         hook = self.hooks["on_push"]
         if hook is not None:
           hook(v, arg, t)
-        if self.ps.push(v, arg):
-          for w in self.ps.serve_pending_pulls():
+        clock = ps.global_clock
+        ps.push(v, arg)
+        if ps.global_clock != clock:  # pending pulls wait for a larger global clock: only now can one be served
+          for w in ps.serve_pending_pulls():
             self._send_pull_reply(w, t)
       elif code == _PULL_REQUEST:
-        if self.ps.request_pull(v, arg):
+        if ps.request_pull(v, arg):
           self._send_pull_reply(v, t)
-      else:  # _PULL_REPLY
+      else:  # _PULL_REPLY: arg is the reply's vector clock (its global clock alone when none is kept)
         hook = self.hooks["on_pull_reply"]
         if hook is not None:
           hook(v, arg, t)
-        vw.sync.on_pull_reply(min(arg))
+        vw.sync.on_pull_reply(min(arg) if vector_clocks else arg)
+        # Read by the records only, which keep vector clocks (without them, arg is the global clock, never read).
         vw.vector_clock = arg
         vw.version_id += 1
         vw.num_pulls += 1
         self._try_inject(vw, t)
-        self._start_ready(vw, t)
+        start_ready(vw, t, _STAGE_0)
     for vw in vws:
       if vw.rules.num_completed < vw.total:
         raise RuntimeError(f"[VW {vw.vw_id}] stalled after {vw.rules.num_completed}/{vw.total} minibatches: local "
                            f"clock {vw.sync.local_clock}, weights global clock {vw.sync.weights_global_clock}, "
                            f"PS global clock {self.ps.global_clock}, pending pulls {self.ps.pending_pulls}")
+    num_events = next(self._seq) - 1  # every event created was processed
     return self._report(num_events, time.perf_counter() - wall0)
 
   def _report(self, num_events: int, wall_s: float) -> EngineReport:
@@ -393,8 +454,9 @@ class Engine:
                           vw.completions[nm - 1], last, vw.wait_s, vw.idle_s, vw.num_pushes, vw.num_pulls,
                           list(vw.rules.peak_held)))
       for s in range(vw.num_stages):
-        gpus.append(GPUReport(vw.vw_id, s, self.gpu_ids[vw.vw_id][s], vw.num_tasks[s], vw.busy_s[s],
-                              vw.busy_s[s] / makespan if makespan > 0 else 0.0))
+        gpu = vw.gpus[s]
+        gpus.append(GPUReport(vw.vw_id, s, self.gpu_ids[vw.vw_id][s], gpu.num_tasks, gpu.busy_s,
+                              gpu.busy_s / makespan if makespan > 0 else 0.0))
     records, events = [], []
     if self.config.records:
       records = [r for vw in self.vws for _, r in sorted(vw.records.items())]
