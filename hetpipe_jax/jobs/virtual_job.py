@@ -173,7 +173,8 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
         idle_s[r.vw_id] += r.idle_s
       max_distance = max(max_distance, report.max_clock_distance)
       # The barrier: the last pushes reach the PS and its weights reach every VW before the next segment starts.
-      off.time_s += report.makespan_s + max(t.push_s + t.pull_s for t in times)
+      # After the last segment there is none: the run ends when its last minibatch completes, as in the engine.
+      off.time_s += report.makespan_s + (max(t.push_s + t.pull_s for t in times) if end < total_waves else 0.0)
       if store is not None and (end % config.checkpoint_every_waves == 0 or end == total_waves):
         ckpt_meta = resume_lib.checkpoint_meta(
             step=end, settings=settings, partitions=partitions, model_name=spec.name, num_layers=spec.num_layers,
