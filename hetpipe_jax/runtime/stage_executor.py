@@ -6,12 +6,21 @@ reached its consumer, optionally pads the task to an emulated duration ("sleep a
 that stand in for a slower GPU type), and reports the completion on a shared queue. Stages therefore overlap even
 where XLA executes a computation inline in the calling thread (small computations on the CPU backend), and the
 scheduler blocks on completions instead of polling.
+
+Emulated devices keep their own timeline, as an in-order device queue would: a task starts on its device when it
+was submitted and the stage's previous task has ended there (``max(submission, previous device end)``), and ends
+there at ``max(start + duration, when its real output was ready)``. The host's delays in noticing an end (the
+sleep's wake-up, the executor thread getting the GIL back, posting) therefore do not push the stage's later tasks
+back: only what the scheduler really waits for (a completion before it can submit the successor) costs time, as
+on a GPU, where the host enqueues work asynchronously and the device runs it back to back.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import queue
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -21,6 +30,21 @@ import jax
 from hetpipe_jax.rules.schedule import Task
 
 OVERRUN_TOLERANCE_S = 1e-3  # lateness beyond an emulated task's end that counts as an overrun
+_PR_SET_TIMERSLACK = 29  # linux/prctl.h
+
+
+def fine_timer_slack() -> bool:
+  """Lets the calling thread's sleeps end within about a microsecond of their deadline (Linux; else a no-op).
+
+  Linux lets a normal thread's timers fire up to its "timer slack" late (50 µs by default) to batch wake-ups; an
+  emulated 2 ms task would end that much late on every sleep. Returns whether the slack was set.
+  """
+  if not sys.platform.startswith("linux"):
+    return False
+  try:
+    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0) == 0
+  except (OSError, AttributeError):
+    return False
 
 
 @dataclasses.dataclass
@@ -28,15 +52,19 @@ class Completion:
   """A finished task: its stage-relative start and end times (seconds since the run's start)."""
 
   task: Task
-  start_s: float
-  end_s: float
+  start_s: float  # emulated: the start on the emulated device, max(submit_s, previous task's device_end_s); else
+  # when the executor began the dispatch call
+  end_s: float  # when the executor posted the completion (the scheduler observes the task done from then on)
   overrun_s: float = 0.0  # real work beyond the emulated duration (0 when not emulated or on time)
   dispatch_s: float = 0.0  # time inside the dispatch call (Python + launch; on CPU small kernels run inline)
   error: BaseException | None = None
+  submit_s: float = 0.0  # when the scheduler submitted the task
+  device_end_s: float = 0.0  # emulated: the end on the emulated device, max(start + duration, output ready) <=
+  # end_s; else end_s. The executor's lateness in reporting the end is end_s - device_end_s.
 
 
 class StageExecutor:
-  """Runs one stage's tasks in submission order on a dedicated thread.
+  """Runs one stage's tasks in submission order on a dedicated thread (the host side of the stage's device queue).
 
   Args:
     stage_id: the stage.
@@ -56,36 +84,49 @@ class StageExecutor:
     """Queues ``task``; ``dispatch()`` launches it and returns an array that is ready once its output arrived.
 
     Args:
-      duration_s: emulated duration; the completion is reported no earlier than start + duration.
+      duration_s: emulated duration; the task starts on the emulated device at ``max(now, the previous task's
+        device end)`` and its completion is reported no earlier than that start plus ``duration_s``.
     """
-    self._tasks.put((task, dispatch, duration_s))
+    self._tasks.put((task, dispatch, duration_s, time.perf_counter()))
 
   def close(self) -> None:
     self._tasks.put(None)
     self._thread.join()
 
   def _loop(self) -> None:
+    fine_timer_slack()
+    t0 = self._t0
+    device_free = 0.0  # perf_counter time at which the emulated device finished its previous task
     with jax.transfer_guard("disallow"):
       while True:
         item = self._tasks.get()
         if item is None:
           return
-        task, dispatch, duration_s = item
-        start = time.perf_counter()
+        task, dispatch, duration_s, submitted = item
+        picked = time.perf_counter()
         try:
           marker = dispatch()
           dispatched = time.perf_counter()
           marker.block_until_ready()
         except BaseException as e:  # reported to the scheduler, which re-raises it
-          self._done.put(Completion(task, start - self._t0, time.perf_counter() - self._t0, error=e))
+          now = time.perf_counter()
+          self._done.put(Completion(task, picked - t0, now - t0, error=e, submit_s=submitted - t0,
+                                    device_end_s=now - t0))
           return
         overrun = 0.0
-        if duration_s is not None:
-          target = start + duration_s
-          now = time.perf_counter()
-          if now < target:
-            time.sleep(target - now)
+        if duration_s is None:
+          start = picked
+          end = device_end = device_free = time.perf_counter()
+        else:
+          ready = time.perf_counter()
+          start = submitted if submitted > device_free else device_free
+          device_end = start + duration_s
+          if ready < device_end:
+            time.sleep(device_end - ready)  # sleep() resumes after signals; it never returns early
           else:
-            overrun = now - target
-        self._done.put(Completion(task, start - self._t0, time.perf_counter() - self._t0, overrun,
-                                  dispatch_s=dispatched - start))
+            overrun = ready - device_end
+            device_end = ready
+          device_free = device_end
+          end = time.perf_counter()
+        self._done.put(Completion(task, start - t0, end - t0, overrun, dispatch_s=dispatched - picked,
+                                  submit_s=submitted - t0, device_end_s=device_end - t0))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import queue
 import time
 from typing import Any, Callable, Protocol, Sequence
@@ -205,8 +206,21 @@ class VirtualWorker:
                          v.vector_clock if vector_clock is None else tuple(vector_clock), v.version_id + 1)
 
   # ---------------------------------------------------------------- main loop
-  def run(self, num_minibatches: int) -> VWStats:
+  def run(self, num_minibatches: int, *, completion_log: list | None = None) -> VWStats:
     """Trains ``num_minibatches`` (a multiple of Nm, so every wave is whole) and returns the VW's stats.
+
+    Each loop iteration takes the posted completions off the queue, hands the tasks they made ready to the stage
+    executors, and only then applies the completed minibatches' updates, pushes wave ends and injects: the updates
+    (on the CPU backend they compute inline, in this thread) never delay a ready task, and a new minibatch still
+    starts on the weights that include every completed minibatch. The garbage collector leaves the objects created
+    before the run alone until it returns (``gc.freeze``), so its collections stay short.
+
+    Args:
+      num_minibatches: minibatches to train.
+      completion_log: instrumentation (benchmarks): when given, ``(completion, received_s, woke)`` is appended for
+        every task: its :class:`~hetpipe_jax.runtime.stage_executor.Completion`, when this thread took it off the
+        queue (seconds since the run's start), and whether it woke this thread from waiting (else it had been
+        queued while this thread was busy).
 
     Raises:
       ValueError: ``num_minibatches`` is not a positive multiple of Nm.
@@ -220,12 +234,28 @@ class VirtualWorker:
     inflight: dict[int, InFlightMinibatch] = {}
     done: queue.SimpleQueue = queue.SimpleQueue()
     stats = self.stats
+    # The objects that exist before the run (modules, compiled functions, data: over 100,000) stay out of the
+    # collections during it: a full collection over them holds the GIL, so it stops every stage thread, for
+    # 0.1-0.3 s on this machine (scripts/bench_runtime.py reports the collections during its runs).
+    gc.freeze()
     t0 = time.perf_counter()
     stats.start_unix_s = time.time()
     executors = [StageExecutor(s, done, t0) for s in range(num_stages)]
     num_running = 0
     first = None
     wait_since = idle_since = None
+
+    def submit_ready() -> None:
+      """Hands every ready task to its stage's executor, FIFO per stage."""
+      nonlocal num_running
+      for s in range(num_stages):
+        while rules.has_ready(s):
+          task = rules.pop_ready(s)
+          mb = inflight[task.minibatch_id]
+          duration = self.task_time_s(task) if self.task_time_s is not None else None
+          executors[s].submit(task, functools.partial(self.dispatch, task, mb), duration)
+          num_running += 1
+
     try:
       with jax.transfer_guard("disallow"):
         while rules.num_completed < num_minibatches:
@@ -238,18 +268,22 @@ class VirtualWorker:
             self.install_pull(*reply)
             stats.sync_s += time.perf_counter() - t
           # 2. Completions (each stage reports in its own order; the queue keeps completion order).
+          finished = []
           while True:
-            if first is not None:
+            woke = first is not None
+            if woke:
               c, first = first, None
             else:
               try:
                 c = done.get_nowait()
               except queue.Empty:
                 break
+            if completion_log is not None:
+              completion_log.append((c, time.perf_counter() - t0, woke))
             num_running -= 1
             if c.error is not None:
               raise c.error
-            self.task_log.append((str(c.task), c.start_s, c.end_s))
+            self.task_log.append((str(c.task), c.start_s, c.device_end_s))
             if c.overrun_s > OVERRUN_TOLERANCE_S:
               stats.num_overruns += 1
               stats.overrun_s += c.overrun_s
@@ -257,7 +291,13 @@ class VirtualWorker:
             stats.num_tasks += 1
             stats.dispatch_s += c.dispatch_s
             if schedule.completes_minibatch(c.task):
-              t = time.perf_counter()
+              finished.append(c)
+          # 3. The tasks those completions made ready start now, before the updates below.
+          submit_ready()
+          # 4. Completed minibatches: every stage's update (a new weight version), wave ends and their pulls.
+          if finished:
+            t = time.perf_counter()
+            for c in finished:
               p = c.task.minibatch_id
               self.complete_minibatch(inflight.pop(p), c.end_s)
               wave, pull = self.sync.on_minibatch_complete(p)
@@ -265,8 +305,8 @@ class VirtualWorker:
                 self.end_wave(wave)
               if pull is not None:
                 self.ps.request_pull(pull)
-              stats.update_s += time.perf_counter() - t
-          # 3. Injection under the local rule and WSP.
+            stats.update_s += time.perf_counter() - t
+          # 5. Injection under the local rule and WSP (on the weights that include every completed minibatch).
           injected, pull, waiting = wsp.injection_step(rules, self.sync, num_minibatches)
           if pull is not None:
             self.ps.request_pull(pull)
@@ -276,20 +316,14 @@ class VirtualWorker:
           elif injected and wait_since is not None:
             stats.wait_s += time.perf_counter() - wait_since
             wait_since = None
-          for p in injected:
-            t = time.perf_counter()
-            inflight[p] = self.inject(p, t - t0)
-            stats.inject_s += time.perf_counter() - t
-          # 4. Hand every ready task to its stage's executor, FIFO per stage.
-          for s in range(num_stages):
-            while rules.has_ready(s):
-              task = rules.pop_ready(s)
-              mb = inflight[task.minibatch_id]
-              duration = self.task_time_s(task) if self.task_time_s is not None else None
-              executors[s].submit(task, functools.partial(self.dispatch, task, mb), duration)
-              num_running += 1
+          if injected:
+            for p in injected:
+              t = time.perf_counter()
+              inflight[p] = self.inject(p, t - t0)
+              stats.inject_s += time.perf_counter() - t
+            submit_ready()
           stats.max_concurrent_tasks = max(stats.max_concurrent_tasks, num_running)
-          # 5. Idle accounting, then block until a task completes (or time out to poll the PS).
+          # 6. Idle accounting, then block until a task completes (or time out to poll the PS).
           if not num_running:
             if idle_since is None:
               idle_since = time.perf_counter()
@@ -307,6 +341,7 @@ class VirtualWorker:
     finally:
       for ex in executors:
         ex.close()
+      gc.unfreeze()
     stats.wall_time_s = time.perf_counter() - t0
     stats.peak_inflight_per_stage = list(rules.peak_held)
     return stats
