@@ -212,6 +212,41 @@ MUTATIONS = (
              "  num_inflight = plan.num_inflight if given is None else given",
              "  num_inflight = plan.num_inflight",
              ("tests/test_job_config.py",), "a user's num_inflight is silently replaced by the plan's"),
+    # ---- runtime host path (issue 10)
+    Mutation("executor_times_from_pickup", "hetpipe_jax/runtime/stage_executor.py",
+             "          start = submitted if submitted > device_free else device_free",
+             "          start = picked",
+             ("tests/test_stage_executor.py",),
+             "an emulated task starts when the executor thread picks it up, not on the emulated device's timeline"),
+    Mutation("runtime_hands_off_after_updates", "hetpipe_jax/runtime/virtual_worker.py",
+             "          submit_ready()\n"
+             "          # 4. Completed minibatches: every stage's update (a new weight version), wave ends and their pulls.\n"
+             "          if finished:\n"
+             "            t = time.perf_counter()\n"
+             "            for c in finished:\n"
+             "              p = c.task.minibatch_id\n"
+             "              self.complete_minibatch(inflight.pop(p), c.end_s)\n"
+             "              wave, pull = self.sync.on_minibatch_complete(p)\n"
+             "              if wave is not None:\n"
+             "                self.end_wave(wave)\n"
+             "              if pull is not None:\n"
+             "                self.ps.request_pull(pull)\n"
+             "            stats.update_s += time.perf_counter() - t\n",
+             "          # 4. Completed minibatches: every stage's update (a new weight version), wave ends and their pulls.\n"
+             "          if finished:\n"
+             "            t = time.perf_counter()\n"
+             "            for c in finished:\n"
+             "              p = c.task.minibatch_id\n"
+             "              self.complete_minibatch(inflight.pop(p), c.end_s)\n"
+             "              wave, pull = self.sync.on_minibatch_complete(p)\n"
+             "              if wave is not None:\n"
+             "                self.end_wave(wave)\n"
+             "              if pull is not None:\n"
+             "                self.ps.request_pull(pull)\n"
+             "            stats.update_s += time.perf_counter() - t\n"
+             "          submit_ready()\n",
+             ("tests/test_runtime_host_path.py",),
+             "tasks made ready by a completion wait until the completed minibatches' updates are applied"),
 )
 
 

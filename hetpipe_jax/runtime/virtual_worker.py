@@ -191,7 +191,9 @@ class VirtualWorker:
     self.wave_delta = list(self._zeros)
     self.own_waves: dict[int, list] = {}  # wave -> per-stage delta, own waves not yet in pulled global weights
     self.records: list[MinibatchRecord] = []
-    self.task_log: list[tuple[str, float, float]] = []  # (task, dispatch time, observed completion time)
+    # (task, start, end) in seconds since the run's start: the span on the emulated device when emulated, else from
+    # the dispatch to the posted completion
+    self.task_log: list[tuple[str, float, float]] = []
     self.stats = VWStats()
     self._wave_losses: list = []  # (record, loss array) of the current wave
 

@@ -27,7 +27,9 @@ def runtime_events(task_log: Iterable[tuple[str, float, float]], vw_id: int,
   """Task events from a runtime ``VirtualWorker.task_log``.
 
   Args:
-    task_log: ``(task, dispatch_s, observed_done_s)`` per task in completion order (seconds since the VW's start).
+    task_log: ``(task, start_s, end_s)`` per task in completion order (seconds since the VW's start): on emulated
+      devices the task's span on the emulated device's timeline, else from the executor's dispatch to the
+      completion it posted (``runtime.stage_executor.Completion``).
       Dispatch is not start: a stage is one in-order device, so a task starts at
       ``max(dispatch, previous task's end on that stage)``. (A log that already holds start times is unchanged.)
     vw_id: the VW the log belongs to.
