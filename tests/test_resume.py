@@ -1,6 +1,7 @@
 """Checkpoints and resume (issue 9): segments, optimizer states by layer, the checkpoint store, resume in virtual
 time (bit-identical) and onto a new plan, the PS refusing bad updates, and bad input."""
 
+import errno
 import json
 import shutil
 
@@ -255,3 +256,30 @@ def test_config_records_the_checkpoint_settings(tmp_path, synthetic_data_dir):
   # A checkpoint says where it came from: the config as it ran, the plan (none here) and the code version.
   assert step == 4 and meta["config"] == config and meta["plan"] is None and meta["code_version"] not in ("", None)
   assert meta["minibatches_done_per_vw"] == 8 and meta["num_inflight"] == 2 and len(meta["records"]) == 3 * 8
+
+
+def test_a_full_disk_while_saving_stops_with_one_error_and_the_earlier_checkpoints_resume(tmp_path, synthetic_data_dir,
+                                                                                         monkeypatch):
+  """A save that fails (ENOSPC) stops the run with one ConfigError naming the clock and the fix; the checkpoint
+  before it stays loadable and a resume from it finishes with the uninterrupted run's weights."""
+  config = _config(synthetic_data_dir)
+  full = _run(config, tmp_path / "full")
+  save = checkpoint.TrainingCheckpoints.save
+
+  def disk_full_at_8(self, step, *args, **kwargs):
+    if step == 8:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return save(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(checkpoint.TrainingCheckpoints, "save", disk_full_at_8)
+  with pytest.raises(ConfigError, match=r"global clock 8 could not be written.*No space left on device.*--resume"):
+    _run(config, tmp_path / "part")
+  monkeypatch.setattr(checkpoint.TrainingCheckpoints, "save", save)
+  store = checkpoint.TrainingCheckpoints(tmp_path / "part", max_to_keep=3)
+  assert store.steps() == [4]
+  store.close()
+  resumed = _run(config, tmp_path / "part", resume=True)
+  assert [r["global_clock"] for r in resumed["resumes"]] == [4]
+  assert _leaves_equal(checkpoint.restore_weights(tmp_path / "full" / "checkpoint"),
+                       checkpoint.restore_weights(tmp_path / "part" / "checkpoint"))
+  assert resumed["test_accuracy"] == full["test_accuracy"]
