@@ -111,3 +111,20 @@ def test_wsp_study_smoke(tmp_path, synthetic_data_dir):
   # 3 VWs at 1x / 1.5x / 3x with D = 2: the fast VWs' newer waves reach the others' weights on receipt.
   assert next(r for r in het["trained"] if r["ps_apply"] == "on_receipt")["minibatches_with_extra_updates"] > 0
   assert all(r["minibatches_with_extra_updates"] > 0 for r in het["engine"] if r["ps_apply"] == "on_receipt")
+
+
+@pytest.mark.mpi
+def test_bench_checkpoint_smoke(tmp_path, synthetic_data_dir):
+  """The checkpoint-overhead benchmark: both runs of a pair really ran, with and without checkpoints."""
+  out = json.loads(_run(["scripts/bench_checkpoint.py", "--smoke", f"--data_dir={synthetic_data_dir}",
+                         f"--workdir={tmp_path}"], timeout=300).stdout)
+  assert out["smoke"] is True and out["meets_target"] is None
+  (pair,) = out["pairs"]
+  with_ckpt = json.loads((tmp_path / "r0_ckpt" / "summary.json").read_text())
+  waves = 8 // with_ckpt["num_inflight"]  # 8 minibatches per VW
+  assert pair["checkpoint_every_waves"] == 2 and pair["num_checkpoints"] == waves // 2 >= 1
+  assert [c["global_clock"] for c in with_ckpt["checkpoints"]] == list(range(2, waves + 1, 2))
+  assert all(mb > 0 for mb in pair["checkpoint_mb"]) and _finite(pair["overhead"], pair["checkpoint_barrier_fraction"])
+  assert 0 < pair["checkpoint_barrier_fraction"] < 1
+  without = json.loads((tmp_path / "r0_none" / "summary.json").read_text())
+  assert without["checkpoint_every_waves"] == 0 and without["checkpoints"] == []
