@@ -18,6 +18,8 @@ import dataclasses
 import itertools
 from typing import Sequence
 
+import numpy as np
+
 from hetpipe_jax.planning import inflight
 from hetpipe_jax.planning.cluster import ClusterSpec, Gpu
 from hetpipe_jax.planning.cost_model import StageCosts
@@ -137,23 +139,41 @@ def allocate_hd(cluster: ClusterSpec, num_vws: int) -> list[list[Gpu]]:
   return vws
 
 
-def _class_splits(counts: tuple[int, ...], num_vws: int, size: int):
-  """Unordered splits of a class-count vector into ``num_vws`` multisets of ``size`` (non-increasing order)."""
-  shapes = [m for m in itertools.product(*(range(c + 1) for c in counts)) if sum(m) == size]
-  shapes.sort(reverse=True)
+def _node_contents(gpus: Sequence[Gpu]) -> dict[str, tuple[str, ...]]:
+  out: dict[str, list[str]] = {}
+  for g in gpus:
+    out.setdefault(g.node, []).append(g.gpu_type)
+  return {n: tuple(sorted(t)) for n, t in out.items()}
 
-  def rec(remaining, start, left):
-    if left == 0:
-      if not any(remaining):
-        yield []
-      return
-    for idx in range(start, len(shapes)):
-      m = shapes[idx]
-      if all(x <= r for x, r in zip(m, remaining)):
-        for tail in rec(tuple(r - x for r, x in zip(remaining, m)), idx, left - 1):
-          yield [m] + tail
 
-  return rec(counts, 0, num_vws)
+def shape_key(gpus: Sequence[Gpu]) -> tuple[tuple[str, ...], ...]:
+  """A virtual worker's isomorphism class: the sorted multisets of GPU types it has on each of its nodes.
+
+  The cost model sees a GPU's type and whether two GPUs share a node (intra- or inter-node link), never node names,
+  so two virtual workers with equal keys (one maps onto the other by renaming nodes) have equal optimal partitions
+  up to that renaming: equal stage times and memory, hence equal throughput at every Nm and equal Max_m.
+  """
+  return tuple(sorted(_node_contents(gpus).values()))
+
+
+def _map_gpus(part_gpus: Sequence[Gpu], src: Sequence[Gpu], dst: Sequence[Gpu]) -> tuple[Gpu, ...]:
+  """``part_gpus`` (an order of ``src``'s GPUs) carried onto ``dst``, a virtual worker with the same
+  :func:`shape_key`: nodes are matched in key order, GPUs of one type on one node in id order."""
+  order = lambda contents: sorted(contents, key=lambda n: (contents[n], n))
+  src_nodes, dst_nodes = _node_contents(src), _node_contents(dst)
+  node_map = dict(zip(order(src_nodes), order(dst_nodes)))
+  pool: dict[tuple[str, str], list[Gpu]] = {}
+  for g in sorted(dst, key=lambda g: g.gpu_id):
+    pool.setdefault(g.gpu_class, []).append(g)
+  return tuple(pool[(g.gpu_type, node_map[g.node])].pop(0) for g in part_gpus)
+
+
+def _vw_planner(costs: StageCosts, gpus: Sequence[Gpu], planners: dict, max_num_inflight: int) -> inflight.VwPlanner:
+  """The cached planner of ``gpus``' :func:`shape_key` (built from ``gpus`` on first use)."""
+  key = shape_key(gpus)
+  if key not in planners:
+    planners[key] = inflight.VwPlanner(costs, gpus, max_num_inflight)
+  return planners[key]
 
 
 def plan_system(costs: StageCosts, vws: Sequence[Sequence[Gpu]], policy: str,
@@ -166,7 +186,7 @@ def plan_system(costs: StageCosts, vws: Sequence[Sequence[Gpu]], policy: str,
     vws: GPUs of each virtual worker.
     policy: recorded in the plan.
     max_num_inflight: cap on the Nm search.
-    planners: optional cache keyed by a VW's sorted GPU classes (shared across candidate allocations).
+    planners: optional cache keyed by :func:`shape_key` (shared across candidate allocations).
 
   Raises:
     AllocationError: some virtual worker fits no partition even at Nm = 1; the message carries its best attempt.
@@ -174,30 +194,24 @@ def plan_system(costs: StageCosts, vws: Sequence[Sequence[Gpu]], policy: str,
   planners = {} if planners is None else planners
   vw_planners = []
   for v, gpus in enumerate(vws):
-    key = tuple(sorted(g.gpu_class for g in gpus))
-    if key not in planners:
-      planners[key] = inflight.VwPlanner(costs, gpus, max_num_inflight)
-    planner = planners[key]
+    planner = _vw_planner(costs, gpus, planners, max_num_inflight)
     if planner.max_num_inflight() == 0:
+      own = inflight.VwPlanner(costs, gpus, max_num_inflight)  # the error names this VW's own GPUs
       raise AllocationError(f"virtual worker {v} ({', '.join(g.gpu_id for g in gpus)}) fits no partition even "
-                            f"with num_inflight=1: {planner.infeasibility(1)}")
+                            f"with num_inflight=1: {own.infeasibility(1)}")
     vw_planners.append(planner)
   nm, total = inflight.choose_system_num_inflight(vw_planners)
   out = []
   for v, (gpus, planner) in enumerate(zip(vws, vw_planners)):
     part = planner.partition(nm)
-    # The cache is keyed by class; map the cached GPU ids onto this VW's own GPUs of the same class.
-    pool: dict[tuple[str, str], list[Gpu]] = {}
-    for g in sorted(gpus, key=lambda g: g.gpu_id):
-      pool.setdefault(g.gpu_class, []).append(g)
-    mine = tuple(pool[g.gpu_class].pop(0) for g in part.gpus)
+    mine = _map_gpus(part.gpus, planner.gpus, gpus)
     out.append(VirtualWorkerPlan(v, dataclasses.replace(part, gpus=mine), planner.max_num_inflight(),
                                  planner.saturating_num_inflight()))
   return SystemPlan(policy, nm, tuple(out), total)
 
 
 def allocate(cluster: ClusterSpec, costs: StageCosts, policy: str, num_vws: int,
-             max_num_inflight: int = inflight.DEFAULT_MAX_NUM_INFLIGHT) -> SystemPlan:
+             max_num_inflight: int = inflight.DEFAULT_MAX_NUM_INFLIGHT, max_vw_gpus: int | None = None) -> SystemPlan:
   """Allocates GPUs to ``num_vws`` virtual workers by ``policy`` and plans every VW.
 
   Raises:
@@ -212,26 +226,226 @@ def allocate(cluster: ClusterSpec, costs: StageCosts, policy: str, num_vws: int,
   if policy != "auto":
     vws = {"NP": allocate_np, "ED": allocate_ed, "HD": allocate_hd}[policy](cluster, num_vws)
     return plan_system(costs, vws, policy, max_num_inflight)
-  if total_gpus % num_vws:
-    raise AllocationError(f"auto: {total_gpus} GPUs do not split into {num_vws} equal virtual workers")
-  gpus = cluster.gpus()
-  classes = sorted({g.gpu_class for g in gpus})
-  by_class = {c: [g for g in gpus if g.gpu_class == c] for c in classes}
-  counts = tuple(len(by_class[c]) for c in classes)
-  planners: dict = {}
-  best: SystemPlan | None = None
-  errors = []
-  for split in _class_splits(counts, num_vws, total_gpus // num_vws):
-    pools = {c: list(by_class[c]) for c in classes}
-    vws = [[pools[c].pop(0) for c, n in zip(classes, m) for _ in range(n)] for m in split]
-    try:
-      plan = plan_system(costs, vws, "auto", max_num_inflight, planners)
-    except AllocationError as e:
-      errors.append(str(e))
-      continue
-    if best is None or plan.predicted_total_minibatches_per_s > best.predicted_total_minibatches_per_s * (1 + 1e-9):
-      best = plan
-  if best is None:
-    raise AllocationError(f"the model fits no allocation of {total_gpus} GPUs into {num_vws} virtual workers; "
-                          f"e.g. {errors[0] if errors else 'no candidate'}")
-  return best
+  if max_vw_gpus is None:
+    max_vw_gpus = default_max_vw_gpus(total_gpus, num_vws)
+  return _AutoSearch(cluster, costs, num_vws, max_vw_gpus, max_num_inflight).run()
+
+
+def default_max_vw_gpus(num_gpus: int, num_vws: int) -> int:
+  """The largest virtual worker ``auto`` considers by default: twice the equal share, ``2 * ceil(N / num_vws)``."""
+  return 2 * -(-num_gpus // num_vws)
+
+
+def _link_groups(cluster: ClusterSpec) -> dict[str, str]:
+  """GPU type -> a label shared by types that share a node, closed transitively (``inflight`` bound's groups)."""
+  group = {t: t for n in cluster.nodes for t in n.gpu_types}
+
+  def root(t):
+    while group[t] != t:
+      t = group[t]
+    return t
+
+  for n in cluster.nodes:
+    for t in n.gpu_types[1:]:
+      group[root(t)] = root(n.gpu_types[0])
+  return {t: root(t) for t in group}
+
+
+class _AutoSearch:
+  """Branch and bound over splits of the cluster into virtual workers (``auto``; see the module docstring)."""
+
+  def __init__(self, cluster: ClusterSpec, costs: StageCosts, num_vws: int, max_vw_gpus: int, max_num_inflight: int):
+    self.costs, self.num_vws, self.cap = costs, num_vws, max_num_inflight
+    self.max_size = min(max_vw_gpus, costs.num_layers)  # every GPU needs a non-empty stage
+    gpus = cluster.gpus()
+    node_index = {n.name: i for i, n in enumerate(cluster.nodes)}
+    self.classes = sorted({g.gpu_class for g in gpus}, key=lambda c: (node_index[c[1]], c[0]))
+    self.by_class = [[g for g in gpus if g.gpu_class == c] for c in self.classes]
+    self.types = sorted({t for t, _ in self.classes})
+    self.class_type = [self.types.index(t) for t, _ in self.classes]
+    contents = _node_contents(gpus)
+    # Nodes in order: (content, class indices). Nodes with equal content and equal remaining GPUs are interchangeable.
+    self.nodes = [(contents[n.name], [i for i, c in enumerate(self.classes) if c[1] == n.name])
+                  for n in cluster.nodes if n.name in contents]
+    self.node_of = {i: k for k, (_, cls) in enumerate(self.nodes) for i in cls}
+    u = inflight.additive_throughput_bounds_per_s(costs)
+    self.u = [u[t] for t in self.types]
+    self.link_group = _link_groups(cluster)
+    self.type_bounds: dict[tuple[int, ...], float] = {}
+    self.type_lb: dict = {}
+    self.type_ub: dict = {}
+    self.planners: dict = {}
+    self.best_single: dict[tuple, float] = {}
+    self.best_total, self.best_split = 0.0, None
+    self.stats = {"leaves": 0, "nodes": 0}
+
+  def beats(self, per_vw: float) -> bool:
+    """Whether a split whose slowest VW predicts ``per_vw`` minibatches/s would replace the incumbent."""
+    return per_vw > 0 and self.num_vws * per_vw > self.best_total * (1 + 1e-9)
+
+  def type_bound(self, n: tuple[int, ...]) -> float:
+    if n not in self.type_bounds:
+      kinds = [t for t, x in zip(self.types, n) for _ in range(x)]
+      self.type_bounds[n] = inflight.throughput_upper_bound_per_s(self.costs, kinds, self.link_group)
+    return self.type_bounds[n]
+
+  def gpus_of(self, take: Sequence[int]) -> list[Gpu]:
+    return [g for c, x in enumerate(take) for g in self.by_class[c][:x]]
+
+  def exact(self, take: tuple[int, ...]) -> tuple[float, inflight.VwPlanner]:
+    """The VW's best predicted throughput over Nm, and its planner."""
+    gpus = self.gpus_of(take)
+    planner = _vw_planner(self.costs, gpus, self.planners, self.cap)
+    key = shape_key(gpus)
+    if key not in self.best_single:
+      self.best_single[key] = inflight.choose_system_num_inflight([planner])[1]
+    return self.best_single[key], planner
+
+  def additive(self, n: Sequence[int]) -> float:
+    return sum(x * u for x, u in zip(n, self.u))
+
+  def type_counts(self, per_class: Sequence[int]) -> tuple[int, ...]:
+    have = [0] * len(self.types)
+    for c, x in enumerate(per_class):
+      have[self.class_type[c]] += x
+    return tuple(have)
+
+  def type_vectors(self, have: tuple[int, ...], k: int, first_type: int) -> list[tuple[int, ...]]:
+    """Type-count vectors of the next of ``k`` VWs out of ``have`` (containing ``first_type``; sizes that leave
+    every later VW 1..max_size GPUs), those nearest an equal share of the additive bound first."""
+    total = sum(have)
+    lo = max(1, total - (k - 1) * self.max_size)
+    hi = min(self.max_size, total - (k - 1))
+    out = []
+
+    def rec(t, n, size):
+      if t == len(have):
+        if lo <= size:
+          out.append(tuple(n))
+        return
+      for x in range(1 if t == first_type else 0, min(have[t], hi - size) + 1):
+        n.append(x)
+        rec(t + 1, n, size + x)
+        n.pop()
+
+    rec(0, [], 0)
+    share = self.additive(have) / k
+    return sorted(out, key=lambda n: abs(self.additive(n) - share))
+
+  def type_feasible(self, have: tuple[int, ...], k: int) -> bool:
+    """Whether type counts ``have`` may split into ``k`` VWs whose type bounds all beat the incumbent: the relaxed
+    problem, decided exactly and memoised with the incumbent it was decided at (a failure stays a failure as the
+    incumbent grows)."""
+    size = sum(have)
+    if not k <= size <= k * self.max_size:
+      return False
+    if k == 1:
+      return self.beats(min(self.additive(have), self.type_bound(have)))
+    key = (have, k)
+    if self.beats(self.type_lb.get(key, 0.0)):
+      return True
+    if key in self.type_ub and not self.beats(self.type_ub[key]):
+      return False
+    cap = self.additive(have)
+    if self.beats(cap / k):
+      for n in self.type_vectors(have, k, next(t for t, x in enumerate(have) if x)):
+        cap_n = self.additive(n)
+        if not self.beats(min(cap_n, (cap - cap_n) / (k - 1))) or not self.beats(self.type_bound(n)):
+          continue
+        rest = tuple(h - x for h, x in zip(have, n))
+        if self.type_feasible(rest, k - 1):
+          witness = self.type_bound(rest) if k == 2 else self.type_lb[(rest, k - 1)]
+          self.type_lb[key] = min(self.type_bound(n), witness)
+          return True
+    self.type_ub[key] = self.best_total * (1 + 1e-9) / self.num_vws
+    return False
+
+  def layouts(self, rem: list[int], n: tuple[int, ...], first_class: int):
+    """Canonical placements of type counts ``n`` on nodes: per class counts, ``first_class`` included, and among
+    interchangeable nodes (equal content, equal remaining) take vectors non-increasing (lexicographic)."""
+    need = list(n)
+    take = [0] * len(rem)
+    active = [k for k, (_, cls) in enumerate(self.nodes) if any(rem[c] for c in cls)]
+    # later[t][i]: GPUs of type t remaining on active nodes i.. (to stop early when need cannot be met).
+    later = [[0] * (len(active) + 1) for _ in self.types]
+    for i in range(len(active) - 1, -1, -1):
+      for t in range(len(self.types)):
+        later[t][i] = later[t][i + 1]
+      for c in self.nodes[active[i]][1]:
+        later[self.class_type[c]][i] += rem[c]
+    last: dict = {}
+
+    def rec(i):
+      if not any(need):
+        yield tuple(take)
+        return
+      if i == len(active) or any(need[t] > later[t][i] for t in range(len(need))):
+        return
+      content, cls = self.nodes[active[i]]
+      group = (content, tuple(rem[c] for c in cls))
+      prev = last.get(group)
+      for vec in itertools.product(*(range(min(rem[c], need[self.class_type[c]]) + 1) for c in cls)):
+        if prev is not None and vec > prev:
+          continue
+        if first_class in cls and vec[cls.index(first_class)] == 0:
+          continue
+        for c, v in zip(cls, vec):
+          take[c] = v
+          need[self.class_type[c]] -= v
+        last[group] = vec
+        yield from rec(i + 1)
+        for c, v in zip(cls, vec):
+          take[c] = 0
+          need[self.class_type[c]] += v
+        if prev is None:
+          del last[group]
+        else:
+          last[group] = prev
+
+    yield from rec(0)
+
+  def search(self, rem: list[int], k: int, chosen: list, slowest: float):
+    self.stats["nodes"] += 1
+    have = self.type_counts(rem)
+    if not self.beats(slowest) or not self.type_feasible(have, k):
+      return
+    if k == 1:
+      self.leaf(rem, chosen, slowest)
+      return
+    first_class = next(c for c, x in enumerate(rem) if x)
+    for n in self.type_vectors(have, k, self.class_type[first_class]):
+      rest = tuple(h - x for h, x in zip(have, n))
+      if not self.beats(min(slowest, self.type_bound(n))) or not self.type_feasible(rest, k - 1):
+        continue
+      options = []
+      for take in self.layouts(rem, n, first_class):
+        e, planner = self.exact(take)
+        if self.beats(min(slowest, e)):
+          options.append((e, take, planner))
+      options.sort(key=lambda o: -o[0])
+      for e, take, planner in options:
+        if not self.beats(min(slowest, e)):
+          continue
+        for c, x in enumerate(take):
+          rem[c] -= x
+        self.search(rem, k - 1, chosen + [(take, planner)], min(slowest, e))
+        for c, x in enumerate(take):
+          rem[c] += x
+
+  def leaf(self, rem: list[int], chosen: list, slowest: float):
+    take = tuple(rem)
+    e, planner = self.exact(take)
+    if not self.beats(min(slowest, e)):
+      return
+    self.stats["leaves"] += 1
+    _, total = inflight.choose_system_num_inflight([p for _, p in chosen] + [planner])
+    if total > self.best_total * (1 + 1e-9):
+      self.best_total, self.best_split = total, [t for t, _ in chosen] + [take]
+
+  def run(self) -> SystemPlan:
+    self.search(list(len(g) for g in self.by_class), self.num_vws, [], np.inf)
+    if self.best_split is None:
+      raise AllocationError(f"the model fits no allocation of {sum(len(g) for g in self.by_class)} GPUs into "
+                            f"{self.num_vws} virtual workers of at most {self.max_size} GPUs each")
+    vws = [self.gpus_of(take) for take in self.best_split]
+    return plan_system(self.costs, vws, "auto", self.cap, self.planners)
