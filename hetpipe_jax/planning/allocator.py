@@ -26,6 +26,7 @@ from hetpipe_jax.planning.cost_model import StageCosts
 from hetpipe_jax.planning.partitioner import Partition
 
 POLICIES = ("NP", "ED", "HD", "auto")
+TARGET_STEP = 0.02  # auto: each round of the descent lowers the target total by 2 %
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,8 +233,9 @@ def allocate(cluster: ClusterSpec, costs: StageCosts, policy: str, num_vws: int,
 
 
 def default_max_vw_gpus(num_gpus: int, num_vws: int) -> int:
-  """The largest virtual worker ``auto`` considers by default: twice the equal share, ``2 * ceil(N / num_vws)``."""
-  return 2 * -(-num_gpus // num_vws)
+  """The largest virtual worker ``auto`` considers by default: one GPU more than the equal share,
+  ``ceil(N / num_vws) + 1`` (see the module docstring)."""
+  return -(-num_gpus // num_vws) + 1
 
 
 def _link_groups(cluster: ClusterSpec) -> dict[str, str]:
@@ -267,26 +269,42 @@ class _AutoSearch:
     # Nodes in order: (content, class indices). Nodes with equal content and equal remaining GPUs are interchangeable.
     self.nodes = [(contents[n.name], [i for i, c in enumerate(self.classes) if c[1] == n.name])
                   for n in cluster.nodes if n.name in contents]
-    self.node_of = {i: k for k, (_, cls) in enumerate(self.nodes) for i in cls}
     u = inflight.additive_throughput_bounds_per_s(costs)
     self.u = [u[t] for t in self.types]
     self.link_group = _link_groups(cluster)
+    self.total_types = self.type_counts([len(g) for g in self.by_class])
+    # Every type-count vector a virtual worker may have (1..max_size GPUs, within the cluster's counts).
+    self.vectors = [n for n in itertools.product(*(range(min(h, self.max_size) + 1) for h in self.total_types))
+                    if 1 <= sum(n) <= self.max_size]
     self.type_bounds: dict[tuple[int, ...], float] = {}
-    self.type_lb: dict = {}
-    self.type_ub: dict = {}
     self.planners: dict = {}
     self.best_single: dict[tuple, float] = {}
-    self.best_total, self.best_split = 0.0, None
-    self.stats = {"leaves": 0, "nodes": 0}
+    self.best_total, self.best_split, self.target = 0.0, None, 0.0
+    self.packing_at: float | None = None  # the incumbent the packing grids were built for
+    self.packing: list[np.ndarray] = []
+    self.dead: dict[tuple, float] = {}  # canonical (k, remaining) -> incumbent at which no split of it beats it
+    self.stats = {"leaves": 0, "nodes": 0, "exact_vws": 0, "type_bounds": 0, "packing_builds": 0, "dead_hits": 0,
+                  "rounds": 0}
+
+  @property
+  def bar(self) -> float:
+    """The total a split must beat: the incumbent, or a higher target while :meth:`run` descends."""
+    return max(self.best_total, self.target)
 
   def beats(self, per_vw: float) -> bool:
-    """Whether a split whose slowest VW predicts ``per_vw`` minibatches/s would replace the incumbent."""
-    return per_vw > 0 and self.num_vws * per_vw > self.best_total * (1 + 1e-9)
+    """Whether a split whose slowest VW predicts ``per_vw`` minibatches/s would beat :attr:`bar`."""
+    return per_vw > 0 and self.num_vws * per_vw > self.bar * (1 + 1e-9)
 
   def type_bound(self, n: tuple[int, ...]) -> float:
+    """Upper bound on the best throughput of any VW with type counts ``n`` (``inflight`` bounds: the smaller of the
+    additive and the relaxed-partition bound; the relaxed one is only computed when the additive one beats)."""
     if n not in self.type_bounds:
+      add = self.additive(n)
+      if not self.beats(add):
+        return add  # not cached: the relaxed bound may be needed once the bar is lower
       kinds = [t for t, x in zip(self.types, n) for _ in range(x)]
-      self.type_bounds[n] = inflight.throughput_upper_bound_per_s(self.costs, kinds, self.link_group)
+      self.stats["type_bounds"] += 1
+      self.type_bounds[n] = min(add, inflight.throughput_upper_bound_per_s(self.costs, kinds, self.link_group))
     return self.type_bounds[n]
 
   def gpus_of(self, take: Sequence[int]) -> list[Gpu]:
@@ -298,6 +316,7 @@ class _AutoSearch:
     planner = _vw_planner(self.costs, gpus, self.planners, self.cap)
     key = shape_key(gpus)
     if key not in self.best_single:
+      self.stats["exact_vws"] += 1
       self.best_single[key] = inflight.choose_system_num_inflight([planner])[1]
     return self.best_single[key], planner
 
@@ -310,55 +329,70 @@ class _AutoSearch:
       have[self.class_type[c]] += x
     return tuple(have)
 
+  def build_packing(self) -> None:
+    """Packing relaxation at the current incumbent: ``packing[j][h]`` says whether type counts ``h`` contain ``j``
+    disjoint type-count vectors whose :meth:`type_bound` beats the incumbent.
+
+    Every VW of a split that beats the incumbent has a type vector whose bound beats it (the bound is an upper
+    bound), and the VWs are disjoint, so a split of ``h`` into ``j`` VWs that beats the incumbent needs
+    ``packing[j][h]``. Built as upward closures (a superset of a packable vector is packable) of the shifts of
+    ``packing[j - 1]`` by the minimal good vectors; rebuilt when the incumbent improves.
+    """
+    self.stats["packing_builds"] += 1
+    good = [n for n in self.vectors if self.beats(self.type_bound(n))]
+    good_set = set(good)
+    minimal = [n for n in good if not any(
+        tuple(x - (i == t) for i, x in enumerate(n)) in good_set for t in range(len(n)) if n[t])]
+    # Minimal among good vectors for the partial order; checking one-smaller neighbours is not enough when the
+    # good set is not down-closed, so fall back to the full test for the remaining ones.
+    minimal = [n for n in minimal if not any(m != n and all(a <= b for a, b in zip(m, n)) for m in good)]
+    shape = tuple(h + 1 for h in self.total_types)
+    grids = [np.ones(shape, dtype=bool)]
+    for _ in range(self.num_vws):
+      prev, nxt = grids[-1], np.zeros(shape, dtype=bool)
+      for m in minimal:
+        src = tuple(slice(0, h + 1 - x) for h, x in zip(self.total_types, m))
+        dst = tuple(slice(x, h + 1) for h, x in zip(self.total_types, m))
+        nxt[dst] |= prev[src]
+      for axis in range(len(shape)):
+        nxt = np.logical_or.accumulate(nxt, axis=axis)
+      grids.append(nxt)
+      if not nxt.any():
+        grids += [nxt] * (self.num_vws - len(grids) + 1)
+        break
+    self.packing, self.packing_at = grids, self.bar
+
+  def packable(self, have: tuple[int, ...], k: int) -> bool:
+    if self.packing_at != self.bar:
+      self.build_packing()
+    return bool(self.packing[k][have])
+
+  def packing_upper_bound(self, have: tuple[int, ...]) -> float:
+    """The largest total ``num_vws * b`` over type bounds ``b`` at which ``have`` packs ``num_vws`` VWs (binary
+    search; ``packable`` is monotone in the bar). An upper bound on every split's total."""
+    values = sorted({self.num_vws * self.type_bound(n) for n in self.vectors})
+    lo, hi = 0, len(values)  # values[i - 1] * (1 - 1e-12): the bar just below value i - 1; 0: no VW beats 0.
+    while lo < hi:
+      mid = (lo + hi + 1) // 2
+      self.target = values[mid - 1] * (1 - 1e-6)
+      if self.packable(have, self.num_vws):
+        lo = mid
+      else:
+        hi = mid - 1
+    self.target = 0.0
+    return values[lo - 1] if lo else 0.0
+
   def type_vectors(self, have: tuple[int, ...], k: int, first_type: int) -> list[tuple[int, ...]]:
     """Type-count vectors of the next of ``k`` VWs out of ``have`` (containing ``first_type``; sizes that leave
-    every later VW 1..max_size GPUs), those nearest an equal share of the additive bound first."""
+    every later VW 1..max_size GPUs) whose bound beats the incumbent, those nearest an equal share of the additive
+    bound first."""
     total = sum(have)
     lo = max(1, total - (k - 1) * self.max_size)
     hi = min(self.max_size, total - (k - 1))
-    out = []
-
-    def rec(t, n, size):
-      if t == len(have):
-        if lo <= size:
-          out.append(tuple(n))
-        return
-      for x in range(1 if t == first_type else 0, min(have[t], hi - size) + 1):
-        n.append(x)
-        rec(t + 1, n, size + x)
-        n.pop()
-
-    rec(0, [], 0)
+    out = [n for n in self.vectors if n[first_type] and lo <= sum(n) <= hi and all(x <= h for x, h in zip(n, have))
+           and self.beats(self.type_bound(n))]
     share = self.additive(have) / k
     return sorted(out, key=lambda n: abs(self.additive(n) - share))
-
-  def type_feasible(self, have: tuple[int, ...], k: int) -> bool:
-    """Whether type counts ``have`` may split into ``k`` VWs whose type bounds all beat the incumbent: the relaxed
-    problem, decided exactly and memoised with the incumbent it was decided at (a failure stays a failure as the
-    incumbent grows)."""
-    size = sum(have)
-    if not k <= size <= k * self.max_size:
-      return False
-    if k == 1:
-      return self.beats(min(self.additive(have), self.type_bound(have)))
-    key = (have, k)
-    if self.beats(self.type_lb.get(key, 0.0)):
-      return True
-    if key in self.type_ub and not self.beats(self.type_ub[key]):
-      return False
-    cap = self.additive(have)
-    if self.beats(cap / k):
-      for n in self.type_vectors(have, k, next(t for t, x in enumerate(have) if x)):
-        cap_n = self.additive(n)
-        if not self.beats(min(cap_n, (cap - cap_n) / (k - 1))) or not self.beats(self.type_bound(n)):
-          continue
-        rest = tuple(h - x for h, x in zip(have, n))
-        if self.type_feasible(rest, k - 1):
-          witness = self.type_bound(rest) if k == 2 else self.type_lb[(rest, k - 1)]
-          self.type_lb[key] = min(self.type_bound(n), witness)
-          return True
-    self.type_ub[key] = self.best_total * (1 + 1e-9) / self.num_vws
-    return False
 
   def layouts(self, rem: list[int], n: tuple[int, ...], first_class: int):
     """Canonical placements of type counts ``n`` on nodes: per class counts, ``first_class`` included, and among
@@ -404,18 +438,33 @@ class _AutoSearch:
 
     yield from rec(0)
 
-  def search(self, rem: list[int], k: int, chosen: list, slowest: float):
+  def canonical(self, rem: Sequence[int], k: int) -> tuple:
+    """``rem`` up to renaming nodes of equal content (the cost model never sees node names), with ``k``."""
+    return k, tuple(sorted((content, tuple(rem[c] for c in cls)) for content, cls in self.nodes))
+
+  def search(self, rem: list[int], k: int, chosen: list, slowest: float) -> bool:
+    """Extends ``chosen`` by every split of ``rem`` into ``k`` VWs that may beat the incumbent.
+
+    Returns whether some completion had every VW beat the incumbent (a leaf was reached). When none did, no split
+    of ``rem`` into ``k`` VWs has all VWs above ``incumbent / num_vws`` (every prune compares a VW's own value or
+    bound, ``slowest`` being above it on entry), whatever ``chosen`` is; the incumbent did not change meanwhile
+    (it only changes at a leaf), so the state is remembered as dead at every bar at least the current one.
+    """
     self.stats["nodes"] += 1
     have = self.type_counts(rem)
-    if not self.beats(slowest) or not self.type_feasible(have, k):
-      return
+    if not self.beats(slowest) or not self.packable(have, k):
+      return False
     if k == 1:
-      self.leaf(rem, chosen, slowest)
-      return
+      return self.leaf(rem, chosen, slowest)
+    key = self.canonical(rem, k)
+    if key in self.dead and self.bar >= self.dead[key]:
+      self.stats["dead_hits"] += 1
+      return False
+    reached = False
     first_class = next(c for c, x in enumerate(rem) if x)
     for n in self.type_vectors(have, k, self.class_type[first_class]):
       rest = tuple(h - x for h, x in zip(have, n))
-      if not self.beats(min(slowest, self.type_bound(n))) or not self.type_feasible(rest, k - 1):
+      if not self.beats(min(slowest, self.type_bound(n))) or not self.packable(rest, k - 1):
         continue
       options = []
       for take in self.layouts(rem, n, first_class):
@@ -428,22 +477,38 @@ class _AutoSearch:
           continue
         for c, x in enumerate(take):
           rem[c] -= x
-        self.search(rem, k - 1, chosen + [(take, planner)], min(slowest, e))
+        reached |= self.search(rem, k - 1, chosen + [(take, planner)], min(slowest, e))
         for c, x in enumerate(take):
           rem[c] += x
+    if not reached:
+      self.dead[key] = self.bar
+    return reached
 
-  def leaf(self, rem: list[int], chosen: list, slowest: float):
+  def leaf(self, rem: list[int], chosen: list, slowest: float) -> bool:
     take = tuple(rem)
     e, planner = self.exact(take)
     if not self.beats(min(slowest, e)):
-      return
+      return False
     self.stats["leaves"] += 1
     _, total = inflight.choose_system_num_inflight([p for _, p in chosen] + [planner])
     if total > self.best_total * (1 + 1e-9):
       self.best_total, self.best_split = total, [t for t, _ in chosen] + [take]
+    return True
 
   def run(self) -> SystemPlan:
-    self.search(list(len(g) for g in self.by_class), self.num_vws, [], np.inf)
+    """Descends a target total from the packing bound (each round: the search with the target as the bar; a round
+    in which no split reaches the target proves none exists), then searches with the incumbent it found as the
+    bar, which makes the result exact (the descent only orders the work)."""
+    rem = [len(g) for g in self.by_class]
+    have, k = self.type_counts(rem), self.num_vws
+    if sum(have) <= k * self.max_size:
+      self.target = self.packing_upper_bound(have)
+      while self.target > 0 and self.best_split is None:
+        self.stats["rounds"] += 1
+        self.target *= 1 - TARGET_STEP
+        self.search(list(rem), k, [], np.inf)
+      self.target = 0.0
+      self.search(list(rem), k, [], np.inf)
     if self.best_split is None:
       raise AllocationError(f"the model fits no allocation of {sum(len(g) for g in self.by_class)} GPUs into "
                             f"{self.num_vws} virtual workers of at most {self.max_size} GPUs each")
