@@ -26,7 +26,8 @@ from hetpipe_jax.planning.cost_model import StageCosts
 from hetpipe_jax.planning.partitioner import Partition
 
 POLICIES = ("NP", "ED", "HD", "auto")
-TARGET_STEP = 0.02  # auto: each round of the descent lowers the target total by 2 %
+TARGET_STEP = 0.02  # auto: each round of the descent lowers the target total by 2 % ...
+MAX_TARGET_ROUNDS = 20  # ... for at most 20 rounds (to 0.67 x the packing bound); then the plain search
 
 
 @dataclasses.dataclass(frozen=True)
@@ -503,7 +504,7 @@ class _AutoSearch:
     have, k = self.type_counts(rem), self.num_vws
     if sum(have) <= k * self.max_size:
       self.target = self.packing_upper_bound(have)
-      while self.target > 0 and self.best_split is None:
+      while self.target > 0 and self.best_split is None and self.stats["rounds"] < MAX_TARGET_ROUNDS:
         self.stats["rounds"] += 1
         self.target *= 1 - TARGET_STEP
         self.search(list(rem), k, [], np.inf)
