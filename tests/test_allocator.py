@@ -214,3 +214,16 @@ def test_throughput_bounds_are_upper_bounds_of_every_small_virtual_worker():
         assert exact <= relaxed * (1 + 1e-12) and exact <= sum(additive[g.gpu_type] for g in vw)
         checked += exact > 0
   assert checked >= 20
+
+
+def test_auto_records_its_max_vw_size_and_rejects_bad_ones(resnet_costs):
+  plan = allocator.allocate(PAPER, resnet_costs, "auto", 4)
+  assert plan.search["max_vw_gpus"] == allocator.default_max_vw_gpus(16, 4) == 5
+  assert plan.search["max_vw_gpus_source"].startswith("default")
+  assert all(len(vw.partition.gpus) <= 5 for vw in plan.virtual_workers)
+  with pytest.raises(allocator.AllocationError, match="max_vw_gpus must be >= 1, got 0"):
+    allocator.allocate(PAPER, resnet_costs, "auto", 4, max_vw_gpus=0)
+  with pytest.raises(allocator.AllocationError, match="max_vw_gpus=4 applies to policy 'auto' only, not 'ED'"):
+    allocator.allocate(PAPER, resnet_costs, "ED", 4, max_vw_gpus=4)
+  with pytest.raises(allocator.AllocationError, match="at most 3 GPUs each"):
+    allocator.allocate(PAPER, resnet_costs, "auto", 4, max_vw_gpus=3)

@@ -56,12 +56,15 @@ class SystemPlan:
     num_inflight: the system Nm (same in every VW, <= every VW's Max_m).
     virtual_workers: per-VW plans.
     predicted_total_minibatches_per_s: ``num_vws * min_v thr_v`` (WSP: the slowest VW paces the rest).
+    search: ``auto`` only: the searched space as it ran (``max_vw_gpus`` and whether it is the default rule or the
+      user's) and the search's counters.
   """
 
   policy: str
   num_inflight: int
   virtual_workers: tuple[VirtualWorkerPlan, ...]
   predicted_total_minibatches_per_s: float
+  search: dict | None = None
 
 
 class AllocationError(ValueError):
@@ -216,6 +219,10 @@ def allocate(cluster: ClusterSpec, costs: StageCosts, policy: str, num_vws: int,
              max_num_inflight: int = inflight.DEFAULT_MAX_NUM_INFLIGHT, max_vw_gpus: int | None = None) -> SystemPlan:
   """Allocates GPUs to ``num_vws`` virtual workers by ``policy`` and plans every VW.
 
+  Args:
+    max_vw_gpus: ``auto`` only: the largest VW searched (None: :func:`default_max_vw_gpus`); recorded in the
+      result's ``search``. Must be None for other policies.
+
   Raises:
     AllocationError: unknown policy, a policy that does not apply to this cluster/num_vws, or a model that fits
       no allocation.
@@ -226,11 +233,19 @@ def allocate(cluster: ClusterSpec, costs: StageCosts, policy: str, num_vws: int,
   if num_vws < 1 or num_vws > total_gpus:
     raise AllocationError(f"num_vws must be in [1, {total_gpus}], got {num_vws}")
   if policy != "auto":
+    if max_vw_gpus is not None:
+      raise AllocationError(f"max_vw_gpus={max_vw_gpus} applies to policy 'auto' only, not {policy!r}")
     vws = {"NP": allocate_np, "ED": allocate_ed, "HD": allocate_hd}[policy](cluster, num_vws)
     return plan_system(costs, vws, policy, max_num_inflight)
+  source = "user"
   if max_vw_gpus is None:
-    max_vw_gpus = default_max_vw_gpus(total_gpus, num_vws)
-  return _AutoSearch(cluster, costs, num_vws, max_vw_gpus, max_num_inflight).run()
+    max_vw_gpus, source = default_max_vw_gpus(total_gpus, num_vws), "default: ceil(num_gpus / num_vws) + 1"
+  elif max_vw_gpus < 1:
+    raise AllocationError(f"max_vw_gpus must be >= 1, got {max_vw_gpus}")
+  search = _AutoSearch(cluster, costs, num_vws, max_vw_gpus, max_num_inflight)
+  plan = search.run()
+  return dataclasses.replace(plan, search={"max_vw_gpus": max_vw_gpus, "max_vw_gpus_source": source,
+                                           **search.stats})
 
 
 def default_max_vw_gpus(num_gpus: int, num_vws: int) -> int:
