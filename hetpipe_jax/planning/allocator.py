@@ -5,9 +5,22 @@
 * HD (hybrid distribution): nodes are paired so that the pairs' aggregate peak FLOP/s and memory are as similar
   as possible (the pairing minimising the largest relative spread of either), and each pair's GPUs are split
   evenly over its share of the VWs. On ``hetpipe_paper`` this gives the paper's VVQQ, VVQQ, RRGG, RRGG.
-* auto: every way of splitting the cluster's GPU classes ``(type, node)`` into ``num_vws`` equal-size VWs is
-  planned; the one with the best predicted total throughput wins. WSP holds every VW to the slowest one over
-  time (HetPipe §5), so a split is scored by ``num_vws * min_v thr_v(Nm)`` at its best system Nm.
+* auto: the search space is every allocation of all the cluster's GPUs into ``num_vws`` non-empty virtual workers
+  of at most ``max_vw_gpus`` GPUs each, of any (also unequal) sizes; allocations that differ only by renaming
+  nodes of equal content, or GPUs of one class ``(type, node)``, are one (the cost model sees types and whether
+  two GPUs share a node, never names). Each is planned as :func:`plan_system` plans it and scored by its total
+  ``num_vws * min_v thr_v(Nm)`` at its best system Nm (WSP holds every VW to the slowest, HetPipe §5); the best
+  total over the whole space is returned (exact; tests/test_allocator.py checks it against every set partition
+  on small clusters). Default ``max_vw_gpus``: one GPU more than the equal share, ``ceil(N / num_vws) + 1``
+  (:func:`default_max_vw_gpus`; a user value is used as given, recorded in the plan's ``allocation_search``).
+  Method: branch and bound, one VW at a time (the one holding the first remaining class, so VW order is not
+  enumerated), type-count vectors then canonical node layouts; pruned by per-VW upper bounds
+  (``inflight``'s additive and relaxed-partition bounds, proofs there), by a packing relaxation (the remaining
+  GPUs must hold, per type, as many disjoint type vectors whose bound beats the bar as VWs remain) and by a memo
+  of states (remaining GPUs up to node renaming) proven dead at a bar. The bar starts at the packing bound and
+  descends 2 % per round until a split reaches it, then the incumbent found is the bar; the descent only orders
+  the work. Known limit: VGG-19 on the 64-GPU ``hetpipe_paper_x4`` with 16 VWs does not finish in minutes (the
+  bounds are loose where memory limits Nm; see WORKSPACE.md).
 
 Planning layer: standard library and numpy only.
 """
