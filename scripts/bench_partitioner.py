@@ -5,16 +5,19 @@
 Cases: ResNet-152 (53 layers: stem, 50 bottleneck blocks, pool, dense; batch 32) on one virtual worker of four
 different GPUs (TITAN V, TITAN RTX, RTX 2060, P4000; the DP covers all 24 orderings), and on one virtual worker of
 all 16 hetpipe_paper GPUs; VGG-19 likewise; and full NP/ED/HD/auto plans. Times are wall-clock seconds (median
-of repeats). Targets (issue #3): 4 GPUs <= 1 s, 16 GPUs <= 10 s. ``--quick`` (CI smoke, seconds): the same cases,
-one repeat each.
+of repeats). Targets (issue #3): 4 GPUs <= 1 s, 16 GPUs <= 10 s. Issue 10, target 3: ``auto`` on
+hetpipe_paper_x4 (64 GPUs, 4 types, 16 nodes) with 16 VWs in <= 30 s (wall and CPU seconds reported). ``--quick``
+(CI smoke, seconds): the same 16-GPU cases, one repeat each, and the 64-GPU case for ResNet-152 only.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import platform
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,6 +32,36 @@ from hetpipe_jax.planning import profile_format  # pylint: disable=wrong-import-
 
 
 _QUICK = flags.DEFINE_bool("quick", False, "One repeat per case (a seconds-long smoke run; timings are noisier).")
+
+
+def _plan_x4(model, queue):
+  x4 = cluster_lib.load_cluster("hetpipe_paper_x4")
+  prof = profile_format.load_profile(profile_format.default_profile_path(model, 32, "cpu", False))
+  cpu0, wall0 = time.process_time(), time.perf_counter()
+  plan = planner.make_plan(x4, prof, planner.PlannerConfig(policy="auto", num_vws=16))
+  queue.put({"plan_seconds": round(time.perf_counter() - wall0, 3),
+             "plan_cpu_seconds": round(time.process_time() - cpu0, 3), "num_inflight": plan.num_inflight,
+             "predicted_total_minibatches_per_s": plan.predicted_total_minibatches_per_s,
+             "vw_sizes": sorted(len(vw.gpus) for vw in plan.virtual_workers),
+             "vw_types": sorted("".join(sorted(t[6] if t.startswith("TITAN") else t[0] for t in vw.gpu_types))
+                                for vw in plan.virtual_workers),
+             "allocation_search": plan.allocation_search})
+
+
+def _x4_case(model, limit_s):
+  """``auto`` on hetpipe_paper_x4 with 16 VWs in a child process, stopped after ``limit_s`` (reported)."""
+  queue = multiprocessing.Queue()
+  proc = multiprocessing.Process(target=_plan_x4, args=(model, queue))
+  proc.start()
+  try:
+    out = queue.get(timeout=limit_s)
+  except Exception:  # pylint: disable=broad-except  # queue.Empty: over the limit
+    out = {"plan_seconds": None, "error": f"not finished after {limit_s} s (stopped)"}
+  proc.terminate()
+  proc.join()
+  return {"model": model, "case": "full plan auto, hetpipe_paper_x4 (64 GPUs, 16 nodes), 16 VWs",
+          "target_seconds": 30.0, "target_met": out.get("plan_seconds") is not None and out["plan_seconds"] <= 30.0,
+          **out}
 
 
 def main(argv):
@@ -57,6 +90,8 @@ def main(argv):
       results["cases"].append({"model": model, "case": f"full plan {policy}, 4 VWs", "plan_seconds": round(t, 3),
                                "num_inflight": plan.num_inflight,
                                "predicted_total_minibatches_per_s": plan.predicted_total_minibatches_per_s})
+  for model in ("resnet152_imagenet",) if quick else ("resnet152_imagenet", "vgg19_imagenet"):
+    results["cases"].append(_x4_case(model, limit_s=60 if quick else 120))
   print(json.dumps(results, indent=1))
 
 

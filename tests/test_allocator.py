@@ -123,3 +123,107 @@ def test_np_has_no_activation_traffic_across_nodes(resnet_costs):
   plan = allocator.allocate(PAPER, resnet_costs, "NP", 4)
   p = ps_placement.place("default", PAPER, prof, [vw.partition for vw in plan.virtual_workers], plan.num_inflight)
   assert p.activation_bytes_crossing_nodes_per_wave == 0
+
+
+def set_partitions(items, k):
+  """Every partition of ``items`` into ``k`` non-empty blocks (independent oracle: plain recursion)."""
+  if not items:
+    if k == 0:
+      yield []
+    return
+  if k == 0:
+    return
+  first, rest = items[0], items[1:]
+  for part in set_partitions(rest, k - 1):
+    yield [[first]] + part
+  for part in set_partitions(rest, k):
+    for i in range(len(part)):
+      yield part[:i] + [[first] + part[i]] + part[i + 1:]
+
+
+def mixed_cluster(seed, memory_gib):
+  """2-3 GPU types (random speeds) on 2-3 nodes, 4-6 GPUs, some nodes mixed."""
+  import random  # pylint: disable=g-import-not-at-top
+  rng = random.Random(seed)
+  types = [{"name": f"t{i}", "peak_fp32_flops_per_s": rng.choice([4e12, 7e12, 11e12, 15e12]),
+            "peak_fp16_flops_per_s": 1e14, "memory_bytes": int(memory_gib * rng.choice([0.5, 1.0]) * 2**30),
+            "memory_bandwidth_bytes_per_s": 4e11} for i in range(rng.choice([2, 3]))]
+  nodes = [{"name": f"n{j}", "gpus": [rng.choice(types)["name"] for _ in range(rng.choice([1, 2, 3]))]}
+           for j in range(rng.choice([2, 3]))]
+  while sum(len(n["gpus"]) for n in nodes) < 4:
+    nodes[0]["gpus"].append(types[0]["name"])
+  return cluster_lib.cluster_from_dict({
+      "name": f"mixed{seed}", "gpu_types": types, "nodes": nodes,
+      "intra_node_link": {"name": "pcie", "bandwidth_bytes_per_s": 15.75e9, "efficiency": 0.75},
+      "inter_node_link": {"name": "ib", "bandwidth_bytes_per_s": 2e9, "efficiency": 0.7}})
+
+
+def exhaustive_best(cl, costs, num_vws):
+  """Best total over every set partition of the GPUs into ``num_vws`` VWs (any sizes), each planned by
+  ``plan_system``; 0 when none fits. Returns (total, VW sizes of the winner)."""
+  best, sizes, planners = 0.0, None, {}
+  for vws in set_partitions(list(cl.gpus()), num_vws):
+    try:
+      total = allocator.plan_system(costs, vws, "x", planners=planners).predicted_total_minibatches_per_s
+    except allocator.AllocationError:
+      continue
+    if total > best * (1 + 1e-9):
+      best, sizes = total, sorted(len(v) for v in vws)
+  return best, sizes
+
+
+# (seed, memory GiB, num_vws): 4-6 GPUs; winners of sizes [2, 3], [2, 3], [1, 1, 3], [1, 1, 2] x 2, [2, 2], [2, 2, 2],
+# [2, 2], and one cluster where nothing fits.
+EXHAUSTIVE_CASES = [(7, 8, 2), (7, 12, 2), (7, 16, 3), (1, 16, 3), (3, 16, 3), (1, 12, 2), (0, 16, 3), (3, 12, 2),
+                    (4, 8, 2)]
+
+
+def test_auto_matches_exhaustive_search_over_every_allocation():
+  prof = saved_profile("resnet152_imagenet")
+  unequal = 0
+  for seed, mem, k in EXHAUSTIVE_CASES:
+    cl = mixed_cluster(seed, mem)
+    costs = cost_model.build_stage_costs(prof, cl)
+    n = len(cl.gpus())
+    best, sizes = exhaustive_best(cl, costs, k)
+    try:
+      auto = allocator.allocate(cl, costs, "auto", k, max_vw_gpus=n).predicted_total_minibatches_per_s
+    except allocator.AllocationError:
+      auto = 0.0
+    assert auto == pytest.approx(best, rel=1e-9), (seed, mem, k, sizes)
+    unequal += sizes is not None and len(set(sizes)) > 1
+  assert unequal >= 5  # the search space beyond equal sizes is reached
+
+
+def test_throughput_bounds_are_upper_bounds_of_every_small_virtual_worker():
+  """Both ``inflight`` bounds (additive per GPU type; relaxed partition per type multiset) against the exact best
+  throughput over Nm of every virtual worker (every subset of GPUs) of random small clusters."""
+  import itertools  # pylint: disable=g-import-not-at-top
+  checked = 0
+  for model, (seed, mem) in (("resnet152_imagenet", (7, 12)), ("resnet152_imagenet", (0, 16)),
+                             ("vgg19_imagenet", (1, 16)), ("vgg19_imagenet", (3, 24))):
+    cl = mixed_cluster(seed, mem)
+    costs = cost_model.build_stage_costs(saved_profile(model), cl)
+    additive = inflight.additive_throughput_bounds_per_s(costs)
+    groups = allocator._link_groups(cl)  # pylint: disable=protected-access
+    gpus = cl.gpus()
+    for size in range(1, len(gpus) + 1):
+      for vw in itertools.combinations(gpus, size):
+        _, exact = inflight.choose_system_num_inflight([inflight.VwPlanner(costs, vw)])
+        relaxed = inflight.throughput_upper_bound_per_s(costs, [g.gpu_type for g in vw], groups)
+        assert exact <= relaxed * (1 + 1e-12) and exact <= sum(additive[g.gpu_type] for g in vw)
+        checked += exact > 0
+  assert checked >= 20
+
+
+def test_auto_records_its_max_vw_size_and_rejects_bad_ones(resnet_costs):
+  plan = allocator.allocate(PAPER, resnet_costs, "auto", 4)
+  assert plan.search["max_vw_gpus"] == allocator.default_max_vw_gpus(16, 4) == 5
+  assert plan.search["max_vw_gpus_source"].startswith("default")
+  assert all(len(vw.partition.gpus) <= 5 for vw in plan.virtual_workers)
+  with pytest.raises(allocator.AllocationError, match="max_vw_gpus must be >= 1, got 0"):
+    allocator.allocate(PAPER, resnet_costs, "auto", 4, max_vw_gpus=0)
+  with pytest.raises(allocator.AllocationError, match="max_vw_gpus=4 applies to policy 'auto' only, not 'ED'"):
+    allocator.allocate(PAPER, resnet_costs, "ED", 4, max_vw_gpus=4)
+  with pytest.raises(allocator.AllocationError, match="at most 3 GPUs each"):
+    allocator.allocate(PAPER, resnet_costs, "auto", 4, max_vw_gpus=3)

@@ -35,7 +35,10 @@ def test_bench_partitioner_quick():
   assert {c["model"] for c in cases} == {"resnet152_imagenet", "vgg19_imagenet"}
   dp = [c for c in cases if "dp_seconds" in c]
   plans = [c for c in cases if "plan_seconds" in c]
-  assert len(dp) == 8 and len(plans) == 8
+  assert len(dp) == 8 and len(plans) == 9
+  x4 = [c for c in plans if "hetpipe_paper_x4" in c["case"]]
+  assert len(x4) == 1 and x4[0]["target_seconds"] == 30.0 and x4[0]["allocation_search"]["max_vw_gpus"] == 5
+  assert sum(x4[0]["vw_sizes"]) == 64 and x4[0]["target_met"] == (x4[0]["plan_seconds"] <= 30.0)
   assert all(_finite(c["dp_seconds"], c["max_stage_time_ms"]) and c["max_stage_time_ms"] > 0 for c in dp)
   assert all(_finite(c["plan_seconds"], c["predicted_total_minibatches_per_s"], c["num_inflight"]) for c in plans)
 

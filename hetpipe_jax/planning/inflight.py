@@ -5,16 +5,24 @@ grows with Nm, so feasibility is monotone and a doubling + bisection search find
 the minimum ``Max_m`` over virtual workers (every VW uses the same Nm) and is chosen to maximise the predicted
 total throughput, which WSP holds to the slowest virtual worker (HetPipe §5): ``num_vws * min_v thr_v(Nm)``.
 
+Two cheap upper bounds on a virtual worker's best throughput over every Nm let the allocator's search skip
+allocations without partitioning them: one additive over GPUs, one per multiset of GPU types (proofs in their
+docstrings).
+
 Planning layer: standard library and numpy only.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Mapping, Sequence
+
+import numpy as np
 
 from hetpipe_jax.planning.cluster import Gpu
-from hetpipe_jax.planning.cost_model import StageCosts
-from hetpipe_jax.planning.partitioner import InfeasiblePartitionError, Partition, PartitionProblem, partition_dp
+from hetpipe_jax.planning.cost_model import INTER, INTRA, MS_PER_S, StageCosts
+from hetpipe_jax.planning.partitioner import (InfeasiblePartitionError, Partition, PartitionProblem,
+                                              min_max_stage_time_ms, partition_dp)
 
 DEFAULT_MAX_NUM_INFLIGHT = 64
 
@@ -91,15 +99,69 @@ class VwPlanner:
 def choose_system_num_inflight(planners: Sequence[VwPlanner]) -> tuple[int, float]:
   """The system Nm maximising ``len(planners) * min_v thr_v(Nm)`` over ``1..min_v Max_m`` (smallest on ties).
 
+  Nm rises from 1 and stops at the first Nm some virtual worker cannot fit (memory grows with Nm, so that is
+  ``min_v Max_m + 1``; no Max_m search is needed) or once every virtual worker is bottleneck-bound.
+
   Returns:
     ``(num_inflight, predicted total minibatches/s)``; ``(0, 0.0)`` when some virtual worker fits no Nm.
   """
-  top = min(p.max_num_inflight() for p in planners)
   best_nm, best = 0, 0.0
-  for nm in range(1, top + 1):
+  for nm in range(1, min(p.cap for p in planners) + 1):
+    if any(p.partition(nm) is None for p in planners):
+      break
     total = len(planners) * min(p.throughput_per_s(nm) for p in planners)
     if total > best * (1 + 1e-9):
       best_nm, best = nm, total
     if all(p.is_bottleneck_bound(nm) for p in planners):
       break
   return best_nm, best
+
+
+def additive_throughput_bounds_per_s(costs: StageCosts) -> dict[str, float]:
+  """Per GPU type t, ``u(t)`` such that every virtual worker's predicted throughput at every Nm is at most the sum
+  of ``u`` over its GPUs (minibatches/s).
+
+  Proof (fractional relaxation). Take layer weights ``w_l > 0`` (each type's layer times divided by its total, summed
+  over types) and ``a_t = min_l time_l(t) / w_l``. A stage on type t running layers A computes for at least
+  ``a_t * sum_{l in A} w_l`` ms and its stage time (compute + receives) is at least that. With T the largest stage
+  time, ``sum_{l in A_s} w_l <= T / a_{t_s}`` for every stage s; summing over stages, ``W = sum_l w_l <= T * sum_s
+  1 / a_{t_s}``, so ``1 / T <= sum_s 1 / (a_{t_s} W)``. Throughput is at most ``1 / T``
+  (``cost_model.vw_throughput_per_s``), hence ``u(t) = 1000 / (a_t W)``. Memory only removes partitions. The result
+  is inflated by 1e-9 relative so that rounding never makes it smaller than the value it bounds.
+  """
+  times = {t: np.diff(p) for t, p in costs.compute_prefix_ms.items()}
+  weights = sum(x / x.sum() for x in times.values() if x.sum() > 0)
+  if np.ndim(weights) == 0 or not np.all(weights > 0):
+    return {t: np.inf for t in times}
+  total = float(weights.sum())
+  out = {}
+  for t, x in times.items():
+    a = float(np.min(x / weights))
+    out[t] = MS_PER_S / (a * total) * (1 + 1e-9) if a > 0 else np.inf
+  return out
+
+
+def throughput_upper_bound_per_s(costs: StageCosts, gpu_types: Sequence[str], link_group: Mapping[str, str]) -> float:
+  """An upper bound on ``max_Nm throughput_per_s(Nm)`` of every virtual worker whose GPUs have these types, on any
+  nodes (0 when none fits memory even at Nm = 1, or when there are more GPUs than layers).
+
+  Relaxation: the GPUs of types in one link group (``link_group[type]``; types sharing a node anywhere in the
+  cluster, closed transitively) sit on one pseudo-node and a link between them costs the cheaper of the intra- and
+  inter-node link; GPUs of different groups never share a node, so their link is inter-node, as in every real
+  placement. Memory is checked at Nm = 1. Proof: a real virtual worker's partition at any feasible Nm, with the same
+  GPU-type order and cuts, fits the relaxed problem at Nm = 1 (stage memory is non-decreasing in Nm and independent
+  of links) with no larger stage times, so the relaxed optimum M (``partitioner.min_max_stage_time_ms``) is at most
+  its largest stage time, and its throughput is at most ``1000 / M``.
+
+  Args:
+    costs: per-range costs.
+    gpu_types: the virtual worker's GPU types (a multiset).
+    link_group: GPU type -> its link group.
+  """
+  if not gpu_types or len(gpu_types) > costs.num_layers:
+    return 0.0
+  relaxed = dataclasses.replace(costs, recv_ms={INTRA: np.minimum(costs.recv_ms[INTRA], costs.recv_ms[INTER]),
+                                                INTER: costs.recv_ms[INTER]})
+  gpus = tuple(Gpu(f"bound/{i}", t, f"group {link_group[t]}") for i, t in enumerate(sorted(gpu_types)))
+  best_ms = min_max_stage_time_ms(PartitionProblem(relaxed, gpus, 1))
+  return MS_PER_S / best_ms if np.isfinite(best_ms) else 0.0

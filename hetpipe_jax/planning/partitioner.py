@@ -149,6 +149,8 @@ def _dp(classes: list[tuple[str, str]], counts: list[int], mid: list[np.ndarray]
     k = sum(m)
     if k == 0:
       continue
+    nexts = [c2 for c2 in range(len(classes)) if m[c2] < counts[c2]]
+    grown = [tuple(x + (y == c2) for y, x in enumerate(m)) for c2 in nexts]
     for c in range(len(classes)):
       if m[c] == 0:
         continue
@@ -164,24 +166,17 @@ def _dp(classes: list[tuple[str, str]], counts: list[int], mid: list[np.ndarray]
           val = cap(last[c][:, n_layers] + a)
           table[(m, c, pl)] = (val, np.full(n_layers + 1, n_layers), np.full(n_layers + 1, -1))
           continue
-        best = np.full(n_layers + 1, np.inf)
-        jbest = np.zeros(n_layers + 1, dtype=np.int64)
-        cbest = np.full(n_layers + 1, -1)
-        base = mid[c] + a[:, None]
-        for c2 in range(len(classes)):
-          if m[c2] >= counts[c2]:
-            continue
-          nl = link(c, c2)
-          nxt = list(m)
-          nxt[c2] += 1
-          fnext = table[(tuple(nxt), c2, nl)][0]
-          cand = op(cap(base + recv[nl][None, :]), fnext[None, :])
-          j = cand.argmin(axis=1)
-          v = cand[np.arange(n_layers + 1), j]
-          better = v < best
-          best = np.where(better, v, best)
-          jbest = np.where(better, j, jbest)
-          cbest = np.where(better, c2, cbest)
+        # Every next class at once: candidates [next class, i, j], first minimum in (class, j) order.
+        nls = [link(c, c2) for c2 in nexts]
+        fnext = np.stack([table[(m2, c2, nl)][0] for m2, c2, nl in zip(grown, nexts, nls)])
+        rnext = np.stack([recv[nl] for nl in nls])
+        cand = op(cap(mid[c][None] + a[None, :, None] + rnext[:, None, :]), fnext[:, None, :])
+        flat = cand.transpose(1, 0, 2).reshape(n_layers + 1, -1)
+        idx = flat.argmin(axis=1)
+        best = flat[np.arange(n_layers + 1), idx]
+        found = np.isfinite(best)
+        jbest = np.where(found, idx % (n_layers + 1), 0)
+        cbest = np.where(found, np.asarray(nexts)[idx // (n_layers + 1)], -1)
         table[(m, c, pl)] = (best, jbest, cbest)
   best_val, best_c = np.inf, -1
   for c in range(len(classes)):
@@ -265,6 +260,26 @@ def partition_dp(problem: PartitionProblem) -> Partition:
     if cand.max_stage_time_ms <= limit:
       return cand
   return _to_partition(problem, classes, by_class, order, cuts)
+
+
+def min_max_stage_time_ms(problem: PartitionProblem) -> float:
+  """The optimum of :func:`partition_dp`'s first pass alone: the least possible maximum stage time (ms) over every
+  GPU order and cut that fits memory; ``inf`` when none fits. Cheaper than :func:`partition_dp` (no tie-break pass,
+  no partition built); used for bounds.
+
+  Raises:
+    ValueError: no GPUs, or fewer layers than GPUs.
+  """
+  if not problem.gpus:
+    raise ValueError("a virtual worker needs at least one GPU")
+  n_layers = problem.costs.num_layers
+  if n_layers < len(problem.gpus):
+    raise ValueError(f"the model has {n_layers} layers, fewer than the {len(problem.gpus)} GPUs of the virtual "
+                     "worker (every GPU needs a non-empty stage)")
+  classes, counts, _ = _classes(problem.gpus)
+  mid, last, _, _ = _cost_tables(problem, classes)
+  recv = {None: np.zeros(n_layers + 1), **problem.costs.recv_ms}
+  return float(_dp(classes, counts, mid, last, recv, "max")[0])
 
 
 def infeasibility_message(attempt: Partition) -> str:

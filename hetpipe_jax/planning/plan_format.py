@@ -57,6 +57,7 @@ class Plan:
   cost_model: dict[str, Any]
   profile: dict[str, Any]
   format_version: int = PLAN_FORMAT_VERSION
+  allocation_search: dict[str, Any] | None = None
 
 
 def _placement_dict(p: Placement) -> dict[str, Any]:
@@ -89,7 +90,8 @@ def make_plan(system: SystemPlan, cluster: ClusterSpec, profile: ModelProfile, p
               predicted_total_minibatches_per_s=round(system.predicted_total_minibatches_per_s, 6),
               ps_placement=ps, cost_model=dataclasses.asdict(config),
               profile={"device_kind": profile.device_kind, "measured": profile.measured,
-                       "optimizer": profile.optimizer})
+                       "optimizer": profile.optimizer},
+              allocation_search=system.search)
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:

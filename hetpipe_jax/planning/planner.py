@@ -29,6 +29,8 @@ class PlannerConfig:
     num_vws: number of virtual workers.
     ps_placement: "default" or "local" parameter placement recorded as the plan's choice (both are reported).
     max_num_inflight: cap on the Nm search.
+    max_vw_gpus: ``auto`` only: the largest virtual worker searched (None: the documented default,
+      ``allocator.default_max_vw_gpus``); the value used is recorded in the plan's ``allocation_search``.
     cost: cost-model configuration.
   """
 
@@ -36,6 +38,7 @@ class PlannerConfig:
   num_vws: int = 4
   ps_placement: str = "default"
   max_num_inflight: int = inflight.DEFAULT_MAX_NUM_INFLIGHT
+  max_vw_gpus: int | None = None
   cost: cost_model.CostModelConfig = cost_model.CostModelConfig()
 
 
@@ -50,7 +53,8 @@ def make_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig
     raise ValueError(f"unknown parameter placement {config.ps_placement!r}: must be one of "
                      f"{list(ps_placement.PLACEMENTS)}")
   costs = cost_model.build_stage_costs(profile, cluster, config.cost)
-  system = allocator.allocate(cluster, costs, config.policy, config.num_vws, config.max_num_inflight)
+  system = allocator.allocate(cluster, costs, config.policy, config.num_vws, config.max_num_inflight,
+                              config.max_vw_gpus)
   parts = [vw.partition for vw in system.virtual_workers]
   placements = [ps_placement.place(p, cluster, profile, parts, system.num_inflight)
                 for p in ps_placement.PLACEMENTS]
