@@ -222,3 +222,37 @@ def test_pull_from_shards_at_different_clocks_equals_per_shard_replay(synthetic_
   result = replay.ShardedReplay([replay.Replay(w0, result.updates, [peer], nm, list(s.state.applied))
                                  for s in servers], shards.index)
   np.testing.assert_allclose(final, result.final_global_weights(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+def test_bench_ps_quick():
+  """scripts/bench_ps.py --quick: push + pull through 1 and 2 shards against raw Send/Recv of the same bytes."""
+  import subprocess
+  import sys
+  from hetpipe_jax.paths import REPO_ROOT
+  proc = subprocess.run([sys.executable, "scripts/bench_ps.py", "--quick"], cwd=REPO_ROOT, capture_output=True,
+                        text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = json.loads(proc.stdout)
+  assert sorted((r["num_shards"], r["size_bytes"]) for r in out["rows"]) == [(1, 1024), (1, 1 << 20), (2, 1024),
+                                                                             (2, 1 << 20)]
+  for r in out["rows"]:
+    assert r["waves"] >= 3 and 0 < r["ratio"] < 50 and r["ps_s_per_wave"] > 0 and r["raw_s_per_wave"] > 0
+
+
+def test_headers_from_shard_and_vw_ranks_are_checked_naming_the_ranks():
+  """With S shards, rank r hosts VW r - S; a mismatched VW id or a slice of the wrong size names the ranks."""
+  from hetpipe_jax.ps import transport
+  from hetpipe_jax.ps.transport import Kind
+  ok = transport.make_header(Kind.PUSH, 1, 0, 7)
+  assert transport.check_header(ok, 3, num_params=7, expect_kinds=(Kind.PUSH,), first_vw_rank=2) is Kind.PUSH
+  with pytest.raises(transport.ProtocolError, match="rank 3 claims to be VW 0 \\(rank r hosts VW r-2\\)"):
+    transport.check_header(transport.make_header(Kind.PUSH, 0, 0, 7), 3, num_params=7, expect_kinds=(Kind.PUSH,),
+                           first_vw_rank=2)
+  with pytest.raises(transport.ProtocolError, match="PUSH from rank 2 carries 9 elements, expected 7"):
+    transport.check_header(transport.make_header(Kind.PUSH, 0, 0, 9), 2, num_params=7, expect_kinds=(Kind.PUSH,),
+                           first_vw_rank=2)
+  # a shard's reply (rank 1 < S) is not a VW: its VW field names the receiver
+  weights = transport.make_header(Kind.WEIGHTS, 1, 0, 7)
+  assert transport.check_header(weights, 1, num_params=7, expect_kinds=(Kind.WEIGHTS,), first_vw_rank=2) \
+      is Kind.WEIGHTS

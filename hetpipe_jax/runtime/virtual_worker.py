@@ -489,7 +489,8 @@ class VirtualWorker:
 
   def _install_sharded_pull(self, vector_clock, flat, shard_vector_clocks) -> None:
     """:meth:`install_pull` for sharded parameter servers: per shard, pulled slice + own waves it lacks."""
-    keep = wsp.own_waves_after_pull(self.own_waves, vector_clock[self.vw_id])
+    # own waves some shard lacks (the element-wise minimum over shards is ``vector_clock``)
+    keep = wsp.own_waves_after_pull(self.own_waves, min(vc[self.vw_id] for vc in shard_vector_clocks))
     self.own_waves = {c: self.own_waves[c] for c in keep}
     self.own_flat = {c: self.own_flat[c] for c in keep}
     local = np.array(flat, np.float32, copy=True)
