@@ -224,11 +224,11 @@ MUTATIONS = (
              "the local parameter placement puts layers round-robin instead of on the node that runs them"),
     Mutation("shard_slice_lost_at_the_end", "hetpipe_jax/jobs/mpi_job.py",
              "    shards.scatter(flat, shard, part)\n", "",
-             ("tests/test_ps_shards.py::test_sharded_run_equals_per_shard_replay_and_moves_the_predicted_bytes",),
+             ("tests/test_ps_shards.py::test_rank0_assembles_the_final_weights_from_every_shard",),
              "rank 0 saves W0 for the layers of the other shards instead of their final slices"),
     Mutation("pull_bytes_not_counted", "hetpipe_jax/ps/service.py",
              "      transport.PS_BYTES.add(dest, weights.nbytes)\n", "",
-             ("tests/test_ps_shards.py::test_sharded_run_equals_per_shard_replay_and_moves_the_predicted_bytes",),
+             ("tests/test_ps_shards.py::test_served_pulls_are_counted_per_destination_rank",),
              "the transport does not count pulled weights in the PS bytes per rank pair"),
 )
 

@@ -256,3 +256,52 @@ def test_headers_from_shard_and_vw_ranks_are_checked_naming_the_ranks():
   weights = transport.make_header(Kind.WEIGHTS, 1, 0, 7)
   assert transport.check_header(weights, 1, num_params=7, expect_kinds=(Kind.WEIGHTS,), first_vw_rank=2) \
       is Kind.WEIGHTS
+
+
+class _FakeComm:
+  """Just enough of an MPI communicator for one rank's code paths: Isend records (completed at once), Recv serves
+  queued arrays in order."""
+
+  class _Done:
+    def Test(self):  # noqa: N802 (mpi4py's name)
+      return True
+
+  def __init__(self, incoming=()):
+    self.sent, self.incoming = [], list(incoming)
+
+  def Isend(self, buf, dest, tag):  # noqa: N802
+    self.sent.append((dest, tag, np.array(buf, copy=True)))
+    return self._Done()
+
+  def Recv(self, buf, source, tag):  # noqa: N802
+    src, data = self.incoming.pop(0)
+    assert src == source, (src, source)
+    buf[...] = np.asarray(data).reshape(buf.shape)
+
+
+def test_served_pulls_are_counted_per_destination_rank():
+  """The PS bytes of a pull reply are counted for the VW's rank (rank first_vw_rank + vw)."""
+  from hetpipe_jax.ps import transport
+  from hetpipe_jax.ps.param_server import ParameterServer
+  from hetpipe_jax.ps.service import ParameterServerService
+  server = ParameterServer(np.zeros(5, np.float32), 2)
+  comm = _FakeComm()
+  service = ParameterServerService(comm, server, num_minibatches_per_vw=0, num_inflight=1, evaluate=None,
+                                   eval_every_waves=0, log_every_waves=1, log_metrics=lambda line: None,
+                                   progress=False, first_vw_rank=3, lead=False)
+  before = dict(transport.PS_BYTES.sent)
+  service._serve_pulls([1])  # pylint: disable=protected-access
+  assert [(d, t) for d, t, _ in comm.sent] == [(4, transport.TAG_HEADER), (4, transport.TAG_DATA),
+                                                (4, transport.TAG_DATA)]
+  assert transport.PS_BYTES.sent.get(4, 0) - before.get(4, 0) == 5 * 4
+
+
+def test_rank0_assembles_the_final_weights_from_every_shard():
+  from hetpipe_jax.jobs import mpi_job
+  shards = ShardLayout.build([0, 3, 5, 9], [0, 1, 2], 3)
+  w0 = np.zeros(9, np.float32)
+  comm = _FakeComm([(1, [2]), (1, [[0, 1], [0, 0]]), (1, [4, 5]), (2, [2]), (2, [[0, 0], [0, 1]]), (2, [6, 7, 8, 9])])
+  flat, logs = mpi_job._gather_shards(comm, shards, w0, np.array([1, 2, 3], np.float32),  # pylint: disable=protected-access
+                                      [(0, 1), (0, 0)])
+  np.testing.assert_array_equal(flat, np.arange(1, 10, dtype=np.float32))
+  assert logs == [[(0, 1), (0, 0)], [(0, 1), (0, 0)], [(0, 0), (0, 1)]]
