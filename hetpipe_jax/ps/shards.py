@@ -22,11 +22,13 @@ class ShardLayout:
     layer_shards: per layer, its shard (None: the layer has no parameters).
     index: per shard, int64 indices into the flat ``[num_params]`` vector (layer order), possibly empty.
     num_params: the model's parameter count.
+    ranges: per shard, its maximal contiguous ``(start, end)`` element ranges (gather and scatter copy slices).
   """
 
   layer_shards: tuple[int | None, ...]
   index: tuple[np.ndarray, ...]
   num_params: int
+  ranges: tuple[tuple[tuple[int, int], ...], ...] = ()
 
   @staticmethod
   def build(layer_offsets: Sequence[int], layer_shards: Sequence[int | None], num_shards: int) -> "ShardLayout":
@@ -39,6 +41,7 @@ class ShardLayout:
     if len(layer_offsets) != len(layer_shards) + 1:
       raise ValueError(f"{len(layer_shards)} layer shards for {len(layer_offsets) - 1} layers")
     parts: list[list[np.ndarray]] = [[] for _ in range(num_shards)]
+    ranges: list[list[tuple[int, int]]] = [[] for _ in range(num_shards)]
     for layer, shard in enumerate(layer_shards):
       a, b = int(layer_offsets[layer]), int(layer_offsets[layer + 1])
       if shard is None:
@@ -48,13 +51,19 @@ class ShardLayout:
       if not 0 <= shard < num_shards:
         raise ValueError(f"layer {layer} placed on shard {shard}; there are {num_shards}")
       parts[shard].append(np.arange(a, b, dtype=np.int64))
+      if b > a:
+        if ranges[shard] and ranges[shard][-1][1] == a:
+          ranges[shard][-1] = (ranges[shard][-1][0], b)
+        else:
+          ranges[shard].append((a, b))
     index = tuple(np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts)
-    return ShardLayout(tuple(layer_shards), index, int(layer_offsets[-1]))
+    return ShardLayout(tuple(layer_shards), index, int(layer_offsets[-1]), tuple(tuple(r) for r in ranges))
 
   @staticmethod
   def single(num_params: int, num_layers: int) -> "ShardLayout":
     """Everything on shard 0 (today's one PS)."""
-    return ShardLayout((0,) * num_layers, (np.arange(num_params, dtype=np.int64),), num_params)
+    return ShardLayout((0,) * num_layers, (np.arange(num_params, dtype=np.int64),), num_params,
+                       (((0, num_params),),))
 
   @property
   def num_shards(self) -> int:
@@ -65,14 +74,23 @@ class ShardLayout:
     return int(self.index[shard].size)
 
   def gather(self, flat: np.ndarray, shard: int) -> np.ndarray:
-    """Shard ``shard``'s slice of a flat ``[num_params]`` vector (a contiguous copy)."""
+    """Shard ``shard``'s slice of a flat ``[num_params]`` vector (contiguous; a view when the shard holds one range,
+    else a copy)."""
     if self.num_shards == 1:
       return flat
-    return np.ascontiguousarray(flat[self.index[shard]])
+    ranges = self.ranges[shard]
+    if len(ranges) == 1:
+      return flat[ranges[0][0]:ranges[0][1]]
+    if not ranges:
+      return flat[:0]
+    return np.concatenate([flat[a:b] for a, b in ranges])
 
   def scatter(self, out: np.ndarray, shard: int, part: np.ndarray) -> None:
     """Writes shard ``shard``'s slice ``part`` into the flat vector ``out`` in place."""
-    out[self.index[shard]] = part
+    pos = 0
+    for a, b in self.ranges[shard]:
+      out[a:b] = part[pos:pos + b - a]
+      pos += b - a
 
   def params_in_range(self, shard: int, start: int, end: int) -> int:
     """How many of shard ``shard``'s floats lie in flat elements ``[start, end)`` (a stage's layers)."""
