@@ -140,9 +140,8 @@ MUTATIONS = (
              ("tests/test_pipeline.py",),
              "a pull re-adds own waves beyond the global clock that the on-receipt PS already applied"),
     Mutation("records_claim_the_global_clock_only", "hetpipe_jax/runtime/virtual_worker.py",
-             "                          v.local_updates, v.global_clock, v.vector_clock, now)",
-             "                          v.local_updates, v.global_clock, (v.global_clock,) * self.num_virtual_workers,"
-             " now)",
+             "              v.local_updates, v.global_clock, v.vector_clock, now)",
+             "              v.local_updates, v.global_clock, (v.global_clock,) * self.num_virtual_workers, now)",
              ("tests/test_virtual_time.py::test_virtual_time_run_equals_replay_of_its_versions",),
              "minibatch records hide the extra updates their weights hold"),
     Mutation("engine_forgets_the_pulled_vector_clock", "hetpipe_jax/sim/engine.py",
@@ -257,6 +256,25 @@ MUTATIONS = (
              "          submit_ready()\n",
              ("tests/test_runtime_host_path.py",),
              "tasks made ready by a completion wait until the completed minibatches' updates are applied"),
+    Mutation("sharded_pull_ignores_shard_clocks", "hetpipe_jax/runtime/virtual_worker.py",
+             "      for c in wsp.own_waves_after_pull(keep, vc[self.vw_id]):",
+             "      for c in wsp.own_waves_after_pull(keep, vector_clock[self.vw_id]):",
+             ("tests/test_ps_shards.py::test_pull_from_shards_at_different_clocks_equals_per_shard_replay",),
+             "after a pull from shards at different clocks, own waves are re-added by the minimum clock on every "
+             "shard (twice on shards that already hold them)"),
+    Mutation("local_placement_is_round_robin", "hetpipe_jax/planning/ps_placement.py",
+             '    elif policy == "default":\n      out.append(node_names[k % len(node_names)])',
+             '    elif policy in ("default", "local"):\n      out.append(node_names[k % len(node_names)])',
+             ("tests/test_ps_shards.py::test_runtime_placement_is_the_planners",),
+             "the local parameter placement puts layers round-robin instead of on the node that runs them"),
+    Mutation("shard_slice_lost_at_the_end", "hetpipe_jax/jobs/mpi_job.py",
+             "    shards.scatter(flat, shard, part)\n", "",
+             ("tests/test_ps_shards.py::test_rank0_assembles_the_final_weights_from_every_shard",),
+             "rank 0 saves W0 for the layers of the other shards instead of their final slices"),
+    Mutation("pull_bytes_not_counted", "hetpipe_jax/ps/service.py",
+             "      transport.PS_BYTES.add(dest, weights.nbytes)\n", "",
+             ("tests/test_ps_shards.py::test_served_pulls_are_counted_per_destination_rank",),
+             "the transport does not count pulled weights in the PS bytes per rank pair"),
 )
 
 

@@ -10,18 +10,47 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
   exit 1
 fi
 
+# Which jax build: the CUDA 12 build of the pinned version when an NVIDIA GPU answers `nvidia-smi -L`, else the CPU
+# build. HETPIPE_JAX_BUILD=cpu|cuda12 overrides the detection.
+jax_version=$(sed -n 's/^jax==\([^ #]*\).*/\1/p' requirements.txt)
+jax_build() {
+  case "${HETPIPE_JAX_BUILD:-}" in
+    cpu|cuda12) echo "$HETPIPE_JAX_BUILD"; return ;;
+    "") ;;
+    *) echo "setup: HETPIPE_JAX_BUILD=$HETPIPE_JAX_BUILD must be cpu or cuda12" >&2; exit 1 ;;
+  esac
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo cuda12; else echo cpu; fi
+}
+build=$(jax_build)
+if [ "$build" = cuda12 ]; then
+  why="CUDA 12 build, jax[cuda12]==$jax_version: nvidia-smi found an NVIDIA GPU (run with --config.platform=gpu)"
+else
+  why="CPU build: no NVIDIA GPU answered nvidia-smi"
+fi
+[ -n "${HETPIPE_JAX_BUILD:-}" ] && why="$why (HETPIPE_JAX_BUILD=$HETPIPE_JAX_BUILD)"
+if [ "${SETUP_DETECT_ONLY:-0}" = 1 ]; then  # tests: report the choice, install nothing
+  echo "setup: jax $jax_version, $why"
+  exit 0
+fi
+
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$PY" -m venv .venv
 fi
 stamp=.venv/.requirements.sha256
 want=$(sha256sum requirements.txt | cut -d' ' -f1)
+[ "$build" = cuda12 ] && want="$want cuda12"  # the CPU stamp is the plain hash (as before this option existed)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing requirements.txt into .venv"
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet -r requirements.txt
+  if [ "$build" = cuda12 ]; then
+    echo "setup: installing jax[cuda12]==$jax_version (the CUDA build of the pinned jax)"
+    .venv/bin/python -m pip install --quiet "jax[cuda12]==$jax_version"
+  fi
   echo "$want" > "$stamp"
 fi
+echo "setup: jax $jax_version, $why"
 
 have_data() {
   local d

@@ -27,10 +27,37 @@ from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime.param_layout import ParamLayout
 
 
-def read_applied_order(workdir) -> list[tuple[int, int]]:
-  """The PS's ``(wave_id, vw_id)`` application order from a run's ``ps_applied.jsonl``."""
+def read_applied_order(workdir, shard: int | None = None) -> list[tuple[int, int]]:
+  """The PS's ``(wave_id, vw_id)`` application order from a run's ``ps_applied.jsonl`` (sharded PS: that shard's)."""
   with open(f"{workdir}/ps_applied.jsonl", encoding="utf-8") as f:
-    return [(r["wave_id"], r["vw_id"]) for r in map(json.loads, f)]
+    return [(r["wave_id"], r["vw_id"]) for r in map(json.loads, f) if shard is None or r.get("shard", 0) == shard]
+
+
+class ShardedReplay:
+  """Sharded parameter servers (HetPipe §8.1): one :class:`Replay` per shard over the same updates, each following
+  its shard's log; a version's weights take each shard's slice from that shard's replay at the shard's vector clock.
+
+  Args:
+    replays: per shard, a :class:`Replay` sharing one ``updates`` list.
+    index: per shard, its flat element indices (every element in exactly one shard).
+  """
+
+  def __init__(self, replays: Sequence[Replay], index: Sequence[np.ndarray]):
+    self.replays = list(replays)
+    self.index = [np.asarray(i) for i in index]
+    self.updates = self.replays[0].updates
+
+  def local_weights(self, v: int, shard_vector_clocks: Sequence[Sequence[int]], m: int) -> np.ndarray:
+    out = np.zeros_like(self.replays[0].w0)
+    for r, idx, vc in zip(self.replays, self.index, shard_vector_clocks):
+      out[idx] = r.local_weights(v, vc, m)[idx]
+    return out
+
+  def final_global_weights(self) -> np.ndarray:
+    out = np.zeros_like(self.replays[0].w0)
+    for r, idx in zip(self.replays, self.index):
+      out[idx] = r.final_global_weights()[idx]
+    return out
 
 
 class Replay:
@@ -125,7 +152,8 @@ class Replay:
 
 def replay(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax.GradientTransformation,
            sources: list, num_inflight: int, fixed_waves: Sequence[Sequence[np.ndarray]] = (),
-           applied_order: Sequence[Sequence[int]] | None = None) -> Replay:
+           applied_order: Sequence[Sequence[int]] | None = None,
+           shards: Sequence[tuple[np.ndarray, Sequence[Sequence[int]]]] | None = None) -> "Replay | ShardedReplay":
   """Replays every record of VWs ``0..len(sources)-1`` one minibatch at a time at its recorded version.
 
   Args:
@@ -137,6 +165,8 @@ def replay(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax
     fixed_waves: VWs ``len(sources)..`` whose wave updates are given (scripted peers), flat float32 each.
     applied_order: the PS's ``(wave_id, vw_id)`` log (``ps_applied.jsonl``); None: the clock-aligned order, which
       then requires every record's vector clock to be uniform.
+    shards: sharded parameter servers: per shard ``(flat element indices, its (wave_id, vw_id) log)``; the records
+      then carry ``version_shard_vector_clocks`` and each shard's slice follows its own log.
 
   Raises:
     AssertionError: the records' versions cannot be satisfied in any order (a WSP violation).
@@ -150,6 +180,9 @@ def replay(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax
   grad_fn = jax.jit(jax.grad(loss))
   by_vw = [sorted((r for r in records if r["vw_id"] == v), key=lambda r: r["minibatch_id"]) for v in range(num_vws)]
   result = Replay(layout.flatten(params0), [{} for _ in range(num_vws)], fixed_waves, num_inflight, applied_order)
+  if shards is not None:
+    result = ShardedReplay([Replay(result.w0, result.updates, fixed_waves, num_inflight, log) for _, log in shards],
+                           [idx for idx, _ in shards])
   total_vws = num_vws + len(fixed_waves)
   states = [tx.init(params0) for _ in range(num_vws)]
   done = [0] * num_vws
@@ -162,11 +195,15 @@ def replay(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax
       r = by_vw[v][done[v]]
       vc, m = tuple(r["version_vector_clock"]), r["version_local_updates"]
       assert len(vc) == total_vws and min(vc) == r["version_global_clock"], r
-      if not all(done[u] >= vc[u] * num_inflight for u in range(num_vws)):
+      shard_vcs = [tuple(c) for c in r["version_shard_vector_clocks"]] if shards is not None else [vc]
+      if shards is not None:
+        assert len(shard_vcs) == len(shards) and all(
+            min(c[u] for c in shard_vcs) == vc[u] for u in range(total_vws)), r
+      if not all(done[u] >= max(c[u] for c in shard_vcs) * num_inflight for u in range(num_vws)):
         continue
       assert all(len(w) >= c for w, c in zip(fixed_waves, vc[num_vws:])), \
           f"VW {v} minibatch {r['minibatch_id']} used vector clock {vc}"
-      params = layout.unflatten(result.local_weights(v, vc, m))
+      params = layout.unflatten(result.local_weights(v, shard_vcs if shards is not None else vc, m))
       grads = grad_fn(params, *sources[v].get(r["minibatch_id"]))
       u, states[v] = tx.update(grads, states[v], params)
       result.updates[v][r["minibatch_id"]] = layout.flatten(jax.device_get(u))
@@ -177,7 +214,8 @@ def replay(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax
 
 
 def replay_final_weights(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax.GradientTransformation,
-                         sources: list, num_inflight: int, applied_order: Sequence[Sequence[int]]) -> np.ndarray:
+                         sources: list, num_inflight: int, applied_order: Sequence[Sequence[int]],
+                         shards: Sequence[tuple[np.ndarray, Sequence[Sequence[int]]]] | None = None) -> np.ndarray:
   """Returns the flat final global weights implied by ``records`` (dicts as in minibatches.jsonl) and the PS's
   ``applied_order`` (``(wave_id, vw_id)`` as in ps_applied.jsonl).
 
@@ -185,9 +223,10 @@ def replay_final_weights(records: list[dict], spec: models.ModelSpec, params0: l
     AssertionError: the records' versions cannot be satisfied in any order (a WSP violation), or the log does not
       hold every VW's waves once each.
   """
-  result = replay(records, spec, params0, tx, sources, num_inflight, applied_order=applied_order)
+  result = replay(records, spec, params0, tx, sources, num_inflight, applied_order=applied_order, shards=shards)
   num_vws = len(sources)
   num_waves = min(sum(1 for r in records if r["vw_id"] == v) for v in range(num_vws)) // num_inflight
-  assert sorted(applied_order) == sorted((c, v) for c in range(num_waves) for v in range(num_vws)), \
-      "the PS log must apply every VW's waves exactly once"
+  for log in ([applied_order] if shards is None else [log for _, log in shards]):
+    assert sorted(log) == sorted((c, v) for c in range(num_waves) for v in range(num_vws)), \
+        "the PS log (every shard's) must apply every VW's waves exactly once"
   return result.final_global_weights()

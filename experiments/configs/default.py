@@ -44,6 +44,12 @@ def get_config() -> ml_collections.ConfigDict:
   # weights when it arrives, so pulls also see faster VWs' newer waves. "clock_aligned": wave c is added once every
   # VW pushed it (deterministic order; an ablation).
   c.ps_apply = "on_receipt"
+  # Sharded parameter servers (MPI jobs; HetPipe §8.1): ranks 0..S-1 are PS shards, each holding some layers.
+  # Unset: one shard per node of the plan (1 without a plan: one PS on rank 0). config.json records the value.
+  c.num_ps_shards = config_dict.placeholder(int)
+  # Which shard holds each layer: "default" (round-robin, as TensorFlow), "local" (the shard of the node that runs
+  # the layer; ED plans), "" -> the plan's choice ("default" without a plan).
+  c.ps_placement = ""
   # Optimizer (optax), applied by every VW to its own minibatches.
   c.optimizer = "adam"  # "adam" | "sgd" | "momentum"
   c.learning_rate = 1e-3

@@ -60,10 +60,16 @@ class JobSettings:
   plan: Any = None  # plan_format.Plan | None (typed; read once per process)
   sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
   notes: tuple[str, ...] = ()
+  # Sharded parameter servers (MPI jobs; :func:`with_ps_shards`): ranks 0..S-1 are the shards, rank 0 the lead.
+  num_ps_shards: int = 1
+  ps_placement: str = "default"
+  shard_nodes: tuple[str, ...] = ("host",)  # node of each shard
+  vw_stage_nodes: tuple[tuple[str, ...], ...] = ()  # per VW, per stage, the node of its GPU (plan) or "host"
 
   @property
   def world_size(self) -> int:
-    return 1 + self.num_virtual_workers
+    """MPI ranks: ``num_ps_shards`` PS shards (ranks ``0..S-1``) then one rank per VW."""
+    return self.num_ps_shards + self.num_virtual_workers
 
   @property
   def num_stages(self) -> int | None:
@@ -270,10 +276,13 @@ def check_world_size(settings: JobSettings, world_size: int) -> None:
   """Raises ConfigError unless the MPI world is 1 PS + one rank per VW."""
   if world_size != settings.world_size:
     what = "the plan's" if settings.plan is not None else "config.num_virtual_workers"
+    s = settings.num_ps_shards
+    ps = "rank 0 = PS" if s == 1 else f"ranks 0..{s - 1} = PS shards (config.num_ps_shards={s})"
     raise ConfigError(f"MPI world size is {world_size} but the job has {settings.num_virtual_workers} virtual "
-                      f"workers ({what}): run `mpiexec -n {settings.world_size} ...` (rank 0 = PS, ranks 1..N = VWs)"
+                      f"workers ({what}): run `mpiexec -n {settings.world_size} ...` ({ps}, ranks {s}.."
+                      f"{s + settings.num_virtual_workers - 1} = VWs)"
                       + ("" if settings.plan is not None else
-                         f" or set config.num_virtual_workers={world_size - 1}"))
+                         f" or set config.num_virtual_workers={world_size - s}"))
 
 
 def check_devices(settings: JobSettings, num_devices: int) -> None:
@@ -397,3 +406,97 @@ def emulated_task_times(config: Any, settings: JobSettings, *, plan_times: bool 
     return task_times.task_times_from_plan(plan, profile, cluster_lib.load_cluster(plan.cluster))
   except (OSError, ValueError) as e:
     raise ConfigError(f"config.emulate_plan: {e}") from None
+
+
+def plan_nodes(plan: Any) -> list[str]:
+  """The plan's nodes in shard order: its ``ps_placement["shard_nodes"]`` (the cluster's node order), or for older
+  plans the nodes in order of first appearance among the VWs' GPUs."""
+  from hetpipe_jax.planning.ps_placement import gpu_node
+  names = plan.ps_placement.get("shard_nodes")
+  if names:
+    return list(names)
+  out: list[str] = []
+  for vw in plan.virtual_workers:
+    for g in vw.gpus:
+      if gpu_node(g) not in out:
+        out.append(gpu_node(g))
+  return out
+
+
+def with_ps_shards(config: Any, settings: JobSettings) -> JobSettings:
+  """Resolves the sharded parameter servers of an MPI job (HetPipe §8.1 "Parameter Placement").
+
+  ``config.num_ps_shards`` (unset: one shard per node of the plan, HetPipe §8.1; 1 without a plan, today's single
+  rank-0 PS) and ``config.ps_placement`` (``""``: the plan's chosen policy, ``"default"`` without a plan). Each layer
+  lives on one shard: ``default`` places the parameterised layers round-robin over the shards, ``local`` on the
+  shard of the node that runs the layer in most VWs (needs a plan and one shard per plan node).
+
+  Raises:
+    ConfigError: ``num_ps_shards < 1``, an unknown placement, ``local`` without a plan or with a shard count other
+      than the plan's node count; with more than one shard, periodic checkpoints or evaluations (not supported
+      yet: they need every shard's weights on one rank during the run).
+  """
+  from hetpipe_jax.planning.ps_placement import PLACEMENTS, gpu_node
+  plan = settings.plan
+  nodes = plan_nodes(plan) if plan is not None else ["host"]
+  given = config.get("num_ps_shards")
+  sources = dict(settings.sources)
+  if given is None:
+    num = len(nodes) if plan is not None else 1
+    sources["num_ps_shards"] = "plan (one shard per node)" if plan is not None else "default (1: one PS on rank 0)"
+  else:
+    num = int(given)
+    sources["num_ps_shards"] = "config"
+    if num < 1:
+      raise ConfigError(f"config.num_ps_shards={given}: must be >= 1 (1 = one PS on rank 0), or leave it unset for "
+                        "one shard per node of the plan")
+  policy = config.get("ps_placement") or ""
+  if policy:
+    sources["ps_placement"] = "config"
+  else:
+    policy = plan.ps_placement.get("policy", "default") if plan is not None else "default"
+    sources["ps_placement"] = "plan" if plan is not None else "default"
+  if policy not in PLACEMENTS:
+    raise ConfigError(f"config.ps_placement={policy!r} must be one of {list(PLACEMENTS)} (or '' for the plan's)")
+  if policy == "local" and (plan is None or num != len(nodes)):
+    raise ConfigError(f"config.ps_placement='local' needs a plan and one shard per plan node (config.num_ps_shards="
+                      f"{num}, plan nodes: {len(nodes) if plan is not None else 'no plan'}): give a plan and leave "
+                      "config.num_ps_shards unset, or use --config.ps_placement=default")
+  if num > 1 and config.checkpoint_every_waves > 0:
+    raise ConfigError(f"config.checkpoint_every_waves={config.checkpoint_every_waves} with {num} PS shards: "
+                      "checkpoint barriers are not supported with sharded parameter servers yet; set "
+                      "--config.checkpoint_every_waves=0 (the final weights are still saved) or "
+                      "--config.num_ps_shards=1")
+  if num > 1 and config.eval_every_epochs > 0:
+    raise ConfigError(f"config.eval_every_epochs={config.eval_every_epochs} with {num} PS shards: evaluation during "
+                      "the run is not supported with sharded parameter servers yet; set "
+                      "--config.eval_every_epochs=0 (the final weights are still evaluated) or "
+                      "--config.num_ps_shards=1")
+  shard_nodes = tuple(nodes[i % len(nodes)] for i in range(num))
+  if plan is not None:
+    stage_nodes = tuple(tuple(gpu_node(g) for g in vw.gpus) for vw in plan.virtual_workers)
+  else:
+    stage_nodes = tuple(("host",) * len(v.devices) for v in settings.vws)
+  return dataclasses.replace(settings, num_ps_shards=num, ps_placement=policy, shard_nodes=shard_nodes,
+                             vw_stage_nodes=stage_nodes, sources=sources)
+
+
+def ps_layer_shards(settings: JobSettings, partitions: Sequence[Partition], has_params: Sequence[bool]
+                    ) -> list[int | None]:
+  """Per layer, the index of the PS shard that holds it (None: no parameters), by the one placement rule
+  (:func:`hetpipe_jax.planning.ps_placement.assign_layers`) over ``settings.shard_nodes``."""
+  from hetpipe_jax.planning.ps_placement import assign_layers
+  num = settings.num_ps_shards
+  per_vw = []
+  for part, nodes in zip(partitions, settings.vw_stage_nodes):
+    layer_nodes = [""] * len(has_params)
+    for (start, end), node in zip(part, nodes):
+      for layer in range(start, end):
+        layer_nodes[layer] = node
+    per_vw.append(layer_nodes)
+  if settings.ps_placement == "local":  # one shard per node: shard i is node i
+    labels = list(settings.shard_nodes)
+  else:  # round-robin over the shards themselves
+    labels = [str(i) for i in range(num)]
+  return [None if a is None else labels.index(a)
+          for a in assign_layers(settings.ps_placement, labels, has_params, per_vw)]

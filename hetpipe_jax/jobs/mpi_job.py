@@ -1,4 +1,5 @@
-"""One HetPipe training job over MPI: rank 0 runs the parameter server, ranks 1..N run one VW each.
+"""One HetPipe training job over MPI: ranks 0..S-1 run the parameter-server shards (S = config.num_ps_shards, rank 0
+the lead: outputs, evaluation, checkpoints), ranks S..S+N-1 run one VW each.
 
 Runtime layer; :mod:`hetpipe_jax.train` is its thin absl entry point. Everything that can be checked is checked on
 every rank before training starts (settings, world size, model, partition, devices, data), so bad input ends every
@@ -22,8 +23,9 @@ from hetpipe_jax import models
 from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs.job_config import (ConfigError, JobSettings, check_devices, check_partitions, check_world_size,
-                                         emulated_task_times, resolved_config)
+                                         emulated_task_times, ps_layer_shards, resolved_config, with_ps_shards)
 from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, settings_summary
+from hetpipe_jax.ps.shards import ShardLayout
 from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime.param_layout import ParamLayout
 
@@ -104,6 +106,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
       checkpoints (or checkpoints without it), a checkpoint of another model, nothing left to train.
     fashion_mnist.DataError: missing or corrupt dataset files.
   """
+  settings = with_ps_shards(config, settings)  # sharded PS: ranks 0..S-1 (bad settings fail here, on every rank)
   rank, world = comm.Get_rank(), comm.Get_size()
   spec, partitions = prepare(config, settings, world)
   emulated = emulated_task_times(config, settings)  # bad emulation settings fail here, on every rank
@@ -114,6 +117,10 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   resume_lib.check_resume_workdir(workdir, resume)
   layout = ParamLayout.from_layer_params(
       jax.eval_shape(lambda: models.init_layer_params(spec, jax.random.key(config.seed))))
+  offsets = layout.layer_offsets
+  shards = ShardLayout.build(offsets, ps_layer_shards(settings, partitions,
+                                                      [b > a for a, b in zip(offsets, offsets[1:])]),
+                             settings.num_ps_shards)
   # Every rank reads the checkpoint itself (the same files), so a bad one stops every rank before any work.
   point = (resume_lib.load_resume_point(workdir, settings, partitions, layout, spec.num_layers, spec.name)
            if resume else None)
@@ -131,11 +138,117 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
     flat0 = np.empty(layout.num_params, np.float32)
   if point is None:
     comm.Bcast(flat0, root=0)  # every VW starts from rank 0's W0, bit for bit
+  num_shards = settings.num_ps_shards
   if rank == 0:
-    return _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, workdir, comm, point)
-  _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partitions[rank - 1], rank - 1, comm,
-          emulated[rank - 1] if emulated else None, point)
+    return _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, workdir, comm, point, shards)
+  if rank < num_shards:
+    _run_shard(config, settings, flat0, shards, rank, comm)
+    return None
+  vw_id = rank - num_shards
+  _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partitions[vw_id], vw_id, comm,
+          emulated[vw_id] if emulated else None, point, shards)
   return None
+
+
+TAG_SHARD_FINAL = 13  # a non-lead shard's applied log and weights, to rank 0 at the end
+
+
+def _ps_byte_matrix(comm) -> np.ndarray | None:
+  """Every rank's PS payload bytes summed on rank 0: int64 ``[world, world]``, bytes sent from rank i to rank j
+  (wave updates and pulled weights; :data:`hetpipe_jax.ps.transport.PS_BYTES`). A collective: every rank calls it
+  once, at its end."""
+  from mpi4py import MPI
+  from hetpipe_jax.ps import transport
+  rank, world = comm.Get_rank(), comm.Get_size()
+  row = transport.PS_BYTES.matrix_row(rank, world)
+  total = np.zeros_like(row) if rank == 0 else None
+  comm.Reduce(row, total, op=MPI.SUM, root=0)
+  return total
+
+
+def _run_shard(config, settings, flat0, shards, rank, comm) -> None:
+  """A non-lead PS shard (rank 1..S-1): applies its slice of every wave update on receipt (its own order), answers
+  pulls with its slice, then sends rank 0 its application log and final slice."""
+  from hetpipe_jax.ps.param_server import ParameterServer
+  from hetpipe_jax.ps.service import ParameterServerService
+  server = ParameterServer(shards.gather(flat0, rank), settings.num_virtual_workers, config.ps_apply)
+  service = ParameterServerService(comm, server, num_minibatches_per_vw=0, num_inflight=settings.num_inflight,
+                                   evaluate=None, eval_every_waves=0, log_every_waves=1,
+                                   log_metrics=lambda line: None, progress=False,
+                                   first_vw_rank=settings.num_ps_shards, lead=False)
+  service.run()
+  log = np.array(server.state.applied, np.int64).reshape(-1, 2)
+  comm.Send(np.array([log.shape[0]], np.int64), dest=0, tag=TAG_SHARD_FINAL)
+  comm.Send(log, dest=0, tag=TAG_SHARD_FINAL)
+  comm.Send(server.weights, dest=0, tag=TAG_SHARD_FINAL)
+  _ps_byte_matrix(comm)
+
+
+def _gather_shards(comm, shards, flat0: np.ndarray, lead_weights: np.ndarray,
+                   lead_log: list) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
+  """Rank 0: the final global weights assembled from every shard's slice, and every shard's application log."""
+  if shards.num_shards == 1:
+    return lead_weights, [list(lead_log)]
+  flat = np.array(flat0, np.float32, copy=True)
+  shards.scatter(flat, 0, lead_weights)
+  logs = [list(lead_log)]
+  for shard in range(1, shards.num_shards):
+    count = np.empty(1, np.int64)
+    comm.Recv(count, source=shard, tag=TAG_SHARD_FINAL)
+    log = np.empty((int(count[0]), 2), np.int64)
+    comm.Recv(log, source=shard, tag=TAG_SHARD_FINAL)
+    part = np.empty(shards.size(shard), np.float32)
+    comm.Recv(part, source=shard, tag=TAG_SHARD_FINAL)
+    shards.scatter(flat, shard, part)
+    logs.append([(int(w), int(v)) for w, v in log])
+  return flat, logs
+
+
+def ps_bytes_summary(matrix: np.ndarray, settings: JobSettings, partitions, layer_offsets, shards,
+                     num_waves: int) -> dict[str, Any]:
+  """The run's PS traffic, counted by the transport per rank pair, and the part of it that crosses (mapped) nodes.
+
+  A VW rank holds all its stages, so its bytes to and from shard s are attributed to its stages by the floats of
+  s's slice each stage's layers hold (every push and pull carries the whole slice). Cross-node bytes are those
+  between a stage's node and its shard's node (HetPipe §8.1). ``crossing_nodes_per_wave`` normalises each VW's
+  cross-node bytes to one push and one pull per wave (the planner's model, ``ps_placement``):
+  ``push / waves + pull / pulls`` summed over VWs.
+
+  Returns:
+    ``by_rank_pair`` (``"i->j"``: bytes), ``total``, ``crossing_nodes`` (push + pull bytes over the run),
+    ``crossing_nodes_per_wave``, ``pulls_per_vw`` and, when the plan predicts this placement,
+    ``predicted_crossing_nodes_per_wave``.
+  """
+  num_shards, n = settings.num_ps_shards, settings.num_virtual_workers
+  cross_total, per_wave, pulls = 0, 0.0, []
+  for v in range(n):
+    rank = num_shards + v
+    push_cross = pull_cross = 0
+    num_pulls = 0
+    for s in range(num_shards):
+      slice_bytes = 4 * shards.size(s)
+      if not slice_bytes:
+        continue
+      n_push, n_pull = int(matrix[rank, s]) // slice_bytes, int(matrix[s, rank]) // slice_bytes
+      num_pulls = max(num_pulls, n_pull)
+      for k, (a, b) in enumerate(partitions[v]):
+        if settings.vw_stage_nodes[v][k] != settings.shard_nodes[s]:
+          part = 4 * shards.params_in_range(s, layer_offsets[a], layer_offsets[b])
+          push_cross += n_push * part
+          pull_cross += n_pull * part
+    pulls.append(num_pulls)
+    cross_total += push_cross + pull_cross
+    per_wave += push_cross / max(num_waves, 1) + (pull_cross / num_pulls if num_pulls else 0.0)
+  out: dict[str, Any] = {
+      "by_rank_pair": {f"{i}->{j}": int(matrix[i, j]) for i, j in zip(*np.nonzero(matrix))},
+      "total": int(matrix.sum()), "crossing_nodes": int(cross_total), "crossing_nodes_per_wave": per_wave,
+      "pulls_per_vw": pulls}
+  plan = settings.plan
+  if plan is not None and list(settings.shard_nodes) == list(dict.fromkeys(settings.shard_nodes)):
+    predicted = plan.ps_placement.get("alternatives", {}).get(settings.ps_placement)
+    if predicted is not None and len(plan.ps_placement.get("shard_nodes", settings.shard_nodes)) == num_shards:
+      out["predicted_crossing_nodes_per_wave"] = predicted["ps_bytes_crossing_nodes_per_wave"]
+  return out
 
 
 def _segments(config, settings, num_mb: int, point) -> tuple[int, int, list[tuple[int, int]]]:
@@ -180,7 +293,7 @@ _STAT_SUMS = ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes", "num
 
 
 def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, vw_id, comm, task_times,
-            point) -> None:
+            point, shards) -> None:
   from hetpipe_jax.runtime.virtual_worker import VirtualWorker
   from hetpipe_jax.ps.transport import MPIPSClient
 
@@ -188,7 +301,9 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
   optimizer = make_optimizer(config, num_mb)
   stages = stages_lib.build_stages(spec, partition, devices, optimizer)
   source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
-  client = MPIPSClient(comm, vw_id, layout.num_params, settings.num_virtual_workers)
+  sharded = shards if settings.num_ps_shards > 1 else None
+  client = MPIPSClient(comm, vw_id, layout.num_params, settings.num_virtual_workers, shards=sharded,
+                       first_vw_rank=settings.num_ps_shards)
   nm = settings.num_inflight
   clock0, total, segs = _segments(config, settings, num_mb, point)
   start_mb = point.minibatch_start if point else 0
@@ -197,7 +312,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
                      lambda p: source.get(off.minibatch + p), num_virtual_workers=settings.num_virtual_workers,
                      pull_every_wave=config.pull_every_wave,
                      task_time_s=task_times.task_duration_s if task_times else None,
-                     corrupt_update=resume_lib.nan_injector(config, vw_id, off))
+                     corrupt_update=resume_lib.nan_injector(config, vw_id, off), ps_shards=sharded)
   first_start = None
   if point is not None:
     vw.load_opt_state(*point.opt_states[vw_id])
@@ -245,11 +360,13 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
       "tasks": vw.task_log if config.save_task_trace else [],
   })
   client.finish(num_mb // nm, report)
+  _ps_byte_matrix(comm)
   logging.info("[VW %d] done: %.1f s, wait %.2f s, idle %.2f s", vw_id, totals["wall_time_s"], totals["wait_s"],
                totals["idle_s"])
 
 
-def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, workdir, comm, point) -> dict:
+def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, workdir, comm, point,
+            shards) -> dict:
   from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
   from hetpipe_jax.jobs.evaluation import Evaluator
   from hetpipe_jax.ps.param_server import ParameterServer
@@ -262,20 +379,21 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
   if point is not None:  # metrics.jsonl as it was at the checkpoint (later lines belong to the lost part)
     resume_lib.rewrite_lines(pathlib.Path(workdir) / "metrics.jsonl", meta["metrics"])
   outputs = RunOutputs(workdir)
-  config_json = resolved_config(config, settings, partitions)
+  config_json = resolved_config(config, settings, partitions, num_ps_shards=settings.num_ps_shards,
+                                ps_placement=settings.ps_placement)
   outputs.write_config(config_json)
   for note in settings.notes:
     logging.info("[PS] %s", note)
   evaluator = Evaluator(spec, layout, dataset.test_images, dataset.test_labels, config.eval_batch_size,
                         jax.local_devices()[0])
   eval_every = eval_every_waves(config, settings, dataset.num_train)
-  server = ParameterServer(flat0, n, config.ps_apply)
+  server = ParameterServer(shards.gather(flat0, 0), n, config.ps_apply)  # shard 0's slice (all of it when S = 1)
   clock0, total, segs = _segments(config, settings, num_mb, point)
   start_mb = point.minibatch_start if point else 0
   service = ParameterServerService(comm, server, num_minibatches_per_vw=num_mb, num_inflight=nm,
                                    evaluate=evaluator.evaluate, eval_every_waves=eval_every,
                                    log_every_waves=config.log_every_waves, log_metrics=outputs.log_metrics,
-                                   progress=config.progress)
+                                   progress=config.progress, first_vw_rank=settings.num_ps_shards)
   service.minibatches_done = [start_mb] * n
   service.evals = list(meta.get("evals", []))
   service.last_loss = meta.get("last_loss", float("nan"))
@@ -347,14 +465,16 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
       store.close()
     service.close()
   wall = time.perf_counter() - t0
-  final = evaluator.evaluate(server.weights)
+  final_flat, shard_logs = _gather_shards(comm, shards, flat0, server.weights, applied)
+  byte_matrix = _ps_byte_matrix(comm)
+  final = evaluator.evaluate(final_flat)
   service.last_eval = final
   service.log_metrics(total, evaluated=True)
   extra = outputs.write_minibatches(records)
-  applied_fields = outputs.write_ps_applied(applied, n)
+  applied_fields = outputs.write_ps_applied(applied, n, shard_logs)
   if config.save_task_trace:
     _write_runtime_trace(service.reports, nm, outputs.dir)
-  ckpt = outputs.save_checkpoint(layout.unflatten(server.weights))
+  ckpt = outputs.save_checkpoint(layout.unflatten(final_flat))
   total_mb = n * num_mb
   trained_mb = n * (num_mb - start_mb)
   per_vw = {str(vw): {k: rep["stats"][k] for k in ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes",
@@ -377,6 +497,12 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
       **settings_summary(settings, partitions, config),
       "global_clock": total,
       **applied_fields,
+      "num_ps_shards": settings.num_ps_shards,
+      "ps_placement": settings.ps_placement,
+      "ps_shards": {"layer_shards": list(shards.layer_shards), "shard_nodes": list(settings.shard_nodes),
+                    "floats_per_shard": [shards.size(s) for s in range(shards.num_shards)],
+                    "first_vw_rank": settings.num_ps_shards},
+      "ps_bytes": ps_bytes_summary(byte_matrix, settings, partitions, layout.layer_offsets, shards, total - clock0),
       **extra,
       "trace_counts": {str(vw): rep["trace_counts"] for vw, rep in sorted(service.reports.items())},
       "evaluations": service.evals,

@@ -96,9 +96,25 @@ class RunOutputs:
         f.write(json.dumps(json_safe(r)) + "\n")
     return {"extra_updates": records_lib.extra_update_stats(rows)}
 
-  def write_ps_applied(self, applied: Sequence[Sequence[int]], num_virtual_workers: int) -> dict[str, Any]:
+  def write_ps_applied(self, applied: Sequence[Sequence[int]], num_virtual_workers: int,
+                       shard_logs: Sequence[Sequence[Sequence[int]]] | None = None) -> dict[str, Any]:
     """Writes ``ps_applied.jsonl``; returns the summary fields: the count, whether each VW's waves were applied once
-    each in order, and whether the whole order is clock-aligned."""
+    each in order, and whether the whole order is clock-aligned.
+
+    With sharded parameter servers (``shard_logs``: per shard its application order; ``applied`` is shard 0's) the
+    lines carry a ``shard`` field, shard by shard, and the fields hold for every shard (count: per shard).
+    """
+    if shard_logs is not None and len(shard_logs) > 1:
+      with open(self.dir / "ps_applied.jsonl", "w", encoding="utf-8") as f:
+        for shard, log in enumerate(shard_logs):
+          for wave, vw in log:
+            f.write(json.dumps({"wave_id": int(wave), "vw_id": int(vw), "shard": shard}) + "\n")
+      counts = {len(log) for log in shard_logs}
+      return {"applied_waves_count": counts.pop() if len(counts) == 1 else -1,
+              "applied_waves_in_order": all(applied_in_order(log, num_virtual_workers) for log in shard_logs),
+              "applied_clock_aligned": all(applied_clock_aligned(log, num_virtual_workers) for log in shard_logs),
+              "applied_waves_count_per_shard": [len(log) for log in shard_logs],
+              "applied_waves_in_order_per_shard": [applied_in_order(log, num_virtual_workers) for log in shard_logs]}
     with open(self.dir / "ps_applied.jsonl", "w", encoding="utf-8") as f:
       for wave, vw in applied:
         f.write(json.dumps({"wave_id": int(wave), "vw_id": int(vw)}) + "\n")

@@ -46,6 +46,9 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
     ConfigError: invalid settings, no task times (set ``config.emulate_stage_ms`` or use a plan), ``resume``
       without checkpoints (or checkpoints without ``resume``), or a checkpoint of another model.
   """
+  if config.get("num_ps_shards") not in (None, 1):
+    raise ConfigError(f"config.num_ps_shards={config.num_ps_shards}: virtual time runs one in-process PS; leave it "
+                      "unset or 1 (sharded parameter servers run under MPI)")
   spec, partitions = prepare(config, settings, world_size=settings.world_size, check_local_devices=False)
   # Virtual time needs task durations: synthetic ones, or else the plan's GPU types through the cost model (which
   # config.json then records as emulate_plan=True).

@@ -84,7 +84,9 @@ def make_plan(system: SystemPlan, cluster: ClusterSpec, profile: ModelProfile, p
   by_policy = {pl.policy: _placement_dict(pl) for pl in placements}
   if chosen_placement not in by_policy:
     raise ValueError(f"placement {chosen_placement!r} was not computed; have {sorted(by_policy)}")
-  ps = dict(by_policy[chosen_placement], num_shards=len(cluster.nodes), alternatives=by_policy)
+  # One shard per node, in the cluster's node order (``shard_nodes``: the runtime's shard i runs on that node).
+  ps = dict(by_policy[chosen_placement], num_shards=len(cluster.nodes),
+            shard_nodes=[nd.name for nd in cluster.nodes], alternatives=by_policy)
   return Plan(model=profile.model, batch_size=profile.batch_size, cluster=cluster.name, policy=system.policy,
               num_inflight=system.num_inflight, num_layers=profile.num_layers, virtual_workers=tuple(vws),
               predicted_total_minibatches_per_s=round(system.predicted_total_minibatches_per_s, 6),

@@ -52,6 +52,50 @@ def _layer_nodes(partition: Partition, num_layers: int) -> list[str]:
   return nodes
 
 
+def gpu_node(gpu_id: str) -> str:
+  """The node of a GPU id ``"<node>/<index>"`` (as plans record their GPUs)."""
+  return gpu_id.rsplit("/", 1)[0]
+
+
+def assign_layers(policy: str, node_names: Sequence[str], has_params: Sequence[bool],
+                  per_vw_layer_nodes: Sequence[Sequence[str]]) -> list[str | None]:
+  """The placement rule (HetPipe §8.1): the shard (named by its node) that holds each layer's parameters.
+
+  The one implementation the planner's prediction (:func:`place`) and the runtime's sharded parameter servers
+  (:mod:`hetpipe_jax.ps.shards`) both call.
+
+  Args:
+    policy: ``"default"``: parameterised layers round-robin over ``node_names`` in order (TensorFlow's placement);
+      ``"local"``: each layer on the node that runs it in most VWs (lowest node index on ties).
+    node_names: one shard per node, in shard order.
+    has_params: per layer, whether it has parameters (parameter-free layers get None).
+    per_vw_layer_nodes: per VW, per layer, the node of the GPU that runs the layer (used by ``"local"``).
+
+  Returns:
+    Per layer, its shard's node name, or None for a parameter-free layer.
+
+  Raises:
+    ValueError: unknown policy, or no nodes.
+  """
+  if policy not in PLACEMENTS:
+    raise ValueError(f"unknown parameter placement {policy!r}: must be one of {list(PLACEMENTS)}")
+  if not node_names:
+    raise ValueError("parameter placement needs at least one shard node")
+  node_names = list(node_names)
+  out: list[str | None] = []
+  k = 0
+  for layer, params in enumerate(has_params):
+    if not params:
+      out.append(None)
+    elif policy == "default":
+      out.append(node_names[k % len(node_names)])
+      k += 1
+    else:
+      votes = [nodes[layer] for nodes in per_vw_layer_nodes]
+      out.append(max(node_names, key=lambda nd: (votes.count(nd), -node_names.index(nd))))
+  return out
+
+
 def place(policy: str, cluster: ClusterSpec, profile: ModelProfile, partitions: Sequence[Partition],
           num_inflight: int) -> Placement:
   """Places the parameter-server shards and counts the bytes crossing nodes per wave.
@@ -71,18 +115,7 @@ def place(policy: str, cluster: ClusterSpec, profile: ModelProfile, partitions: 
   n = profile.num_layers
   node_names = [nd.name for nd in cluster.nodes]
   per_vw = [_layer_nodes(p, n) for p in partitions]
-  layer_to_node: list[str | None] = []
-  k = 0
-  for layer in range(n):
-    if profile.layers[layer].param_bytes == 0:
-      layer_to_node.append(None)
-      continue
-    if policy == "default":
-      layer_to_node.append(node_names[k % len(node_names)])
-      k += 1
-    else:
-      votes = [nodes[layer] for nodes in per_vw]
-      layer_to_node.append(max(node_names, key=lambda nd: (votes.count(nd), -node_names.index(nd))))
+  layer_to_node = assign_layers(policy, node_names, [layer.param_bytes > 0 for layer in profile.layers], per_vw)
   ps_bytes = 0
   for nodes in per_vw:
     for layer in range(n):

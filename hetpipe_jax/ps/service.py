@@ -1,4 +1,4 @@
-"""Rank 0: the parameter server's MPI service loop: pushes, pulls, evaluation and metrics lines (HetPipe §5).
+"""The parameter server's MPI service loop (rank 0, or every PS shard): pushes, pulls, evaluation and metrics lines (HetPipe §5).
 
 Runtime layer. Polls for headers with ``Iprobe`` and sleeps when idle (MPICH's blocking receives spin, and the
 machine's cores belong to the VWs), applies wave updates (on receipt, or clock-aligned) through :class:`ParameterServer`, answers pulls once the
@@ -34,12 +34,19 @@ class ParameterServerService:
     log_every_waves: write a metrics line when the global clock reaches a multiple of this.
     log_metrics: writes one ``metrics.jsonl`` line (:meth:`hetpipe_jax.jobs.outputs.RunOutputs.log_metrics`).
     progress: show a tqdm bar.
+    first_vw_rank: rank of VW 0 (= the number of PS shards; VW v is rank ``first_vw_rank + v``).
+    lead: this is the lead shard (rank 0): it also takes metrics, reports, segments and optimizer states, evaluates
+      and logs. A non-lead shard (sharded PS, HetPipe §8.1) only applies its slice of the pushes and answers pulls,
+      until every VW sent DONE.
   """
 
   def __init__(self, comm, server: ParameterServer, *, num_minibatches_per_vw: int, num_inflight: int,
                evaluate: Callable[[np.ndarray], dict] | None, eval_every_waves: int, log_every_waves: int,
-               log_metrics: Callable[[dict], None], progress: bool = True):
+               log_metrics: Callable[[dict], None], progress: bool = True, first_vw_rank: int = 1,
+               lead: bool = True):
     self.comm = comm
+    self.first_vw_rank = first_vw_rank
+    self.lead = lead
     self.server = server
     self.n = server.state.num_virtual_workers
     self.num_minibatches_per_vw = num_minibatches_per_vw
@@ -63,7 +70,7 @@ class ParameterServerService:
     self.segment_reports: dict[int, dict] = {}
     self.segment_opt: dict[int, np.ndarray] = {}
     self._bar = None
-    if progress:
+    if progress and lead:
       from tqdm import tqdm
       self._bar = tqdm(total=self.n * num_minibatches_per_vw, initial=sum(self.minibatches_done),
                        desc="[PS] minibatches", unit="mb", mininterval=1.0, dynamic_ncols=True)
@@ -82,24 +89,27 @@ class ParameterServerService:
     header = np.empty(transport.HEADER_SIZE, np.int64)
     self.segment_reports, self.segment_opt = {}, {}
     self.server.wave_offset = self.clock_offset
+    kinds = ((Kind.PUSH, Kind.METRICS, Kind.PULL, Kind.DONE, Kind.SEGMENT, Kind.OPTSTATE) if self.lead else
+             (Kind.PUSH, Kind.PULL, Kind.DONE))
     while len(self.reports) + len(self.segment_reports) < self.n or len(self.segment_opt) < self._opt_expected():
       if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=transport.TAG_HEADER, status=status):
         self.sends = [(r, b) for r, b in self.sends if not r.Test()]
-        time.sleep(5e-4)
+        # Large replies (rendezvous protocol) progress only while this rank calls into MPI: poll faster until sent.
+        time.sleep(5e-5 if self.sends else 5e-4)
         continue
       src = status.Get_source()
       self.comm.Recv(header, source=src, tag=transport.TAG_HEADER)
-      kind = transport.check_header(header, src, num_params=self.server.weights.size,
-                                    expect_kinds=(Kind.PUSH, Kind.METRICS, Kind.PULL, Kind.DONE, Kind.SEGMENT,
-                                                  Kind.OPTSTATE))
+      kind = transport.check_header(header, src, num_params=self.server.weights.size, expect_kinds=kinds,
+                                    first_vw_rank=self.first_vw_rank)
       vw, wave, size = int(header[2]), int(header[3]), int(header[4])
       payload = transport.recv_payload(self.comm, src, kind, size) if kind is not Kind.PULL else None
       if kind is Kind.PUSH:
         before = self.server.global_clock
         self.server.push(vw, wave, payload)
         self._serve_pulls(self.server.state.serve_pending_pulls())
-        for clock in range(before + 1, self.server.global_clock + 1):
-          self._on_clock(self.clock_offset + clock)
+        if self.lead:
+          for clock in range(before + 1, self.server.global_clock + 1):
+            self._on_clock(self.clock_offset + clock)
       elif kind is Kind.METRICS:
         loss_sum, count, _ = payload
         self.minibatches_done[vw] += int(count)
@@ -114,7 +124,7 @@ class ParameterServerService:
       elif kind is Kind.OPTSTATE:
         self.segment_opt[vw] = payload
       else:
-        self.reports[vw] = json.loads(payload.tobytes().decode())
+        self.reports[vw] = json.loads(payload.tobytes().decode()) if payload.size else {}
         logging.info("[PS] VW %d done (%d waves)", vw, wave)
     self.flush_sends()
 
@@ -143,9 +153,11 @@ class ParameterServerService:
       vector_clock, weights = self.server.snapshot()
       vc = np.array(vector_clock, np.int64)
       header = transport.make_header(Kind.WEIGHTS, vw, self.server.global_clock, weights.size)
-      self.sends.append((self.comm.Isend(header, dest=vw + 1, tag=transport.TAG_HEADER), header))
-      self.sends.append((self.comm.Isend(weights, dest=vw + 1, tag=transport.TAG_DATA), weights))
-      self.sends.append((self.comm.Isend(vc, dest=vw + 1, tag=transport.TAG_DATA), vc))
+      dest = vw + self.first_vw_rank
+      transport.PS_BYTES.add(dest, weights.nbytes)
+      self.sends.append((self.comm.Isend(header, dest=dest, tag=transport.TAG_HEADER), header))
+      self.sends.append((self.comm.Isend(weights, dest=dest, tag=transport.TAG_DATA), weights))
+      self.sends.append((self.comm.Isend(vc, dest=dest, tag=transport.TAG_DATA), vc))
 
   def _on_clock(self, clock: int) -> None:
     evaluated = False

@@ -1,4 +1,4 @@
-"""MPI wire protocol between VWs (ranks 1..N) and the parameter server (rank 0).
+"""MPI wire protocol between VWs (ranks S..S+N-1) and the parameter-server shards (ranks 0..S-1; S = 1: rank 0).
 
 Runtime layer. Every message is a fixed int64 header ``[MAGIC, kind, vw_id, wave, size]`` on ``TAG_HEADER``
 followed, when ``size > 0``, by one contiguous numpy payload on ``TAG_DATA`` (upper-case mpi4py calls, never
@@ -54,8 +54,16 @@ def make_header(kind: Kind, vw_id: int, wave: int, size: int) -> np.ndarray:
   return np.array([MAGIC, int(kind), vw_id, wave, size], dtype=np.int64)
 
 
-def check_header(header: np.ndarray, source_rank: int, *, num_params: int, expect_kinds: tuple[Kind, ...]) -> Kind:
+def check_header(header: np.ndarray, source_rank: int, *, num_params: int, expect_kinds: tuple[Kind, ...],
+                 first_vw_rank: int = 1) -> Kind:
   """Validates a received header; returns its kind.
+
+  Args:
+    header: the int64 header received.
+    source_rank: the rank it came from.
+    num_params: the float count PUSH and WEIGHTS must carry (a shard's slice under sharded PS).
+    expect_kinds: the kinds the receiver accepts now.
+    first_vw_rank: rank of VW 0 (= the number of PS shards; ranks below it are shards).
 
   Raises:
     ProtocolError: bad magic, unknown or unexpected kind, a VW id that does not match the sender's rank, a
@@ -70,8 +78,8 @@ def check_header(header: np.ndarray, source_rank: int, *, num_params: int, expec
     raise ProtocolError(f"message from rank {source_rank} has unknown kind {kind_value}") from None
   if kind not in expect_kinds:
     raise ProtocolError(f"rank {source_rank} sent {kind.name}, expected one of {[k.name for k in expect_kinds]}")
-  if source_rank != 0 and vw_id != source_rank - 1:
-    raise ProtocolError(f"rank {source_rank} claims to be VW {vw_id} (rank r hosts VW r-1)")
+  if source_rank >= first_vw_rank and vw_id != source_rank - first_vw_rank:
+    raise ProtocolError(f"rank {source_rank} claims to be VW {vw_id} (rank r hosts VW r-{first_vw_rank})")
   if wave < 0:
     raise ProtocolError(f"{kind.name} from rank {source_rank} has negative wave {wave}")
   if size < 0:
@@ -82,68 +90,141 @@ def check_header(header: np.ndarray, source_rank: int, *, num_params: int, expec
   return kind
 
 
+class ByteCounts:
+  """Payload bytes of wave updates (PUSH) and pulled weights (WEIGHTS) this process sent, per destination rank.
+
+  Every rank keeps one (:data:`PS_BYTES`); the job sums them over ranks (``MPI.Reduce``) into a
+  ``[world, world]`` matrix of bytes sent from rank i to rank j, the runtime's PS traffic per rank pair.
+  """
+
+  def __init__(self):
+    self.sent: dict[int, int] = {}
+
+  def add(self, dest: int, num_bytes: int) -> None:
+    self.sent[dest] = self.sent.get(dest, 0) + int(num_bytes)
+
+  def matrix_row(self, rank: int, world: int) -> np.ndarray:
+    """int64 ``[world, world]``: this rank's row filled in, zeros elsewhere (sum it over ranks)."""
+    m = np.zeros((world, world), np.int64)
+    for dest, n in self.sent.items():
+      m[rank, dest] = n
+    return m
+
+
+PS_BYTES = ByteCounts()
+
+
 class MPIPSClient:
   """A VW's side of the protocol (implements :class:`hetpipe_jax.runtime.virtual_worker.PSClient`).
 
   Sends are non-blocking (``Isend``) so a VW never blocks on a PS that is itself sending; buffers are kept alive
   until their requests complete.
+
+  Sharded parameter servers (``shards`` with S > 1 shards on ranks ``0..S-1``): a wave update is pushed to every
+  shard as that shard's slice, a pull is requested from every shard and completes when every shard answered; it
+  then returns ``(vector clock, weights, per-shard vector clocks)``, the vector clock being the element-wise minimum
+  over shards (what every layer is guaranteed to hold). Metrics and reports go to the lead shard (rank 0).
+
+  Args:
+    comm: the MPI communicator.
+    vw_id: this VW (rank ``first_vw_rank + vw_id``).
+    num_params: the model's parameter count.
+    num_virtual_workers: N.
+    shards: which slice each shard holds; None: one PS on rank 0 holding everything.
+    first_vw_rank: rank of VW 0 (= the number of PS shards).
   """
 
-  def __init__(self, comm, vw_id: int, num_params: int, num_virtual_workers: int):
+  def __init__(self, comm, vw_id: int, num_params: int, num_virtual_workers: int, shards=None,
+               first_vw_rank: int = 1):
     from mpi4py import MPI  # runtime-only dependency
     self._mpi = MPI
     self.comm = comm
     self.vw_id = vw_id
     self.num_params = num_params
     self.num_virtual_workers = num_virtual_workers
+    self.shards = shards
+    self.num_shards = 1 if shards is None else shards.num_shards
+    self.first_vw_rank = first_vw_rank
     self._sends: list = []  # (request, buffer)
-    self._pull_header: np.ndarray | None = None
-    self._pull_request = None
+    self._pull_requests: dict[int, tuple] = {}  # shard -> (request, header) of an outstanding pull's reply
+    self._pull_parts: dict[int, tuple] = {}  # shard -> (vector clock, weights slice) received so far
     self._t0 = time.perf_counter()
 
-  def _isend(self, kind: Kind, wave: int, payload: np.ndarray | None = None) -> None:
+  @property
+  def _pull_request(self):
+    """Truthy while a pull is outstanding (some shard has not answered)."""
+    return self._pull_requests or None
+
+  def _isend(self, kind: Kind, wave: int, payload: np.ndarray | None = None, dest: int = 0) -> None:
     size = 0 if payload is None else payload.size
     header = make_header(kind, self.vw_id, wave, size)
-    self._sends.append((self.comm.Isend(header, dest=0, tag=TAG_HEADER), header))
+    self._sends.append((self.comm.Isend(header, dest=dest, tag=TAG_HEADER), header))
     if payload is not None and size:
       payload = np.ascontiguousarray(payload)
-      self._sends.append((self.comm.Isend(payload, dest=0, tag=TAG_DATA), payload))
+      if kind is Kind.PUSH:
+        PS_BYTES.add(dest, payload.nbytes)
+      self._sends.append((self.comm.Isend(payload, dest=dest, tag=TAG_DATA), payload))
 
   def _reap(self) -> None:
     self._sends = [(r, b) for r, b in self._sends if not r.Test()]
 
+  def _shard_size(self, shard: int) -> int:
+    return self.num_params if self.shards is None else self.shards.size(shard)
+
   def push(self, wave_id: int, flat_delta: np.ndarray, loss_sum: float, num_minibatches: int) -> None:
-    self._isend(Kind.PUSH, wave_id, flat_delta.astype(np.float32, copy=False))
+    flat_delta = flat_delta.astype(np.float32, copy=False)
+    for shard in range(self.num_shards):
+      part = flat_delta if self.shards is None else self.shards.gather(flat_delta, shard)
+      self._isend(Kind.PUSH, wave_id, part, dest=shard)
     metrics = np.array([loss_sum, num_minibatches, time.perf_counter() - self._t0], np.float64)
     self._isend(Kind.METRICS, wave_id, metrics)
     self._reap()
 
+  def _expect_weights(self, shard: int) -> None:
+    header = np.empty(HEADER_SIZE, np.int64)
+    self._pull_requests[shard] = (self.comm.Irecv(header, source=shard, tag=TAG_HEADER), header)
+
   def request_pull(self, required_clock: int) -> None:
-    if self._pull_request is not None:
+    if self._pull_requests or self._pull_parts:
       raise RuntimeError("a pull is already outstanding")
-    self._isend(Kind.PULL, required_clock)
-    self._pull_header = np.empty(HEADER_SIZE, np.int64)
-    self._pull_request = self.comm.Irecv(self._pull_header, source=0, tag=TAG_HEADER)
+    for shard in range(self.num_shards):
+      self._isend(Kind.PULL, required_clock, dest=shard)
+      self._expect_weights(shard)
 
   def poll_pull(self):
     self._reap()
-    if self._pull_request is None or not self._pull_request.Test():
+    if not self._pull_requests:
       return None
-    self._pull_request = None
-    check_header(self._pull_header, 0, num_params=self.num_params, expect_kinds=(Kind.WEIGHTS,))
-    weights = np.empty(self.num_params, np.float32)
-    self.comm.Recv(weights, source=0, tag=TAG_DATA)
-    vector_clock = np.empty(self.num_virtual_workers, np.int64)
-    self.comm.Recv(vector_clock, source=0, tag=TAG_DATA)
-    clock = int(self._pull_header[3])
-    if int(vector_clock.min()) != clock or int(vector_clock.max()) < 0:
-      raise ProtocolError(f"WEIGHTS for VW {self.vw_id} at global clock {clock} carry vector clock "
-                          f"{vector_clock.tolist()} (its minimum must be the global clock)")
-    return tuple(int(c) for c in vector_clock), weights
+    for shard, (request, header) in list(self._pull_requests.items()):
+      if not request.Test():
+        continue
+      del self._pull_requests[shard]
+      size = self._shard_size(shard)
+      check_header(header, shard, num_params=size, expect_kinds=(Kind.WEIGHTS,), first_vw_rank=self.first_vw_rank)
+      weights = np.empty(size, np.float32)
+      self.comm.Recv(weights, source=shard, tag=TAG_DATA)
+      vector_clock = np.empty(self.num_virtual_workers, np.int64)
+      self.comm.Recv(vector_clock, source=shard, tag=TAG_DATA)
+      clock = int(header[3])
+      if int(vector_clock.min()) != clock or int(vector_clock.max()) < 0:
+        raise ProtocolError(f"WEIGHTS from rank {shard} for VW {self.vw_id} at global clock {clock} carry vector "
+                            f"clock {vector_clock.tolist()} (its minimum must be the global clock)")
+      self._pull_parts[shard] = (tuple(int(c) for c in vector_clock), weights)
+    if self._pull_requests:
+      return None
+    parts, self._pull_parts = self._pull_parts, {}
+    if self.shards is None:
+      return parts[0]
+    flat = np.empty(self.num_params, np.float32)
+    for shard, (_, part) in parts.items():
+      self.shards.scatter(flat, shard, part)
+    per_shard = tuple(parts[s][0] for s in range(self.num_shards))
+    vector_clock = tuple(min(vc[v] for vc in per_shard) for v in range(self.num_virtual_workers))
+    return vector_clock, flat, per_shard
 
   def drain_pull(self) -> None:
     """Waits for the reply to an outstanding pull and drops it (a segment's end: the barrier's weights follow)."""
-    while self._pull_request is not None:
+    while self._pull_requests:
       if self.poll_pull() is None:
         time.sleep(1e-4)
 
@@ -153,13 +234,17 @@ class MPIPSClient:
 
     Returns:
       ``(vector clock, float32 [num_params])`` as :meth:`poll_pull`.
+
+    Raises:
+      RuntimeError: sharded parameter servers (checkpoint barriers need one PS; the job refuses the setting).
     """
+    if self.num_shards != 1:
+      raise RuntimeError("checkpoint barriers need a single PS (config.num_ps_shards=1)")
     self.drain_pull()
     self._isend(Kind.SEGMENT, num_waves, np.frombuffer(json.dumps(report).encode(), dtype=np.uint8).copy())
     if opt_state is not None:
       self._isend(Kind.OPTSTATE, num_waves, opt_state)
-    self._pull_header = np.empty(HEADER_SIZE, np.int64)
-    self._pull_request = self.comm.Irecv(self._pull_header, source=0, tag=TAG_HEADER)
+    self._expect_weights(0)
     while True:
       reply = self.poll_pull()
       if reply is not None:
@@ -171,11 +256,14 @@ class MPIPSClient:
     self._isend(Kind.OPTSTATE, num_waves, opt_state)
 
   def finish(self, num_waves: int, report: dict) -> None:
-    """Sends DONE with a JSON report and waits for every send to complete (a reply to a pull is drained)."""
+    """Sends DONE with a JSON report (to the lead; an empty DONE to the other shards) and waits for every send to
+    complete (a reply to a pull is drained)."""
     payload = np.frombuffer(json.dumps(report).encode(), dtype=np.uint8).copy()
     self._isend(Kind.DONE, num_waves, payload)
-    while self._sends or self._pull_request is not None:
-      if self._pull_request is not None and self.poll_pull() is not None:
+    for shard in range(1, self.num_shards):
+      self._isend(Kind.DONE, num_waves, None, dest=shard)
+    while self._sends or self._pull_requests:
+      if self._pull_requests and self.poll_pull() is not None:
         continue
       self._reap()
       time.sleep(1e-4)

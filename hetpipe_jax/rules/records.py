@@ -40,6 +40,19 @@ class MinibatchRecord:
   loss: float = float("nan")
 
 
+@dataclasses.dataclass
+class ShardedMinibatchRecord(MinibatchRecord):
+  """A :class:`MinibatchRecord` of a run with sharded parameter servers (HetPipe §8.1).
+
+  Attributes:
+    version_shard_vector_clocks: per PS shard, the vector clock of the slice that shard sent in the version's last
+      pull (shards apply waves on receipt, so each may hold different extra waves); ``version_vector_clock`` is
+      their element-wise minimum (what every layer holds).
+  """
+
+  version_shard_vector_clocks: tuple[tuple[int, ...], ...] = ()
+
+
 def extra_update_stats(records: Iterable[Mapping[str, Any]]) -> dict[str, float | int]:
   """How often minibatches used weights with extra updates, and how many (HetPipe §5–§6, ``ps_apply="on_receipt"``).
 

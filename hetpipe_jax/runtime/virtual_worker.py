@@ -38,7 +38,7 @@ import optax
 
 from hetpipe_jax.rules import schedule
 from hetpipe_jax.rules import wsp
-from hetpipe_jax.rules.records import MinibatchRecord
+from hetpipe_jax.rules.records import MinibatchRecord, ShardedMinibatchRecord
 from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.runtime.param_layout import ParamLayout
 from hetpipe_jax.runtime.stage_executor import OVERRUN_TOLERANCE_S, StageExecutor
@@ -85,6 +85,7 @@ class WeightVersion:
   local_updates: int
   vector_clock: tuple[int, ...]
   version_id: int
+  shard_vector_clocks: tuple[tuple[int, ...], ...] | None = None  # sharded PS: per shard, its slice's vector clock
 
   @property
   def global_clock(self) -> int:
@@ -151,6 +152,8 @@ class VirtualWorker:
       cluster in wall time; real work that takes longer is counted in ``VWStats.num_overruns`` / ``overrun_s``.
     corrupt_update: fault drills only: ``(wave_id, flat update) -> None`` may alter a wave's update before it is
       pushed (``config.debug_nan_update`` puts a NaN in one, which the PS must refuse).
+    ps_shards: sharded parameter servers (:class:`hetpipe_jax.ps.shards.ShardLayout`): pulls then carry one vector
+      clock per shard and the VW re-adds its own waves shard by shard; None: one PS.
 
   Raises:
     ValueError: ``num_inflight < 1``, ``staleness_bound < 0``, or ``vw_id`` not in ``[0, num_virtual_workers)``.
@@ -162,7 +165,7 @@ class VirtualWorker:
                pull_every_wave: bool = True,
                poll_interval_s: float = 1e-3, on_minibatch: Callable[[MinibatchRecord], None] | None = None,
                task_time_s: Callable[[Task], float] | None = None,
-               corrupt_update: Callable[[int, np.ndarray], None] | None = None):
+               corrupt_update: Callable[[int, np.ndarray], None] | None = None, ps_shards: Any = None):
     self.sync = wsp.VWSyncState(num_inflight, staleness_bound, pull_every_wave)  # validates Nm and D
     if not 0 <= vw_id < num_virtual_workers:
       raise ValueError(f"vw_id={vw_id} must be in [0, num_virtual_workers={num_virtual_workers})")
@@ -178,6 +181,8 @@ class VirtualWorker:
     self.on_minibatch = on_minibatch
     self.task_time_s = task_time_s
     self.corrupt_update = corrupt_update
+    self.ps_shards = ps_shards
+    self.own_flat: dict[int, np.ndarray] = {}  # sharded PS: wave -> host copy of the own wave's flat update
     self.optimizer = optimizer
     params = tuple(self._place_stage(initial_layer_params, st) for st in self.stages)
     # Constant outputs (Adam's step count, zeros) are not committed by jit: place them explicitly.
@@ -202,10 +207,12 @@ class VirtualWorker:
     start, end = st.layer_range
     return jax.device_put(_host_copy(list(layer_params[start:end])), st.device)
 
-  def _new_version(self, params, *, local_updates=None, vector_clock=None) -> WeightVersion:
+  def _new_version(self, params, *, local_updates=None, vector_clock=None,
+                   shard_vector_clocks=None) -> WeightVersion:
     v = self.version
     return WeightVersion(tuple(params), v.local_updates if local_updates is None else local_updates,
-                         v.vector_clock if vector_clock is None else tuple(vector_clock), v.version_id + 1)
+                         v.vector_clock if vector_clock is None else tuple(vector_clock), v.version_id + 1,
+                         v.shard_vector_clocks if vector_clock is None else shard_vector_clocks)
 
   # ---------------------------------------------------------------- main loop
   def run(self, num_minibatches: int, *, completion_log: list | None = None) -> VWStats:
@@ -354,8 +361,13 @@ class VirtualWorker:
     images, labels = self.get_minibatch(p)
     first, last = self.stages[0], self.stages[-1]
     v = self.version
-    rec = MinibatchRecord(self.vw_id, p, wsp.wave_of(p, self.num_inflight), self.sync.local_clock, v.version_id,
-                          v.local_updates, v.global_clock, v.vector_clock, now)
+    fields = (self.vw_id, p, wsp.wave_of(p, self.num_inflight), self.sync.local_clock, v.version_id,
+              v.local_updates, v.global_clock, v.vector_clock, now)
+    if self.ps_shards is None:
+      rec = MinibatchRecord(*fields)
+    else:
+      rec = ShardedMinibatchRecord(*fields, version_shard_vector_clocks=v.shard_vector_clocks or
+                                   (v.vector_clock,) * self.ps_shards.num_shards)
     self.records.append(rec)
     x = jax.device_put(images, first.device)
     y = jax.device_put(labels, last.device)
@@ -436,9 +448,13 @@ class VirtualWorker:
     self.ps.push(wave_id, flat, loss_sum, self.num_inflight)
     self.stats.num_pushes += 1
     self.own_waves[wave_id] = self.wave_delta
+    if self.ps_shards is not None:
+      self.own_flat[wave_id] = np.concatenate([self.layout.flatten(h, st.layer_range[0])
+                                               for h, st in zip(host, self.stages)])
     self.wave_delta = list(self._zeros)
 
-  def install_pull(self, vector_clock: Sequence[int], flat: np.ndarray) -> None:
+  def install_pull(self, vector_clock: Sequence[int], flat: np.ndarray,
+                   shard_vector_clocks: Sequence[Sequence[int]] | None = None) -> None:
     """Local weights := pulled global weights + own updates the global weights do not hold yet.
 
     The own waves kept are :func:`hetpipe_jax.rules.wsp.own_waves_after_pull`'s (those beyond the vector clock's own
@@ -447,6 +463,8 @@ class VirtualWorker:
     Args:
       vector_clock: the pulled weights' vector clock (per VW, how many of its waves they hold).
       flat: the pulled global weights, float32 ``[num_params]``.
+      shard_vector_clocks: sharded PS: per shard, the vector clock of its slice (``vector_clock`` is their
+        element-wise minimum). Own waves a shard does not hold yet are re-added on that shard's layers only.
 
     Raises:
       ValueError: the vector clock does not have one entry per VW.
@@ -455,6 +473,9 @@ class VirtualWorker:
       raise ValueError(f"[VW {self.vw_id}] pulled weights with vector clock {list(vector_clock)}: expected "
                        f"{self.num_virtual_workers} entries")
     self.stats.num_pulls += 1
+    if shard_vector_clocks is not None:
+      self._install_sharded_pull(vector_clock, flat, shard_vector_clocks)
+      return
     keep = wsp.own_waves_after_pull(self.own_waves, vector_clock[self.vw_id])
     self.own_waves = {c: self.own_waves[c] for c in keep}
     params = []
@@ -467,6 +488,25 @@ class VirtualWorker:
     self.version = self._new_version(params, vector_clock=vector_clock)
     logging.log_every_n_seconds(logging.INFO, "[VW %d] pulled global clock %d, vector clock %s (local clock %d)", 10,
                                 self.vw_id, self.version.global_clock, list(vector_clock), self.sync.local_clock)
+
+  def _install_sharded_pull(self, vector_clock, flat, shard_vector_clocks) -> None:
+    """:meth:`install_pull` for sharded parameter servers: per shard, pulled slice + own waves it lacks."""
+    # own waves some shard lacks (the element-wise minimum over shards is ``vector_clock``)
+    keep = wsp.own_waves_after_pull(self.own_waves, min(vc[self.vw_id] for vc in shard_vector_clocks))
+    self.own_waves = {c: self.own_waves[c] for c in keep}
+    self.own_flat = {c: self.own_flat[c] for c in keep}
+    local = np.array(flat, np.float32, copy=True)
+    for shard, vc in enumerate(shard_vector_clocks):
+      index = self.ps_shards.index[shard]
+      for c in wsp.own_waves_after_pull(keep, vc[self.vw_id]):  # this shard's slice lacks these own waves
+        local[index] += self.own_flat[c][index]
+    params = []
+    for s, st in enumerate(self.stages):
+      start, end = st.layer_range
+      p = jax.device_put(self.layout.unflatten(local, start, end), st.device)
+      params.append(st.add(p, self.wave_delta[s]))
+    self.version = self._new_version(params, vector_clock=vector_clock,
+                                     shard_vector_clocks=tuple(tuple(int(c) for c in vc) for vc in shard_vector_clocks))
 
   # ---------------------------------------------------------------- checkpoint segments
   def begin_segment(self, flat: np.ndarray) -> None:

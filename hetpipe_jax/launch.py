@@ -1,0 +1,102 @@
+"""Launcher: maps a plan's ranks (PS shards, VWs) onto hosts and runs (or prints) the mpiexec command.
+
+  python -m hetpipe_jax.launch --plan=plan.json --hostfile=hosts [--dry_run] [--config=...] [--workdir=...] \
+      [-- --config.num_minibatches=100 ...]
+
+Prints the mapping table (rank, role, plan nodes, host, devices), writes ``<workdir>/ranks.hosts`` (an MPICH
+machinefile: one ``host:1`` line per rank, in rank order) and runs
+
+  mpiexec -f <workdir>/ranks.hosts -n <S+N> python -m mpi4py -m hetpipe_jax.train --config=... --workdir=...
+      --config.plan=plan.json --config.num_ps_shards=S [extra args]
+
+(``--dry_run``: prints it and exits). The plan's node i runs on the hostfile's host i (MPICH syntax, ``host`` or
+``host:slots`` per line); a hostfile with one host, or none, maps every node to it (``localhost``): one machine runs
+a multi-node plan with CPU devices. Slurm equivalent (ranks placed by the same file, one host per line)::
+
+  awk -F: '{print $1}' <workdir>/ranks.hosts > ranks.slurm
+  SLURM_HOSTFILE=ranks.slurm srun -n <S+N> --distribution=arbitrary --mpi=pmi2 \
+      python -m mpi4py -m hetpipe_jax.train ...   # the same arguments as the mpiexec command
+
+Bad input (a missing plan or hostfile, too few hosts, a VW spread over several hosts) is one ``error:`` line and
+exit status 2 before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+_PLAN = flags.DEFINE_string("plan", None, "Plan JSON (python -m hetpipe_jax.plan).")
+_HOSTFILE = flags.DEFINE_string("hostfile", "", "MPICH hostfile (host[:slots] per line); '' = every node on "
+                                "localhost.")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the mapping and the command; do not run it.")
+_CONFIG = flags.DEFINE_string("config", "experiments/configs/default.py", "Job config file for hetpipe_jax.train.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "The run's directory (default runs/launch-<time>).")
+_NUM_PS_SHARDS = flags.DEFINE_integer("num_ps_shards", None, "PS shards (default: one per node of the plan).")
+_MPIEXEC = flags.DEFINE_string("mpiexec", "", "mpiexec to run ('' = the one next to this Python, else on PATH).")
+flags.mark_flags_as_required(["plan"])
+
+
+def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_ps_shards: int | None,
+                  extra: list[str], mpiexec: str = "") -> tuple[str, str, list[str]]:
+  """``(mapping table, machinefile text, mpiexec argv)`` for a plan and a hostfile.
+
+  Raises:
+    hetpipe_jax.planning.rank_map.LaunchError: unreadable plan or hostfile, or a mapping that cannot run.
+  """
+  from hetpipe_jax.jobs.job_config import plan_nodes
+  from hetpipe_jax.paths import repo_path
+  from hetpipe_jax.planning import plan_format, rank_map
+  try:
+    plan = plan_format.load_plan(str(repo_path(plan_path)))
+  except (OSError, ValueError) as e:
+    raise rank_map.LaunchError(f"--plan={plan_path}: {e}") from None
+  hosts: list[str] = []
+  if hostfile:
+    try:
+      hosts = rank_map.read_hostfile(pathlib.Path(hostfile).read_text())
+    except OSError as e:
+      raise rank_map.LaunchError(f"--hostfile={hostfile}: {e}") from None
+  nodes = plan_nodes(plan)
+  shards = len(nodes) if num_ps_shards is None else num_ps_shards
+  slots = rank_map.map_ranks(plan, nodes, shards, hosts)
+  if not mpiexec:
+    local = pathlib.Path(sys.executable).parent / "mpiexec"
+    mpiexec = str(local) if local.exists() else "mpiexec"
+  argv = [mpiexec, "-f", str(pathlib.Path(workdir) / "ranks.hosts"), "-n", str(len(slots)), sys.executable, "-m",
+          "mpi4py", "-m", "hetpipe_jax.train", f"--config={config}", f"--workdir={workdir}",
+          f"--config.plan={plan_path}", f"--config.num_ps_shards={shards}", *extra]
+  return rank_map.format_table(slots), rank_map.machinefile(slots), argv
+
+
+def main(argv) -> None:
+  from hetpipe_jax.planning.rank_map import LaunchError
+  extra = [a for a in argv[1:] if a != "--"]
+  workdir = _WORKDIR.value or f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}"
+  try:
+    table, hostlines, command = build_command(_PLAN.value, _HOSTFILE.value, _CONFIG.value, workdir,
+                                              _NUM_PS_SHARDS.value, extra, _MPIEXEC.value)
+  except LaunchError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+  print(table)
+  print(f"machinefile {workdir}/ranks.hosts:\n" + "".join(f"  {line}\n" for line in hostlines.splitlines()), end="")
+  print("command: " + " ".join(shlex.quote(a) for a in command), flush=True)
+  if _DRY_RUN.value:
+    return
+  pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+  (pathlib.Path(workdir) / "ranks.hosts").write_text(hostlines)
+  env = dict(os.environ)
+  from hetpipe_jax.paths import REPO_ROOT
+  env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(REPO_ROOT)
+  sys.exit(subprocess.run(command, env=env, check=False).returncode)
+
+
+if __name__ == "__main__":
+  app.run(main)

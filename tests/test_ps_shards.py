@@ -1,0 +1,307 @@
+"""Sharded parameter servers (HetPipe §8.1 "Parameter Placement"): the layer -> shard rule, the settings, and MPI runs
+whose final weights equal a per-shard sequential replay and whose PS traffic matches the planner's prediction."""
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from hetpipe_jax import models
+from hetpipe_jax.data import fashion_mnist, sharding
+from hetpipe_jax.jobs import checkpoint, job_config
+from hetpipe_jax.planning import plan_format, ps_placement
+from hetpipe_jax.ps.shards import ShardLayout
+from tests.mpi_util import read_jsonl, run_job
+
+ED_DEFAULT = "experiments/plans/local_cpu_2node_mlp_tiny_ed_default.json"
+ED_LOCAL = "experiments/plans/local_cpu_2node_mlp_tiny_ed_local.json"  # run end to end in tests/test_launch.py
+
+
+def _config(**overrides):
+  from experiments.configs import tiny
+  c = tiny.get_config()
+  for k, v in overrides.items():
+    setattr(c, k, v)
+  return c
+
+
+def _settings(**overrides):
+  c = _config(**overrides)
+  return job_config.with_ps_shards(c, job_config.resolve_settings(c))
+
+
+def test_shard_layout_gathers_and_scatters_every_element_once():
+  layout = ShardLayout.build([0, 0, 5, 7, 10], [None, 0, 1, 0], 2)
+  assert [i.tolist() for i in layout.index] == [[0, 1, 2, 3, 4, 7, 8, 9], [5, 6]]
+  flat = np.arange(10, dtype=np.float32)
+  out = np.full(10, -1, np.float32)
+  for s in range(2):
+    layout.scatter(out, s, layout.gather(flat, s))
+  np.testing.assert_array_equal(out, flat)
+  assert layout.params_in_range(0, 5, 10) == 3 and layout.params_in_range(1, 0, 5) == 0
+  with pytest.raises(ValueError, match="layer 1 has 5 parameters but no PS shard"):
+    ShardLayout.build([0, 0, 5], [None, None], 1)
+
+
+def test_runtime_placement_is_the_planners():
+  """The runtime's layer -> shard comes from the same rule as the plan's prediction, for both policies."""
+  for path, policy in ((ED_DEFAULT, "default"), (ED_LOCAL, "local")):
+    s = _settings(plan=path, checkpoint_every_waves=0)
+    assert s.num_ps_shards == 2 and s.ps_placement == policy and s.shard_nodes == ("n0", "n1")
+    assert s.world_size == 4 and s.sources["num_ps_shards"].startswith("plan")
+    plan = plan_format.load_plan(path)
+    shards = job_config.ps_layer_shards(s, [vw.partition for vw in plan.virtual_workers], [False, True, True, True])
+    assert [None if x is None else s.shard_nodes[x] for x in shards] == plan.ps_placement["layer_to_node"]
+  # default is round-robin over parameterised layers; local follows the stages' nodes
+  assert ps_placement.assign_layers("default", ["a", "b"], [False, True, True, True], []) == [None, "a", "b", "a"]
+  assert ps_placement.assign_layers("local", ["a", "b"], [True, True], [["b", "a"], ["b", "b"]]) == ["b", "a"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"num_ps_shards": 0}, "config.num_ps_shards=0"),
+    ({"ps_placement": "local"}, "config.ps_placement='local' needs a plan"),
+    ({"ps_placement": "nearest"}, "config.ps_placement='nearest'"),
+    ({"num_ps_shards": 2}, "config.checkpoint_every_waves=100 with 2 PS shards"),
+    ({"num_ps_shards": 2, "checkpoint_every_waves": 0, "eval_every_epochs": 1.0}, "config.eval_every_epochs=1.0"),
+])
+def test_bad_shard_settings_are_refused_naming_the_setting(overrides, message):
+  with pytest.raises(job_config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    _settings(**overrides)
+
+
+def test_one_shard_is_the_default_without_a_plan():
+  s = _settings()
+  assert (s.num_ps_shards, s.ps_placement, s.world_size) == (1, "default", 3)
+  assert s.sources["num_ps_shards"].startswith("default")
+
+
+@pytest.mark.mpi
+def test_sharded_run_equals_per_shard_replay_and_moves_the_predicted_bytes(tmp_path, synthetic_data_dir):
+  """ED plan on two mapped nodes, default placement, 2 shards, VWs of unequal speed, on_receipt: every shard
+  applied every wave once (its own order), the final weights equal a replay that follows each shard's log, the
+  WSP bound holds, and the transport's cross-node PS bytes equal ps_placement's prediction (within 1%)."""
+  from tests.replay import read_applied_order, replay_final_weights
+  nm, mb, batch = 2, 16, 32
+  workdir = tmp_path / "run"
+  proc = run_job(workdir, 4, {"data_dir": synthetic_data_dir, "plan": ED_DEFAULT, "num_minibatches": mb,
+                              "staleness_bound": 1, "optimizer": "momentum", "learning_rate": 0.05,
+                              "checkpoint_every_waves": 0, "emulate_stage_ms": "5,5;15,15"})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  config = json.loads((workdir / "config.json").read_text())
+  assert summary["num_ps_shards"] == config["num_ps_shards"] == 2
+  assert summary["ps_placement"] == config["ps_placement"] == "default"
+  assert config["setting_sources"]["num_ps_shards"].startswith("plan")
+  num_waves = mb // nm
+  assert summary["applied_waves_count_per_shard"] == [2 * num_waves] * 2
+  assert summary["applied_waves_in_order_per_shard"] == [True, True]
+  records = read_jsonl(workdir / "minibatches.jsonl")
+  assert len(records) == 2 * mb
+  for r in records:
+    assert len(r["version_shard_vector_clocks"]) == 2
+    assert r["version_vector_clock"] == [min(c[u] for c in r["version_shard_vector_clocks"]) for u in range(2)]
+    assert r["local_clock_at_injection"] - 1 <= r["version_global_clock"] <= r["local_clock_at_injection"], r
+  logs = [read_applied_order(workdir, s) for s in range(2)]
+  for log in logs:
+    assert sorted(log) == [(w, v) for w in range(num_waves) for v in range(2)]
+  # bytes: the transport's counts per rank pair (ranks 0-1 shards, 2-3 VWs) and the part crossing nodes
+  ps_bytes = summary["ps_bytes"]
+  floats = summary["ps_shards"]["floats_per_shard"]
+  assert ps_bytes["by_rank_pair"]["2->0"] == ps_bytes["by_rank_pair"]["3->1"] // floats[1] * floats[0] == \
+      num_waves * 4 * floats[0]
+  assert ps_bytes["predicted_crossing_nodes_per_wave"] == 5280  # layer 3 (1,320 bytes) on n0, run on n1
+  assert ps_bytes["crossing_nodes_per_wave"] == pytest.approx(ps_bytes["predicted_crossing_nodes_per_wave"], rel=0.01)
+  assert ps_bytes["crossing_nodes"] >= num_waves * 2 * 1320  # every VW pushed layer 3 across nodes every wave
+  # the oracle: a per-shard sequential replay of the recorded versions
+  spec = models.get_model("mlp_tiny")
+  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
+  from hetpipe_jax.runtime.param_layout import ParamLayout
+  layout = ParamLayout.from_layer_params(params0)
+  shard_layout = ShardLayout.build(layout.layer_offsets, summary["ps_shards"]["layer_shards"], 2)
+  dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
+  sources = [sharding.ShardedMinibatches(dataset, 2, v, batch, 0) for v in range(2)]
+  expected = replay_final_weights(records, spec, params0, optax.sgd(0.05, momentum=0.9), sources, nm, logs[0],
+                                  shards=list(zip(shard_layout.index, logs)))
+  actual = layout.flatten(checkpoint.restore_weights(workdir / "checkpoint"))
+  np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+class _LaggingShardClient:
+  """VW 0's client of two in-process PS shards (each an on-receipt :class:`ParameterServer` over its slice) where
+  shard 1 receives each of VW 0's waves one wave late, and a scripted VW 1 pushes wave ``c - 1`` to both shards
+  right after VW 0 pushes wave ``c``. So pulls see the shards at different vector clocks, and VW 0 must re-add an own
+  wave on shard 1's layers only."""
+
+  def __init__(self, servers, shards, peer_waves):
+    self.servers, self.shards, self.peer_waves = servers, shards, peer_waves
+    self.late: list[tuple[int, np.ndarray]] = []  # VW 0's waves shard 1 has not received yet
+    self.peer_pushed = 0
+    self.outstanding = False
+    self.replies: list[tuple] = []
+
+  def _serve(self):
+    for s in self.servers:
+      s.state.serve_pending_pulls()
+
+  def _peer_push(self, wave):
+    for i, s in enumerate(self.servers):
+      s.push(1, wave, self.shards.gather(self.peer_waves[wave], i))
+    self.peer_pushed = wave + 1
+
+  def push(self, wave_id, flat_delta, loss_sum, num_minibatches):
+    del loss_sum, num_minibatches
+    self.servers[0].push(0, wave_id, self.shards.gather(flat_delta, 0))
+    for w, part in self.late:
+      self.servers[1].push(0, w, part)
+    self.late = [(wave_id, self.shards.gather(flat_delta, 1).copy())]
+    if wave_id >= 1:
+      self._peer_push(wave_id - 1)
+    self._serve()
+
+  def request_pull(self, required_clock):
+    for s in self.servers:
+      s.state.request_pull(0, required_clock)
+    self.outstanding = True
+
+  def poll_pull(self):
+    if not self.outstanding or any(0 in s.state.pending_pulls for s in self.servers):
+      return None
+    self.outstanding = False
+    snaps = [s.snapshot() for s in self.servers]
+    flat = np.empty(self.shards.num_params, np.float32)
+    for i, (_, part) in enumerate(snaps):
+      self.shards.scatter(flat, i, part)
+    per_shard = tuple(vc for vc, _ in snaps)
+    vc = tuple(min(c[u] for c in per_shard) for u in range(2))
+    self.replies.append(per_shard)
+    return vc, flat, per_shard
+
+  def finish(self):
+    for w, part in self.late:
+      self.servers[1].push(0, w, part)
+    self.late = []
+    while self.peer_pushed < len(self.peer_waves):
+      self._peer_push(self.peer_pushed)
+
+
+def test_pull_from_shards_at_different_clocks_equals_per_shard_replay(synthetic_data_dir):
+  """The shards of one pull hold different waves of VW 0 (shard 1 receives them a wave late): the VW's weights
+  re-add each own wave only on the shards that lack it, so its final local weights and the shards' final weights
+  equal the per-shard sequential replay (rtol 1e-5)."""
+  from hetpipe_jax.ps import param_server
+  from tests import replay
+  from tests.pipeline_util import build_vw
+  nm, num_waves = 2, 5
+  vw, source, params0, tx, _ = build_vw(synthetic_data_dir, partition=[(0, 2), (2, 4)], num_inflight=nm,
+                                        staleness_bound=2, optimizer=optax.sgd(0.05, momentum=0.9), num_vws=2)
+  layout = vw.layout
+  shards = ShardLayout.build(layout.layer_offsets, [None, 0, 1, 0], 2)
+  w0 = layout.flatten(params0)
+  servers = [param_server.ParameterServer(shards.gather(w0, s), 2) for s in range(2)]
+  rng = np.random.default_rng(3)
+  peer = [(0.01 * rng.standard_normal(w0.size)).astype(np.float32) for _ in range(num_waves)]
+  client = _LaggingShardClient(servers, shards, peer)
+  vw.ps, vw.ps_shards = client, shards
+  vw.run(nm * num_waves)
+  # the case under test happened: pulls whose shards held different numbers of VW 0's waves
+  assert any(a[0] != b[0] for a, b in client.replies), client.replies
+  records = [r.__dict__ for r in vw.records]
+  assert any(r["version_shard_vector_clocks"][0] != r["version_shard_vector_clocks"][1] for r in records)
+  logs = [list(s.state.applied) for s in servers]
+  result = replay.replay(records, models.get_model("mlp_tiny"), params0, tx, [source], nm, fixed_waves=[peer],
+                         shards=list(zip(shards.index, logs)))
+  np.testing.assert_allclose(layout.flatten(vw.layer_params()),
+                             result.local_weights(0, vw.version.shard_vector_clocks, vw.version.local_updates),
+                             rtol=1e-5, atol=1e-6)
+  client.finish()
+  final = np.empty_like(w0)
+  for s, server in enumerate(servers):
+    shards.scatter(final, s, server.weights)
+  result = replay.ShardedReplay([replay.Replay(w0, result.updates, [peer], nm, list(s.state.applied))
+                                 for s in servers], shards.index)
+  np.testing.assert_allclose(final, result.final_global_weights(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+def test_bench_ps_quick():
+  """scripts/bench_ps.py --quick: push + pull through 1 and 2 shards against raw Send/Recv of the same bytes."""
+  import subprocess
+  import sys
+  from hetpipe_jax.paths import REPO_ROOT
+  proc = subprocess.run([sys.executable, "scripts/bench_ps.py", "--quick"], cwd=REPO_ROOT, capture_output=True,
+                        text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = json.loads(proc.stdout)
+  assert sorted((r["num_shards"], r["size_bytes"]) for r in out["rows"]) == [(1, 1024), (1, 1 << 20), (2, 1024),
+                                                                             (2, 1 << 20)]
+  for r in out["rows"]:
+    assert r["waves"] >= 3 and 0 < r["ratio"] < 50 and r["ps_s_per_wave"] > 0 and r["raw_s_per_wave"] > 0
+
+
+def test_headers_from_shard_and_vw_ranks_are_checked_naming_the_ranks():
+  """With S shards, rank r hosts VW r - S; a mismatched VW id or a slice of the wrong size names the ranks."""
+  from hetpipe_jax.ps import transport
+  from hetpipe_jax.ps.transport import Kind
+  ok = transport.make_header(Kind.PUSH, 1, 0, 7)
+  assert transport.check_header(ok, 3, num_params=7, expect_kinds=(Kind.PUSH,), first_vw_rank=2) is Kind.PUSH
+  with pytest.raises(transport.ProtocolError, match="rank 3 claims to be VW 0 \\(rank r hosts VW r-2\\)"):
+    transport.check_header(transport.make_header(Kind.PUSH, 0, 0, 7), 3, num_params=7, expect_kinds=(Kind.PUSH,),
+                           first_vw_rank=2)
+  with pytest.raises(transport.ProtocolError, match="PUSH from rank 2 carries 9 elements, expected 7"):
+    transport.check_header(transport.make_header(Kind.PUSH, 0, 0, 9), 2, num_params=7, expect_kinds=(Kind.PUSH,),
+                           first_vw_rank=2)
+  # a shard's reply (rank 1 < S) is not a VW: its VW field names the receiver
+  weights = transport.make_header(Kind.WEIGHTS, 1, 0, 7)
+  assert transport.check_header(weights, 1, num_params=7, expect_kinds=(Kind.WEIGHTS,), first_vw_rank=2) \
+      is Kind.WEIGHTS
+
+
+class _FakeComm:
+  """Just enough of an MPI communicator for one rank's code paths: Isend records (completed at once), Recv serves
+  queued arrays in order."""
+
+  class _Done:
+    def Test(self):  # noqa: N802 (mpi4py's name)
+      return True
+
+  def __init__(self, incoming=()):
+    self.sent, self.incoming = [], list(incoming)
+
+  def Isend(self, buf, dest, tag):  # noqa: N802
+    self.sent.append((dest, tag, np.array(buf, copy=True)))
+    return self._Done()
+
+  def Recv(self, buf, source, tag):  # noqa: N802
+    src, data = self.incoming.pop(0)
+    assert src == source, (src, source)
+    buf[...] = np.asarray(data).reshape(buf.shape)
+
+
+def test_served_pulls_are_counted_per_destination_rank():
+  """The PS bytes of a pull reply are counted for the VW's rank (rank first_vw_rank + vw)."""
+  from hetpipe_jax.ps import transport
+  from hetpipe_jax.ps.param_server import ParameterServer
+  from hetpipe_jax.ps.service import ParameterServerService
+  server = ParameterServer(np.zeros(5, np.float32), 2)
+  comm = _FakeComm()
+  service = ParameterServerService(comm, server, num_minibatches_per_vw=0, num_inflight=1, evaluate=None,
+                                   eval_every_waves=0, log_every_waves=1, log_metrics=lambda line: None,
+                                   progress=False, first_vw_rank=3, lead=False)
+  before = dict(transport.PS_BYTES.sent)
+  service._serve_pulls([1])  # pylint: disable=protected-access
+  assert [(d, t) for d, t, _ in comm.sent] == [(4, transport.TAG_HEADER), (4, transport.TAG_DATA),
+                                                (4, transport.TAG_DATA)]
+  assert transport.PS_BYTES.sent.get(4, 0) - before.get(4, 0) == 5 * 4
+
+
+def test_rank0_assembles_the_final_weights_from_every_shard():
+  from hetpipe_jax.jobs import mpi_job
+  shards = ShardLayout.build([0, 3, 5, 9], [0, 1, 2], 3)
+  w0 = np.zeros(9, np.float32)
+  comm = _FakeComm([(1, [2]), (1, [[0, 1], [0, 0]]), (1, [4, 5]), (2, [2]), (2, [[0, 0], [0, 1]]), (2, [6, 7, 8, 9])])
+  flat, logs = mpi_job._gather_shards(comm, shards, w0, np.array([1, 2, 3], np.float32),  # pylint: disable=protected-access
+                                      [(0, 1), (0, 0)])
+  np.testing.assert_array_equal(flat, np.arange(1, 10, dtype=np.float32))
+  assert logs == [[(0, 1), (0, 0)], [(0, 1), (0, 0)], [(0, 0), (0, 1)]]
