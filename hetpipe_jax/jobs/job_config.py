@@ -161,6 +161,11 @@ def _check_scalars(config: Any) -> None:
   if config.checkpoint_max_to_keep < 1:
     raise ConfigError(f"config.checkpoint_max_to_keep={config.checkpoint_max_to_keep} must be >= 1")
   parse_debug_nan_update(config.debug_nan_update)
+  from hetpipe_jax.data.dataset import DatasetConfigError, check_dataset_name  # pure (numpy)
+  try:
+    check_dataset_name(config.get("dataset", "fashion_mnist"))
+  except DatasetConfigError as e:
+    raise ConfigError(str(e)) from None
 
 
 def _settings_from_plan(config: Any, plan: Any) -> JobSettings:
