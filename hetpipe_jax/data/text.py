@@ -3,9 +3,10 @@
 Numpy only. The corpus is every regular file under the named paths (directories recursively, sorted by path; files
 holding a NUL byte, e.g. the ``.dat`` indexes beside fortune files, are skipped as binary), concatenated. It is cut
 into blocks of :data:`BLOCK_BYTES`; block ``i`` is held out when ``i % EVAL_EVERY_BLOCKS == EVAL_EVERY_BLOCKS - 1``
-(5 %, spread over the whole corpus), the rest is training text. Each split is cut into non-overlapping windows of
-``seq_len + 1`` bytes: an example is ``window[:-1]`` (int32 tokens 0..255) and its targets ``window[1:]`` (the next
-bytes), so no byte of the held-out blocks is ever in a training example and shards of windows share no byte.
+(5 %, spread over the whole corpus), the rest is training text. Each held-out block and each run of training blocks
+between them is cut into non-overlapping windows of ``seq_len + 1`` bytes: an example is ``window[:-1]`` (int32
+tokens 0..255) and its targets ``window[1:]`` (the next bytes). So every example is contiguous text, no byte of the
+held-out blocks is ever in a training example, and shards of windows share no byte.
 
 Default corpus: the Debian package ``fortunes`` (about 2.6 MB of English quotations and jokes under
 ``/usr/share/games/fortunes``; plain text, DFSG-free, small enough to read in a second and large enough that a small
@@ -63,35 +64,58 @@ def read_corpus(paths: list[pathlib.Path]) -> tuple[bytes, list[str]]:
   Raises:
     DataError: a path does not exist, or no text was found; the message names ``config.data_dir`` and the fix.
   """
-  chunks, used = [], []
+  chunks, used, skipped = [], [], []
   for path in paths:
     if not path.exists():
       raise DataError(f"config.data_dir: text path {path} does not exist; {_GET_HINT}")
     for f in _files_under(path):
       data = f.read_bytes()
       if b"\0" in data:
-        logging.info("[data] skipping binary file %s", f)
+        skipped.append(f.name)
         continue
       chunks.append(data)
       used.append(str(f))
+  if skipped:
+    logging.info("[data] skipped %d binary files (%s)", len(skipped), ", ".join(skipped[:3] + ["..."][:len(skipped) > 3]))
   corpus = b"".join(chunks)
   if not corpus:
     raise DataError(f"config.data_dir: no text found under {[str(p) for p in paths]}; {_GET_HINT}")
   return corpus, used
 
 
+def split_runs(corpus: bytes) -> tuple[list[bytes], list[bytes]]:
+  """The fixed split as contiguous runs of the corpus: ``(training runs, held-out blocks)``, in corpus order.
+
+  A training run is the text between two held-out blocks, so a training window never joins bytes that are not
+  neighbours in the corpus.
+  """
+  train, held, run = [], [], []
+  for i, start in enumerate(range(0, len(corpus), BLOCK_BYTES)):
+    block = corpus[start:start + BLOCK_BYTES]
+    if i % EVAL_EVERY_BLOCKS == EVAL_EVERY_BLOCKS - 1:
+      held.append(block)
+      train.append(b"".join(run))
+      run = []
+    else:
+      run.append(block)
+  train.append(b"".join(run))
+  return [r for r in train if r], held
+
+
 def split_corpus(corpus: bytes) -> tuple[bytes, bytes]:
   """The fixed split: ``(training bytes, held-out bytes)``, each the concatenation of its blocks in order."""
-  train, held = [], []
-  for i, start in enumerate(range(0, len(corpus), BLOCK_BYTES)):
-    (held if i % EVAL_EVERY_BLOCKS == EVAL_EVERY_BLOCKS - 1 else train).append(corpus[start:start + BLOCK_BYTES])
+  train, held = split_runs(corpus)
   return b"".join(train), b"".join(held)
 
 
-def windows(data: bytes, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """Non-overlapping windows of ``seq_len + 1`` bytes as ``(tokens, next tokens)``, int32 ``[n, seq_len]`` each."""
-  n = len(data) // (seq_len + 1)
-  w = np.frombuffer(data, np.uint8, count=n * (seq_len + 1)).reshape(n, seq_len + 1).astype(np.int32)
+def windows(runs: list[bytes], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """Non-overlapping windows of ``seq_len + 1`` bytes within each run (a run's last partial window is dropped), as
+  ``(tokens, next tokens)``, int32 ``[n, seq_len]`` each."""
+  parts = []
+  for data in runs:
+    n = len(data) // (seq_len + 1)
+    parts.append(np.frombuffer(data, np.uint8, count=n * (seq_len + 1)).reshape(n, seq_len + 1))
+  w = np.concatenate(parts).astype(np.int32) if parts else np.zeros((0, seq_len + 1), np.int32)
   return w[:, :-1].copy(), w[:, 1:].copy()
 
 
@@ -126,13 +150,14 @@ def load_text_dataset(paths: list[pathlib.Path], seq_len: int) -> ExampleDataset
   if seq_len < 1:
     raise DataError(f"text: seq_len must be >= 1, got {seq_len}")
   corpus, files = read_corpus(paths)
-  train, held = split_corpus(corpus)
-  if len(held) < seq_len + 1 or len(train) < seq_len + 1:
-    raise DataError(f"config.data_dir: {len(corpus)} bytes of text are too few: the held-out split "
-                    f"({len(held)} bytes, every {EVAL_EVERY_BLOCKS}th block of {BLOCK_BYTES}) needs at least one "
-                    f"window of {seq_len + 1} bytes; name more text")
-  x, y = windows(train, seq_len)
-  ex, ey = windows(held, seq_len)
+  train_runs, held_blocks = split_runs(corpus)
+  train, held = b"".join(train_runs), b"".join(held_blocks)
+  x, y = windows(train_runs, seq_len)
+  ex, ey = windows(held_blocks, seq_len)
+  if ex.shape[0] < 1 or x.shape[0] < 1:
+    raise DataError(f"config.data_dir: {len(corpus)} bytes of text are too few: each split (held out: every "
+                    f"{EVAL_EVERY_BLOCKS}th block of {BLOCK_BYTES} bytes) needs at least one window of {seq_len + 1} "
+                    "bytes; name more text")
   description = {
       "name": "text",
       "sources": [str(p) for p in paths],
@@ -142,7 +167,8 @@ def load_text_dataset(paths: list[pathlib.Path], seq_len: int) -> ExampleDataset
       "eval_bytes": len(held),
       "seq_len": seq_len,
       "split": f"blocks of {BLOCK_BYTES} bytes; block i held out when i % {EVAL_EVERY_BLOCKS} == "
-               f"{EVAL_EVERY_BLOCKS - 1}; windows of seq_len + 1 bytes, not overlapping",
+               f"{EVAL_EVERY_BLOCKS - 1}; non-overlapping windows of seq_len + 1 bytes within each held-out block "
+               "and each run of training blocks",
       "eval_sha256": hashlib.sha256(held).hexdigest(),
       "train_sha256": hashlib.sha256(train).hexdigest(),
       "unigram_entropy_bits_per_byte": unigram_entropy_bits(train),
