@@ -41,7 +41,7 @@ def test_user_model_and_dataset_train_in_virtual_time_and_equal_the_replay(tmp_p
   assert recorded["model"] == MODEL and recorded["dataset"] == DATASET
   assert recorded["dataset_info"] == {"num_train": 768, "num_eval": 256, "name": "user_linear_3class", "seed": 0}
   assert recorded["objective"] == summary["objective"] == "classification"
-  assert recorded["partition"] == "0:1,1:3" == summary["partition"]  # even split of the user's 3 layers
+  assert recorded["partition"] == "0:2,2:3" == summary["partition"]  # the even split of the user's 3 layers
   spec = user_model_data.make_spec()
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
   dataset = user_model_data.make_dataset(config)
@@ -73,7 +73,7 @@ def test_user_model_and_dataset_train_under_mpi(tmp_path):
     ("tests.user_model_data:not_a_spec", DATASET, r"config.model=.*not_a_spec\(\) returned dict, not a ModelSpec"),
     (MODEL, "tests.no_such_module:make_dataset", r"config.dataset=.*cannot import module 'tests.no_such_module'"),
     (MODEL, "tests.user_model_data:not_a_spec", r"config.dataset=.*raised TypeError"),
-    (MODEL, "tests.user_model_data:make_spec", r"config.dataset=.*returned ModelSpec, not a .*ExampleDataset"),
+    (MODEL, "tests.user_model_data:spec_as_dataset", r"config.dataset=.*returned ModelSpec, not a .*ExampleDataset"),
     (MODEL, "tests.user_model_data:wrong_shape_dataset",
      r"config.dataset=.*train_inputs has shape \[768, 11\], but the model takes examples of shape \[12\]"),
     (MODEL, "tests.user_model_data:labels_out_of_range_dataset",

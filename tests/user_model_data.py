@@ -50,3 +50,8 @@ def wrong_shape_dataset(config) -> ExampleDataset:
 def labels_out_of_range_dataset(config) -> ExampleDataset:
   d = make_dataset(config)
   return ExampleDataset(d.train_inputs, d.train_targets + 1, d.eval_inputs, d.eval_targets)
+
+
+def spec_as_dataset(config):
+  del config
+  return make_spec()
