@@ -25,7 +25,7 @@ def get_config():
   c.optimizer = "adam"
   c.learning_rate = 3e-3
   c.lr_schedule = "cosine"
-  c.num_minibatches = 1500  # per VW (3,000 minibatches, 6.1 M training tokens in all: about 2.5 epochs)
+  c.num_minibatches = 1000  # per VW (2,000 minibatches, 4.1 M training tokens in all: about 1.7 epochs)
   c.eval_every_epochs = 0.5
   c.eval_batch_size = 500
   c.log_every_waves = 25
