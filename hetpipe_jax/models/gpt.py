@@ -98,3 +98,22 @@ def gpt_tiny() -> ModelSpec:
 def gpt_bytes() -> ModelSpec:
   """Byte-level, 64 tokens, d_model 128, 4 heads, 4 blocks (6 layers, ~0.84 M parameters): the CPU LM config's."""
   return gpt("gpt_bytes", vocab_size=256, seq_len=64, d_model=128, num_heads=4, num_blocks=4)
+
+
+GPT2_VOCAB = 50257
+GPT2_CONTEXT = 1024
+
+
+@register_model("gpt2_medium")
+def gpt2_medium() -> ModelSpec:
+  """GPT-2 medium shapes (Radford et al. 2019, Table 2: 24 blocks, d_model 1024, 16 heads, ~355 M parameters with
+  an untied head), BPE vocabulary 50,257, context 1,024. For planning (XLA cost analysis); tokens are BPE ids here,
+  so ``test_bits_per_byte`` would be bits per token."""
+  return gpt("gpt2_medium", vocab_size=GPT2_VOCAB, seq_len=GPT2_CONTEXT, d_model=1024, num_heads=16, num_blocks=24)
+
+
+@register_model("gpt2_large")
+def gpt2_large() -> ModelSpec:
+  """GPT-2 large shapes (36 blocks, d_model 1280, 20 heads, ~774 M parameters with an untied head), vocabulary
+  50,257, context 1,024. For planning (XLA cost analysis)."""
+  return gpt("gpt2_large", vocab_size=GPT2_VOCAB, seq_len=GPT2_CONTEXT, d_model=1280, num_heads=20, num_blocks=36)

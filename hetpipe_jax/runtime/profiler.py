@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hetpipe_jax.models import ModelSpec, get_model
+from hetpipe_jax.models import ModelSpec, load_model
 from hetpipe_jax.planning import profile_format
 
 _OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
@@ -173,7 +173,7 @@ def load_or_profile(model: str, batch_size: int, *, measure: bool, path: str | N
         prof = profile_format.load_profile(c)
         if prof.model == model and prof.batch_size == batch_size and (prof.measured or not measure):
           return prof
-  prof = profile_model(get_model(model), batch_size, measure=measure, **kwargs)
+  prof = profile_model(load_model(model), batch_size, measure=measure, **kwargs)
   out = path or profile_format.default_profile_path(model, batch_size, kind, measure)
   profile_format.save_profile(prof, out)
   logging.info("[profiler] wrote %s", out)
