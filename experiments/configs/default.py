@@ -54,7 +54,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Optimizer (optax), applied by every VW to its own minibatches.
   c.optimizer = "adam"  # "adam" | "sgd" | "momentum"
   c.learning_rate = 1e-3
-  c.lr_schedule = "cosine"  # "constant" | "cosine" (decays to 0 over each VW's minibatches)
+  c.lr_schedule = "cosine"  # "constant" | "cosine" (decays to 0 over each VW's minibatches) | "warmup_cosine"
+  c.warmup_minibatches = 0  # warmup_cosine only (> 0): linear warm-up over this many of each VW's minibatches
   c.momentum = 0.9
   # Length, logging, evaluation.
   c.num_epochs = 5.0  # passes over the training set (all VWs together)

@@ -30,10 +30,13 @@ from hetpipe_jax.runtime.param_layout import ParamLayout
 
 
 def make_optimizer(config: Any, num_minibatches: int) -> optax.GradientTransformation:
-  """The optax optimizer each VW applies to its own minibatches (``config.lr_schedule``: constant or cosine)."""
+  """The optax optimizer each VW applies to its own minibatches (``config.lr_schedule``: constant, cosine, or
+  warmup_cosine: linear from 0 over ``config.warmup_minibatches``, then cosine to 0 at ``num_minibatches``)."""
   lr = config.learning_rate
   if config.lr_schedule == "cosine":
     lr = optax.cosine_decay_schedule(config.learning_rate, num_minibatches)
+  if config.lr_schedule == "warmup_cosine":
+    lr = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup_minibatches, num_minibatches)
   if config.optimizer == "adam":
     return optax.adam(lr)
   if config.optimizer == "momentum":
