@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Idempotent set-up: .venv with the pinned packages, and the Fashion-MNIST files (Debian package) when missing.
+# Idempotent set-up: .venv with the pinned packages, and the data the job's config needs when missing (Debian
+# packages): Fashion-MNIST (dataset-fashion-mnist), or for config.dataset="text" with no config.data_dir the fortunes
+# corpus (fortunes). Usage: scripts/setup.sh [CONFIG [--config.field=value ...]] (run_main.sh passes its own).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -52,6 +54,44 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 echo "setup: jax $jax_version, $why"
 
+apt_install() {  # apt_install PACKAGE WHAT
+  if command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing the Debian package $1 ($2)"
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "$1" >/dev/null
+  else
+    echo "setup: $2 not found and no apt-get; install the Debian package $1 or set config.data_dir" >&2
+  fi
+}
+
+# Which dataset the config trains on (config.dataset and config.data_dir, with --config.* overrides applied).
+CONFIG_FILE=${1:-experiments/configs/default.py}
+[ $# -gt 0 ] && shift
+read -r DATASET DATA_DIR_SET < <(.venv/bin/python - "$CONFIG_FILE" "$@" <<'PY'
+import importlib.util, sys
+sys.path.insert(0, ".")
+spec = importlib.util.spec_from_file_location("job_config_file", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+c = module.get_config()
+dataset, data_dir = c.get("dataset", "fashion_mnist"), c.get("data_dir", "")
+for arg in sys.argv[2:]:
+  if arg.startswith("--config.dataset="):
+    dataset = arg.split("=", 1)[1]
+  if arg.startswith("--config.data_dir="):
+    data_dir = arg.split("=", 1)[1]
+print(dataset, "1" if data_dir else "0")
+PY
+)
+if [ "$DATASET" = "text" ]; then
+  if [ "$DATA_DIR_SET" = "0" ] && [ ! -d /usr/share/games/fortunes ]; then
+    apt_install fortunes "the default text corpus, /usr/share/games/fortunes"
+  fi
+  exit 0
+fi
+[ "$DATASET" = "fashion_mnist" ] || exit 0  # a user's dataset brings its own data
+
 have_data() {
   local d
   for d in "${HETPIPE_DATA_DIR:-}" /usr/share/datasets/fashion-mnist; do
@@ -61,10 +101,7 @@ have_data() {
 }
 if ! have_data; then
   if command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing the Debian package dataset-fashion-mnist"
-    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null
+    apt_install dataset-fashion-mnist "Fashion-MNIST"
   else
     echo "setup: Fashion-MNIST not found and no apt-get; put the four IDX .gz files in \$HETPIPE_DATA_DIR" >&2
   fi

@@ -9,6 +9,7 @@ import optax
 from hetpipe_jax import models
 from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.ps import param_server
+from hetpipe_jax.runtime import objectives
 from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime import virtual_worker
 from hetpipe_jax.runtime.param_layout import ParamLayout
@@ -16,8 +17,10 @@ from hetpipe_jax.runtime.param_layout import ParamLayout
 
 def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_bound=0, optimizer=None,
              batch_size=16, seed=0, pull_every_wave=True, num_vws=1, vw_id=0, server=None, client_factory=None,
-             ps_apply="on_receipt"):
+             ps_apply="on_receipt", dataset=None):
   """Returns ``(vw, source, initial per-layer params, optimizer, server)`` for an in-process VW.
+
+  ``dataset``: an already loaded dataset (e.g. text windows for a GPT) instead of Fashion-MNIST from ``data_dir``.
 
   ``client_factory(server, vw_id)`` builds the VW's PS client (default :class:`param_server.LocalPSClient`).
   """
@@ -27,7 +30,8 @@ def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_b
   tx = optimizer or optax.adam(1e-2)
   devices = jax.devices()[:len(partition)]
   stages = stages_lib.build_stages(spec, partition, devices, tx)
-  dataset = fashion_mnist.load_fashion_mnist(data_dir, expected_counts=None)
+  if dataset is None:
+    dataset = fashion_mnist.load_fashion_mnist(data_dir, expected_counts=None)
   source = sharding.ShardedMinibatches(dataset, num_vws, vw_id, batch_size, seed)
   server = server or param_server.ParameterServer(layout.flatten(params0), num_vws, ps_apply)
   client = (client_factory or param_server.LocalPSClient)(server, vw_id)
@@ -94,7 +98,7 @@ class LaggingPeerClient(param_server.LocalPSClient):
 
 def loss_and_grad(spec):
   def loss(params, x, y):
-    return stages_lib.cross_entropy_loss(models.apply_layers(spec.layers, params, x), y)
+    return objectives.get_objective(spec.objective).loss(models.apply_layers(spec.layers, params, x), y)
   return jax.jit(jax.value_and_grad(loss))
 
 

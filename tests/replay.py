@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from hetpipe_jax import models
+from hetpipe_jax.runtime import objectives
 from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime.param_layout import ParamLayout
 
@@ -175,7 +176,7 @@ def replay(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax
   num_vws = len(sources)
 
   def loss(params, x, y):
-    return stages_lib.cross_entropy_loss(models.apply_layers(spec.layers, params, x), y)
+    return objectives.get_objective(spec.objective).loss(models.apply_layers(spec.layers, params, x), y)
 
   grad_fn = jax.jit(jax.grad(loss))
   by_vw = [sorted((r for r in records if r["vw_id"] == v), key=lambda r: r["minibatch_id"]) for v in range(num_vws)]

@@ -124,6 +124,8 @@ def test_per_vw_partitions_are_recorded_per_vw():
     ({"platform": "tpu"}, r"config.platform='tpu'"),
     ({"optimizer": "lamb"}, r"config.optimizer='lamb'"),
     ({"lr_schedule": "step"}, r"config.lr_schedule='step'"),
+    ({"warmup_minibatches": 10}, r"config.warmup_minibatches=10 is used only by config.lr_schedule='warmup_cosine'"),
+    ({"lr_schedule": "warmup_cosine"}, r"config.warmup_minibatches=0 is used only by .*needs it > 0"),
     ({"ps_apply": "batched"}, r"config.ps_apply='batched' must be 'on_receipt'"),
     ({"learning_rate": 0.0}, r"config.learning_rate=0.0"),
     ({"partition": "0-3,3-7"}, r"config.partition='0-3,3-7' is malformed"),

@@ -44,12 +44,14 @@ def _cosine_lr(lr: float, step: int, num_steps: int) -> float:
 # ---------------------------------------------------------------- learning-rate schedule
 
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
-@pytest.mark.parametrize("schedule", ["cosine", "constant"])
+@pytest.mark.parametrize("schedule", ["cosine", "constant", "warmup_cosine"])
 def test_learning_rate_schedule_follows_its_closed_form(optimizer, schedule):
   """With a constant gradient of 1 the update of step k is ``-lr_k * base_k``: base 1 (SGD), the momentum trace
   ``sum_{j<=k} 0.9^j``, Adam's ``1 / (1 + eps)``; cosine ``lr_k`` reaches 0 after the VW's ``n`` minibatches."""
   n, lr = 8, 0.1
-  tx = mpi_job.make_optimizer(_config(optimizer=optimizer, learning_rate=lr, lr_schedule=schedule), n)
+  warmup = 3 if schedule == "warmup_cosine" else 0
+  tx = mpi_job.make_optimizer(_config(optimizer=optimizer, learning_rate=lr, lr_schedule=schedule,
+                                      warmup_minibatches=warmup), n)
   params = {"w": jnp.zeros((), jnp.float32)}
   state = tx.init(params)
   got = []
@@ -58,9 +60,12 @@ def test_learning_rate_schedule_follows_its_closed_form(optimizer, schedule):
     got.append(-float(updates["w"]))
   base = {"sgd": [1.0] * (n + 2), "momentum": [sum(0.9 ** j for j in range(k + 1)) for k in range(n + 2)],
           "adam": [1.0 / (1.0 + 1e-8)] * (n + 2)}[optimizer]
-  rates = [_cosine_lr(lr, k, n) if schedule == "cosine" else lr for k in range(n + 2)]
+  rates = {"cosine": [_cosine_lr(lr, k, n) for k in range(n + 2)], "constant": [lr] * (n + 2),
+           # linear from 0 over the warm-up, then cosine over the remaining n - warmup steps
+           "warmup_cosine": [lr * k / warmup if k < warmup else _cosine_lr(lr, k - warmup, n - warmup)
+                             for k in range(n + 2)]}[schedule]
   np.testing.assert_allclose(got, [r * b for r, b in zip(rates, base)], rtol=1e-5, atol=1e-8)
-  if schedule == "cosine":
+  if schedule != "constant":
     assert got[n - 1] > 0 and abs(got[n]) < 1e-8 and abs(got[n + 1]) < 1e-8
 
 

@@ -12,9 +12,16 @@ from ml_collections import config_dict
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # Model and data.
-  c.model = "cnn"  # see hetpipe_jax.models.available_models()
-  c.data_dir = ""  # "" -> $HETPIPE_DATA_DIR, then /usr/share/datasets/fashion-mnist
-  c.check_counts = True  # require the real 60,000 / 10,000 examples (False: any counts, for small test sets)
+  # A registry name (hetpipe_jax.models.available_models()) or "package.module:factory", a zero-argument function
+  # returning a hetpipe_jax.models.ModelSpec (README, "Your own model and data").
+  c.model = "cnn"
+  # "fashion_mnist" | "text" (byte-level windows of the model's context length; hetpipe_jax/data/text.py) |
+  # "package.module:factory", factory(config) returning a hetpipe_jax.data.dataset.ExampleDataset.
+  c.dataset = "fashion_mnist"
+  # fashion_mnist: "" -> $HETPIPE_DATA_DIR, then /usr/share/datasets/fashion-mnist. text: comma-separated files or
+  # directories, "" -> /usr/share/games/fortunes (Debian package fortunes).
+  c.data_dir = ""
+  c.check_counts = True  # fashion_mnist: require the real 60,000 / 10,000 examples (False: any counts, for tests)
   c.seed = 0
   c.batch_size = 64  # minibatch size per VW (examples)
   # A plan from `python -m hetpipe_jax.plan --cluster=local_cpu --model=cnn --batch_size=64 --policy=ED
@@ -53,7 +60,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Optimizer (optax), applied by every VW to its own minibatches.
   c.optimizer = "adam"  # "adam" | "sgd" | "momentum"
   c.learning_rate = 1e-3
-  c.lr_schedule = "cosine"  # "constant" | "cosine" (decays to 0 over each VW's minibatches)
+  c.lr_schedule = "cosine"  # "constant" | "cosine" (decays to 0 over each VW's minibatches) | "warmup_cosine"
+  c.warmup_minibatches = 0  # warmup_cosine only (> 0): linear warm-up over this many of each VW's minibatches
   c.momentum = 0.9
   # Length, logging, evaluation.
   c.num_epochs = 5.0  # passes over the training set (all VWs together)

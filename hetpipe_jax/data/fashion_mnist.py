@@ -76,6 +76,27 @@ class Dataset:
   def num_test(self) -> int:
     return int(self.test_labels.shape[0])
 
+  # The dataset interface (:class:`hetpipe_jax.data.dataset.ExampleDataset`): the same arrays under generic names.
+  @property
+  def train_inputs(self) -> np.ndarray:
+    return self.train_images
+
+  @property
+  def train_targets(self) -> np.ndarray:
+    return self.train_labels
+
+  @property
+  def eval_inputs(self) -> np.ndarray:
+    return self.test_images
+
+  @property
+  def eval_targets(self) -> np.ndarray:
+    return self.test_labels
+
+  @property
+  def description(self) -> dict:
+    return {"name": "fashion_mnist", "source": str(self.source_dir), "eval_split": "the 10,000-image test set"}
+
 
 def _find_file(directory: pathlib.Path, stem: str) -> pathlib.Path | None:
   """Returns ``directory/<stem>.gz`` or ``directory/<stem>`` (first that is a file), else None."""

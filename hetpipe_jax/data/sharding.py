@@ -6,11 +6,10 @@ they see identical minibatches.
 
 from __future__ import annotations
 
+from typing import Any
 import zlib
 
 import numpy as np
-
-from hetpipe_jax.data.fashion_mnist import Dataset
 
 _SHARD_SALT = 0x5348  # Separates the sharding stream from the per-epoch minibatch streams.
 
@@ -121,7 +120,7 @@ class ShardedMinibatches:
   Same data as :func:`minibatch_indices` (it caches the current epoch's permutation, nothing more).
 
   Args:
-    dataset: the loaded dataset; only the training split is used.
+    dataset: the loaded dataset (:mod:`hetpipe_jax.data.dataset` interface); only the training split is used.
     num_shards: number of shards (e.g. virtual workers).
     shard_id: this shard, in ``[0, num_shards)``.
     batch_size: examples per minibatch.
@@ -132,9 +131,9 @@ class ShardedMinibatches:
       ``[1, shard_size]``.
   """
 
-  def __init__(self, dataset: Dataset, num_shards: int, shard_id: int, batch_size: int, seed: int):
-    self._images = dataset.train_images
-    self._labels = dataset.train_labels
+  def __init__(self, dataset: Any, num_shards: int, shard_id: int, batch_size: int, seed: int):
+    self._images = dataset.train_inputs
+    self._labels = dataset.train_targets
     self.shard_id = shard_id
     self.batch_size = batch_size
     self.seed = seed
@@ -163,7 +162,8 @@ class ShardedMinibatches:
       minibatch_id: global minibatch number.
 
     Returns:
-      ``(images, labels)``: float32 ``[batch_size, 28, 28, 1]`` in [0, 1] and int32 ``[batch_size]``.
+      ``(inputs, targets)``: e.g. float32 ``[batch_size, 28, 28, 1]`` images in [0, 1] and int32 ``[batch_size]``
+      labels (Fashion-MNIST), or int32 ``[batch_size, seq]`` tokens and next tokens (text).
 
     Raises:
       ValueError: ``minibatch_id < 0``.

@@ -8,17 +8,18 @@ import numpy as np
 
 from hetpipe_jax.data import fashion_mnist
 from hetpipe_jax.models import ModelSpec, apply_layers
+from hetpipe_jax.runtime.objectives import get_objective
 from hetpipe_jax.runtime.param_layout import ParamLayout
-from hetpipe_jax.runtime.stages import cross_entropy_loss
 
 
 class Evaluator:
-  """Accuracy and loss of the whole model on a fixed evaluation set.
+  """Accuracy and loss of the whole model on a fixed evaluation set, as ``spec.objective`` defines them.
 
   Args:
     spec: the model.
     layout: the flat weight layout.
-    images: float32 ``[n, 28, 28, 1]``; labels: int32 ``[n]``.
+    images: the eval inputs ``[n, *spec.input_shape]`` (float32 ``[n, 28, 28, 1]`` images, int32 ``[n, seq]``
+      tokens); labels: the eval targets (int32 ``[n]`` labels, int32 ``[n, seq]`` next tokens).
     batch_size: evaluation batch (the last partial batch is padded and masked, so one compilation serves all).
     device: where to evaluate.
   """
@@ -30,17 +31,19 @@ class Evaluator:
     self.batch_size = min(batch_size, len(labels))
     self.device = device or jax.devices()[0]
     layers = spec.layers
+    self.objective = get_objective(spec.objective)
+    per_example = self.objective.per_example
 
     def batch_stats(params, x, y, mask):
       logits = apply_layers(layers, params, x)
-      losses = jax.vmap(cross_entropy_loss)(logits[:, None, :], y[:, None])
-      correct = (jnp.argmax(logits, -1) == y) * mask
-      return jnp.sum(correct), jnp.sum(losses * mask)
+      losses, correct = per_example(logits, y)
+      return jnp.sum(correct * mask), jnp.sum(losses * mask)
 
     self._batch_stats = jax.jit(batch_stats)
 
   def evaluate(self, flat_weights: np.ndarray) -> dict[str, float]:
-    """Returns ``{"test_accuracy": fraction correct, "test_loss": mean cross-entropy}`` over all examples."""
+    """Returns ``{"test_accuracy": fraction correct, "test_loss": mean loss (nats)}`` over all examples, plus the
+    objective's extra metrics (``test_bits_per_byte`` for ``next_token``)."""
     params = jax.device_put(self.layout.unflatten(flat_weights), self.device)
     correct, loss_sum, n = 0.0, 0.0, 0
     b = self.batch_size
@@ -50,9 +53,9 @@ class Evaluator:
       mask[:m] = 1.0
       if m < b:
         x = np.concatenate([x, np.zeros((b - m,) + x.shape[1:], x.dtype)])
-        y = np.concatenate([y, np.zeros(b - m, y.dtype)])
+        y = np.concatenate([y, np.zeros((b - m,) + y.shape[1:], y.dtype)])
       c, l = jax.device_get(self._batch_stats(params, *jax.device_put((x, y, mask), self.device)))
       correct += float(c)
       loss_sum += float(l)
       n += m
-    return {"test_accuracy": correct / n, "test_loss": loss_sum / n}
+    return {"test_accuracy": correct / n, "test_loss": loss_sum / n, **self.objective.extra_metrics(loss_sum / n)}

@@ -157,8 +157,12 @@ def _check_scalars(config: Any) -> None:
     raise ConfigError(f"config.platform={config.platform!r} must be 'cpu' or 'gpu'")
   if config.optimizer not in ("adam", "sgd", "momentum"):
     raise ConfigError(f"config.optimizer={config.optimizer!r} must be 'adam', 'sgd' or 'momentum'")
-  if config.lr_schedule not in ("constant", "cosine"):
-    raise ConfigError(f"config.lr_schedule={config.lr_schedule!r} must be 'constant' or 'cosine'")
+  if config.lr_schedule not in ("constant", "cosine", "warmup_cosine"):
+    raise ConfigError(f"config.lr_schedule={config.lr_schedule!r} must be 'constant', 'cosine' or 'warmup_cosine'")
+  warmup = config.get("warmup_minibatches", 0)
+  if warmup < 0 or (warmup > 0) != (config.lr_schedule == "warmup_cosine"):
+    raise ConfigError(f"config.warmup_minibatches={warmup} is used only by config.lr_schedule='warmup_cosine', "
+                      "which needs it > 0: set both, or warmup_minibatches=0")
   if not config.learning_rate > 0:
     raise ConfigError(f"config.learning_rate={config.learning_rate} must be > 0")
   if config.checkpoint_every_waves < 0:
@@ -167,6 +171,11 @@ def _check_scalars(config: Any) -> None:
   if config.checkpoint_max_to_keep < 1:
     raise ConfigError(f"config.checkpoint_max_to_keep={config.checkpoint_max_to_keep} must be >= 1")
   parse_debug_nan_update(config.debug_nan_update)
+  from hetpipe_jax.data.dataset import DatasetConfigError, check_dataset_name  # pure (numpy)
+  try:
+    check_dataset_name(config.get("dataset", "fashion_mnist"))
+  except DatasetConfigError as e:
+    raise ConfigError(str(e)) from None
 
 
 def _settings_from_plan(config: Any, plan: Any) -> JobSettings:

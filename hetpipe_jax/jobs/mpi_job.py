@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from hetpipe_jax import models
+from hetpipe_jax.data import dataset as dataset_lib
 from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs.job_config import (ConfigError, JobSettings, check_devices, check_partitions, check_world_size,
@@ -31,10 +32,13 @@ from hetpipe_jax.runtime.param_layout import ParamLayout
 
 
 def make_optimizer(config: Any, num_minibatches: int) -> optax.GradientTransformation:
-  """The optax optimizer each VW applies to its own minibatches (``config.lr_schedule``: constant or cosine)."""
+  """The optax optimizer each VW applies to its own minibatches (``config.lr_schedule``: constant, cosine, or
+  warmup_cosine: linear from 0 over ``config.warmup_minibatches``, then cosine to 0 at ``num_minibatches``)."""
   lr = config.learning_rate
   if config.lr_schedule == "cosine":
     lr = optax.cosine_decay_schedule(config.learning_rate, num_minibatches)
+  if config.lr_schedule == "warmup_cosine":
+    lr = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup_minibatches, num_minibatches)
   if config.optimizer == "adam":
     return optax.adam(lr)
   if config.optimizer == "momentum":
@@ -74,18 +78,40 @@ def prepare(config: Any, settings: JobSettings, world_size: int,
   partitions.
 
   Raises:
-    ConfigError: wrong world size, unknown model, a partition that does not cover the model, too few devices.
+    ConfigError: wrong world size, unknown model (a registry name, or a ``module:factory`` that does not import or
+      does not return a ModelSpec), a partition that does not cover the model, too few devices.
   """
   del config
   check_world_size(settings, world_size)
   try:
-    spec = models.get_model(settings.model)
+    spec = models.load_model(settings.model)
   except ValueError as e:
     raise ConfigError(str(e)) from None
   partitions = check_partitions(settings, spec.num_layers)
   if check_local_devices:
     check_devices(settings, len(jax.local_devices()))
   return spec, partitions
+
+
+def load_data(config: Any, spec: models.ModelSpec) -> Any:
+  """The dataset ``config.dataset`` names, checked against the model (:func:`hetpipe_jax.data.dataset.load_dataset`).
+
+  Raises:
+    ConfigError: ``config.dataset`` cannot be loaded or does not fit ``config.model`` (shape, dtype, targets).
+    fashion_mnist.DataError: missing or corrupt dataset files.
+  """
+  try:
+    return dataset_lib.load_dataset(config, tuple(spec.input_shape), spec.input_dtype, spec.num_classes)
+  except dataset_lib.DatasetConfigError as e:
+    raise ConfigError(str(e)) from None
+
+
+def data_config_fields(spec: models.ModelSpec, dataset: Any) -> dict:
+  """What config.json adds about the model's objective and the data (both jobs record it)."""
+  from hetpipe_jax.runtime.objectives import get_objective
+  objective = get_objective(spec.objective)
+  return {"objective": objective.name, "loss_unit": objective.loss_unit,
+          "dataset_info": dataset_lib.dataset_description(dataset)}
 
 
 def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = False) -> dict | None:
@@ -110,8 +136,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   rank, world = comm.Get_rank(), comm.Get_size()
   spec, partitions = prepare(config, settings, world)
   emulated = emulated_task_times(config, settings)  # bad emulation settings fail here, on every rank
-  dataset = fashion_mnist.load_fashion_mnist(config.data_dir or None,
-                                       expected_counts=(60000, 10000) if config.check_counts else None)
+  dataset = load_data(config, spec)
   num_mb = minibatches_per_vw(config, settings, dataset.num_train)
   check_workdir(workdir)
   resume_lib.check_resume_workdir(workdir, resume)
@@ -380,11 +405,11 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
     resume_lib.rewrite_lines(pathlib.Path(workdir) / "metrics.jsonl", meta["metrics"])
   outputs = RunOutputs(workdir)
   config_json = resolved_config(config, settings, partitions, num_ps_shards=settings.num_ps_shards,
-                                ps_placement=settings.ps_placement)
+                                ps_placement=settings.ps_placement, **data_config_fields(spec, dataset))
   outputs.write_config(config_json)
   for note in settings.notes:
     logging.info("[PS] %s", note)
-  evaluator = Evaluator(spec, layout, dataset.test_images, dataset.test_labels, config.eval_batch_size,
+  evaluator = Evaluator(spec, layout, dataset.eval_inputs, dataset.eval_targets, config.eval_batch_size,
                         jax.local_devices()[0])
   eval_every = eval_every_waves(config, settings, dataset.num_train)
   server = ParameterServer(shards.gather(flat0, 0), n, config.ps_apply)  # shard 0's slice (all of it when S = 1)
@@ -488,6 +513,9 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
       "time_unit": "wall-clock seconds",
       "test_accuracy": final["test_accuracy"],
       "test_loss": final["test_loss"],
+      **final,
+      "objective": config_json["objective"],
+      "loss_unit": config_json["loss_unit"],
       "final_train_loss": service.last_loss,
       "num_minibatches": total_mb,
       "num_minibatches_per_vw": num_mb,

@@ -16,10 +16,11 @@ import jax
 import numpy as np
 
 from hetpipe_jax import models
-from hetpipe_jax.data import fashion_mnist, sharding
+from hetpipe_jax.data import sharding
 from hetpipe_jax.jobs.evaluation import Evaluator
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
-from hetpipe_jax.jobs.mpi_job import eval_every_waves, make_optimizer, minibatches_per_vw, prepare
+from hetpipe_jax.jobs.mpi_job import (data_config_fields, eval_every_waves, load_data, make_optimizer,
+                                      minibatches_per_vw, prepare)
 from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
 from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, settings_summary
@@ -56,8 +57,7 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
   if use_plan and settings.plan is None:
     raise ConfigError("--mode=virtual needs task durations: set config.emulate_stage_ms or config.plan")
   times = emulated_task_times(config, settings, plan_times=use_plan or config.emulate_plan)
-  dataset = fashion_mnist.load_fashion_mnist(config.data_dir or None,
-                                        expected_counts=(60000, 10000) if config.check_counts else None)
+  dataset = load_data(config, spec)
   num_mb = minibatches_per_vw(config, settings, dataset.num_train)
   check_workdir(workdir)
   resume_lib.check_resume_workdir(workdir, resume)
@@ -75,7 +75,8 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
   if point:  # metrics.jsonl as it was at the checkpoint (later lines belong to the lost part of the run)
     resume_lib.rewrite_lines(pathlib.Path(workdir) / "metrics.jsonl", point.meta["metrics"])
   outputs = RunOutputs(workdir)
-  config_json = resolved_config(config, settings, partitions, emulate_plan=use_plan or config.emulate_plan)
+  config_json = resolved_config(config, settings, partitions, emulate_plan=use_plan or config.emulate_plan,
+                                **data_config_fields(spec, dataset))
   outputs.write_config(config_json)
   for note in settings.notes:
     logging.info("[virtual] %s", note)
@@ -103,7 +104,7 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
       vw.set_version_id(point.meta["version_ids"][v % len(point.meta["version_ids"])])
     vws.append(vw)
 
-  evaluator = Evaluator(spec, layout, dataset.test_images, dataset.test_labels, config.eval_batch_size, devices[0])
+  evaluator = Evaluator(spec, layout, dataset.eval_inputs, dataset.eval_targets, config.eval_batch_size, devices[0])
   eval_every = eval_every_waves(config, settings, dataset.num_train)
   total_waves = clock0 + num_waves
   bar = None
@@ -213,6 +214,9 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
       "time_unit": "simulated seconds",
       "test_accuracy": final["test_accuracy"],
       "test_loss": final["test_loss"],
+      **final,
+      "objective": config_json["objective"],
+      "loss_unit": config_json["loss_unit"],
       "final_train_loss": state["loss"],
       "num_minibatches": total,
       "num_minibatches_per_vw": num_mb,

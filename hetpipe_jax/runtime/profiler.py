@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hetpipe_jax.models import ModelSpec, get_model
+from hetpipe_jax.models import ModelSpec, load_model
 from hetpipe_jax.planning import profile_format
 
 _OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
@@ -99,7 +99,7 @@ def profile_model(spec: ModelSpec, batch_size: int, *, measure: bool, repeats: i
     raise ValueError(f"batch_size must be positive, got {batch_size}")
   device = device or jax.devices()[0]
   opt = _OPTIMIZERS[optimizer]()
-  x = jax.ShapeDtypeStruct((batch_size,) + tuple(spec.input_shape), jnp.float32)
+  x = jax.ShapeDtypeStruct((batch_size,) + tuple(spec.input_shape), spec.input_dtype)
   input_bytes = _tree_bytes(x)
   cache: dict[tuple[str, tuple[int, ...]], profile_format.LayerProfile] = {}
   layers = []
@@ -121,7 +121,10 @@ def profile_model(spec: ModelSpec, batch_size: int, *, measure: bool, repeats: i
         rng = np.random.default_rng(i)
         p_real = jax.device_put(layer.init(jax.random.key(i), jnp.zeros(x.shape, x.dtype)).get("params", {}),
                                 device)
-        x_real = jax.device_put(rng.standard_normal(x.shape).astype(np.float32), device)
+        if jnp.issubdtype(x.dtype, jnp.floating):
+          x_real = jax.device_put(rng.standard_normal(x.shape).astype(np.float32), device)
+        else:  # token ids
+          x_real = jax.device_put(rng.integers(0, spec.num_classes, x.shape).astype(x.dtype), device)
         fwd_ms = _median_ms(fwd, (p_real, x_real), repeats)
         _, vjp_real = jax.jit(lambda p, a, fn=fn: jax.vjp(fn, p, a))(p_real, x_real)
         g_real = jax.device_put(rng.standard_normal(y.shape).astype(np.float32), device)
@@ -170,7 +173,7 @@ def load_or_profile(model: str, batch_size: int, *, measure: bool, path: str | N
         prof = profile_format.load_profile(c)
         if prof.model == model and prof.batch_size == batch_size and (prof.measured or not measure):
           return prof
-  prof = profile_model(get_model(model), batch_size, measure=measure, **kwargs)
+  prof = profile_model(load_model(model), batch_size, measure=measure, **kwargs)
   out = path or profile_format.default_profile_path(model, batch_size, kind, measure)
   profile_format.save_profile(prof, out)
   logging.info("[profiler] wrote %s", out)

@@ -23,7 +23,8 @@ Params = Any  # list of per-layer params pytrees of one stage
 
 
 def cross_entropy_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Mean softmax cross-entropy. logits ``[b, classes]``, labels ``[b]`` int32 → scalar."""
+  """Mean softmax cross-entropy (nats). logits ``[b, classes]``, labels ``[b]`` int32 → scalar; also logits
+  ``[b, seq, vocab]`` with labels ``[b, seq]`` (the mean over every position: the next-token loss)."""
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
@@ -61,25 +62,28 @@ def build_stages(spec: ModelSpec, partition: Sequence[Sequence[int]], devices: S
     partition: one ``[start, end)`` layer range per stage.
     devices: one device per stage (explicit placement).
     optimizer: the optax transformation; each stage updates its own params with it.
+    (The last stage's loss is ``spec.objective``'s, :mod:`hetpipe_jax.runtime.objectives`.)
 
   Returns:
     The stages, in pipeline order.
 
   Raises:
-    ValueError: bad partition, or not one device per stage.
+    ValueError: bad partition, not one device per stage, or an unknown ``spec.objective``.
   """
+  from hetpipe_jax.runtime.objectives import get_objective  # imports this module
+  loss_fn = get_objective(spec.objective).loss
   ranges = validate_partition(partition, spec.num_layers)
   if len(devices) != len(ranges):
     raise ValueError(f"{len(ranges)} stages need {len(ranges)} devices, got {len(devices)}")
   stages = []
   for s, (start, end) in enumerate(ranges):
     st = Stage(s, (start, end), devices[s], is_first=(s == 0), is_last=(s == len(ranges) - 1))
-    _jit_stage(st, spec.layers[start:end], optimizer)
+    _jit_stage(st, spec.layers[start:end], optimizer, loss_fn)
     stages.append(st)
   return stages
 
 
-def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformation) -> None:
+def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformation, objective_loss: Any) -> None:
   counts = st.trace_counts
 
   def run(params: Params, x: jax.Array) -> jax.Array:
@@ -105,7 +109,7 @@ def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformat
     counts["forward_backward"] += 1
 
     def loss_fn(p, a):
-      return cross_entropy_loss(run(p, a), labels)
+      return objective_loss(run(p, a), labels)
 
     if st.is_first:
       loss, gp = jax.value_and_grad(loss_fn)(params, x)
