@@ -103,6 +103,18 @@ def test_fewer_than_one_wave_is_an_error(epochs, mb):
     mpi_job.minibatches_per_vw(config, job_config.settings_from_config(config), 512)
 
 
+@pytest.mark.parametrize("warmup,ok", [(5, True), (6, False), (7, False)])  # 6 minibatches per VW (Nm = 3)
+def test_a_warmup_as_long_as_the_run_is_an_error(warmup, ok):
+  config = _config(num_virtual_workers=2, batch_size=32, num_inflight=3, num_minibatches=6,
+                   lr_schedule="warmup_cosine", warmup_minibatches=warmup)
+  settings = job_config.settings_from_config(config)
+  if ok:
+    assert mpi_job.minibatches_per_vw(config, settings, 512) == 6
+    return
+  with pytest.raises(ConfigError, match=rf"config.warmup_minibatches={warmup} is not shorter than the run's 6 "):
+    mpi_job.minibatches_per_vw(config, settings, 512)
+
+
 # (num_train, num_vws, batch_size, Nm, eval_every_epochs) -> global-clock ticks between evaluations, by hand:
 # an epoch is (num_train // N // batch) / Nm waves; round(eval_every_epochs * that), at least 1; 0 = only at the end.
 EVAL_CADENCES = [

@@ -137,7 +137,8 @@ def test_missing_text_path_names_the_setting_and_the_fix(tmp_path):
 @pytest.mark.mpi
 def test_lm_config_smoke_under_mpi(tmp_path, text_dir):
   """experiments/configs/lm.py end to end over MPI (2 VWs x 2 stages), a few minibatches on a small corpus."""
-  proc = run_job(tmp_path, 3, {"data_dir": str(text_dir), "num_minibatches": 4, "eval_every_epochs": 0},
+  proc = run_job(tmp_path, 3, {"data_dir": str(text_dir), "num_minibatches": 4, "warmup_minibatches": 2,
+                               "eval_every_epochs": 0},
                  config="experiments/configs/lm.py")
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = json.loads((tmp_path / "summary.json").read_text())

@@ -50,7 +50,7 @@ def minibatches_per_vw(config: Any, settings: JobSettings, num_train: int) -> in
   """Minibatches each VW trains, rounded down to whole waves of Nm.
 
   Raises:
-    ConfigError: fewer than one wave.
+    ConfigError: fewer than one wave, or a warm-up (``warmup_cosine``) as long as the run or longer.
   """
   if config.num_minibatches > 0:
     total = config.num_minibatches
@@ -61,6 +61,10 @@ def minibatches_per_vw(config: Any, settings: JobSettings, num_train: int) -> in
   if total < settings.num_inflight:
     raise ConfigError(f"the job trains fewer than one wave ({settings.num_inflight} minibatches) per VW: raise "
                       "config.num_epochs or config.num_minibatches")
+  warmup = config.get("warmup_minibatches", 0)
+  if config.lr_schedule == "warmup_cosine" and warmup >= total:
+    raise ConfigError(f"config.warmup_minibatches={warmup} is not shorter than the run's {total} minibatches per VW: "
+                      "lower it, or train longer")
   return total
 
 
