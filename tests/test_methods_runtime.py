@@ -84,3 +84,34 @@ def test_micro_batches_split_each_minibatch_in_order(synthetic_data_dir):
   micro = sharding.MicroBatches(source.get, 4)
   x = np.concatenate([micro.get(p)[0] for p in range(4, 8)])
   np.testing.assert_array_equal(x, source.get(1)[0])
+
+
+# ----------------------------------------------------------------------------------------- virtual time
+@pytest.mark.parametrize("method,stages,m,stage_ms", [
+    ("gpipe", 2, 4, "20,40;40,80"),  # heterogeneous VWs: the slow one holds every step
+    ("1f1b_flush", 2, 2, "20,40"),
+    ("horovod", 1, 1, "30;60"),
+])
+def test_virtual_time_allreduce_methods_equal_union_training(tmp_path, synthetic_data_dir, method, stages, m,
+                                                             stage_ms):
+  from experiments.configs import tiny
+  from hetpipe_jax.jobs import checkpoint, job_config, virtual_job
+  from tests.test_methods_mpi import union_training
+  steps, lr, batch = 4, 0.1, 16
+  c = tiny.get_config()
+  c.update({"data_dir": str(synthetic_data_dir), "check_counts": False, "progress": False, "method": method,
+            "num_virtual_workers": 2, "num_stages": stages, "num_inflight": m, "num_minibatches": steps,
+            "optimizer": "sgd", "learning_rate": lr, "batch_size": batch, "emulate_stage_ms": stage_ms,
+            "log_every_waves": 1})
+  summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
+  want, losses = union_training(synthetic_data_dir, 2, steps, batch, lr)
+  assert_params_close(checkpoint.restore_weights(tmp_path / "checkpoint"), want, rtol=1e-5)
+  assert summary["allreduce"]["replicas_identical"] and summary["method"] == method
+  # Simulated time: the slowest VW's step, (M + S - 1) micro-batch tasks of its slowest stage on equal-share
+  # stages here: sum of stage times + (M - 1) x the slowest, per step (no all-reduce time in synthetic emulation).
+  rows = [[float(x) / m for x in r.split(",")] for r in stage_ms.split(";")]
+  step_s = max(sum(r) + (m - 1) * max(r) for r in rows) / 1e3
+  assert summary["simulated_time_s"] == pytest.approx(steps * step_s, rel=1e-9)
+  import json
+  metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"wave"' in l]
+  np.testing.assert_allclose([l["loss"] for l in metrics], losses, rtol=1e-5)
