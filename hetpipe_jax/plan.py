@@ -8,11 +8,10 @@ Prints a table and writes a versioned plan JSON that ``hetpipe_jax.train --plan=
 
 from __future__ import annotations
 
-import os
-
 from absl import app
 from absl import flags
 
+from hetpipe_jax import profiles
 from hetpipe_jax.planning import allocator
 from hetpipe_jax.planning import cluster as cluster_lib
 from hetpipe_jax.planning import plan_format
@@ -25,6 +24,11 @@ _BATCH = flags.DEFINE_integer("batch_size", 32, "Examples per minibatch.")
 _POLICY = flags.DEFINE_enum("policy", "ED", list(allocator.POLICIES), "Resource allocation policy.")
 _NUM_VWS = flags.DEFINE_integer("num_vws", 4, "Number of virtual workers.")
 _PLACEMENT = flags.DEFINE_enum("ps_placement", "default", ["default", "local"], "Parameter placement.")
+_METHOD = flags.DEFINE_enum("method", "hetpipe", ["hetpipe", "pipedream", "gpipe", "1f1b_flush", "horovod"],
+                            "Training method (hetpipe_jax.rules.methods).")
+_NUM_INFLIGHT = flags.DEFINE_integer("num_inflight", 0, "pipedream: Nm (0: NOAM); gpipe/1f1b_flush/horovod: "
+                                     "micro-batches per step M (0: the planner's choice; horovod: 1).")
+_REMAT = flags.DEFINE_bool("remat", False, "gpipe/1f1b_flush: rematerialise each stage's activations (memory).")
 _PROFILE = flags.DEFINE_string("profile", None, "Profile JSON to use instead of the saved/default one.")
 _OUTPUT = flags.DEFINE_string("output", None, "Where to write the plan JSON.")
 flags.mark_flags_as_required(["model"])
@@ -32,22 +36,8 @@ flags.mark_flags_as_required(["model"])
 
 def get_profile(model: str, batch_size: int, cluster: cluster_lib.ClusterSpec,
                 path: str | None) -> profile_format.ModelProfile:
-  """A saved profile when one fits (no jax import), else runs the profiler (measuring when the cluster maps a
-  GPU type onto this host's device kind)."""
-  if path:
-    prof = profile_format.load_profile(path)
-    if prof.model != model or prof.batch_size != batch_size:
-      raise ValueError(f"profile {path} is for model {prof.model!r} at batch {prof.batch_size}, not {model!r} at "
-                       f"batch {batch_size}")
-    return prof
-  measured_kinds = {t.measured_device_kind for t in cluster.gpu_types.values() if t.measured_device_kind}
-  for kind in sorted(measured_kinds) or ["cpu"]:
-    for measured in (True, False) if not measured_kinds else (True,):
-      p = profile_format.default_profile_path(model, batch_size, kind, measured)
-      if os.path.isfile(p):
-        return profile_format.load_profile(p)
-  from hetpipe_jax.runtime import profiler  # pylint: disable=g-import-not-at-top  # jax only when profiling is needed
-  return profiler.load_or_profile(model, batch_size, measure=bool(measured_kinds))
+  """:func:`hetpipe_jax.profiles.get_profile` (kept here for callers of the planner's entry point)."""
+  return profiles.get_profile(model, batch_size, cluster, path)
 
 
 def main(argv):
@@ -56,7 +46,8 @@ def main(argv):
     raise app.UsageError(f"--batch_size must be positive, got {_BATCH.value}")
   cluster = cluster_lib.load_cluster(_CLUSTER.value)
   profile = get_profile(_MODEL.value, _BATCH.value, cluster, _PROFILE.value)
-  config = planner.PlannerConfig(policy=_POLICY.value, num_vws=_NUM_VWS.value, ps_placement=_PLACEMENT.value)
+  config = planner.PlannerConfig(policy=_POLICY.value, num_vws=_NUM_VWS.value, ps_placement=_PLACEMENT.value,
+                                 method=_METHOD.value, num_inflight=_NUM_INFLIGHT.value, remat=_REMAT.value)
   plan = planner.make_plan(cluster, profile, config)
   print(planner.format_table(plan))
   if _OUTPUT.value:

@@ -175,9 +175,25 @@ MUTATIONS = (
              ("tests/test_pipeline.py",), "a stage uses the VW's latest weights, not the minibatch's version"),
     # ---- partitioner and cost model
     Mutation("cost_model_no_optimizer_state", "hetpipe_jax/planning/cost_model.py",
-             "    return (params * copies + opt + held",
-             "    return (params * copies + held",
+             "    return params * copies + opt + kept",
+             "    return params * copies + kept",
              ("tests/test_cost_model.py",), "stage memory leaves out the optimizer state"),
+    Mutation("one_f_one_b_extra_warmup", "hetpipe_jax/rules/methods.py",
+             "    k = num_stages - stage_id\n",
+             "    k = num_stages - stage_id + 1\n",
+             ("tests/test_methods.py",), "1F1B-flush runs one warm-up forward too many"),
+    Mutation("allreduce_no_flush", "hetpipe_jax/rules/wsp.py",
+             "  if cap is not None and cap - first < room:",
+             "  if False:",
+             ("tests/test_methods.py",), "the next step's micro-batches start before the all-reduced update"),
+    Mutation("engine_allreduce_free", "hetpipe_jax/sim/engine.py",
+             "    done = t + self.allreduce_s",
+             "    done = t",
+             ("tests/test_methods.py",), "the engine's all-reduce takes no time"),
+    Mutation("gpipe_memory_holds_one", "hetpipe_jax/rules/methods.py",
+             '  if method.order == "gpipe":\n    k = window',
+             '  if method.order == "gpipe":\n    k = 1',
+             ("tests/test_methods.py",), "GPipe's order and memory hold one micro-batch"),
     Mutation("cost_model_no_receive_time", "hetpipe_jax/planning/cost_model.py",
              "      t += float(self.recv_ms[prev_link][i])",
              "      t += 0.0",
@@ -231,7 +247,7 @@ MUTATIONS = (
              ("tests/test_job_promises.py::test_learning_rate_schedule_follows_its_closed_form",),
              "the cosine schedule decays over twice the run, not over each VW's minibatches"),
     Mutation("run_length_not_whole_waves", "hetpipe_jax/jobs/mpi_job.py",
-             "  total -= total % settings.num_inflight\n",
+             "  total -= total % unit\n",
              "",
              ("tests/test_job_promises.py::test_minibatches_per_vw_rounds_down_to_whole_waves",),
              "a VW trains a partial last wave"),
@@ -262,8 +278,8 @@ MUTATIONS = (
              "              p = c.task.minibatch_id\n"
              "              self.complete_minibatch(inflight.pop(p), c.end_s)\n"
              "              wave, pull = self.sync.on_minibatch_complete(p)\n"
-             "              if wave is not None:\n"
-             "                self.end_wave(wave)\n"
+             "              if wave is not None and self.end_wave(wave):\n"
+             "                self.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied\n"
              "              if pull is not None:\n"
              "                self.ps.request_pull(pull)\n"
              "            stats.update_s += time.perf_counter() - t\n",
@@ -274,8 +290,8 @@ MUTATIONS = (
              "              p = c.task.minibatch_id\n"
              "              self.complete_minibatch(inflight.pop(p), c.end_s)\n"
              "              wave, pull = self.sync.on_minibatch_complete(p)\n"
-             "              if wave is not None:\n"
-             "                self.end_wave(wave)\n"
+             "              if wave is not None and self.end_wave(wave):\n"
+             "                self.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied\n"
              "              if pull is not None:\n"
              "                self.ps.request_pull(pull)\n"
              "            stats.update_s += time.perf_counter() - t\n"

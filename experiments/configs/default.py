@@ -41,6 +41,13 @@ def get_config() -> ml_collections.ConfigDict:
   # Emulated heterogeneous devices: pad every task to the time it would take on the GPU its device stands in for.
   c.emulate_stage_ms = ""  # e.g. "20,80" (ms per minibatch per stage, every VW) or "20,80;40,40" (per VW)
   c.emulate_plan = False  # True: the cost model's times for the plan's GPU types (needs config.plan)
+  # Training method (hetpipe_jax.rules.methods): "hetpipe" (Nm in flight + WSP), "pipedream" (async 1F1B with
+  # weight stashing + WSP; num_inflight defaults to NOAM), "gpipe" / "1f1b_flush" (num_inflight = M micro-batches
+  # per step, one update at the flush, all-reduce BSP across VWs, no PS), "horovod" (one-stage VWs, all-reduce BSP).
+  # The all-reduce methods run one MPI rank per VW (no PS rank).
+  c.method = "hetpipe"
+  c.vertical_sync = False  # pipedream: every stage uses the weight version stage 0 used for the minibatch
+  c.remat = False  # gpipe / 1f1b_flush / horovod: rematerialise each stage's activations (jax.checkpoint)
   # HetPipe pipeline and WSP (HetPipe §4-§5).
   c.staleness_bound = 1  # D: a VW may run at most D waves ahead of the slowest
   # Pull policy. True (our refinement): also pull, without waiting, at every wave end, asking for what the next

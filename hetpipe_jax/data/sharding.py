@@ -170,3 +170,40 @@ class ShardedMinibatches:
     """
     idx = self.indices(minibatch_id)
     return self._images[idx], self._labels[idx]
+
+
+class MicroBatches:
+  """Micro-batch ``p`` of a minibatch source: minibatch ``p // M``, examples ``[(p % M) b, (p % M + 1) b)`` with
+  ``b = batch_size / M`` (GPipe, 1F1B-flush, Horovod's gradient accumulation: the M micro-batches of a step are
+  exactly its minibatch).
+
+  Args:
+    get: ``minibatch_id -> (images, labels)`` numpy arrays of ``batch_size`` examples.
+    num_microbatches: M, dividing the batch size.
+
+  Raises:
+    ValueError: M < 1.
+  """
+
+  def __init__(self, get, num_microbatches: int):
+    if num_microbatches < 1:
+      raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    self._get = get
+    self.num_microbatches = num_microbatches
+    self._cached = (-1, None)
+
+  def get(self, microbatch_id: int):
+    """``(images, labels)`` of micro-batch ``microbatch_id``.
+
+    Raises:
+      ValueError: the minibatch's size is not a multiple of M.
+    """
+    step, part = divmod(microbatch_id, self.num_microbatches)
+    if self._cached[0] != step:
+      self._cached = (step, self._get(step))
+    images, labels = self._cached[1]
+    n = labels.shape[0]
+    if n % self.num_microbatches:
+      raise ValueError(f"a minibatch of {n} examples does not split into {self.num_microbatches} micro-batches")
+    b = n // self.num_microbatches
+    return images[part * b:(part + 1) * b], labels[part * b:(part + 1) * b]

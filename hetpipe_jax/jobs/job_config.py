@@ -10,6 +10,7 @@ import json
 from typing import Any, Mapping, Sequence
 
 from hetpipe_jax.paths import repo_path
+from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import partition as partition_rules
 from hetpipe_jax.rules import wsp
 from hetpipe_jax.rules.partition import Partition
@@ -49,6 +50,8 @@ class JobSettings:
     sources: per plan-decided setting where its value comes from: "plan", "config", "config (= plan)",
       "config (overrides the plan's ...)" or "default".
     notes: log lines about overrides.
+    method: the training method (:mod:`hetpipe_jax.rules.methods`); for the flush methods (gpipe, 1f1b_flush,
+      horovod) ``num_inflight`` is M, the micro-batches per step (each of ``batch_size / M`` examples).
   """
 
   model: str
@@ -65,11 +68,17 @@ class JobSettings:
   ps_placement: str = "default"
   shard_nodes: tuple[str, ...] = ("host",)  # node of each shard
   vw_stage_nodes: tuple[tuple[str, ...], ...] = ()  # per VW, per stage, the node of its GPU (plan) or "host"
+  method: str = "hetpipe"
+
+  @property
+  def uses_ps(self) -> bool:
+    return methods.get_method(self.method).uses_ps
 
   @property
   def world_size(self) -> int:
-    """MPI ranks: ``num_ps_shards`` PS shards (ranks ``0..S-1``) then one rank per VW."""
-    return self.num_ps_shards + self.num_virtual_workers
+    """MPI ranks: ``num_ps_shards`` PS shards (ranks ``0..S-1``) then one rank per VW (WSP methods); one rank per VW
+    (all-reduce methods: no PS)."""
+    return (self.num_ps_shards if self.uses_ps else 0) + self.num_virtual_workers
 
   @property
   def num_stages(self) -> int | None:
@@ -176,10 +185,25 @@ def _check_scalars(config: Any) -> None:
     check_dataset_name(config.get("dataset", "fashion_mnist"))
   except DatasetConfigError as e:
     raise ConfigError(str(e)) from None
+  method = config.get("method", "hetpipe")
+  if method not in methods.METHODS:
+    raise ConfigError(f"config.method={method!r} is not a method: use one of {list(methods.METHODS)}")
+  m = config.get("num_inflight")
+  if methods.get_method(method).is_flush and m is not None and config.batch_size % m:
+    raise ConfigError(f"config.method={method!r} splits each minibatch into num_inflight={m} micro-batches, but "
+                      f"config.batch_size={config.batch_size} is not a multiple of it: pick a divisor")
+  if config.get("vertical_sync", False) and method != "pipedream":
+    raise ConfigError(f"config.vertical_sync=True is a PipeDream setting; config.method={method!r}")
+  if config.get("remat", False) and not methods.get_method(method).is_flush:
+    raise ConfigError(f"config.remat=True applies to gpipe, 1f1b_flush and horovod; config.method={method!r}")
 
 
 def _settings_from_plan(config: Any, plan: Any) -> JobSettings:
   """The plan's layout and Nm, with every plan-decided setting the config also gives checked against it."""
+  method = config.get("method", "hetpipe")
+  if plan.method != method:
+    raise ConfigError(f"the plan {config.plan} is for method {plan.method!r} but config.method={method!r}: set "
+                      f"--config.method={plan.method}, or plan with --method={method}")
   if int(plan.batch_size) != config.batch_size:
     raise ConfigError(f"the plan was made for batch size {plan.batch_size} but config.batch_size="
                       f"{config.batch_size}: re-plan or set --config.batch_size={plan.batch_size}")
@@ -238,7 +262,7 @@ def _settings_from_plan(config: Any, plan: Any) -> JobSettings:
                         "re-plan with a cluster that maps its GPUs to local devices")
     vws.append(VWLayout(partition, planned))
   return JobSettings(plan.model, num_vws, num_inflight, config.staleness_bound, tuple(vws), config.platform, plan,
-                     sources, tuple(notes))
+                     sources, tuple(notes), method)
 
 
 def settings_from_config(config: Any, plan: Any = None) -> JobSettings:
@@ -258,13 +282,29 @@ def settings_from_config(config: Any, plan: Any = None) -> JobSettings:
     return _settings_from_plan(config, plan)
   sources = {}
   values = {}
-  for name, default in DEFAULTS_WITHOUT_PLAN.items():
+  method = config.get("method", "hetpipe")
+  defaults = dict(DEFAULTS_WITHOUT_PLAN)
+  if method == "horovod":
+    defaults["num_stages"] = 1  # the whole model on one GPU per worker
+    defaults["num_inflight"] = 1  # one micro-batch per step (no gradient accumulation)
+  if method == "pipedream":
+    defaults["num_inflight"] = None  # NOAM: the number of stages (one GPU per stage)
+  for name, default in defaults.items():
     given = config.get(name)
     values[name] = default if given is None else given
     sources[name] = "default" if given is None else "config"
   partitions = parse_partition(config.get("partition"))
   sources["partition"] = "config" if partitions else "default (even split)"
   num_vws, num_stages = values["num_virtual_workers"], values["num_stages"]
+  if values["num_inflight"] is None:
+    values["num_inflight"] = num_stages
+    sources["num_inflight"] = "default (PipeDream's NOAM = num_stages)"
+  if method == "horovod" and num_stages != 1:
+    raise ConfigError(f"config.method='horovod' holds the whole model on one device per worker: num_stages must be 1, "
+                      f"got {num_stages}")
+  if methods.get_method(method).is_flush and config.batch_size % values["num_inflight"]:
+    raise ConfigError(f"config.method={method!r} splits each minibatch into num_inflight={values['num_inflight']} "
+                      f"micro-batches, but config.batch_size={config.batch_size} is not a multiple of it")
   if partitions is not None:
     if len(partitions) not in (1, num_vws):
       raise ConfigError(f"config.partition={config.partition!r} gives {len(partitions)} partitions for {num_vws} "
@@ -278,18 +318,22 @@ def settings_from_config(config: Any, plan: Any = None) -> JobSettings:
     partitions = (None,) * num_vws
   devices = _parse_devices(config.stage_devices, num_stages)
   return JobSettings(config.model, num_vws, values["num_inflight"], config.staleness_bound,
-                     tuple(VWLayout(p, devices) for p in partitions), config.platform, None, sources)
+                     tuple(VWLayout(p, devices) for p in partitions), config.platform, None, sources, (), method)
 
 
 def check_world_size(settings: JobSettings, world_size: int) -> None:
   """Raises ConfigError unless the MPI world is 1 PS + one rank per VW."""
   if world_size != settings.world_size:
     what = "the plan's" if settings.plan is not None else "config.num_virtual_workers"
-    s = settings.num_ps_shards
-    ps = "rank 0 = PS" if s == 1 else f"ranks 0..{s - 1} = PS shards (config.num_ps_shards={s})"
+    if settings.uses_ps:
+      s = settings.num_ps_shards
+      ps = "rank 0 = PS" if s == 1 else f"ranks 0..{s - 1} = PS shards (config.num_ps_shards={s})"
+      layout = f"{ps}, ranks {s}..{s + settings.num_virtual_workers - 1} = VWs"
+    else:
+      s = 0
+      layout = f"one rank per VW: config.method={settings.method!r} has no PS"
     raise ConfigError(f"MPI world size is {world_size} but the job has {settings.num_virtual_workers} virtual "
-                      f"workers ({what}): run `mpiexec -n {settings.world_size} ...` ({ps}, ranks {s}.."
-                      f"{s + settings.num_virtual_workers - 1} = VWs)"
+                      f"workers ({what}): run `mpiexec -n {settings.world_size} ...` ({layout})"
                       + ("" if settings.plan is not None else
                          f" or set config.num_virtual_workers={world_size - s}"))
 
@@ -386,7 +430,8 @@ def parse_stage_ms(text: str, num_vws: int, num_stages: int) -> list[list[float]
 def emulated_task_times(config: Any, settings: JobSettings, *, plan_times: bool | None = None) -> list | None:
   """Per-VW :class:`hetpipe_jax.sim.task_times.VWTaskTimes` for emulated devices, or None when not emulating.
 
-  ``config.emulate_stage_ms`` gives synthetic per-stage times (a third forward, two thirds backward);
+  ``config.emulate_stage_ms`` gives synthetic per-stage times of one minibatch (a third forward, two thirds
+  backward; the flush methods' tasks are micro-batches, each ``1 / M`` of it);
   ``config.emulate_plan`` (or ``plan_times=True``) uses the cost model's times for the GPU types of the plan's devices.
 
   Raises:
@@ -403,6 +448,8 @@ def emulated_task_times(config: Any, settings: JobSettings, *, plan_times: bool 
   if rows is not None and use_plan:
     raise ConfigError("set config.emulate_stage_ms or config.emulate_plan, not both")
   if rows is not None:
+    if methods.get_method(settings.method).is_flush:  # the given times are per minibatch; a task is a micro-batch
+      rows = [[v / settings.num_inflight for v in r] for r in rows]
     return [task_times.uniform_task_times(r) for r in rows]
   if not use_plan:
     return None

@@ -27,6 +27,7 @@ from hetpipe_jax.jobs.job_config import (ConfigError, JobSettings, check_devices
                                          emulated_task_times, ps_layer_shards, resolved_config, with_ps_shards)
 from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, settings_summary
 from hetpipe_jax.ps.shards import ShardLayout
+from hetpipe_jax.rules import methods
 from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime.param_layout import ParamLayout
 
@@ -46,8 +47,14 @@ def make_optimizer(config: Any, num_minibatches: int) -> optax.GradientTransform
   return optax.sgd(lr)
 
 
+def minibatches_per_wave(settings: JobSettings) -> int:
+  """Minibatches per wave: Nm (WSP methods), or 1 for the flush methods (a step is one minibatch of M
+  micro-batches)."""
+  return 1 if methods.get_method(settings.method).is_flush else settings.num_inflight
+
+
 def minibatches_per_vw(config: Any, settings: JobSettings, num_train: int) -> int:
-  """Minibatches each VW trains, rounded down to whole waves of Nm.
+  """Minibatches each VW trains, rounded down to whole waves of Nm (flush methods: steps, one minibatch each).
 
   Raises:
     ConfigError: fewer than one wave, or a warm-up (``warmup_cosine``) as long as the run or longer.
@@ -57,9 +64,10 @@ def minibatches_per_vw(config: Any, settings: JobSettings, num_train: int) -> in
   else:
     shard = num_train // settings.num_virtual_workers
     total = int(config.num_epochs * (shard // config.batch_size))
-  total -= total % settings.num_inflight
-  if total < settings.num_inflight:
-    raise ConfigError(f"the job trains fewer than one wave ({settings.num_inflight} minibatches) per VW: raise "
+  unit = minibatches_per_wave(settings)
+  total -= total % unit
+  if total < unit or total < 1:
+    raise ConfigError(f"the job trains fewer than one wave ({unit} minibatches) per VW: raise "
                       "config.num_epochs or config.num_minibatches")
   warmup = config.get("warmup_minibatches", 0)
   if config.lr_schedule == "warmup_cosine" and warmup >= total:
@@ -72,7 +80,7 @@ def eval_every_waves(config: Any, settings: JobSettings, num_train: int) -> int:
   """Global-clock ticks between test-set evaluations (``config.eval_every_epochs``; 0 = only at the end)."""
   if config.eval_every_epochs <= 0:
     return 0
-  waves_per_epoch = (num_train // settings.num_virtual_workers // config.batch_size) / settings.num_inflight
+  waves_per_epoch = (num_train // settings.num_virtual_workers // config.batch_size) / minibatches_per_wave(settings)
   return max(1, int(round(config.eval_every_epochs * waves_per_epoch)))
 
 
@@ -136,6 +144,9 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
       checkpoints (or checkpoints without it), a checkpoint of another model, nothing left to train.
     fashion_mnist.DataError: missing or corrupt dataset files.
   """
+  if not settings.uses_ps:  # all-reduce BSP: one rank per VW, no PS
+    from hetpipe_jax.jobs import allreduce_job  # pylint: disable=g-import-not-at-top
+    return allreduce_job.run(config, settings, workdir, comm, resume)
   settings = with_ps_shards(config, settings)  # sharded PS: ranks 0..S-1 (bad settings fail here, on every rank)
   rank, world = comm.Get_rank(), comm.Get_size()
   spec, partitions = prepare(config, settings, world)

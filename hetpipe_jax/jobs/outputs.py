@@ -22,6 +22,7 @@ import pathlib
 from typing import Any, Iterable, Mapping, Sequence
 
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, config_to_json, format_partitions
+from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import records as records_lib
 from hetpipe_jax.sim.engine_report import json_safe
 
@@ -139,7 +140,17 @@ class RunOutputs:
 def settings_summary(settings: JobSettings, partitions: Sequence[Sequence[Sequence[int]]],
                      config: Any) -> dict[str, Any]:
   """The settings that ran, as both jobs record them in ``summary.json`` (the same values as ``config.json``)."""
+  flush = methods.get_method(settings.method).is_flush
   return {
+      "method": settings.method,
+      "method_settings": ({"num_microbatches": settings.num_inflight,
+                           "micro_batch_size": config.batch_size // settings.num_inflight,
+                           "sync": "all-reduce BSP (MPI Allreduce per reduction segment, no PS)",
+                           "remat": bool(config.get("remat", False))} if flush else
+                          {"num_inflight": settings.num_inflight, "staleness_bound": settings.staleness_bound,
+                           "sync": "WSP (parameter server)",
+                           **({"vertical_sync": bool(config.get("vertical_sync", False))}
+                              if settings.method == "pipedream" else {})}),
       "model": settings.model,
       "batch_size": config.batch_size,
       "num_virtual_workers": settings.num_virtual_workers,

@@ -50,6 +50,8 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
   if config.get("num_ps_shards") not in (None, 1):
     raise ConfigError(f"config.num_ps_shards={config.num_ps_shards}: virtual time runs one in-process PS; leave it "
                       "unset or 1 (sharded parameter servers run under MPI)")
+  if not settings.uses_ps:
+    return _run_allreduce(config, settings, workdir, resume)
   spec, partitions = prepare(config, settings, world_size=settings.world_size, check_local_devices=False)
   # Virtual time needs task durations: synthetic ones, or else the plan's GPU types through the cost model (which
   # config.json then records as emulate_plan=True).
@@ -238,6 +240,127 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
       "max_clock_distance": max_distance,
       "checkpoint": str(ckpt),
       **resume_lib.checkpoint_summary(config, ckpt_stats, resumes),
+  }
+  outputs.finish(summary)
+  logging.info("[virtual] done: test accuracy %.4f, %d minibatches in %.1f simulated s (%.1f host s)",
+               final["test_accuracy"], total, sim_time, summary["host_wall_time_s"])
+  return summary
+
+
+def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: bool) -> dict:
+  """``--mode=virtual`` for the all-reduce methods (gpipe, 1f1b_flush, horovod): every VW in one process, the
+  engine's all-reduce BSP schedule (:func:`hetpipe_jax.runtime.virtual_time.run_allreduce`), real numerics.
+
+  Raises:
+    ConfigError: ``resume`` (not supported for these methods), or no task times.
+  """
+  if resume:
+    raise ConfigError(f"--resume is not supported for config.method={settings.method!r}")
+  spec, partitions = prepare(config, settings, world_size=settings.world_size, check_local_devices=False)
+  use_plan = not config.emulate_stage_ms.strip()
+  if use_plan and settings.plan is None:
+    raise ConfigError("--mode=virtual needs task durations: set config.emulate_stage_ms or config.plan")
+  times = emulated_task_times(config, settings, plan_times=use_plan or config.emulate_plan)
+  dataset = load_data(config, spec)
+  steps = minibatches_per_vw(config, settings, dataset.num_train)
+  check_workdir(workdir)
+  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(config.seed)))
+  layout = ParamLayout.from_layer_params(params0)
+  n, m = settings.num_virtual_workers, settings.num_inflight
+  outputs = RunOutputs(workdir)
+  outputs.write_config(resolved_config(config, settings, partitions, emulate_plan=use_plan or config.emulate_plan,
+                                       checkpoint_every_waves=0))
+  for note in settings.notes:
+    logging.info("[virtual] %s", note)
+  devices = jax.local_devices()
+  outbox: dict = {}
+  vws, next_device = [], 0
+  for v, partition in enumerate(partitions):
+    stage_devices = [devices[(next_device + s) % len(devices)] for s in range(len(partition))]
+    next_device += len(partition)
+    optimizer = make_optimizer(config, steps)
+    stages = stages_lib.build_stages(spec, partition, stage_devices, optimizer, remat=bool(config.remat))
+    source = sharding.ShardedMinibatches(dataset, n, v, config.batch_size, config.seed)
+    micro = sharding.MicroBatches(source.get, m)
+    vws.append(VirtualWorker(v, stages, layout, params0, optimizer, m, settings.staleness_bound, None, micro.get,
+                             num_virtual_workers=n, method=settings.method,
+                             reducer=virtual_time.HeldReducer(v, outbox)))
+  evaluator = Evaluator(spec, layout, dataset.eval_inputs, dataset.eval_targets, config.eval_batch_size, devices[0])
+  eval_every = eval_every_waves(config, settings, dataset.num_train)
+  bar = None
+  if config.progress:
+    from tqdm import tqdm
+    bar = tqdm(total=steps, desc=f"[virtual {settings.method}] step", unit="step", mininterval=1.0,
+               dynamic_ncols=True)
+  state: dict[str, Any] = {"loss": float("nan"), "losses": [], "evals": []}
+  host_t0 = time.perf_counter()
+
+  def on_step(step: int, t: float, loss: float) -> None:
+    clock = step + 1
+    state["losses"].append(loss)
+    if bar is not None:
+      bar.update(1)
+    evaluated = eval_every > 0 and clock % eval_every == 0 and clock < steps
+    if clock % max(1, config.log_every_waves) and not evaluated:
+      return
+    state["loss"] = float(np.mean(state["losses"]))
+    state["losses"] = []
+    line = {"minibatches": clock * n, "wave": step, "global_clock": clock, "loss": state["loss"],
+            "simulated_time_s": t, "minibatches_per_simulated_s": clock * n / t if t > 0 else float("nan"),
+            "host_wall_time_s": time.perf_counter() - host_t0}
+    if evaluated:
+      line.update(evaluator.evaluate(layout.flatten(vws[0].layer_params())))
+      state["evals"].append({"global_clock": clock, "simulated_time_s": t,
+                             **{k: line[k] for k in ("test_accuracy", "test_loss")}})
+    outputs.log_metrics(line)
+
+  logging.info("[virtual] %s: %d VWs x %d steps of %d micro-batches of %s in simulated time", settings.method, n,
+               steps, m, spec.name)
+  report, _ = virtual_time.run_allreduce(vws, outbox, times, steps, on_step)
+  if bar is not None:
+    bar.close()
+  if state["losses"]:
+    state["loss"] = float(np.mean(state["losses"]))
+  final_flat = layout.flatten(vws[0].layer_params())
+  identical = all(np.array_equal(final_flat, layout.flatten(vw.layer_params())) for vw in vws[1:])
+  final = evaluator.evaluate(final_flat)
+  sim_time = report.makespan_s
+  outputs.log_metrics({"minibatches": steps * n, "global_clock": steps, "loss": state["loss"],
+                       "simulated_time_s": sim_time, **final})
+  records = [dict(rec.__dict__) for vw in vws for rec in vw.records]
+  extra = outputs.write_minibatches(records)
+  if config.save_task_trace:
+    from hetpipe_jax.sim import gantt
+    from hetpipe_jax.sim import trace
+    trace.write_trace(trace.report_trace(report), str(outputs.dir / "trace.json"))
+    gantt.plot_report(report, str(outputs.dir / "gantt.png"))
+  ckpt = outputs.save_checkpoint(layout.unflatten(final_flat))
+  total = steps * n
+  summary = {
+      "mode": "virtual",
+      "time_unit": "simulated seconds",
+      "test_accuracy": final["test_accuracy"],
+      "test_loss": final["test_loss"],
+      "final_train_loss": state["loss"],
+      "num_minibatches": total,
+      "num_minibatches_per_vw": steps,
+      "num_microbatches_per_vw": steps * m,
+      "simulated_time_s": sim_time,
+      "wall_time_s": sim_time,
+      "minibatches_per_s": total / sim_time,
+      "images_per_s": total * config.batch_size / sim_time,
+      "steady_minibatches_per_s": report.total_minibatches_per_s / m,
+      "host_wall_time_s": time.perf_counter() - host_t0,
+      **settings_summary(settings, partitions, config),
+      "global_clock": steps,
+      "allreduce": {"steps": report.final_global_clock, "allreduce_s_per_step": max(t.allreduce_s for t in times),
+                    "replicas_identical": identical},
+      **extra,
+      "evaluations": state["evals"] + [{"global_clock": steps, "simulated_time_s": sim_time, **final}],
+      "wait_s": {str(r.vw_id): r.wait_s for r in report.vws},
+      "idle_s": {str(r.vw_id): r.idle_s for r in report.vws},
+      "checkpoint": str(ckpt),
+      "checkpoint_every_waves": 0,
   }
   outputs.finish(summary)
   logging.info("[virtual] done: test accuracy %.4f, %d minibatches in %.1f simulated s (%.1f host s)",

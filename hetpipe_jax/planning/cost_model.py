@@ -19,6 +19,21 @@ minibatch p, w_p must be kept in GPU memory until the backward pass for p is exe
 (its forward+backward is one task that uses the current weights); ``input`` is the activation received at the
 stage's first layer (queued minibatches whose forward has not started), ``gradient`` the gradient received at its
 last layer, and ``workspace`` XLA's largest temporary buffer among its layers.
+
+Memory per method (``CostModelConfig.method``, :mod:`hetpipe_jax.rules.methods`; for the flush methods ``Nm`` is M,
+the micro-batches per step, and the costs are built from the micro-batch profile,
+``profile_format.micro_batch_profile``): the same formula with the method's held count
+``h = methods.max_held_per_stage(...)`` and weight copies:
+
+* ``hetpipe``: h = Nm on non-last stages (FIFO's safe bound), one weight version per held minibatch;
+* ``pipedream``: h = K_0 = Nm (stage s holds Nm - s under 1F1B; the position-free bound is stage 0's), one
+  stashed weight version per held minibatch (weight stashing);
+* ``gpipe``: h = M (every micro-batch's stash at the end of the forwards), one weight copy plus the gradient
+  accumulator; with ``remat`` (``jax.checkpoint`` per stage) a held micro-batch keeps only the stage's input and one
+  micro-batch's stash exists at a time (during its recomputation);
+* ``1f1b_flush``: h = min(S, M) (stage s holds min(S - s, M)), no versions;
+* ``horovod``: one stage (the whole model), the last-stage formula: weights, the gradient buffer, the optimizer state
+  and one minibatch's stash.
 """
 
 from __future__ import annotations
@@ -30,6 +45,7 @@ import numpy as np
 
 from hetpipe_jax.planning.cluster import ClusterSpec, GpuType
 from hetpipe_jax.planning.profile_format import ModelProfile
+from hetpipe_jax.rules import methods
 
 MS_PER_S = 1e3
 INTRA = "intra"
@@ -47,8 +63,12 @@ class CostModelConfig:
       same for that GPU type.
     memory_efficiency: achieved / peak memory bandwidth for roofline estimates (same calibration).
     precision: ``"fp32"`` or ``"fp16"``: which peak FLOP/s the roofline uses.
-    weight_versions: keep one weight version per held minibatch on non-last stages (HetPipe §4).
-    gradient_accumulator: one params-sized buffer for the wave's aggregated update (WSP push, HetPipe §5).
+    weight_versions: keep one weight version per held minibatch on non-last stages (HetPipe §4; PipeDream's
+      weight stashing); only for the methods that keep versions (``hetpipe``, ``pipedream``).
+    gradient_accumulator: one params-sized buffer for the wave's aggregated update (WSP push, HetPipe §5), or the
+      accumulated gradients the all-reduce reduces.
+    method: the training method whose memory the model counts (module docstring).
+    remat: rematerialisation per stage (``gpipe``, ``1f1b_flush``): a held micro-batch keeps only its input.
   """
 
   compute_efficiency: float = 0.5
@@ -56,8 +76,11 @@ class CostModelConfig:
   precision: str = "fp32"
   weight_versions: bool = True
   gradient_accumulator: bool = True
+  method: str = "hetpipe"
+  remat: bool = False
 
   def __post_init__(self):
+    methods.get_method(self.method)
     for f in ("compute_efficiency", "memory_efficiency"):
       if not 0 < getattr(self, f) <= 1:
         raise ValueError(f"{f} must be in (0, 1], got {getattr(self, f)}")
@@ -189,16 +212,21 @@ class StageCosts:
 
   def memory_matrix_bytes(self, is_last: bool, num_stages: int, num_inflight: int) -> np.ndarray:
     """``[L + 1, L + 1]``: memory (bytes) of a stage running ``[i, j)`` (valid for ``i < j``), see module doc."""
-    held = max_inflight_per_stage(num_stages, num_inflight)[-1 if is_last else 0]
+    method = methods.get_method(self.config.method)
+    held = methods.max_held_per_stage(method, num_stages, num_inflight)[-1 if is_last else 0]
     params = self.param_prefix[None, :] - self.param_prefix[:, None]
     opt = self.optimizer_prefix[None, :] - self.optimizer_prefix[:, None]
     stash = self.stash_prefix[None, :] - self.stash_prefix[:, None]
     inp = self.boundary_bytes[:, None].astype(np.float64)
     grad = np.where(np.arange(self.num_layers + 1) == self.num_layers, 0.0, self.boundary_bytes)[None, :]
-    copies = 1 + (held if (self.config.weight_versions and not is_last) else 0)
+    versions = self.config.weight_versions and not is_last and method.update != "flush"
+    copies = 1 + (held if versions else 0)
     copies += 1 if self.config.gradient_accumulator else 0
-    return (params * copies + opt + held * (np.maximum(stash, inp) + grad) + (num_inflight - held) * inp
-            + self.workspace_max)
+    if self.config.remat and method.is_flush:
+      kept = held * (inp + grad) + stash  # inputs of the held micro-batches; one stash while recomputing
+    else:
+      kept = held * (np.maximum(stash, inp) + grad)
+    return params * copies + opt + kept + (num_inflight - held) * inp + self.workspace_max
 
   def stage_memory_bytes(self, i: int, j: int, is_last: bool, num_stages: int, num_inflight: int) -> float:
     return float(self.memory_matrix_bytes(is_last, num_stages, num_inflight)[i, j])

@@ -19,6 +19,7 @@ from hetpipe_jax.planning.cluster import ClusterSpec
 from hetpipe_jax.planning.cost_model import CostModelConfig
 from hetpipe_jax.planning.profile_format import ModelProfile
 from hetpipe_jax.planning.ps_placement import Placement
+from hetpipe_jax.rules import methods
 from hetpipe_jax.rules.partition import validate_partition
 
 PLAN_FORMAT_VERSION = 1
@@ -58,6 +59,11 @@ class Plan:
   profile: dict[str, Any]
   format_version: int = PLAN_FORMAT_VERSION
   allocation_search: dict[str, Any] | None = None
+  # The training method the plan is for (hetpipe_jax.rules.methods); plans written before methods existed are
+  # HetPipe's. For the flush methods (gpipe, 1f1b_flush, horovod) ``num_inflight`` is M, the micro-batches per
+  # step, and ``stage_time_ms`` is per micro-batch.
+  method: str = "hetpipe"
+  notes: tuple[str, ...] = ()  # e.g. the GPUs Horovod leaves out, with their reasons
 
 
 def _placement_dict(p: Placement) -> dict[str, Any]:
@@ -68,8 +74,12 @@ def _placement_dict(p: Placement) -> dict[str, Any]:
 
 
 def make_plan(system: SystemPlan, cluster: ClusterSpec, profile: ModelProfile, placements: Sequence[Placement],
-              chosen_placement: str, config: CostModelConfig) -> Plan:
-  """Assembles a :class:`Plan` from the allocator's result and the placements (the first is not special)."""
+              chosen_placement: str, config: CostModelConfig, method: str = "hetpipe",
+              notes: Sequence[str] = (), ps_placement: dict[str, Any] | None = None) -> Plan:
+  """Assembles a :class:`Plan` from the allocator's result and the placements (the first is not special).
+
+  ``ps_placement``: given instead of ``placements`` by the all-reduce methods (no PS; their traffic).
+  """
   vws = []
   for vw in system.virtual_workers:
     p = vw.partition
@@ -81,19 +91,22 @@ def make_plan(system: SystemPlan, cluster: ClusterSpec, profile: ModelProfile, p
         stage_capacity_bytes=tuple(int(c) for c in p.capacity_bytes), max_num_inflight=vw.max_num_inflight,
         saturating_num_inflight=vw.saturating_num_inflight,
         predicted_minibatches_per_s=round(p.throughput_per_s, 6)))
-  by_policy = {pl.policy: _placement_dict(pl) for pl in placements}
-  if chosen_placement not in by_policy:
-    raise ValueError(f"placement {chosen_placement!r} was not computed; have {sorted(by_policy)}")
-  # One shard per node, in the cluster's node order (``shard_nodes``: the runtime's shard i runs on that node).
-  ps = dict(by_policy[chosen_placement], num_shards=len(cluster.nodes),
-            shard_nodes=[nd.name for nd in cluster.nodes], alternatives=by_policy)
+  if ps_placement is not None:
+    ps = ps_placement
+  else:
+    by_policy = {pl.policy: _placement_dict(pl) for pl in placements}
+    if chosen_placement not in by_policy:
+      raise ValueError(f"placement {chosen_placement!r} was not computed; have {sorted(by_policy)}")
+    # One shard per node, in the cluster's node order (``shard_nodes``: the runtime's shard i runs on that node).
+    ps = dict(by_policy[chosen_placement], num_shards=len(cluster.nodes),
+              shard_nodes=[nd.name for nd in cluster.nodes], alternatives=by_policy)
   return Plan(model=profile.model, batch_size=profile.batch_size, cluster=cluster.name, policy=system.policy,
               num_inflight=system.num_inflight, num_layers=profile.num_layers, virtual_workers=tuple(vws),
               predicted_total_minibatches_per_s=round(system.predicted_total_minibatches_per_s, 6),
               ps_placement=ps, cost_model=dataclasses.asdict(config),
               profile={"device_kind": profile.device_kind, "measured": profile.measured,
                        "optimizer": profile.optimizer},
-              allocation_search=system.search)
+              allocation_search=system.search, method=method, notes=tuple(notes))
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -122,6 +135,7 @@ def validate_plan(plan: Plan) -> None:
     raise ValueError("plan has no virtual workers")
   if plan.num_inflight < 1:
     raise ValueError(f"plan num_inflight must be >= 1, got {plan.num_inflight}")
+  methods.get_method(plan.method)
   for vw in plan.virtual_workers:
     s = len(vw.partition)
     try:
@@ -153,7 +167,7 @@ def plan_from_dict(d: dict[str, Any]) -> Plan:
                                       "stage_memory_bytes": tuple(vw["stage_memory_bytes"]),
                                       "stage_capacity_bytes": tuple(vw["stage_capacity_bytes"])})
                 for vw in d["virtual_workers"])
-    plan = Plan(**{**d, "virtual_workers": vws})
+    plan = Plan(**{**d, "virtual_workers": vws, "notes": tuple(d.get("notes", ()))})
   except (KeyError, TypeError) as e:
     raise ValueError(f"malformed plan: {e}") from None
   validate_plan(plan)

@@ -10,7 +10,9 @@ import dataclasses
 
 from hetpipe_jax.planning import allocator
 from hetpipe_jax.planning import cost_model
+from hetpipe_jax.planning import allreduce_cost
 from hetpipe_jax.planning import inflight
+from hetpipe_jax.planning import method_planner
 from hetpipe_jax.planning import plan_format
 from hetpipe_jax.planning import ps_placement
 from hetpipe_jax.planning.cluster import ClusterSpec
@@ -31,7 +33,12 @@ class PlannerConfig:
     max_num_inflight: cap on the Nm search.
     max_vw_gpus: ``auto`` only: the largest virtual worker searched (None: the documented default,
       ``allocator.default_max_vw_gpus``); the value used is recorded in the plan's ``allocation_search``.
-    cost: cost-model configuration.
+    cost: cost-model configuration (its ``method`` is set from ``method``).
+    method: the training method (:mod:`hetpipe_jax.rules.methods`); ``horovod`` ignores ``policy`` and
+      ``num_vws`` (one VW per GPU that holds the model).
+    num_inflight: pipedream: Nm (0: NOAM); gpipe / 1f1b_flush / horovod: M, micro-batches per step (0: the best
+      that fits, :mod:`method_planner`; Horovod: 1).
+    remat: gpipe / 1f1b_flush: rematerialisation per stage (memory model).
   """
 
   policy: str = "ED"
@@ -40,6 +47,57 @@ class PlannerConfig:
   max_num_inflight: int = inflight.DEFAULT_MAX_NUM_INFLIGHT
   max_vw_gpus: int | None = None
   cost: cost_model.CostModelConfig = cost_model.CostModelConfig()
+  method: str = "hetpipe"
+  num_inflight: int = 0
+  remat: bool = False
+
+
+def allocation(cluster: ClusterSpec, policy: str, num_vws: int, costs: cost_model.StageCosts | None = None):
+  """The GPUs of each VW under ``policy`` (NP / ED / HD; ``auto`` needs ``costs``: HetPipe's searched split)."""
+  if policy == "auto":
+    system = allocator.allocate(cluster, costs, "auto", num_vws)
+    return [list(vw.partition.gpus) for vw in system.virtual_workers]
+  if policy not in ("NP", "ED", "HD"):
+    raise allocator.AllocationError(f"unknown policy {policy!r}: must be one of {list(allocator.POLICIES)}")
+  return {"NP": allocator.allocate_np, "ED": allocator.allocate_ed, "HD": allocator.allocate_hd}[policy](
+      cluster, num_vws)
+
+
+def _make_method_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
+  """Plans a method other than HetPipe (:mod:`method_planner`)."""
+  cost = dataclasses.replace(config.cost, method=config.method, remat=config.remat)
+  if config.method == "horovod":
+    mp = method_planner.plan_horovod(cluster, profile, cost, config.num_inflight or 1)
+  else:
+    hetpipe_costs = cost_model.build_stage_costs(profile, cluster, config.cost) if config.policy == "auto" else None
+    vws = allocation(cluster, config.policy, config.num_vws, hetpipe_costs)
+    if config.method == "pipedream":
+      mp = method_planner.plan_pipedream(cluster, profile, vws, config.policy, cost, config.num_inflight)
+    else:
+      mp = method_planner.plan_flush(cluster, profile, vws, config.policy, config.method, cost, config.num_inflight)
+  system = mp.system
+  parts = [vw.partition for vw in system.virtual_workers]
+  if config.method == "pipedream":
+    placements = [ps_placement.place(p, cluster, profile, parts, system.num_inflight) for p in ps_placement.PLACEMENTS]
+    plan = plan_format.make_plan(system, cluster, profile, placements, config.ps_placement, cost, config.method,
+                                 mp.notes)
+  else:
+    m = system.num_inflight
+    vws_ranges = [(p.gpus, p.ranges) for p in parts]
+    act = sum(2 * profile.layers[p.ranges[s][1] - 1].output_activation_bytes
+              for p in parts for s in range(len(p.gpus) - 1) if p.gpus[s].node != p.gpus[s + 1].node)
+    ar_bytes = allreduce_cost.allreduce_cross_node_bytes(vws_ranges, profile)
+    ps = {"policy": "none (all-reduce)", "layer_to_node": [None] * profile.num_layers,
+          "ps_bytes_crossing_nodes_per_wave": 0, "activation_bytes_crossing_nodes_per_wave": act,
+          "allreduce_bytes_crossing_nodes_per_step": ar_bytes, "total_bytes_crossing_nodes_per_wave": act + ar_bytes,
+          "allreduce_s": mp.allreduce_s, "alternatives": {}}
+    plan = plan_format.make_plan(system, cluster, profile, [], "", cost, config.method, mp.notes, ps)
+    vws_out = tuple(dataclasses.replace(
+        e, predicted_minibatches_per_s=round(1.0 / method_planner.flush_step_s(e.stage_time_ms, m), 6))
+        for e in plan.virtual_workers)
+    plan = dataclasses.replace(plan, virtual_workers=vws_out)
+  plan_format.validate_plan(plan)
+  return plan
 
 
 def make_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
@@ -52,6 +110,8 @@ def make_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig
   if config.ps_placement not in ps_placement.PLACEMENTS:
     raise ValueError(f"unknown parameter placement {config.ps_placement!r}: must be one of "
                      f"{list(ps_placement.PLACEMENTS)}")
+  if config.method != "hetpipe":
+    return _make_method_plan(cluster, profile, config)
   costs = cost_model.build_stage_costs(profile, cluster, config.cost)
   system = allocator.allocate(cluster, costs, config.policy, config.num_vws, config.max_num_inflight,
                               config.max_vw_gpus)
@@ -65,8 +125,11 @@ def make_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig
 
 def format_table(plan: plan_format.Plan) -> str:
   """A human-readable table of ``plan``: per VW and stage the GPU, layers, time and memory; totals; traffic."""
-  lines = [f"plan: model={plan.model} batch_size={plan.batch_size} cluster={plan.cluster} policy={plan.policy} "
-           f"num_vws={len(plan.virtual_workers)} num_inflight(Nm)={plan.num_inflight}",
+  flush = plan.method in ("gpipe", "1f1b_flush", "horovod")
+  lines = [f"plan: method={plan.method} model={plan.model} batch_size={plan.batch_size} cluster={plan.cluster} "
+           f"policy={plan.policy} num_vws={len(plan.virtual_workers)} "
+           + (f"micro-batches per step (M)={plan.num_inflight} (stage times per micro-batch)" if flush else
+              f"num_inflight(Nm)={plan.num_inflight}"),
            f"{'VW':>2} {'stage':>5}  {'GPU':<9} {'type':<17} {'layers':<10} {'time ms':>8}  "
            f"{'memory / capacity GiB':>21}"]
   for vw in plan.virtual_workers:
@@ -77,6 +140,14 @@ def format_table(plan: plan_format.Plan) -> str:
     lines.append(f"   VW {vw.vw_id}: Max_m={vw.max_num_inflight} saturating Nm={vw.saturating_num_inflight} "
                  f"predicted {vw.predicted_minibatches_per_s:.2f} minibatches/s at Nm={plan.num_inflight}")
   total = plan.predicted_total_minibatches_per_s
+  if flush:
+    lines.append(f"total: {total:.2f} minibatches/s ({total * plan.batch_size:.0f} examples/s) = num_vws / (slowest "
+                 f"VW's step + all-reduce {plan.ps_placement['allreduce_s'] * 1e3:.1f} ms) (all-reduce BSP)")
+    lines.append(f" bytes crossing nodes per step: all-reduce "
+                 f"{plan.ps_placement['allreduce_bytes_crossing_nodes_per_step'] / MIB:9.1f} MiB + activations "
+                 f"{plan.ps_placement['activation_bytes_crossing_nodes_per_wave'] / MIB:9.1f} MiB")
+    lines += list(plan.notes)
+    return "\n".join(lines)
   lines.append(f"total: {total:.2f} minibatches/s ({total * plan.batch_size:.0f} examples/s) = num_vws x slowest "
                f"VW (WSP)")
   for name, p in plan.ps_placement["alternatives"].items():
@@ -85,4 +156,5 @@ def format_table(plan: plan_format.Plan) -> str:
                  f"{p['ps_bytes_crossing_nodes_per_wave'] / MIB:9.1f} MiB + activations "
                  f"{p['activation_bytes_crossing_nodes_per_wave'] / MIB:9.1f} MiB = "
                  f"{p['total_bytes_crossing_nodes_per_wave'] / MIB:9.1f} MiB")
+  lines += list(plan.notes)
   return "\n".join(lines)

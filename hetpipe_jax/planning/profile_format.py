@@ -117,3 +117,37 @@ def save_profile(profile: ModelProfile, path: str) -> None:
 def load_profile(path: str) -> ModelProfile:
   with open(path) as f:
     return profile_from_dict(json.load(f))
+
+
+def micro_batch_profile(profile: ModelProfile, num_microbatches: int) -> ModelProfile:
+  """The profile of one micro-batch when a minibatch is split into ``num_microbatches`` (GPipe, 1F1B-flush).
+
+  Per-example quantities scale by ``1 / M``: measured times, FLOPs, activation, stash and workspace bytes, and the
+  bytes accessed beyond the layer's weights (a forward reads its parameters once, a backward reads them and writes
+  their gradients once per micro-batch, whatever its size). Parameter and optimizer-state bytes do not scale.
+  Linear scaling of times is an approximation: a GPU is less efficient on small micro-batches, so this is optimistic
+  for large M (the roofline's weight traffic is the part that does not shrink).
+
+  Raises:
+    ValueError: ``num_microbatches`` < 1 or not a divisor of the batch size.
+  """
+  m = num_microbatches
+  if m < 1 or profile.batch_size % m:
+    raise ValueError(f"num_microbatches={m} must be >= 1 and divide the batch size {profile.batch_size}")
+  if m == 1:
+    return profile
+
+  def scaled(v, fixed=0.0):
+    if v is None:
+      return None
+    fixed = min(fixed, v)
+    return fixed + (v - fixed) / m
+
+  layers = tuple(dataclasses.replace(
+      l, fwd_time_ms=scaled(l.fwd_time_ms), bwd_time_ms=scaled(l.bwd_time_ms), fwd_flops=l.fwd_flops / m,
+      bwd_flops=l.bwd_flops / m, fwd_bytes_accessed=scaled(l.fwd_bytes_accessed, l.param_bytes),
+      bwd_bytes_accessed=scaled(l.bwd_bytes_accessed, 2.0 * l.param_bytes),
+      output_activation_bytes=l.output_activation_bytes // m, stash_bytes=l.stash_bytes // m,
+      workspace_bytes=l.workspace_bytes // m) for l in profile.layers)
+  return dataclasses.replace(profile, batch_size=profile.batch_size // m,
+                             input_activation_bytes=profile.input_activation_bytes // m, layers=layers)

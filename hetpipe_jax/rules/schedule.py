@@ -11,6 +11,10 @@ engine, so the rules exist once. The rules, per stage (= one GPU):
    when minibatches 0..p-Nm have completed (local staleness ``s_local = Nm - 1``). A minibatch completes when its
    backward on stage 0 is done.
 
+Other methods (``hetpipe_jax.rules.methods``: PipeDream's 1F1B, GPipe, 1F1B-flush, Horovod) replace rule 3 by a
+static per-stage order (``order``, a :class:`hetpipe_jax.rules.methods.StageOrder`): a stage starts exactly the next
+task of its order once that task is ready (its input arrived). Rules 1, 2, 4 and 5 hold for every method.
+
 Tasks print as ``<stage><kind><minibatch>`` (``2F0`` = stage 2, forward, minibatch 0; ``3FB5``; ``0B1``) and parse
 back, in the style of ``torch.distributed.pipelining`` actions.
 """
@@ -96,12 +100,14 @@ class PipelineRules:
   Args:
     num_stages: number of pipeline stages S >= 1.
     num_inflight: Nm >= 1, the most minibatches in flight (HetPipe §4).
+    order: None: HetPipe's FIFO rule 3; else the static per-stage order of another method
+      (:class:`hetpipe_jax.rules.methods.StageOrder`): ``pop_ready(s)`` starts only the next task of stage s's order.
 
   Raises:
     ValueError: on S < 1 or Nm < 1.
   """
 
-  def __init__(self, num_stages: int, num_inflight: int):
+  def __init__(self, num_stages: int, num_inflight: int, order=None):
     if num_stages < 1:
       raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     if num_inflight < 1:
@@ -117,6 +123,13 @@ class PipelineRules:
     # Minibatches whose forward is done on a stage and whose backward there is not (what the stage holds).
     self._held = [0] * num_stages
     self.peak_held = [0] * num_stages
+    self.order = order
+    if order is not None:
+      if order.num_stages != num_stages:
+        raise ValueError(f"the stage order has {order.num_stages} stages, the pipeline {num_stages}")
+      self._ready_set = [set() for _ in range(num_stages)]  # ready tasks not yet started, any order
+      self._position = [0] * num_stages  # index of the next task of each stage's order
+      self._expected = [order.task(s, 0) for s in range(num_stages)]
 
   @property
   def num_in_flight(self) -> int:
@@ -136,18 +149,34 @@ class PipelineRules:
       raise RuntimeError(f"cannot inject: {self.num_in_flight} minibatches in flight, Nm = {self.num_inflight}")
     task = first_task(self.num_stages, self.num_injected)
     self.num_injected += 1
-    self._ready[0].append(task)
+    if self.order is not None:
+      self._ready_set[0].add(task)
+    else:
+      self._ready[0].append(task)
     return task
 
   def has_ready(self, stage_id: int) -> bool:
+    """True when ``pop_ready(stage_id)`` would start a task (FIFO: any ready; static order: its next one)."""
+    if self.order is not None:
+      return self._expected[stage_id] in self._ready_set[stage_id]
     return bool(self._ready[stage_id])
 
   def pop_ready(self, stage_id: int) -> Task | None:
-    """Starts the FIFO head of ``stage_id``'s ready queue, checking rules 1–2; None when nothing is ready."""
-    queue = self._ready[stage_id]
-    if not queue:
-      return None
-    task = queue.popleft()
+    """Starts the next task of ``stage_id`` (FIFO head, or the next of its static order if it is ready), checking
+    rules 1–2; None when nothing may start."""
+    if self.order is not None:
+      task = self._expected[stage_id]
+      ready = self._ready_set[stage_id]
+      if task is None or task not in ready:
+        return None
+      ready.remove(task)
+      self._position[stage_id] += 1
+      self._expected[stage_id] = self.order.task(stage_id, self._position[stage_id])
+    else:
+      queue = self._ready[stage_id]
+      if not queue:
+        return None
+      task = queue.popleft()
     p = task.minibatch_id
     kind = task.kind
     if kind is _BACKWARD:
@@ -182,6 +211,10 @@ class PipelineRules:
         raise AssertionError(f"minibatch {task.minibatch_id} completed out of order (expected {self.num_completed})")
       self.num_completed += 1
     new = successors(task, self.num_stages)
+    if self.order is not None:
+      for t in new:
+        self._ready_set[t.stage_id].add(t)
+      return new
     ready = self._ready
     for t in new:
       ready[t.stage_id].append(t)
@@ -189,4 +222,6 @@ class PipelineRules:
 
   def idle(self) -> bool:
     """True when no task is running or ready."""
+    if self.order is not None:
+      return not any(self._running) and not any(self._ready_set)
     return not any(self._running) and not any(self._ready)

@@ -251,6 +251,7 @@ class VWSyncState:
   num_inflight: int
   staleness_bound: int
   pull_every_wave: bool = True
+  max_injected = None  # no cap beyond Nm in flight (all-reduce BSP caps injections at the flush)
   local_clock: int = 0
   weights_global_clock: int = 0
   pull_required: int | None = None  # requirement of the outstanding pull, None when none is outstanding
@@ -307,7 +308,8 @@ def injection_step(rules: schedule.PipelineRules, sync: VWSyncState,
   """One VW's injection step: inject every minibatch the local rule, the run's length and WSP allow now.
 
   The rule (HetPipe §4 local staleness, §5 global staleness): while fewer than Nm minibatches are in flight and
-  fewer than ``num_minibatches`` were injected, a minibatch is injected if ``sync.injection_gate()`` allows it.
+  fewer than ``num_minibatches`` (and, under all-reduce BSP, fewer than ``sync.max_injected``: the flush) were
+  injected, a minibatch is injected if ``sync.injection_gate()`` allows it.
   The gate is consulted only when the local rules leave room; when it refuses, the VW waits for the PS, and the
   gate names the pull to request unless one is outstanding. Both the MPI runtime (``VirtualWorker.run``) and the
   engine call this whenever the rules may have changed (a minibatch completed, a pull reply was installed, and,
@@ -316,7 +318,8 @@ def injection_step(rules: schedule.PipelineRules, sync: VWSyncState,
 
   Args:
     rules: the VW's pipeline rules; ``rules.inject()`` is called for each minibatch injected.
-    sync: the VW's WSP state (:meth:`VWSyncState.injection_gate` records a requested pull).
+    sync: the VW's WSP state (:meth:`VWSyncState.injection_gate` records a requested pull), or its
+      :class:`hetpipe_jax.rules.allreduce.AllReduceSyncState`.
     num_minibatches: minibatches the VW trains in the whole run.
 
   Returns:
@@ -328,6 +331,9 @@ def injection_step(rules: schedule.PipelineRules, sync: VWSyncState,
   room = rules.num_inflight - first + rules.num_completed  # the local rule: Nm in flight
   if num_minibatches - first < room:  # the run's length
     room = num_minibatches - first
+  cap = sync.max_injected
+  if cap is not None and cap - first < room:  # all-reduce BSP: the next step waits for this one's update
+    room = cap - first
   if room <= 0:
     return _NO_MINIBATCHES, None, False
   allowed, pull = sync.injection_gate()

@@ -54,7 +54,7 @@ class Stage:
 
 
 def build_stages(spec: ModelSpec, partition: Sequence[Sequence[int]], devices: Sequence[jax.Device],
-                 optimizer: optax.GradientTransformation) -> list[Stage]:
+                 optimizer: optax.GradientTransformation, remat: bool = False) -> list[Stage]:
   """Builds the stages of one VW.
 
   Args:
@@ -63,6 +63,8 @@ def build_stages(spec: ModelSpec, partition: Sequence[Sequence[int]], devices: S
     devices: one device per stage (explicit placement).
     optimizer: the optax transformation; each stage updates its own params with it.
     (The last stage's loss is ``spec.objective``'s, :mod:`hetpipe_jax.runtime.objectives`.)
+    remat: rematerialisation (``jax.checkpoint`` of each stage's layers): a forward keeps only its input, and the
+      backward recomputes the activations (GPipe's memory saving; same numerics).
 
   Returns:
     The stages, in pipeline order.
@@ -78,16 +80,20 @@ def build_stages(spec: ModelSpec, partition: Sequence[Sequence[int]], devices: S
   stages = []
   for s, (start, end) in enumerate(ranges):
     st = Stage(s, (start, end), devices[s], is_first=(s == 0), is_last=(s == len(ranges) - 1))
-    _jit_stage(st, spec.layers[start:end], optimizer, loss_fn)
+    _jit_stage(st, spec.layers[start:end], optimizer, loss_fn, remat)
     stages.append(st)
   return stages
 
 
-def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformation, objective_loss: Any) -> None:
+def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformation, objective_loss: Any,
+               remat: bool = False) -> None:
   counts = st.trace_counts
 
   def run(params: Params, x: jax.Array) -> jax.Array:
     return apply_layers(layers, params, x)
+
+  if remat:
+    run = jax.checkpoint(run)
 
   def forward(params, x):
     """``[b, ...in] -> ([b, ...out], vjp)``; stage 0's vjp gives only parameter gradients."""

@@ -135,4 +135,60 @@ def run(vws: Sequence[VirtualWorker], server: ParameterServer, outbox: dict, tas
   return report, time.perf_counter() - t0
 
 
-__all__ = ["RecordingPSClient", "VirtualTimeHooks", "run"]
+
+class HeldReducer:
+  """A flush-method VW's reducer in virtual time: holds its step buffer until the engine's all-reduce (returns
+  None, so the VW waits for :meth:`VirtualWorker.apply_reduced`)."""
+
+  def __init__(self, vw_id: int, outbox: dict):
+    self.vw_id = vw_id
+    self.outbox = outbox  # (vw, step) -> buffer
+
+  def __call__(self, step: int, buf: np.ndarray) -> None:
+    self.outbox[(self.vw_id, step)] = buf.copy()
+
+
+class AllReduceHooks(VirtualTimeHooks):
+  """Engine hooks of the all-reduce methods: tasks as :class:`VirtualTimeHooks`; at a step's end a VW hands its
+  buffer to its :class:`HeldReducer` (``on_wave_end``); when the engine's all-reduce happens (``on_allreduce``, the
+  last VW entered it) the buffers are summed in VW order and every VW applies the sum (the engine then advances
+  each VW's ``AllReduceSyncState`` at the reduction's end).
+
+  Args:
+    vws: the VWs (built with :class:`HeldReducer` reducers sharing ``outbox``).
+    outbox: the reducers' held buffers.
+    on_step: ``(step, simulated time, mean loss) -> None`` after each applied step.
+  """
+
+  def __init__(self, vws: Sequence[VirtualWorker], outbox: dict,
+               on_step: Callable[[int, float, float], None] | None = None):
+    super().__init__(vws, None, outbox)
+    self.on_step = on_step
+
+  def on_allreduce(self, step: int, t: float) -> None:
+    bufs = [self.outbox.pop((v, step)) for v in range(len(self.vws))]
+    summed = bufs[0].copy()
+    for b in bufs[1:]:
+      summed += b
+    for vw in self.vws:
+      vw.apply_reduced(step, summed)
+    if self.on_step is not None:
+      self.on_step(step, t, float(summed[-1]) / (len(self.vws) * self.vws[0].num_inflight))
+
+
+def run_allreduce(vws: Sequence[VirtualWorker], outbox: dict, task_times: Sequence[VWTaskTimes], num_steps: int,
+                  on_step: Callable[[int, float, float], None] | None = None
+                  ) -> tuple[engine_lib.EngineReport, float]:
+  """Runs every flush-method VW for ``num_steps`` steps in simulated time (the engine drives each VW's own
+  ``AllReduceSyncState``); returns the engine's report and host seconds."""
+  if len(vws) != len(task_times):
+    raise ValueError(f"{len(vws)} virtual workers but {len(task_times)} task-time entries")
+  config = engine_lib.EngineConfig(num_waves=num_steps, num_inflight=vws[0].num_inflight, records=True,
+                                   method=vws[0].method.name)
+  hooks = AllReduceHooks(vws, outbox, on_step)
+  t0 = time.perf_counter()
+  report = engine_lib.run(task_times, config, hooks=hooks, sync_states=[vw.sync for vw in vws])
+  return report, time.perf_counter() - t0
+
+
+__all__ = ["RecordingPSClient", "VirtualTimeHooks", "run", "HeldReducer", "AllReduceHooks", "run_allreduce"]

@@ -19,6 +19,14 @@ Weight versions: minibatch p is injected with the VW's current :class:`WeightVer
 on each stage's device) and uses it on every stage; the weights change only when a minibatch completes, on all
 stages together, or when pulled global weights are installed. Old versions are freed by reference counting once no
 in-flight minibatch holds them.
+
+Methods (``method``, :mod:`hetpipe_jax.rules.methods`): the pipeline rules take the method's static stage order. The
+flush methods (gpipe, 1f1b_flush, horovod) work in micro-batches (``num_inflight`` = M per step): a completed
+micro-batch's gradients are added to the stage's accumulator (:meth:`complete_minibatch`); at the step's end
+(:meth:`end_wave`) the accumulated gradients and the step's loss sum go, as one float32 buffer in layer order, to the
+``reducer`` (MPI: ``Allreduce`` per reduction segment; virtual time: held until the engine's all-reduce), and
+:meth:`apply_reduced` applies the mean gradient over the N VWs' M micro-batches on every stage (one new version per
+step; every replica applies the same update, so replicas stay identical).
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hetpipe_jax.rules import allreduce
+from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import schedule
 from hetpipe_jax.rules import wsp
 from hetpipe_jax.rules.records import MinibatchRecord, ShardedMinibatchRecord
@@ -154,6 +164,11 @@ class VirtualWorker:
       pushed (``config.debug_nan_update`` puts a NaN in one, which the PS must refuse).
     ps_shards: sharded parameter servers (:class:`hetpipe_jax.ps.shards.ShardLayout`): pulls then carry one vector
       clock per shard and the VW re-adds its own waves shard by shard; None: one PS.
+    method: the training method (:mod:`hetpipe_jax.rules.methods`; module docstring).
+    reducer: flush methods: ``(step, buffer) -> summed buffer | None``; ``buffer`` is float32 ``[num_params + 1]``
+      (the accumulated gradients in layer order, then the step's loss sum); a returned sum over every VW is applied
+      at once (MPI), None means the caller applies it later with :meth:`apply_reduced` (virtual time).
+    on_step: flush methods: ``(step, mean loss over every VW's micro-batches) -> None`` after each applied step.
 
   Raises:
     ValueError: ``num_inflight < 1``, ``staleness_bound < 0``, or ``vw_id`` not in ``[0, num_virtual_workers)``.
@@ -165,8 +180,16 @@ class VirtualWorker:
                pull_every_wave: bool = True,
                poll_interval_s: float = 1e-3, on_minibatch: Callable[[MinibatchRecord], None] | None = None,
                task_time_s: Callable[[Task], float] | None = None,
-               corrupt_update: Callable[[int, np.ndarray], None] | None = None, ps_shards: Any = None):
-    self.sync = wsp.VWSyncState(num_inflight, staleness_bound, pull_every_wave)  # validates Nm and D
+               corrupt_update: Callable[[int, np.ndarray], None] | None = None, ps_shards: Any = None,
+               method: str = "hetpipe",
+               reducer: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
+               on_step: Callable[[int, float], None] | None = None):
+    self.method = methods.get_method(method)
+    self.sync = self._new_sync(num_inflight, staleness_bound, pull_every_wave)  # validates Nm and D
+    if self.method.is_flush and reducer is None:
+      raise ValueError(f"method {method!r} needs a reducer (the all-reduce across VWs)")
+    self.reducer = reducer
+    self.on_step = on_step
     if not 0 <= vw_id < num_virtual_workers:
       raise ValueError(f"vw_id={vw_id} must be in [0, num_virtual_workers={num_virtual_workers})")
     self.num_virtual_workers = num_virtual_workers
@@ -194,6 +217,7 @@ class VirtualWorker:
                            for st, p, o, z in zip(self.stages, params, self.opt_states, self._zeros)])
     self.version = WeightVersion(params, 0, (0,) * num_virtual_workers, 0)
     self.wave_delta = list(self._zeros)
+    self.grad_acc = list(self._zeros)  # flush methods: the step's accumulated gradients per stage
     self.own_waves: dict[int, list] = {}  # wave -> per-stage delta, own waves not yet in pulled global weights
     self.records: list[MinibatchRecord] = []
     # (task, start, end) in seconds since the run's start: the span on the emulated device when emulated, else from
@@ -201,6 +225,13 @@ class VirtualWorker:
     self.task_log: list[tuple[str, float, float]] = []
     self.stats = VWStats()
     self._wave_losses: list = []  # (record, loss array) of the current wave
+
+  def _new_sync(self, num_inflight: int, staleness_bound: int, pull_every_wave: bool):
+    if self.method.sync == "allreduce":
+      if staleness_bound < 0:
+        raise ValueError(f"staleness_bound must be >= 0, got {staleness_bound}")
+      return allreduce.AllReduceSyncState(num_inflight)
+    return wsp.VWSyncState(num_inflight, staleness_bound, pull_every_wave)
 
   # ---------------------------------------------------------------- placement helpers
   def _place_stage(self, layer_params: Sequence[Any], st: Stage):
@@ -239,7 +270,8 @@ class VirtualWorker:
       raise ValueError(f"num_minibatches={num_minibatches} must be a positive multiple of num_inflight="
                        f"{self.num_inflight} (whole waves)")
     num_stages = len(self.stages)
-    rules = schedule.PipelineRules(num_stages, self.num_inflight)
+    rules = schedule.PipelineRules(num_stages, self.num_inflight,
+                                   methods.stage_order(self.method, num_stages, self.num_inflight, num_minibatches))
     inflight: dict[int, InFlightMinibatch] = {}
     done: queue.SimpleQueue = queue.SimpleQueue()
     stats = self.stats
@@ -269,8 +301,8 @@ class VirtualWorker:
       with jax.transfer_guard("disallow"):
         while rules.num_completed < num_minibatches:
           loop_start = time.perf_counter()
-          # 1. PS replies.
-          reply = self.ps.poll_pull()
+          # 1. PS replies (no PS under all-reduce BSP).
+          reply = self.ps.poll_pull() if self.ps is not None else None
           if reply is not None:
             t = time.perf_counter()
             self.sync.on_pull_reply(wsp.global_clock_of(reply[0]))
@@ -310,8 +342,8 @@ class VirtualWorker:
               p = c.task.minibatch_id
               self.complete_minibatch(inflight.pop(p), c.end_s)
               wave, pull = self.sync.on_minibatch_complete(p)
-              if wave is not None:
-                self.end_wave(wave)
+              if wave is not None and self.end_wave(wave):
+                self.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied
               if pull is not None:
                 self.ps.request_pull(pull)
             stats.update_s += time.perf_counter() - t
@@ -410,8 +442,14 @@ class VirtualWorker:
     """Applies minibatch p's update on every stage (a new weight version) and adds it to the wave's delta.
 
     An action: the driver then advances ``sync`` (``on_minibatch_complete``) and, at a wave end, calls
-    :meth:`end_wave`.
+    :meth:`end_wave`. Flush methods: adds the micro-batch's gradients to the step's accumulator instead.
     """
+    if self.method.is_flush:
+      self.grad_acc = [st.add(a, mb.grads[s]) for s, (st, a) in enumerate(zip(self.stages, self.grad_acc))]
+      rec = mb.record
+      rec.complete_time_s = now
+      self._wave_losses.append((rec, mb.loss))
+      return
     new_params, new_states, new_deltas = [], [], []
     for s, st in enumerate(self.stages):
       p, o, d = st.update(self.version.params[s], self.opt_states[s], mb.grads[s], self.wave_delta[s])
@@ -425,12 +463,19 @@ class VirtualWorker:
     rec.complete_time_s = now
     self._wave_losses.append((rec, mb.loss))  # read back once per wave, not once per minibatch
 
-  def end_wave(self, wave_id: int) -> None:
+  def end_wave(self, wave_id: int) -> bool:
     """Pushes wave ``wave_id``'s summed delta and losses to the PS and keeps the delta until the PS holds it.
+
+    Flush methods: hands the step's accumulated gradients and loss sum to the reducer (module docstring).
+
+    Returns:
+      True when a flush method's reduced update was applied now (the reducer returned the sum).
 
     Raises:
       FloatingPointError: a loss of the wave is NaN or Inf.
     """
+    if self.method.is_flush:
+      return self._reduce_step(wave_id)
     host, losses = jax.device_get((self.wave_delta, [loss for _, loss in self._wave_losses]))
     loss_sum = 0.0
     for (rec, _), loss in zip(self._wave_losses, losses):
@@ -452,6 +497,76 @@ class VirtualWorker:
       self.own_flat[wave_id] = np.concatenate([self.layout.flatten(h, st.layer_range[0])
                                                for h, st in zip(host, self.stages)])
     self.wave_delta = list(self._zeros)
+    return False
+
+  def _read_losses(self) -> float:
+    """Reads the current wave's (step's) losses back into their records; returns their sum.
+
+    Raises:
+      FloatingPointError: a loss is NaN or Inf.
+    """
+    losses = jax.device_get([loss for _, loss in self._wave_losses])
+    loss_sum = 0.0
+    for (rec, _), loss in zip(self._wave_losses, losses):
+      rec.loss = float(loss)
+      if not np.isfinite(rec.loss):
+        raise FloatingPointError(f"[VW {self.vw_id}] loss is {rec.loss} at minibatch {rec.minibatch_id}: "
+                                 "training diverged; lower config.learning_rate")
+      loss_sum += rec.loss
+      if self.on_minibatch is not None:
+        self.on_minibatch(rec)
+    self._wave_losses = []
+    return loss_sum
+
+  def _reduce_step(self, step: int) -> bool:
+    """Flush methods: the step's gradients and loss sum, as one buffer, to the reducer; applies a returned sum."""
+    loss_sum = self._read_losses()
+    host = jax.device_get(self.grad_acc)
+    buf = np.empty(self.layout.num_params + 1, np.float32)
+    pos = 0
+    for h, st in zip(host, self.stages):
+      flat = self.layout.flatten(h, st.layer_range[0])
+      buf[pos:pos + flat.size] = flat
+      pos += flat.size
+    buf[-1] = loss_sum
+    if self.corrupt_update is not None:  # fault drills only (config.debug_nan_update)
+      self.corrupt_update(step, buf[:-1])
+    self.grad_acc = list(self._zeros)
+    self.stats.num_pushes += 1
+    summed = self.reducer(step, buf)
+    if summed is None:
+      return False
+    self.apply_reduced(step, summed)
+    return True
+
+  def apply_reduced(self, step: int, summed: np.ndarray) -> None:
+    """Flush methods: applies the all-reduced step on every stage (an action: the driver advances ``sync``).
+
+    Args:
+      step: the step (0-based within the run).
+      summed: float32 ``[num_params + 1]``: every VW's accumulated gradients summed, then their loss sums summed.
+
+    Raises:
+      FloatingPointError: the reduced gradients hold NaN or Inf (some VW diverged).
+    """
+    count = self.num_virtual_workers * self.num_inflight
+    mean = np.asarray(summed[:-1], np.float32) / np.float32(count)
+    if not np.isfinite(mean).all():
+      raise FloatingPointError(f"[VW {self.vw_id}] the all-reduced gradients of step {step} hold NaN/Inf: training "
+                               "diverged; lower config.learning_rate")
+    params, states = [], []
+    for s, st in enumerate(self.stages):
+      start, end = st.layer_range
+      g = jax.device_put(self.layout.unflatten(mean, start, end), st.device)
+      p, o, _ = st.update(self.version.params[s], self.opt_states[s], g, self._zeros[s])
+      params.append(p)
+      states.append(o)
+    self.opt_states = states
+    done = self.version.local_updates + 1
+    self.version = self._new_version(params, local_updates=done, vector_clock=(done,) * self.num_virtual_workers)
+    self.stats.num_pulls += 1
+    if self.on_step is not None:
+      self.on_step(step, float(summed[-1]) / count)
 
   def install_pull(self, vector_clock: Sequence[int], flat: np.ndarray,
                    shard_vector_clocks: Sequence[Sequence[int]] | None = None) -> None:
@@ -526,8 +641,9 @@ class VirtualWorker:
     self.version = WeightVersion(tuple(params), 0, (0,) * self.num_virtual_workers, self.version.version_id + 1)
     self.own_waves = {}
     self.wave_delta = list(self._zeros)
+    self.grad_acc = list(self._zeros)
     self._wave_losses = []
-    self.sync = wsp.VWSyncState(self.num_inflight, self.staleness_bound, self.sync.pull_every_wave)
+    self.sync = self._new_sync(self.num_inflight, self.staleness_bound, self.sync.pull_every_wave)
 
   def set_version_id(self, version_id: int) -> None:
     """Continues a resumed VW's version numbering (records' ``version_id``) from its checkpoint."""

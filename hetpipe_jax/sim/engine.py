@@ -28,6 +28,18 @@ and, through ``injection_step``, ``injection_gate``): each transition happens on
 its outcome (``on_wave_end``, ``on_pull_reply``). In virtual time the engine is handed the ``VirtualWorker``s' own
 state objects (``sync_states``), so each VW has one state, which the engine advances and the hooks only read.
 
+Methods (``EngineConfig.method``, :mod:`hetpipe_jax.rules.methods`): the pipeline rules take the method's static
+per-stage order (every method but ``hetpipe``), and the all-reduce methods (``gpipe``, ``1f1b_flush``, ``horovod``)
+replace the PS by all-reduce BSP (:mod:`hetpipe_jax.rules.allreduce`): a step is ``num_inflight`` = M
+micro-batches, injected together once the previous step's update is applied (``AllReduceSyncState.max_injected``);
+when a VW's last micro-batch of a step completes it enters the step's all-reduce (``AllReduceState.enter``); when the
+last VW enters, the reduction takes ``max_v VWTaskTimes.allreduce_s`` and then every VW applies the update
+(``AllReduceSyncState.on_reduced``) and injects the next step. So the step waits for the slowest replica. A VW's
+``wait_s`` is then its time inside all-reduces (waiting for the slowest replica, plus the reduction).
+Hooks of the all-reduce methods: ``on_wave_end(vw_id, step, t)`` when a VW enters a step's all-reduce (its
+gradients are final), ``on_allreduce(step, t)`` when the last VW enters it, ``on_reduced(vw_id, step, t)`` when the
+reduced update is applied on a VW (then its injections and task starts follow, as after a pull reply).
+
 Optional link contention (``ps_link_contention``): every push and every pull reply crosses one shared link at the
 PS (its node's NIC), one transfer at a time in request order, so PS traffic serialises; pipeline sends stay part of
 their tasks (they already serialise with the sender's compute).
@@ -63,6 +75,8 @@ import itertools
 import time
 from typing import Any, Sequence
 
+from hetpipe_jax.rules import allreduce
+from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import schedule
 from hetpipe_jax.rules import wsp
 from hetpipe_jax.rules.schedule import Task, TaskKind
@@ -70,13 +84,13 @@ from hetpipe_jax.sim import engine_report
 from hetpipe_jax.sim.engine_report import EngineReport, GPUReport, MinibatchRecord, TaskEvent, VWReport
 from hetpipe_jax.sim.task_times import VWTaskTimes
 
-_TASK_END, _PUSH_ARRIVAL, _PULL_REQUEST, _PULL_REPLY = 0, 1, 2, 3
+_TASK_END, _PUSH_ARRIVAL, _PULL_REQUEST, _PULL_REPLY, _REDUCED = 0, 1, 2, 3, 4
 _BACKWARD = TaskKind.BACKWARD
 _STAGE_0 = (0,)
 _heappush = heapq.heappush
 _FORWARD = TaskKind.FORWARD
 _HOOK_NAMES = ("on_inject", "on_task_start", "on_minibatch_complete", "on_wave_end", "on_push", "on_pull_sent",
-               "on_pull_reply")
+               "on_pull_reply", "on_allreduce", "on_reduced")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +107,8 @@ class EngineConfig:
     records: keep per-minibatch records, per-task events, PS waits and the PS's application order; False is the
       timing-only mode.
     ps_link_contention: serialise all pushes and pull replies on one shared PS link (module docstring).
+    method: one of :data:`hetpipe_jax.rules.methods.METHODS` (its stage order and synchronisation); for the
+      all-reduce methods ``num_inflight`` is M (micro-batches per step) and ``num_waves`` the steps.
   """
 
   num_waves: int
@@ -102,9 +118,11 @@ class EngineConfig:
   records: bool = True
   ps_link_contention: bool = False
   ps_apply: str = "on_receipt"
+  method: str = "hetpipe"
 
   def __post_init__(self):
     wsp.check_ps_apply(self.ps_apply)
+    methods.get_method(self.method)
     if self.num_waves < 1:
       raise ValueError(f"num_waves must be >= 1, got {self.num_waves}")
     if self.num_inflight < 1:
@@ -132,19 +150,25 @@ class _VW:
 
   __slots__ = ("vw_id", "times", "rules", "sync", "num_stages", "total", "dur_fwd", "dur_bwd", "gpus", "active",
                "idle_since", "idle_s", "wait_since", "wait_s", "completions", "version_id", "num_pushes", "num_pulls",
-               "last_push_arrival", "records", "vector_clock")
+               "last_push_arrival", "records", "vector_clock", "fifo", "reduce_entered")
 
   def __init__(self, vw_id: int, times: VWTaskTimes, config: EngineConfig, sync: wsp.VWSyncState | None,
                num_vws: int):
     s_count = times.num_stages
     self.vw_id = vw_id
     self.times = times
-    self.rules = schedule.PipelineRules(s_count, config.num_inflight)
+    self.total = config.num_waves * config.num_inflight
+    method = methods.get_method(config.method)
+    order = methods.stage_order(method, s_count, config.num_inflight, self.total)
+    self.rules = schedule.PipelineRules(s_count, config.num_inflight, order)
+    self.fifo = order is None  # HetPipe's FIFO rule: the event loop's fast paths apply
     if sync is None:
-      sync = wsp.VWSyncState(config.num_inflight, config.staleness_bound, config.pull_every_wave)
+      if method.sync == "allreduce":
+        sync = allreduce.AllReduceSyncState(config.num_inflight)
+      else:
+        sync = wsp.VWSyncState(config.num_inflight, config.staleness_bound, config.pull_every_wave)
     self.sync = sync
     self.num_stages = s_count
-    self.total = config.num_waves * config.num_inflight
     # Per stage: duration of its forward (FB on the last stage) and of its backward task.
     last = s_count - 1
     self.dur_fwd = [times.task_duration_s(Task(s, TaskKind.FORWARD if s < last else TaskKind.FORWARD_BACKWARD, 0))
@@ -164,12 +188,21 @@ class _VW:
     self.last_push_arrival = 0.0
     self.records: dict[int, MinibatchRecord] = {}
     self.vector_clock = (0,) * num_vws  # of the installed pulled weights
+    self.reduce_entered = 0.0  # when the VW entered its current all-reduce
 
 
 def _check_sync_states(sync_states: Sequence[wsp.VWSyncState], num_vws: int, config: EngineConfig) -> None:
   """Raises ValueError unless ``sync_states`` holds ``num_vws`` fresh states with ``config``'s Nm, D and pulls."""
   if len(sync_states) != num_vws:
     raise ValueError(f"sync_states has {len(sync_states)} entries for {num_vws} virtual workers")
+  if methods.get_method(config.method).sync == "allreduce":
+    for v, sync in enumerate(sync_states):
+      if not isinstance(sync, allreduce.AllReduceSyncState) or sync.num_microbatches != config.num_inflight:
+        raise ValueError(f"sync_states[{v}] must be an AllReduceSyncState with M = {config.num_inflight} for "
+                         f"method {config.method!r}")
+      if sync.local_clock or sync.applied_steps:
+        raise ValueError(f"sync_states[{v}] is not fresh")
+    return
   want = (config.num_inflight, config.staleness_bound, config.pull_every_wave)
   for v, sync in enumerate(sync_states):
     got = (sync.num_inflight, sync.staleness_bound, sync.pull_every_wave)
@@ -214,7 +247,10 @@ class Engine:
     if len(gpu_ids) != len(self.vws) or any(len(g) != w.num_stages for g, w in zip(gpu_ids, self.vws)):
       raise ValueError("gpu_ids must list one name per stage of every virtual worker")
     self.gpu_ids = [list(g) for g in gpu_ids]
-    self.ps = wsp.ParameterServerState(len(self.vws), config.ps_apply)
+    self.method = methods.get_method(config.method)
+    self.ps = wsp.ParameterServerState(len(self.vws), config.ps_apply)  # unused by the all-reduce methods
+    self.reducer = allreduce.AllReduceState(len(self.vws)) if self.method.sync == "allreduce" else None
+    self.allreduce_s = max(t.allreduce_s for t in task_times)
     self.hooks = {name: getattr(hooks, name, None) for name in _HOOK_NAMES}
     self._on_task_start = self.hooks["on_task_start"]
     self._on_inject = self.hooks["on_inject"]
@@ -291,6 +327,10 @@ class Engine:
       for p in injected:
         on_inject(vw.vw_id, p, t)
     rules, q = vw.rules, vw.gpus[0].queue
+    if not vw.fifo:  # a static order starts stage 0's next task only (dispatched with the others by the caller)
+      while rules.has_ready(0):
+        q.append(rules.pop_ready(0))
+      return
     for _ in injected:  # each injection made one task ready on stage 0 (the ready queues were empty)
       q.append(rules.pop_ready(0))
 
@@ -332,6 +372,13 @@ class Engine:
     if hook is not None:
       hook(vw.vw_id, p, t)
     wave, pull = vw.sync.on_minibatch_complete(p)
+    if wave is not None and self.reducer is not None:
+      hook = self.hooks["on_wave_end"]
+      if hook is not None:
+        hook(vw.vw_id, wave, t)
+      self._enter_allreduce(vw, wave, t)
+      self._advance_clock(wave, t)
+      return
     if wave is not None:
       hook = self.hooks["on_wave_end"]
       if hook is not None:
@@ -343,6 +390,20 @@ class Engine:
       self._advance_clock(wave, t)
     if pull is not None:
       self._request_pull(vw, pull, t)
+
+  def _enter_allreduce(self, vw: _VW, step: int, t: float) -> None:
+    """VW ``vw`` enters the all-reduce of ``step``; when it is the last, every VW's update lands after the
+    reduction (``allreduce_s``)."""
+    vw.reduce_entered = t
+    vw.num_pushes += 1
+    if not self.reducer.enter(vw.vw_id, step):
+      return
+    hook = self.hooks["on_allreduce"]
+    if hook is not None:
+      hook(step, t)
+    done = t + self.allreduce_s
+    for w in self.vws:
+      self._push_event(done, _REDUCED, w.vw_id, step)
 
   def _advance_clock(self, old: int, t: float) -> None:
     counts = self._clock_counts
@@ -389,7 +450,7 @@ class Engine:
         rules = vw.rules
         num_completed = rules.num_completed
         new = rules.complete(task)
-        if len(new) == 1 and rules.num_completed == num_completed:  # the output moves on to a neighbouring stage
+        if vw.fifo and len(new) == 1 and rules.num_completed == num_completed:  # the output moves on
           ns = new[0].stage_id
           successor = vw.gpus[ns]
           successor.queue.append(rules.pop_ready(ns))
@@ -403,7 +464,7 @@ class Engine:
           self._try_inject(vw, t)
         if vw.active == 0 and rules.num_completed < vw.total:
           vw.idle_since = t
-        if new or gpu.stage_id:
+        if new or gpu.stage_id or not vw.fifo:
           self._dispatch_all(vw)
           start_ready(vw, t, range(vw.num_stages))
         else:  # stage 0 completed a minibatch: only stage 0 changed (its device, its injections)
@@ -420,6 +481,19 @@ class Engine:
       elif code == _PULL_REQUEST:
         if ps.request_pull(v, arg):
           self._send_pull_reply(v, t)
+      elif code == _REDUCED:  # the all-reduced update of step ``arg`` is applied on VW v
+        hook = self.hooks["on_reduced"]
+        if hook is not None:
+          hook(v, arg, t)
+        vw.sync.on_reduced(arg)
+        vw.wait_s += t - vw.reduce_entered
+        if records:
+          self._ps_waits.append((v, vw.reduce_entered, t))
+        vw.version_id += 1
+        vw.num_pulls += 1
+        self._try_inject(vw, t)
+        self._dispatch_all(vw)
+        start_ready(vw, t, range(vw.num_stages))
       else:  # _PULL_REPLY: arg is the reply's vector clock (its global clock alone when none is kept)
         hook = self.hooks["on_pull_reply"]
         if hook is not None:
@@ -433,6 +507,10 @@ class Engine:
         start_ready(vw, t, _STAGE_0)
     for vw in vws:
       if vw.rules.num_completed < vw.total:
+        if self.reducer is not None:
+          raise RuntimeError(f"[VW {vw.vw_id}] stalled after {vw.rules.num_completed}/{vw.total} micro-batches: "
+                             f"local clock {vw.sync.local_clock}, steps applied {vw.sync.applied_steps}, "
+                             f"all-reduce entered {self.reducer.entered}")
         raise RuntimeError(f"[VW {vw.vw_id}] stalled after {vw.rules.num_completed}/{vw.total} minibatches: local "
                            f"clock {vw.sync.local_clock}, weights global clock {vw.sync.weights_global_clock}, "
                            f"PS global clock {self.ps.global_clock}, pending pulls {self.ps.pending_pulls}")
@@ -467,7 +545,8 @@ class Engine:
     return EngineReport(
         config=config, makespan_s=makespan, total_minibatches_per_s=total_steady,
         total_minibatches_per_s_plain=total_plain, steady_window_s=window, vws=vws, gpus=gpus,
-        final_global_clock=self.ps.global_clock, max_clock_distance=self._max_distance,
+        final_global_clock=self.ps.global_clock if self.reducer is None else self.reducer.reduced_steps,
+        max_clock_distance=self._max_distance,
         clock_distance_samples=self._clock_samples, ps_applied=list(self.ps.applied) if self.config.records else [],
         ps_waits=list(self._ps_waits), minibatch_records=records, task_events=events, num_events=num_events,
         engine_wall_s=wall_s)

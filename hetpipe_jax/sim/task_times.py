@@ -25,11 +25,13 @@ from typing import Sequence
 
 import numpy as np
 
+from hetpipe_jax.planning import allreduce_cost
 from hetpipe_jax.planning import cost_model
 from hetpipe_jax.planning import profile_format
 from hetpipe_jax.planning.cluster import ClusterSpec
 from hetpipe_jax.planning.plan_format import Plan
 from hetpipe_jax.planning.profile_format import ModelProfile
+from hetpipe_jax.rules import methods
 from hetpipe_jax.rules.schedule import Task, TaskKind
 
 S_PER_MS = 1e-3
@@ -55,6 +57,8 @@ class VWTaskTimes:
     send_gradient_s: per cut b (stage b+1 -> b), sending the gradient back. Length S-1.
     push_s: sending one wave's aggregated update to the parameter server (HetPipe §5).
     pull_s: receiving the global weights from the parameter server.
+    allreduce_s: all-reduce BSP methods: one step's all-reduce of the gradients, from the moment the last VW
+      enters it until every replica holds the sum (the same for every VW of a job; the engine takes the largest).
 
   Raises:
     ValueError: a negative or non-finite duration, or per-stage lists of different lengths.
@@ -67,13 +71,14 @@ class VWTaskTimes:
   send_gradient_s: tuple[float, ...]
   push_s: float
   pull_s: float
+  allreduce_s: float = 0.0
 
   def __post_init__(self):
     n = len(self.forward_s)
     for name in ("forward_s", "backward_s", "send_activation_s", "send_gradient_s"):
       object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
       _check_durations(name, getattr(self, name), n)
-    for name in ("forward_backward_s", "push_s", "pull_s"):
+    for name in ("forward_backward_s", "push_s", "pull_s", "allreduce_s"):
       _check_durations(name, [getattr(self, name)], 1)
 
   @property
@@ -166,7 +171,10 @@ def ps_transfer_bytes(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, v
 
 def task_times_from_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec,
                          config: cost_model.CostModelConfig | None = None) -> list[VWTaskTimes]:
-  """Every VW's task times for ``plan`` from the cost model (HetPipe §7).
+  """Every VW's task times for ``plan`` from the cost model (HetPipe §7), for the plan's method.
+
+  The flush methods (``plan.method`` gpipe, 1f1b_flush, horovod): tasks of one micro-batch (the profile split by
+  ``plan.num_inflight`` = M), no PS transfers, and the step's all-reduce (:mod:`hetpipe_jax.planning.allreduce_cost`).
 
   Stage compute is ``cost_model``'s (measured or roofline) fwd+bwd time of its layers, split into forward and
   backward by the same model applied to the forward costs alone; sends use the cost model's per-cut transfer
@@ -191,28 +199,54 @@ def task_times_from_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec
     raise ValueError(f"cluster {cluster.name!r} is not the plan's cluster {plan.cluster!r}")
   if config is None:
     config = cost_model.CostModelConfig(**plan.cost_model)
+  if methods.get_method(plan.method).is_flush:
+    # Tasks are micro-batches; the step's all-reduce (no PS) over the links its groups use.
+    micro = profile_format.micro_batch_profile(profile, plan.num_inflight)
+    costs = cost_model.build_stage_costs(micro, cluster, config)
+    fwd_prefix = forward_prefix_ms(micro, cluster, config)
+    vws = [([cluster.gpu(g) for g in vw.gpus], vw.partition) for vw in plan.virtual_workers]
+    t_ar = allreduce_cost.allreduce_time_s(vws, profile, cluster)
+    return [vw_task_times(gpus, ranges, costs, fwd_prefix, cluster, allreduce_s=t_ar) for gpus, ranges in vws]
   costs = cost_model.build_stage_costs(profile, cluster, config)
-  fwd_prefix = {name: np.concatenate([[0.0], np.cumsum(cost_model.layer_times_ms(_forward_only(profile), t, config))])
-                for name, t in cluster.gpu_types.items()}
+  fwd_prefix = forward_prefix_ms(profile, cluster, config)
   out = []
   for index, vw in enumerate(plan.virtual_workers):
-    gpus = [cluster.gpu(g) for g in vw.gpus]
-    fwd, bwd, send = [], [], []
-    for s, (gpu, (i, j)) in enumerate(zip(gpus, vw.partition)):
-      total_ms = costs.compute_ms(gpu.gpu_type, i, j)
-      fwd_ms = min(float(fwd_prefix[gpu.gpu_type][j] - fwd_prefix[gpu.gpu_type][i]), total_ms)
-      if s == len(gpus) - 1:
-        fb_ms = total_ms
-      else:
-        fwd.append(fwd_ms * S_PER_MS)
-        bwd.append((total_ms - fwd_ms) * S_PER_MS)
-        link = cost_model.INTRA if gpu.node == gpus[s + 1].node else cost_model.INTER
-        send.append(float(costs.recv_ms[link][j]) * S_PER_MS)
     remote, local = ps_transfer_bytes(plan, profile, cluster, index)
     ps_s = cluster.inter_node_link.transfer_time_s(remote) + cluster.intra_node_link.transfer_time_s(local)
-    out.append(VWTaskTimes(forward_s=tuple(fwd), backward_s=tuple(bwd), forward_backward_s=fb_ms * S_PER_MS,
-                           send_activation_s=tuple(send), send_gradient_s=tuple(send), push_s=ps_s, pull_s=ps_s))
+    out.append(vw_task_times([cluster.gpu(g) for g in vw.gpus], vw.partition, costs, fwd_prefix, cluster,
+                             push_s=ps_s, pull_s=ps_s))
   return out
+
+
+def forward_prefix_ms(profile: ModelProfile, cluster: ClusterSpec,
+                      config: cost_model.CostModelConfig) -> dict[str, np.ndarray]:
+  """Per GPU type, ``[L + 1]`` prefix sums of the layers' forward times (ms): splits a stage's compute into its
+  forward and backward tasks."""
+  return {name: np.concatenate([[0.0], np.cumsum(cost_model.layer_times_ms(_forward_only(profile), t, config))])
+          for name, t in cluster.gpu_types.items()}
+
+
+def vw_task_times(gpus: Sequence, ranges: Sequence[Sequence[int]], costs: cost_model.StageCosts,
+                  fwd_prefix: dict[str, np.ndarray], cluster: ClusterSpec, *, push_s: float = 0.0,
+                  pull_s: float = 0.0, allreduce_s: float = 0.0) -> VWTaskTimes:
+  """One VW's task times from the cost model: ``gpus`` (:class:`~hetpipe_jax.planning.cluster.Gpu`) in stage order
+  with their layer ranges; sends over the link between neighbouring stages' nodes (module docstring)."""
+  fwd, bwd, send = [], [], []
+  fb_ms = 0.0
+  for s, (gpu, (i, j)) in enumerate(zip(gpus, ranges)):
+    total_ms = costs.compute_ms(gpu.gpu_type, i, j)
+    fwd_ms = min(float(fwd_prefix[gpu.gpu_type][j] - fwd_prefix[gpu.gpu_type][i]), total_ms)
+    if s == len(gpus) - 1:
+      fb_ms = total_ms
+    else:
+      fwd.append(fwd_ms * S_PER_MS)
+      bwd.append((total_ms - fwd_ms) * S_PER_MS)
+      link = cost_model.INTRA if gpu.node == gpus[s + 1].node else cost_model.INTER
+      send.append(float(costs.recv_ms[link][j]) * S_PER_MS)
+  del cluster
+  return VWTaskTimes(forward_s=tuple(fwd), backward_s=tuple(bwd), forward_backward_s=fb_ms * S_PER_MS,
+                     send_activation_s=tuple(send), send_gradient_s=tuple(send), push_s=push_s, pull_s=pull_s,
+                     allreduce_s=allreduce_s)
 
 
 def profile_for_plan(plan: Plan, path: str | None = None) -> ModelProfile:

@@ -1,0 +1,219 @@
+"""One all-reduce BSP training job over MPI (gpipe, 1f1b_flush, horovod): one rank per VW, no parameter server.
+
+Runtime layer; :func:`hetpipe_jax.jobs.mpi_job.run` hands these methods here. Rank r runs VW r: every step its
+pipeline runs M micro-batches in the method's order (:mod:`hetpipe_jax.rules.methods`), then its accumulated
+gradients (one contiguous float32 buffer in layer order, the step's loss sum last) are summed over all ranks with
+``MPI.Allreduce`` on each reduction segment (:func:`hetpipe_jax.rules.allreduce.reduce_segments`: the stages when
+every VW has the same partition; MPICH's collective, in place on contiguous slices), and every rank applies the
+same update with the mean gradient (:meth:`VirtualWorker.apply_reduced`). Rank 0 also writes the run's outputs
+(:mod:`hetpipe_jax.jobs.outputs`): metrics per logged step, evaluations, every rank's records (gathered at the end),
+summary.json and the final weights; the final weights of every rank are checked to be identical.
+
+Validation happens on every rank before any work, as in the HetPipe job. Not supported (refused with one message):
+``--resume``; training checkpoints (``checkpoint_every_waves`` is recorded as 0: only the final weights are saved).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import numpy as np
+
+from hetpipe_jax import models
+from hetpipe_jax.data import fashion_mnist, sharding
+from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
+from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, settings_summary
+from hetpipe_jax.rules import allreduce
+from hetpipe_jax.runtime import stages as stages_lib
+from hetpipe_jax.runtime.param_layout import ParamLayout
+
+
+class MPIAllReducer:
+  """Sums a VW's step buffer over every rank: one in-place ``Allreduce`` per reduction segment (contiguous slices of
+  the layer-ordered buffer; the loss slot rides with the last segment).
+
+  Args:
+    comm: the communicator of the VW ranks.
+    segment_offsets: per segment ``(start, end)`` element offsets into the buffer.
+  """
+
+  def __init__(self, comm, segment_offsets: list[tuple[int, int]]):
+    self.comm = comm
+    self.offsets = segment_offsets
+    self.seconds = 0.0
+    self.calls = 0
+
+  def __call__(self, step: int, buf: np.ndarray) -> np.ndarray:
+    from mpi4py import MPI  # pylint: disable=g-import-not-at-top
+    del step
+    t = time.perf_counter()
+    for start, end in self.offsets:
+      self.comm.Allreduce(MPI.IN_PLACE, buf[start:end], op=MPI.SUM)
+    self.seconds += time.perf_counter() - t
+    self.calls += 1
+    return buf
+
+
+def segment_offsets(layout: ParamLayout, segments: list[tuple[int, int]]) -> list[tuple[int, int]]:
+  """Element offsets of each layer segment in the step buffer (``num_params + 1``: the loss slot joins the last)."""
+  out = [(layout.layer_offsets[i], layout.layer_offsets[j]) for i, j in segments]
+  out[-1] = (out[-1][0], layout.num_params + 1)
+  return out
+
+
+def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = False) -> dict | None:
+  """Runs the job on this rank; returns the summary on rank 0, None elsewhere.
+
+  Raises:
+    ConfigError: invalid settings, or ``--resume`` (not supported for the all-reduce methods).
+    fashion_mnist.DataError: missing or corrupt dataset files.
+  """
+  from hetpipe_jax.jobs import mpi_job  # pylint: disable=g-import-not-at-top
+  from hetpipe_jax.runtime.virtual_worker import VirtualWorker  # pylint: disable=g-import-not-at-top
+
+  rank, world = comm.Get_rank(), comm.Get_size()
+  if resume:
+    raise ConfigError(f"--resume is not supported for config.method={settings.method!r} (all-reduce methods keep "
+                      "only the final weights)")
+  spec, partitions = mpi_job.prepare(config, settings, world)
+  emulated = emulated_task_times(config, settings)
+  dataset = mpi_job.load_data(config, spec)
+  steps = mpi_job.minibatches_per_vw(config, settings, dataset.num_train)
+  check_workdir(workdir)
+  layout = ParamLayout.from_layer_params(
+      jax.eval_shape(lambda: models.init_layer_params(spec, jax.random.key(config.seed))))
+  segments = allreduce.reduce_segments(partitions)
+  comm.Barrier()  # every rank passed validation
+
+  if rank == 0:
+    flat0 = layout.flatten(jax.device_get(models.init_layer_params(spec, jax.random.key(config.seed))))
+  else:
+    flat0 = np.empty(layout.num_params, np.float32)
+  comm.Bcast(flat0, root=0)  # every replica starts from rank 0's W0, bit for bit
+
+  n, m = settings.num_virtual_workers, settings.num_inflight
+  vw_id = rank
+  devices = [jax.local_devices()[d] for d in settings.vws[vw_id].devices]
+  optimizer = mpi_job.make_optimizer(config, steps)  # one optimizer step per training step
+  stages = stages_lib.build_stages(spec, partitions[vw_id], devices, optimizer, remat=bool(config.remat))
+  source = sharding.ShardedMinibatches(dataset, n, vw_id, config.batch_size, config.seed)
+  micro = sharding.MicroBatches(source.get, m)
+  reducer = MPIAllReducer(comm, segment_offsets(layout, segments))
+
+  outputs = evaluator = bar = None
+  evals: list[dict] = []
+  state: dict[str, Any] = {"losses": [], "loss": float("nan")}
+  eval_every = mpi_job.eval_every_waves(config, settings, dataset.num_train)
+  if rank == 0:
+    from hetpipe_jax.jobs.evaluation import Evaluator  # pylint: disable=g-import-not-at-top
+    outputs = RunOutputs(workdir)
+    outputs.write_config(resolved_config(config, settings, partitions, checkpoint_every_waves=0))
+    for note in settings.notes:
+      logging.info("[VW 0] %s", note)
+    evaluator = Evaluator(spec, layout, dataset.eval_inputs, dataset.eval_targets, config.eval_batch_size, devices[0])
+    if config.progress:
+      from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+      bar = tqdm(total=steps, desc=f"[{settings.method}] step", unit="step", mininterval=1.0, dynamic_ncols=True)
+    logging.info("[VW 0] %s: %d VWs x %d steps of %d micro-batches (all-reduce BSP over %d segments), model %s "
+                 "with %d parameters", settings.method, n, steps, m, len(segments), spec.name, layout.num_params)
+  t0 = [time.perf_counter()]
+
+  def on_step(step: int, loss: float) -> None:
+    if rank != 0:
+      return
+    state["losses"].append(loss)
+    clock = step + 1
+    evaluated = eval_every > 0 and clock % eval_every == 0 and clock < steps
+    if bar is not None:
+      bar.update(1)
+    if clock % max(1, config.log_every_waves) and not evaluated:
+      return
+    state["loss"] = float(np.mean(state["losses"]))
+    state["losses"] = []
+    wall = time.perf_counter() - t0[0]
+    line = {"minibatches": clock * n, "wave": step, "global_clock": clock, "loss": state["loss"], "wall_time_s": wall,
+            "minibatches_per_s": clock * n / wall}
+    if evaluated:
+      line.update(evaluator.evaluate(layout.flatten(vw.layer_params())))
+      evals.append({"global_clock": clock, "wall_time_s": wall, "test_accuracy": line["test_accuracy"],
+                    "test_loss": line["test_loss"]})
+    outputs.log_metrics(line)
+
+  vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, m, settings.staleness_bound, None,
+                     micro.get, num_virtual_workers=n,
+                     task_time_s=emulated[vw_id].task_duration_s if emulated else None, method=settings.method,
+                     reducer=reducer, on_step=on_step)
+  logging.info("[VW %d] %d stages %s on %s, %d steps x %d micro-batches", vw_id, len(stages), partitions[vw_id],
+               [str(d) for d in devices], steps, m)
+  comm.Barrier()
+  t0[0] = time.perf_counter()
+  stats = vw.run(steps * m)
+  comm.Barrier()
+  wall = time.perf_counter() - t0[0]
+  if bar is not None:
+    bar.close()
+  final_flat = layout.flatten(vw.layer_params())
+  digest = hashlib.sha256(final_flat.tobytes()).hexdigest()
+  report = {"records": [dict(r.__dict__) for r in vw.records], "stats": dict(stats.__dict__),
+            "allreduce_s": reducer.seconds, "allreduce_calls": reducer.calls,
+            "partition": [list(r) for r in partitions[vw_id]], "stage_devices": [d.id for d in devices],
+            "trace_counts": {s.stage_id: dict(s.trace_counts) for s in stages},
+            "tasks": vw.task_log if config.save_task_trace else [], "digest": digest}
+  reports = comm.gather(report, root=0)
+  logging.info("[VW %d] done: %.1f s, %.2f s in all-reduce", vw_id, stats.wall_time_s, reducer.seconds)
+  if rank != 0:
+    return None
+
+  reports = dict(enumerate(reports))
+  final = evaluator.evaluate(final_flat)
+  if state["losses"]:
+    state["loss"] = float(np.mean(state["losses"]))
+  outputs.log_metrics({"minibatches": steps * n, "global_clock": steps, "loss": state["loss"], "wall_time_s": wall,
+                       **final})
+  records = [r for v in sorted(reports) for r in reports[v]["records"]]
+  extra = outputs.write_minibatches(records)
+  if config.save_task_trace:
+    mpi_job._write_runtime_trace(reports, m, outputs.dir)  # pylint: disable=protected-access
+  ckpt = outputs.save_checkpoint(layout.unflatten(final_flat))
+  keys = ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes", "peak_inflight_per_stage",
+          "max_concurrent_tasks", "num_tasks", "num_overruns", "overrun_s", "host_busy_s", "start_unix_s")
+  per_vw = {str(v): {k: rep["stats"][k] for k in keys} | {"allreduce_s": rep["allreduce_s"],
+                                                            "stage_devices": rep["stage_devices"]}
+            for v, rep in sorted(reports.items())}
+  total_mb = n * steps
+  summary = {
+      "mode": "mpi",
+      "time_unit": "wall-clock seconds",
+      "test_accuracy": final["test_accuracy"],
+      "test_loss": final["test_loss"],
+      "final_train_loss": state["loss"],
+      "num_minibatches": total_mb,
+      "num_minibatches_per_vw": steps,
+      "num_microbatches_per_vw": steps * m,
+      "wall_time_s": wall,
+      "minibatches_per_s": total_mb / wall,
+      "images_per_s": total_mb * config.batch_size / wall,
+      **settings_summary(settings, partitions, config),
+      "global_clock": steps,
+      "allreduce": {"segments": [list(s) for s in segments], "steps": steps,
+                    "seconds_per_vw": {str(v): rep["allreduce_s"] for v, rep in sorted(reports.items())},
+                    "replicas_identical": len({rep["digest"] for rep in reports.values()}) == 1},
+      **extra,
+      "trace_counts": {str(v): rep["trace_counts"] for v, rep in sorted(reports.items())},
+      "evaluations": evals + [{"global_clock": steps, "wall_time_s": wall, **final}],
+      "per_vw": per_vw,
+      "wait_s": {v: s["wait_s"] for v, s in per_vw.items()},
+      "idle_s": {v: s["idle_s"] for v, s in per_vw.items()},
+      "checkpoint": str(ckpt),
+      "checkpoint_every_waves": 0,
+  }
+  if not summary["allreduce"]["replicas_identical"]:
+    logging.warning("[VW 0] the replicas' final weights differ")
+  outputs.finish(summary)
+  logging.info("[VW 0] done: test accuracy %.4f, %d minibatches in %.1f s (%.1f images/s)", final["test_accuracy"],
+               total_mb, wall, summary["images_per_s"])
+  return summary

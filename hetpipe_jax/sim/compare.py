@@ -1,0 +1,231 @@
+"""Every method on one cluster and model, predicted by the event engine: which method, and which allocation?
+
+Planning layer (standard library, numpy; matplotlib for the chart). For each method of
+:mod:`hetpipe_jax.rules.methods` the planner makes its plan (:func:`hetpipe_jax.planning.planner.make_plan`: the
+method's allocation, partitions, memory model and Nm or M) and the engine runs it (:mod:`hetpipe_jax.sim.engine`, the
+same rules as the runtime): the predicted images/s is the engine's steady-state rate, not a closed form. Rows:
+
+* ``hetpipe``: NP / ED / HD / auto allocations x default / local parameter placement (HetPipe §8.1);
+* ``pipedream``, ``gpipe``, ``1f1b_flush``: each NP / ED / HD allocation is planned and run; the table shows the
+  fastest (``all_rows`` keeps every candidate);
+* ``horovod``: one VW per GPU that holds the model (the others are left out, with a reason).
+
+Per row: GPUs used, Nm or M, images/s, the bottleneck (:func:`bottleneck`), memory feasibility (the fullest GPU's
+share of its memory) and the bytes that cross nodes per step (every VW processing one minibatch: activations and
+gradients over inter-node cuts, plus PS pushes and pulls divided over the wave's Nm minibatches, or the all-reduce).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+from hetpipe_jax.planning import allocator
+from hetpipe_jax.planning import planner
+from hetpipe_jax.planning.cluster import ClusterSpec
+from hetpipe_jax.planning.plan_format import Plan
+from hetpipe_jax.planning.profile_format import ModelProfile
+from hetpipe_jax.rules import methods
+from hetpipe_jax.sim import engine
+from hetpipe_jax.sim import task_times as task_times_lib
+
+HETPIPE_POLICIES = ("NP", "ED", "HD", "auto")
+PIPELINE_POLICIES = ("NP", "ED", "HD")
+MIB = float(2**20)
+
+
+@dataclasses.dataclass
+class Row:
+  """One configuration's prediction (module docstring)."""
+
+  method: str
+  allocation: str
+  placement: str
+  num_vws: int
+  gpus_used: int
+  num_inflight: int | None  # Nm (WSP methods) or M (flush methods)
+  images_per_s: float
+  bottleneck: str
+  memory_fits: bool
+  memory_use: float  # the fullest GPU's memory over its capacity
+  cross_node_bytes_per_step: float
+  notes: list[str] = dataclasses.field(default_factory=list)
+  engine_s: float = 0.0
+
+  @property
+  def label(self) -> str:
+    extra = f"/{self.placement}" if self.placement else ""
+    return f"{self.method} {self.allocation}{extra}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareConfig:
+  """What to compare.
+
+  Attributes:
+    num_vws: VWs for the pipelined methods (Horovod uses one per GPU that holds the model).
+    staleness_bound: D for the WSP methods (hetpipe, pipedream).
+    pull_every_wave: WSP pull policy (False: HetPipe §5's).
+    num_waves: waves (steps, for the flush methods) the engine runs per VW.
+    remat: gpipe / 1f1b_flush rematerialisation (memory model).
+  """
+
+  num_vws: int = 4
+  staleness_bound: int = 0
+  pull_every_wave: bool = False
+  num_waves: int = 40
+  remat: bool = False
+
+
+def images_per_s(report: engine.EngineReport, plan: Plan) -> float:
+  """The engine's steady-state rate in images/s: (micro-)batches/s times their size."""
+  size = plan.batch_size
+  if methods.get_method(plan.method).is_flush:
+    size = plan.batch_size / plan.num_inflight
+  return report.total_minibatches_per_s * size
+
+
+def cross_node_bytes_per_step(plan: Plan) -> float:
+  """Bytes crossing nodes while every VW processes one minibatch (module docstring)."""
+  ps = plan.ps_placement
+  if methods.get_method(plan.method).is_flush:
+    return float(ps["activation_bytes_crossing_nodes_per_wave"] + ps["allreduce_bytes_crossing_nodes_per_step"])
+  return float(ps["total_bytes_crossing_nodes_per_wave"]) / plan.num_inflight
+
+
+def bottleneck(report: engine.EngineReport, plan: Plan, times: Sequence[task_times_lib.VWTaskTimes]) -> str:
+  """What limits the predicted rate: the largest share of the run's time among
+
+  * the all-reduce (flush methods: its time over the run);
+  * a straggler (the spread of waits across VWs: under WSP or all-reduce BSP the fast VWs wait for the slowest);
+  * the PS (WSP waits every VW has: pushes and pulls at the bound);
+  * the busiest GPU's compute (its utilisation; "network: activations" when sending them is most of its busy time);
+  * the pipeline bubble (the busiest GPU's idle time not spent waiting: fill and drain, Nm or M too small).
+  """
+  span = report.makespan_s or 1.0
+  waits = [v.wait_s / span for v in report.vws]
+  flush = methods.get_method(plan.method).is_flush
+  g = max(report.gpus, key=lambda g: g.utilization)
+  vw = plan.virtual_workers[g.vw_id]
+  t = times[g.vw_id]
+  s, last = g.stage_id, t.num_stages - 1
+  send = (t.send_activation_s[s] if s < last else 0.0) + (t.send_gradient_s[s - 1] if s > 0 else 0.0)
+  where = f"VW {g.vw_id} stage {s} on {vw.gpu_types[s]}"
+  shares = {}
+  if t.stage_time_s(s) > 0 and send / t.stage_time_s(s) > 0.5:
+    shares[f"network: activations of {where}"] = g.utilization
+  else:
+    shares[f"compute: {where}"] = g.utilization
+  slow = min(range(len(waits)), key=lambda v: waits[v])
+  shares[f"straggler: VW {slow} ({'/'.join(dict.fromkeys(plan.virtual_workers[slow].gpu_types))})"] = (
+      max(waits) - min(waits))
+  if flush:
+    ar = max(x.allreduce_s for x in times) * max(report.final_global_clock - 1, 0) / span
+    shares["network: all-reduce"] = ar
+  else:
+    shares["PS: push/pull waits"] = min(waits)
+  shares["pipeline bubble"] = max(0.0, 1.0 - g.utilization - waits[g.vw_id])
+  label = max(shares, key=lambda k: shares[k])
+  return f"{label} ({100 * shares[label]:.0f}%)"
+
+
+def run_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, config: CompareConfig,
+             allocation: str, placement: str) -> Row:
+  """Runs ``plan`` in the engine; returns its row."""
+  t0 = time.perf_counter()
+  times = task_times_lib.task_times_from_plan(plan, profile, cluster)
+  cfg = engine.EngineConfig(num_waves=config.num_waves, num_inflight=plan.num_inflight,
+                            staleness_bound=config.staleness_bound, pull_every_wave=config.pull_every_wave,
+                            records=False, method=plan.method)
+  report = engine.run(times, cfg, gpu_ids=[list(vw.gpus) for vw in plan.virtual_workers])
+  use = max(m / c for vw in plan.virtual_workers for m, c in zip(vw.stage_memory_bytes, vw.stage_capacity_bytes))
+  return Row(plan.method, allocation, placement, len(plan.virtual_workers),
+             sum(len(vw.gpus) for vw in plan.virtual_workers), plan.num_inflight, images_per_s(report, plan),
+             bottleneck(report, plan, times), True, use, cross_node_bytes_per_step(plan), list(plan.notes),
+             time.perf_counter() - t0)
+
+
+def _infeasible(method: str, allocation: str, placement: str, error: Exception) -> Row:
+  fits = "fit" not in str(error)  # memory ("fits no partition", "does not fit") vs a policy that does not apply
+  return Row(method, allocation, placement, 0, 0, None, 0.0, "not applicable" if fits else "does not fit", fits,
+             float("nan"), float("nan"), [str(error)])
+
+
+def compare(cluster: ClusterSpec, profile: ModelProfile, config: CompareConfig = CompareConfig()
+            ) -> tuple[list[Row], list[Row]]:
+  """Plans and runs every method (module docstring).
+
+  Returns:
+    ``(table rows, all rows)``: the table keeps every HetPipe row, the fastest allocation of each other pipelined
+    method, and Horovod.
+  """
+  table, every = [], []
+
+  def attempt(method, allocation, placement, **kw) -> Row:
+    pc = planner.PlannerConfig(policy=allocation if allocation in allocator.POLICIES else "ED",
+                               num_vws=config.num_vws, ps_placement=placement or "default", method=method,
+                               remat=config.remat, **kw)
+    try:
+      plan = planner.make_plan(cluster, profile, pc)
+    except (allocator.AllocationError, ValueError) as e:
+      row = _infeasible(method, allocation, placement, e)
+    else:
+      row = run_plan(plan, profile, cluster, config, allocation, placement)
+    every.append(row)
+    return row
+
+  for policy in HETPIPE_POLICIES:
+    for placement in ("default", "local"):
+      table.append(attempt("hetpipe", policy, placement))
+  for method in ("pipedream", "gpipe", "1f1b_flush"):
+    rows = [attempt(method, policy, "default" if method == "pipedream" else "") for policy in PIPELINE_POLICIES]
+    table.append(max(rows, key=lambda r: r.images_per_s))
+  table.append(attempt("horovod", "all GPUs that fit", ""))
+  return table, every
+
+
+def format_table(rows: Sequence[Row], title: str = "") -> str:
+  """A Markdown table of ``rows``."""
+  lines = [title] if title else []
+  lines += ["| method | allocation | GPUs | Nm / M | images/s | bottleneck | memory | cross-node MiB/step |",
+            "|---|---|---:|---:|---:|---|---|---:|"]
+  for r in rows:
+    nm = "-" if r.num_inflight is None else (f"M={r.num_inflight}" if methods.get_method(r.method).is_flush
+                                             else f"Nm={r.num_inflight}")
+    if r.memory_use == r.memory_use:
+      mem = f"fits ({100 * r.memory_use:.0f}%)"
+    else:
+      mem = "-" if r.memory_fits else "does not fit"
+    xb = "-" if r.cross_node_bytes_per_step != r.cross_node_bytes_per_step else \
+        f"{r.cross_node_bytes_per_step / MIB:.1f}"
+    alloc = r.allocation + (f" / {r.placement}" if r.placement else "")
+    lines.append(f"| {r.method} | {alloc} | {r.gpus_used} | {nm} | {r.images_per_s:.0f} | {r.bottleneck} | {mem} | "
+                 f"{xb} |")
+  return "\n".join(lines)
+
+
+def rows_to_json(rows: Sequence[Row]) -> list[dict[str, Any]]:
+  from hetpipe_jax.sim.engine_report import json_safe  # pylint: disable=g-import-not-at-top
+  return [json_safe({**dataclasses.asdict(r), "label": r.label}) for r in rows]
+
+
+def plot(rows: Sequence[Row], path: str, title: str = "") -> None:
+  """A horizontal bar chart of images/s per row (grey: does not fit)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  colors = {"hetpipe": "tab:blue", "pipedream": "tab:purple", "gpipe": "tab:orange", "1f1b_flush": "tab:red",
+            "horovod": "tab:green"}
+  fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
+  labels = [r.label for r in rows][::-1]
+  values = [r.images_per_s for r in rows][::-1]
+  ax.barh(labels, values, color=[colors[r.method] if r.memory_fits else "lightgrey" for r in rows][::-1])
+  for y, v in enumerate(values):
+    ax.text(v, y, f" {v:.0f}", va="center", fontsize=8)
+  ax.set_xlabel("predicted images/s (event engine)")
+  ax.set_title(title, fontsize=10)
+  ax.grid(axis="x", alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)

@@ -1,0 +1,117 @@
+"""Runtime numerics of the methods (in process): GPipe / 1F1B-flush / Horovod steps equal single-device training."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from hetpipe_jax import models
+from hetpipe_jax.data import fashion_mnist, sharding
+from hetpipe_jax.runtime import stages as stages_lib
+from hetpipe_jax.runtime import virtual_worker
+from hetpipe_jax.runtime.param_layout import ParamLayout
+from tests.pipeline_util import assert_params_close, loss_and_grad
+
+
+def build_flush_vw(data_dir, *, method, partition, num_microbatches, batch_size=16, optimizer=None, remat=False,
+                   model="mlp_tiny", seed=0):
+  spec = models.get_model(model)
+  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(seed)))
+  layout = ParamLayout.from_layer_params(params0)
+  tx = optimizer or optax.sgd(0.1)
+  stages = stages_lib.build_stages(spec, partition, jax.devices()[:len(partition)], tx, remat=remat)
+  dataset = fashion_mnist.load_fashion_mnist(data_dir, expected_counts=None)
+  source = sharding.ShardedMinibatches(dataset, 1, 0, batch_size, seed)
+  micro = sharding.MicroBatches(source.get, num_microbatches)
+  steps = []
+  vw = virtual_worker.VirtualWorker(0, stages, layout, params0, tx, num_microbatches, 0, None, micro.get,
+                                    num_virtual_workers=1, method=method, reducer=lambda step, buf: buf,
+                                    on_step=lambda step, loss: steps.append((step, loss)))
+  return vw, source, params0, tx, spec, steps
+
+
+def single_device(spec, params0, tx, batches):
+  grad_fn = loss_and_grad(spec)
+  params, state = params0, tx.init(params0)
+  losses = []
+  for x, y in batches:
+    loss, g = grad_fn(params, x, y)
+    updates, state = tx.update(g, state, params)
+    params = optax.apply_updates(params, updates)
+    losses.append(float(loss))
+  return jax.device_get(params), losses
+
+
+@pytest.mark.parametrize("method,partition,m,remat", [
+    ("gpipe", [(0, 2), (2, 4)], 4, False),
+    ("gpipe", [(0, 1), (1, 3), (3, 4)], 2, True),
+    ("1f1b_flush", [(0, 2), (2, 4)], 4, False),
+    ("1f1b_flush", [(0, 1), (1, 2), (2, 4)], 8, False),
+    ("horovod", [(0, 4)], 1, False),
+    ("horovod", [(0, 4)], 4, False),
+])
+def test_flush_methods_in_one_vw_equal_single_device_training(synthetic_data_dir, method, partition, m, remat):
+  steps = 3
+  vw, source, params0, tx, spec, logged = build_flush_vw(synthetic_data_dir, method=method, partition=partition,
+                                                         num_microbatches=m, remat=remat,
+                                                         optimizer=optax.adam(1e-2))
+  vw.run(steps * m)
+  want, losses = single_device(spec, params0, tx, [source.get(k) for k in range(steps)])
+  assert_params_close(vw.layer_params(), want, rtol=1e-5)
+  assert [s for s, _ in logged] == list(range(steps))
+  np.testing.assert_allclose([l for _, l in logged], losses, rtol=1e-5)
+  recs = vw.records
+  assert [r.minibatch_id for r in recs] == list(range(steps * m))
+  assert [r.wave_id for r in recs] == [p // m for p in range(steps * m)]
+  assert [r.version_local_updates for r in recs] == [p // m for p in range(steps * m)]  # the previous steps'
+  assert vw.stats.peak_inflight_per_stage[-1] == 1
+
+
+def test_flush_method_needs_a_reducer(synthetic_data_dir):
+  with pytest.raises(ValueError, match="needs a reducer"):
+    spec = models.get_model("mlp_tiny")
+    params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
+    layout = ParamLayout.from_layer_params(params0)
+    tx = optax.sgd(0.1)
+    stages = stages_lib.build_stages(spec, [(0, 4)], jax.devices()[:1], tx)
+    virtual_worker.VirtualWorker(0, stages, layout, params0, tx, 2, 0, None, lambda p: None, num_virtual_workers=1,
+                                 method="gpipe")
+
+
+def test_micro_batches_split_each_minibatch_in_order(synthetic_data_dir):
+  dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
+  source = sharding.ShardedMinibatches(dataset, 2, 1, 16, 0)
+  micro = sharding.MicroBatches(source.get, 4)
+  x = np.concatenate([micro.get(p)[0] for p in range(4, 8)])
+  np.testing.assert_array_equal(x, source.get(1)[0])
+
+
+# ----------------------------------------------------------------------------------------- virtual time
+@pytest.mark.parametrize("method,stages,m,stage_ms", [
+    ("gpipe", 2, 4, "20,40;40,80"),  # heterogeneous VWs: the slow one holds every step
+    ("1f1b_flush", 2, 2, "20,40"),
+    ("horovod", 1, 1, "30;60"),
+])
+def test_virtual_time_allreduce_methods_equal_union_training(tmp_path, synthetic_data_dir, method, stages, m,
+                                                             stage_ms):
+  from experiments.configs import tiny
+  from hetpipe_jax.jobs import checkpoint, job_config, virtual_job
+  from tests.test_methods_mpi import union_training
+  steps, lr, batch = 4, 0.1, 16
+  c = tiny.get_config()
+  c.update({"data_dir": str(synthetic_data_dir), "check_counts": False, "progress": False, "method": method,
+            "num_virtual_workers": 2, "num_stages": stages, "num_inflight": m, "num_minibatches": steps,
+            "optimizer": "sgd", "learning_rate": lr, "batch_size": batch, "emulate_stage_ms": stage_ms,
+            "log_every_waves": 1})
+  summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
+  want, losses = union_training(synthetic_data_dir, 2, steps, batch, lr)
+  assert_params_close(checkpoint.restore_weights(tmp_path / "checkpoint"), want, rtol=1e-5)
+  assert summary["allreduce"]["replicas_identical"] and summary["method"] == method
+  # Simulated time: the slowest VW's step, (M + S - 1) micro-batch tasks of its slowest stage on equal-share
+  # stages here: sum of stage times + (M - 1) x the slowest, per step (no all-reduce time in synthetic emulation).
+  rows = [[float(x) / m for x in r.split(",")] for r in stage_ms.split(";")]
+  step_s = max(sum(r) + (m - 1) * max(r) for r in rows) / 1e3
+  assert summary["simulated_time_s"] == pytest.approx(steps * step_s, rel=1e-9)
+  import json
+  metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"wave"' in l]
+  np.testing.assert_allclose([l["loss"] for l in metrics], losses, rtol=1e-5)
