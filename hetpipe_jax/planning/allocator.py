@@ -305,15 +305,19 @@ class _AutoSearch:
     # Every type-count vector a virtual worker may have (1..max_size GPUs, within the cluster's counts).
     self.vectors = [n for n in itertools.product(*(range(min(h, self.max_size) + 1) for h in self.total_types))
                     if 1 <= sum(n) <= self.max_size]
-    self.type_bounds: dict[tuple[int, ...], float] = {}
+    # Nm levels (see :meth:`run`): one level per system Nm below the largest VW size, then one for every Nm from it on.
+    self.tail_nm = max(1, min(self.max_size, self.cap))
+    self.levels: list[tuple[int, int | None]] = [(m, m) for m in range(1, self.tail_nm)] + [(self.tail_nm, None)]
+    self.level = self.levels[-1]
+    self.type_bounds: dict[tuple, float] = {}
     self.planners: dict = {}
     self.best_single: dict[tuple, float] = {}
+    self.exact_of_take: dict[tuple, tuple[float, inflight.VwPlanner]] = {}
     self.best_total, self.best_split, self.target = 0.0, None, 0.0
-    self.packing_at: float | None = None  # the incumbent the packing grids were built for
-    self.packing: list[np.ndarray] = []
-    self.dead: dict[tuple, float] = {}  # canonical (k, remaining) -> incumbent at which no split of it beats it
+    self.packing: dict[tuple, tuple[float, list[np.ndarray]]] = {}  # level -> (bar built at, grids)
+    self.dead: dict[tuple, float] = {}  # (level, k, remaining up to renaming) -> bar at which no split of it beats it
     self.stats = {"leaves": 0, "nodes": 0, "exact_vws": 0, "type_bounds": 0, "packing_builds": 0, "dead_hits": 0,
-                  "rounds": 0}
+                  "rounds": 0, "level_searches": 0}
 
   @property
   def bar(self) -> float:
@@ -325,29 +329,37 @@ class _AutoSearch:
     return per_vw > 0 and self.num_vws * per_vw > self.bar * (1 + 1e-9)
 
   def type_bound(self, n: tuple[int, ...]) -> float:
-    """Upper bound on the best throughput of any VW with type counts ``n`` (``inflight`` bounds: the smaller of the
-    additive and the relaxed-partition bound; the relaxed one is only computed when the additive one beats)."""
-    if n not in self.type_bounds:
-      add = self.additive(n)
-      if not self.beats(add):
-        return add  # not cached: the relaxed bound may be needed once the bar is lower
+    """Upper bound on the best throughput over the current level's Nm of any VW with type counts ``n`` (``inflight``
+    bounds: the smallest of the additive, the Little's-law and the relaxed-partition bound; the relaxed one is only
+    computed when the cheap ones beat the bar)."""
+    key = (self.level, n)
+    if key not in self.type_bounds:
+      lo, hi = self.level
       kinds = [t for t, x in zip(self.types, n) for _ in range(x)]
+      cheap = self.additive(n)
+      if hi is not None and cheap > 0:
+        cheap = min(cheap, inflight.little_bound_per_s(self.costs, kinds, hi))
+      if not self.beats(cheap):
+        return cheap  # not cached: the relaxed bound may be needed once the bar is lower
       self.stats["type_bounds"] += 1
-      self.type_bounds[n] = min(add, inflight.throughput_upper_bound_per_s(self.costs, kinds, self.link_group))
-    return self.type_bounds[n]
+      self.type_bounds[key] = min(cheap, inflight.throughput_upper_bound_per_s(self.costs, kinds, self.link_group,
+                                                                               lo, hi))
+    return self.type_bounds[key]
 
   def gpus_of(self, take: Sequence[int]) -> list[Gpu]:
     return [g for c, x in enumerate(take) for g in self.by_class[c][:x]]
 
   def exact(self, take: tuple[int, ...]) -> tuple[float, inflight.VwPlanner]:
-    """The VW's best predicted throughput over Nm, and its planner."""
-    gpus = self.gpus_of(take)
-    planner = _vw_planner(self.costs, gpus, self.planners, self.cap)
-    key = shape_key(gpus)
-    if key not in self.best_single:
-      self.stats["exact_vws"] += 1
-      self.best_single[key] = inflight.choose_system_num_inflight([planner])[1]
-    return self.best_single[key], planner
+    """The VW's best predicted throughput over the current level's Nm, and its planner."""
+    if (self.level, take) not in self.exact_of_take:
+      gpus = self.gpus_of(take)
+      planner = _vw_planner(self.costs, gpus, self.planners, self.cap)
+      key = (self.level, shape_key(gpus))
+      if key not in self.best_single:
+        self.stats["exact_vws"] += 1
+        self.best_single[key] = inflight.choose_system_num_inflight([planner], *self.level)[1]
+      self.exact_of_take[(self.level, take)] = self.best_single[key], planner
+    return self.exact_of_take[(self.level, take)]
 
   def additive(self, n: Sequence[int]) -> float:
     return sum(x * u for x, u in zip(n, self.u))
@@ -375,6 +387,11 @@ class _AutoSearch:
     # Minimal among good vectors for the partial order; checking one-smaller neighbours is not enough when the
     # good set is not down-closed, so fall back to the full test for the remaining ones.
     minimal = [n for n in minimal if not any(m != n and all(a <= b for a, b in zip(m, n)) for m in good)]
+    grids = self.pack_grids(minimal)
+    self.packing[self.level] = self.bar, grids
+
+  def pack_grids(self, minimal: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
+    """``grids[j][h]``: whether type counts ``h`` contain ``j`` disjoint vectors each above one of ``minimal``."""
     shape = tuple(h + 1 for h in self.total_types)
     grids = [np.ones(shape, dtype=bool)]
     for _ in range(self.num_vws):
@@ -389,18 +406,23 @@ class _AutoSearch:
       if not nxt.any():
         grids += [nxt] * (self.num_vws - len(grids) + 1)
         break
-    self.packing, self.packing_at = grids, self.bar
+    return grids
 
   def packable(self, have: tuple[int, ...], k: int) -> bool:
-    if self.packing_at != self.bar:
+    built = self.packing.get(self.level)
+    if built is None or built[0] != self.bar:
       self.build_packing()
-    return bool(self.packing[k][have])
+    return bool(self.packing[self.level][1][k][have])
 
-  def packing_upper_bound(self, have: tuple[int, ...]) -> float:
-    """The largest total ``num_vws * b`` over type bounds ``b`` at which ``have`` packs ``num_vws`` VWs (binary
-    search; ``packable`` is monotone in the bar). An upper bound on every split's total."""
-    values = sorted({self.num_vws * self.type_bound(n) for n in self.vectors})
-    lo, hi = 0, len(values)  # values[i - 1] * (1 - 1e-12): the bar just below value i - 1; 0: no VW beats 0.
+  def packing_upper_bound(self, have: tuple[int, ...], above: float = 0.0) -> float:
+    """At the current level: the largest total ``num_vws * b`` over type bounds ``b`` at which ``have`` packs
+    ``num_vws`` VWs, or 0 when that is at most ``above`` (binary search; ``packable`` is monotone in the bar). An
+    upper bound on every split's total at this level."""
+    self.target = above
+    values = []
+    if self.packable(have, self.num_vws):
+      values = sorted(v for v in {self.num_vws * self.type_bound(n) for n in self.vectors} if v > above)
+    lo, hi = 0, len(values)  # values[i - 1] * (1 - 1e-6): the bar just below value i - 1; 0: none above ``above``.
     while lo < hi:
       mid = (lo + hi + 1) // 2
       self.target = values[mid - 1] * (1 - 1e-6)
@@ -468,8 +490,9 @@ class _AutoSearch:
     yield from rec(0)
 
   def canonical(self, rem: Sequence[int], k: int) -> tuple:
-    """``rem`` up to renaming nodes of equal content (the cost model never sees node names), with ``k``."""
-    return k, tuple(sorted((content, tuple(rem[c] for c in cls)) for content, cls in self.nodes))
+    """``rem`` up to renaming nodes of equal content (the cost model never sees node names), with ``k`` and the
+    level."""
+    return self.level, k, tuple(sorted((content, tuple(rem[c] for c in cls)) for content, cls in self.nodes))
 
   def search(self, rem: list[int], k: int, chosen: list, slowest: float) -> bool:
     """Extends ``chosen`` by every split of ``rem`` into ``k`` VWs that may beat the incumbent.
@@ -513,6 +536,12 @@ class _AutoSearch:
       self.dead[key] = self.bar
     return reached
 
+  def search_levels(self, rem: list[int], k: int) -> None:
+    """:meth:`search` of the whole cluster at every level."""
+    for self.level in self.levels[::-1]:
+      self.stats["level_searches"] += 1
+      self.search(list(rem), k, [], np.inf)
+
   def leaf(self, rem: list[int], chosen: list, slowest: float) -> bool:
     take = tuple(rem)
     e, planner = self.exact(take)
@@ -525,19 +554,26 @@ class _AutoSearch:
     return True
 
   def run(self) -> SystemPlan:
-    """Descends a target total from the packing bound (each round: the search with the target as the bar; a round
-    in which no split reaches the target proves none exists), then searches with the incumbent it found as the
-    bar, which makes the result exact (the descent only orders the work)."""
+    """Searches each Nm level (:attr:`levels`: the system Nm fixed at 1, 2, .., ``tail_nm - 1``, then any Nm from
+    ``tail_nm`` on), so every VW's value at a level is its throughput over the level's Nm and the bounds can use that
+    Nm's memory and round trip; a split's total is the largest over levels, so the best over levels is exact.
+
+    Descends a target total from the largest packing bound over levels (each round: the search of every level with
+    the target as the bar; a round in which no split reaches the target proves none exists), then searches every
+    level with the incumbent it found as the bar, which makes the result exact (the descent only orders the work)."""
     rem = [len(g) for g in self.by_class]
     have, k = self.type_counts(rem), self.num_vws
     if sum(have) <= k * self.max_size:
-      self.target = self.packing_upper_bound(have)
+      top = 0.0
+      for self.level in self.levels[::-1]:
+        top = max(top, self.packing_upper_bound(have, top))
+      self.target = top
       while self.target > 0 and self.best_split is None and self.stats["rounds"] < MAX_TARGET_ROUNDS:
         self.stats["rounds"] += 1
         self.target *= 1 - TARGET_STEP
-        self.search(list(rem), k, [], np.inf)
+        self.search_levels(rem, k)
       self.target = 0.0
-      self.search(list(rem), k, [], np.inf)
+      self.search_levels(rem, k)
     if self.best_split is None:
       raise AllocationError(f"the model fits no allocation of {sum(len(g) for g in self.by_class)} GPUs into "
                             f"{self.num_vws} virtual workers of at most {self.max_size} GPUs each")
