@@ -41,6 +41,7 @@ from hetpipe_jax.planning.partitioner import Partition
 POLICIES = ("NP", "ED", "HD", "auto")
 TARGET_STEP = 0.02  # auto: each round of the descent lowers the target total by 2 % ...
 MAX_TARGET_ROUNDS = 20  # ... for at most 20 rounds (to 0.67 x the packing bound); then the plain search
+START_STEP = 0.1  # auto: the start target is found by lowering the additive bound 10 % at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,14 +303,17 @@ class _AutoSearch:
     self.u = [u[t] for t in self.types]
     self.link_group = _link_groups(cluster)
     self.total_types = self.type_counts([len(g) for g in self.by_class])
-    # Every type-count vector a virtual worker may have (1..max_size GPUs, within the cluster's counts).
+    # Every type-count vector a virtual worker may have (within the cluster's counts; at most max_size GPUs, and at
+    # least what the other num_vws - 1 VWs of at most max_size GPUs each leave).
+    min_size = max(1, sum(self.total_types) - (num_vws - 1) * self.max_size)
     self.vectors = [n for n in itertools.product(*(range(min(h, self.max_size) + 1) for h in self.total_types))
-                    if 1 <= sum(n) <= self.max_size]
+                    if min_size <= sum(n) <= self.max_size]
     # Nm levels (see :meth:`run`): one level per system Nm below the largest VW size, then one for every Nm from it on.
     self.tail_nm = max(1, min(self.max_size, self.cap))
     self.levels: list[tuple[int, int | None]] = [(m, m) for m in range(1, self.tail_nm)] + [(self.tail_nm, None)]
     self.level = self.levels[-1]
     self.type_bounds: dict[tuple, float] = {}
+    self.relaxed: dict[tuple[int, ...], dict[int, float]] = {}  # type counts -> Nm -> relaxed-partition bound
     self.planners: dict = {}
     self.best_single: dict[tuple, float] = {}
     self.exact_of_take: dict[tuple, tuple[float, inflight.VwPlanner]] = {}
@@ -329,9 +333,10 @@ class _AutoSearch:
     return per_vw > 0 and self.num_vws * per_vw > self.bar * (1 + 1e-9)
 
   def type_bound(self, n: tuple[int, ...]) -> float:
-    """Upper bound on the best throughput over the current level's Nm of any VW with type counts ``n`` (``inflight``
-    bounds: the smallest of the additive, the Little's-law and the relaxed-partition bound; the relaxed one is only
-    computed when the cheap ones beat the bar)."""
+    """Upper bound on the best throughput over the current level's Nm of any VW with type counts ``n``: the smallest
+    of the ``inflight`` bounds (additive; Little's law at the level's largest Nm; relaxed partition at its smallest
+    Nm). The relaxed partition is only computed when the others, and the relaxed partition at a smaller Nm already
+    computed (it is non-increasing in Nm: memory only grows), beat the bar."""
     key = (self.level, n)
     if key not in self.type_bounds:
       lo, hi = self.level
@@ -339,11 +344,13 @@ class _AutoSearch:
       cheap = self.additive(n)
       if hi is not None and cheap > 0:
         cheap = min(cheap, inflight.little_bound_per_s(self.costs, kinds, hi))
+      cheap = min([cheap] + [b for m, b in self.relaxed.get(n, {}).items() if m <= lo])
       if not self.beats(cheap):
         return cheap  # not cached: the relaxed bound may be needed once the bar is lower
       self.stats["type_bounds"] += 1
-      self.type_bounds[key] = min(cheap, inflight.throughput_upper_bound_per_s(self.costs, kinds, self.link_group,
-                                                                               lo, hi))
+      relaxed = inflight.throughput_upper_bound_per_s(self.costs, kinds, self.link_group, lo)
+      self.relaxed.setdefault(n, {})[lo] = relaxed
+      self.type_bounds[key] = min(cheap, relaxed)
     return self.type_bounds[key]
 
   def gpus_of(self, take: Sequence[int]) -> list[Gpu]:
@@ -413,25 +420,6 @@ class _AutoSearch:
     if built is None or built[0] != self.bar:
       self.build_packing()
     return bool(self.packing[self.level][1][k][have])
-
-  def packing_upper_bound(self, have: tuple[int, ...], above: float = 0.0) -> float:
-    """At the current level: the largest total ``num_vws * b`` over type bounds ``b`` at which ``have`` packs
-    ``num_vws`` VWs, or 0 when that is at most ``above`` (binary search; ``packable`` is monotone in the bar). An
-    upper bound on every split's total at this level."""
-    self.target = above
-    values = []
-    if self.packable(have, self.num_vws):
-      values = sorted(v for v in {self.num_vws * self.type_bound(n) for n in self.vectors} if v > above)
-    lo, hi = 0, len(values)  # values[i - 1] * (1 - 1e-6): the bar just below value i - 1; 0: none above ``above``.
-    while lo < hi:
-      mid = (lo + hi + 1) // 2
-      self.target = values[mid - 1] * (1 - 1e-6)
-      if self.packable(have, self.num_vws):
-        lo = mid
-      else:
-        hi = mid - 1
-    self.target = 0.0
-    return values[lo - 1] if lo else 0.0
 
   def type_vectors(self, have: tuple[int, ...], k: int, first_type: int) -> list[tuple[int, ...]]:
     """Type-count vectors of the next of ``k`` VWs out of ``have`` (containing ``first_type``; sizes that leave
@@ -536,6 +524,14 @@ class _AutoSearch:
       self.dead[key] = self.bar
     return reached
 
+  def any_level_packable(self, have: tuple[int, ...]) -> bool:
+    """Whether ``have`` packs ``num_vws`` VWs above the bar at some level (cheap at a high bar: type bounds are
+    only computed for vectors whose cheap bounds beat it)."""
+    for self.level in self.levels[::-1]:
+      if self.packable(have, self.num_vws):
+        return True
+    return False
+
   def search_levels(self, rem: list[int], k: int) -> None:
     """:meth:`search` of the whole cluster at every level."""
     for self.level in self.levels[::-1]:
@@ -564,10 +560,10 @@ class _AutoSearch:
     rem = [len(g) for g in self.by_class]
     have, k = self.type_counts(rem), self.num_vws
     if sum(have) <= k * self.max_size:
-      top = 0.0
-      for self.level in self.levels[::-1]:
-        top = max(top, self.packing_upper_bound(have, top))
-      self.target = top
+      self.target = self.num_vws * max(self.additive(n) for n in self.vectors) / (1 - TARGET_STEP)
+      while self.target > 0 and not self.any_level_packable(have):  # a coarse start, above every level's optimum
+        self.target *= 1 - START_STEP
+      self.target /= 1 - START_STEP
       while self.target > 0 and self.best_split is None and self.stats["rounds"] < MAX_TARGET_ROUNDS:
         self.stats["rounds"] += 1
         self.target *= 1 - TARGET_STEP
