@@ -13,14 +13,14 @@
   total over the whole space is returned (exact; tests/test_allocator.py checks it against every set partition
   on small clusters). Default ``max_vw_gpus``: one GPU more than the equal share, ``ceil(N / num_vws) + 1``
   (:func:`default_max_vw_gpus`; a user value is used as given, recorded in the plan's ``allocation_search``).
-  Method: branch and bound, one VW at a time (the one holding the first remaining class, so VW order is not
-  enumerated), type-count vectors then canonical node layouts; pruned by per-VW upper bounds
-  (``inflight``'s additive and relaxed-partition bounds, proofs there), by a packing relaxation (the remaining
-  GPUs must hold, per type, as many disjoint type vectors whose bound beats the bar as VWs remain) and by a memo
-  of states (remaining GPUs up to node renaming) proven dead at a bar. The bar starts at the packing bound and
-  descends 2 % per round until a split reaches it, then the incumbent found is the bar; the descent only orders
-  the work. Known limit: VGG-19 on the 64-GPU ``hetpipe_paper_x4`` with 16 VWs does not finish in minutes (the
-  bounds are loose where memory limits Nm; see WORKSPACE.md).
+  Method: branch and bound per system-Nm level (Nm fixed at 1 .. max VW size - 1, then any Nm from the max VW size
+  on; a split's total is its best over levels), one VW at a time (the one holding the first remaining class, so VW
+  order is not enumerated), type-count vectors then canonical node layouts; pruned by per-VW upper bounds at the
+  level (``inflight``'s additive, Little's-law and relaxed-partition bounds at the level's Nm, proofs there), by a
+  packing relaxation (the remaining GPUs must hold, per type, as many disjoint type vectors whose bound beats the bar
+  as VWs remain) and by a memo of states (level, remaining GPUs up to node renaming) proven dead at a bar. The bar
+  starts near the largest packing bound and descends 2 % per round until a split reaches it, then the incumbent found
+  is the bar; the descent only orders the work.
 
 Planning layer: standard library and numpy only.
 """
@@ -560,8 +560,9 @@ class _AutoSearch:
     rem = [len(g) for g in self.by_class]
     have, k = self.type_counts(rem), self.num_vws
     if sum(have) <= k * self.max_size:
-      self.target = self.num_vws * max(self.additive(n) for n in self.vectors) / (1 - TARGET_STEP)
-      while self.target > 0 and not self.any_level_packable(have):  # a coarse start, above every level's optimum
+      # A coarse start above every level's optimum (down to 1e-6 of the additive bound; below, the plain search).
+      start = self.target = self.num_vws * max(self.additive(n) for n in self.vectors)
+      while self.target > start * 1e-6 and not self.any_level_packable(have):
         self.target *= 1 - START_STEP
       self.target /= 1 - START_STEP
       while self.target > 0 and self.best_split is None and self.stats["rounds"] < MAX_TARGET_ROUNDS:
