@@ -196,10 +196,11 @@ def test_auto_matches_exhaustive_search_over_every_allocation():
 
 
 def test_throughput_bounds_are_upper_bounds_of_every_small_virtual_worker():
-  """Both ``inflight`` bounds (additive per GPU type; relaxed partition per type multiset) against the exact best
-  throughput over Nm of every virtual worker (every subset of GPUs) of random small clusters."""
+  """The ``inflight`` bounds (additive per GPU type; relaxed partition per type multiset, also over a range of Nm
+  with Little's law at its top; the round-trip lower bound) against the exact best throughput over Nm (over the
+  range) of every virtual worker (every subset of GPUs) of random small clusters, and its partitions' round trips."""
   import itertools  # pylint: disable=g-import-not-at-top
-  checked = 0
+  checked = tight = 0
   for model, (seed, mem) in (("resnet152_imagenet", (7, 12)), ("resnet152_imagenet", (0, 16)),
                              ("vgg19_imagenet", (1, 16)), ("vgg19_imagenet", (3, 24))):
     cl = mixed_cluster(seed, mem)
@@ -209,11 +210,24 @@ def test_throughput_bounds_are_upper_bounds_of_every_small_virtual_worker():
     gpus = cl.gpus()
     for size in range(1, len(gpus) + 1):
       for vw in itertools.combinations(gpus, size):
-        _, exact = inflight.choose_system_num_inflight([inflight.VwPlanner(costs, vw)])
-        relaxed = inflight.throughput_upper_bound_per_s(costs, [g.gpu_type for g in vw], groups)
+        planner = inflight.VwPlanner(costs, vw)
+        kinds = [g.gpu_type for g in vw]
+        _, exact = inflight.choose_system_num_inflight([planner])
+        relaxed = inflight.throughput_upper_bound_per_s(costs, kinds, groups)
         assert exact <= relaxed * (1 + 1e-12) and exact <= sum(additive[g.gpu_type] for g in vw)
         checked += exact > 0
+        # Nm-range bounds (auto's levels): one Nm, and every Nm from one on.
+        for lo, hi in [(m, m) for m in range(1, 5)] + [(m, None) for m in range(1, 5)]:
+          _, exact = inflight.choose_system_num_inflight([planner], lo, hi)
+          bound = inflight.throughput_upper_bound_per_s(costs, kinds, groups, lo, hi)
+          assert exact <= bound * (1 + 1e-12), (model, seed, lo, hi, [g.gpu_id for g in vw])
+          tight += hi is not None and exact > 0 and exact >= bound * 0.9
+        trip = inflight.round_trip_lower_bound_ms(costs, kinds)
+        for nm in range(1, 5):
+          part = planner.partition(nm)
+          assert part is None or trip <= sum(part.stage_time_ms) * (1 + 1e-12)
   assert checked >= 20
+  assert tight >= 10  # the Nm-range bounds are near the exact value somewhere (they bind)
 
 
 def test_auto_records_its_max_vw_size_and_rejects_bad_ones(resnet_costs):

@@ -13,14 +13,14 @@
   total over the whole space is returned (exact; tests/test_allocator.py checks it against every set partition
   on small clusters). Default ``max_vw_gpus``: one GPU more than the equal share, ``ceil(N / num_vws) + 1``
   (:func:`default_max_vw_gpus`; a user value is used as given, recorded in the plan's ``allocation_search``).
-  Method: branch and bound, one VW at a time (the one holding the first remaining class, so VW order is not
-  enumerated), type-count vectors then canonical node layouts; pruned by per-VW upper bounds
-  (``inflight``'s additive and relaxed-partition bounds, proofs there), by a packing relaxation (the remaining
-  GPUs must hold, per type, as many disjoint type vectors whose bound beats the bar as VWs remain) and by a memo
-  of states (remaining GPUs up to node renaming) proven dead at a bar. The bar starts at the packing bound and
-  descends 2 % per round until a split reaches it, then the incumbent found is the bar; the descent only orders
-  the work. Known limit: VGG-19 on the 64-GPU ``hetpipe_paper_x4`` with 16 VWs does not finish in minutes (the
-  bounds are loose where memory limits Nm; see WORKSPACE.md).
+  Method: branch and bound per system-Nm level (Nm fixed at 1 .. max VW size - 1, then any Nm from the max VW size
+  on; a split's total is its best over levels), one VW at a time (the one holding the first remaining class, so VW
+  order is not enumerated), type-count vectors then canonical node layouts; pruned by per-VW upper bounds at the
+  level (``inflight``'s additive, Little's-law and relaxed-partition bounds at the level's Nm, proofs there), by a
+  packing relaxation (the remaining GPUs must hold, per type, as many disjoint type vectors whose bound beats the bar
+  as VWs remain) and by a memo of states (level, remaining GPUs up to node renaming) proven dead at a bar. The bar
+  starts near the largest packing bound and descends 2 % per round until a split reaches it, then the incumbent found
+  is the bar; the descent only orders the work.
 
 Planning layer: standard library and numpy only.
 """
@@ -41,6 +41,7 @@ from hetpipe_jax.planning.partitioner import Partition
 POLICIES = ("NP", "ED", "HD", "auto")
 TARGET_STEP = 0.02  # auto: each round of the descent lowers the target total by 2 % ...
 MAX_TARGET_ROUNDS = 20  # ... for at most 20 rounds (to 0.67 x the packing bound); then the plain search
+START_STEP = 0.1  # auto: the start target is found by lowering the additive bound 10 % at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,18 +303,25 @@ class _AutoSearch:
     self.u = [u[t] for t in self.types]
     self.link_group = _link_groups(cluster)
     self.total_types = self.type_counts([len(g) for g in self.by_class])
-    # Every type-count vector a virtual worker may have (1..max_size GPUs, within the cluster's counts).
+    # Every type-count vector a virtual worker may have (within the cluster's counts; at most max_size GPUs, and at
+    # least what the other num_vws - 1 VWs of at most max_size GPUs each leave).
+    min_size = max(1, sum(self.total_types) - (num_vws - 1) * self.max_size)
     self.vectors = [n for n in itertools.product(*(range(min(h, self.max_size) + 1) for h in self.total_types))
-                    if 1 <= sum(n) <= self.max_size]
-    self.type_bounds: dict[tuple[int, ...], float] = {}
+                    if min_size <= sum(n) <= self.max_size]
+    # Nm levels (see :meth:`run`): one level per system Nm below the largest VW size, then one for every Nm from it on.
+    self.tail_nm = max(1, min(self.max_size, self.cap))
+    self.levels: list[tuple[int, int | None]] = [(m, m) for m in range(1, self.tail_nm)] + [(self.tail_nm, None)]
+    self.level = self.levels[-1]
+    self.type_bounds: dict[tuple, float] = {}
+    self.relaxed: dict[tuple[int, ...], dict[int, float]] = {}  # type counts -> Nm -> relaxed-partition bound
     self.planners: dict = {}
     self.best_single: dict[tuple, float] = {}
+    self.exact_of_take: dict[tuple, tuple[float, inflight.VwPlanner]] = {}
     self.best_total, self.best_split, self.target = 0.0, None, 0.0
-    self.packing_at: float | None = None  # the incumbent the packing grids were built for
-    self.packing: list[np.ndarray] = []
-    self.dead: dict[tuple, float] = {}  # canonical (k, remaining) -> incumbent at which no split of it beats it
+    self.packing: dict[tuple, tuple[float, list[np.ndarray]]] = {}  # level -> (bar built at, grids)
+    self.dead: dict[tuple, float] = {}  # (level, k, remaining up to renaming) -> bar at which no split of it beats it
     self.stats = {"leaves": 0, "nodes": 0, "exact_vws": 0, "type_bounds": 0, "packing_builds": 0, "dead_hits": 0,
-                  "rounds": 0}
+                  "rounds": 0, "level_searches": 0}
 
   @property
   def bar(self) -> float:
@@ -325,29 +333,40 @@ class _AutoSearch:
     return per_vw > 0 and self.num_vws * per_vw > self.bar * (1 + 1e-9)
 
   def type_bound(self, n: tuple[int, ...]) -> float:
-    """Upper bound on the best throughput of any VW with type counts ``n`` (``inflight`` bounds: the smaller of the
-    additive and the relaxed-partition bound; the relaxed one is only computed when the additive one beats)."""
-    if n not in self.type_bounds:
-      add = self.additive(n)
-      if not self.beats(add):
-        return add  # not cached: the relaxed bound may be needed once the bar is lower
+    """Upper bound on the best throughput over the current level's Nm of any VW with type counts ``n``: the smallest
+    of the ``inflight`` bounds (additive; Little's law at the level's largest Nm; relaxed partition at its smallest
+    Nm). The relaxed partition is only computed when the others, and the relaxed partition at a smaller Nm already
+    computed (it is non-increasing in Nm: memory only grows), beat the bar."""
+    key = (self.level, n)
+    if key not in self.type_bounds:
+      lo, hi = self.level
       kinds = [t for t, x in zip(self.types, n) for _ in range(x)]
+      cheap = self.additive(n)
+      if hi is not None and cheap > 0:
+        cheap = min(cheap, inflight.little_bound_per_s(self.costs, kinds, hi))
+      cheap = min([cheap] + [b for m, b in self.relaxed.get(n, {}).items() if m <= lo])
+      if not self.beats(cheap):
+        return cheap  # not cached: the relaxed bound may be needed once the bar is lower
       self.stats["type_bounds"] += 1
-      self.type_bounds[n] = min(add, inflight.throughput_upper_bound_per_s(self.costs, kinds, self.link_group))
-    return self.type_bounds[n]
+      relaxed = inflight.throughput_upper_bound_per_s(self.costs, kinds, self.link_group, lo)
+      self.relaxed.setdefault(n, {})[lo] = relaxed
+      self.type_bounds[key] = min(cheap, relaxed)
+    return self.type_bounds[key]
 
   def gpus_of(self, take: Sequence[int]) -> list[Gpu]:
     return [g for c, x in enumerate(take) for g in self.by_class[c][:x]]
 
   def exact(self, take: tuple[int, ...]) -> tuple[float, inflight.VwPlanner]:
-    """The VW's best predicted throughput over Nm, and its planner."""
-    gpus = self.gpus_of(take)
-    planner = _vw_planner(self.costs, gpus, self.planners, self.cap)
-    key = shape_key(gpus)
-    if key not in self.best_single:
-      self.stats["exact_vws"] += 1
-      self.best_single[key] = inflight.choose_system_num_inflight([planner])[1]
-    return self.best_single[key], planner
+    """The VW's best predicted throughput over the current level's Nm, and its planner."""
+    if (self.level, take) not in self.exact_of_take:
+      gpus = self.gpus_of(take)
+      planner = _vw_planner(self.costs, gpus, self.planners, self.cap)
+      key = (self.level, shape_key(gpus))
+      if key not in self.best_single:
+        self.stats["exact_vws"] += 1
+        self.best_single[key] = inflight.choose_system_num_inflight([planner], *self.level)[1]
+      self.exact_of_take[(self.level, take)] = self.best_single[key], planner
+    return self.exact_of_take[(self.level, take)]
 
   def additive(self, n: Sequence[int]) -> float:
     return sum(x * u for x, u in zip(n, self.u))
@@ -375,6 +394,11 @@ class _AutoSearch:
     # Minimal among good vectors for the partial order; checking one-smaller neighbours is not enough when the
     # good set is not down-closed, so fall back to the full test for the remaining ones.
     minimal = [n for n in minimal if not any(m != n and all(a <= b for a, b in zip(m, n)) for m in good)]
+    grids = self.pack_grids(minimal)
+    self.packing[self.level] = self.bar, grids
+
+  def pack_grids(self, minimal: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
+    """``grids[j][h]``: whether type counts ``h`` contain ``j`` disjoint vectors each above one of ``minimal``."""
     shape = tuple(h + 1 for h in self.total_types)
     grids = [np.ones(shape, dtype=bool)]
     for _ in range(self.num_vws):
@@ -389,27 +413,13 @@ class _AutoSearch:
       if not nxt.any():
         grids += [nxt] * (self.num_vws - len(grids) + 1)
         break
-    self.packing, self.packing_at = grids, self.bar
+    return grids
 
   def packable(self, have: tuple[int, ...], k: int) -> bool:
-    if self.packing_at != self.bar:
+    built = self.packing.get(self.level)
+    if built is None or built[0] != self.bar:
       self.build_packing()
-    return bool(self.packing[k][have])
-
-  def packing_upper_bound(self, have: tuple[int, ...]) -> float:
-    """The largest total ``num_vws * b`` over type bounds ``b`` at which ``have`` packs ``num_vws`` VWs (binary
-    search; ``packable`` is monotone in the bar). An upper bound on every split's total."""
-    values = sorted({self.num_vws * self.type_bound(n) for n in self.vectors})
-    lo, hi = 0, len(values)  # values[i - 1] * (1 - 1e-12): the bar just below value i - 1; 0: no VW beats 0.
-    while lo < hi:
-      mid = (lo + hi + 1) // 2
-      self.target = values[mid - 1] * (1 - 1e-6)
-      if self.packable(have, self.num_vws):
-        lo = mid
-      else:
-        hi = mid - 1
-    self.target = 0.0
-    return values[lo - 1] if lo else 0.0
+    return bool(self.packing[self.level][1][k][have])
 
   def type_vectors(self, have: tuple[int, ...], k: int, first_type: int) -> list[tuple[int, ...]]:
     """Type-count vectors of the next of ``k`` VWs out of ``have`` (containing ``first_type``; sizes that leave
@@ -468,8 +478,9 @@ class _AutoSearch:
     yield from rec(0)
 
   def canonical(self, rem: Sequence[int], k: int) -> tuple:
-    """``rem`` up to renaming nodes of equal content (the cost model never sees node names), with ``k``."""
-    return k, tuple(sorted((content, tuple(rem[c] for c in cls)) for content, cls in self.nodes))
+    """``rem`` up to renaming nodes of equal content (the cost model never sees node names), with ``k`` and the
+    level."""
+    return self.level, k, tuple(sorted((content, tuple(rem[c] for c in cls)) for content, cls in self.nodes))
 
   def search(self, rem: list[int], k: int, chosen: list, slowest: float) -> bool:
     """Extends ``chosen`` by every split of ``rem`` into ``k`` VWs that may beat the incumbent.
@@ -513,6 +524,20 @@ class _AutoSearch:
       self.dead[key] = self.bar
     return reached
 
+  def any_level_packable(self, have: tuple[int, ...]) -> bool:
+    """Whether ``have`` packs ``num_vws`` VWs above the bar at some level (cheap at a high bar: type bounds are
+    only computed for vectors whose cheap bounds beat it)."""
+    for self.level in self.levels[::-1]:
+      if self.packable(have, self.num_vws):
+        return True
+    return False
+
+  def search_levels(self, rem: list[int], k: int) -> None:
+    """:meth:`search` of the whole cluster at every level."""
+    for self.level in self.levels[::-1]:
+      self.stats["level_searches"] += 1
+      self.search(list(rem), k, [], np.inf)
+
   def leaf(self, rem: list[int], chosen: list, slowest: float) -> bool:
     take = tuple(rem)
     e, planner = self.exact(take)
@@ -525,19 +550,27 @@ class _AutoSearch:
     return True
 
   def run(self) -> SystemPlan:
-    """Descends a target total from the packing bound (each round: the search with the target as the bar; a round
-    in which no split reaches the target proves none exists), then searches with the incumbent it found as the
-    bar, which makes the result exact (the descent only orders the work)."""
+    """Searches each Nm level (:attr:`levels`: the system Nm fixed at 1, 2, .., ``tail_nm - 1``, then any Nm from
+    ``tail_nm`` on), so every VW's value at a level is its throughput over the level's Nm and the bounds can use that
+    Nm's memory and round trip; a split's total is the largest over levels, so the best over levels is exact.
+
+    Descends a target total from the largest packing bound over levels (each round: the search of every level with
+    the target as the bar; a round in which no split reaches the target proves none exists), then searches every
+    level with the incumbent it found as the bar, which makes the result exact (the descent only orders the work)."""
     rem = [len(g) for g in self.by_class]
     have, k = self.type_counts(rem), self.num_vws
     if sum(have) <= k * self.max_size:
-      self.target = self.packing_upper_bound(have)
+      # A coarse start above every level's optimum (down to 1e-6 of the additive bound; below, the plain search).
+      start = self.target = self.num_vws * max(self.additive(n) for n in self.vectors)
+      while self.target > start * 1e-6 and not self.any_level_packable(have):
+        self.target *= 1 - START_STEP
+      self.target /= 1 - START_STEP
       while self.target > 0 and self.best_split is None and self.stats["rounds"] < MAX_TARGET_ROUNDS:
         self.stats["rounds"] += 1
         self.target *= 1 - TARGET_STEP
-        self.search(list(rem), k, [], np.inf)
+        self.search_levels(rem, k)
       self.target = 0.0
-      self.search(list(rem), k, [], np.inf)
+      self.search_levels(rem, k)
     if self.best_split is None:
       raise AllocationError(f"the model fits no allocation of {sum(len(g) for g in self.by_class)} GPUs into "
                             f"{self.num_vws} virtual workers of at most {self.max_size} GPUs each")

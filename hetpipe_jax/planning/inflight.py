@@ -5,8 +5,9 @@ grows with Nm, so feasibility is monotone and a doubling + bisection search find
 the minimum ``Max_m`` over virtual workers (every VW uses the same Nm) and is chosen to maximise the predicted
 total throughput, which WSP holds to the slowest virtual worker (HetPipe §5): ``num_vws * min_v thr_v(Nm)``.
 
-Two cheap upper bounds on a virtual worker's best throughput over every Nm let the allocator's search skip
-allocations without partitioning them: one additive over GPUs, one per multiset of GPU types (proofs in their
+Cheap upper bounds on a virtual worker's best throughput over every Nm (or over a range of Nm) let the allocator's
+search skip allocations without partitioning them: one additive over GPUs, one per multiset of GPU types (a relaxed
+partition at the range's smallest Nm, and Little's law with a round-trip lower bound at its largest; proofs in their
 docstrings).
 
 Planning layer: standard library and numpy only.
@@ -96,17 +97,24 @@ class VwPlanner:
     return p is not None and p.throughput_per_s >= 1e3 / p.max_stage_time_ms * (1 - 1e-12)
 
 
-def choose_system_num_inflight(planners: Sequence[VwPlanner]) -> tuple[int, float]:
-  """The system Nm maximising ``len(planners) * min_v thr_v(Nm)`` over ``1..min_v Max_m`` (smallest on ties).
+def choose_system_num_inflight(planners: Sequence[VwPlanner], min_num_inflight: int = 1,
+                                max_num_inflight: int | None = None) -> tuple[int, float]:
+  """The system Nm maximising ``len(planners) * min_v thr_v(Nm)`` over ``min_num_inflight..min(max_num_inflight,
+  min_v Max_m)`` (smallest on ties; by default ``1..min_v Max_m``, the plan's rule; the allocator's search also
+  asks for one Nm or a tail of them, HetPipe §4-5).
 
-  Nm rises from 1 and stops at the first Nm some virtual worker cannot fit (memory grows with Nm, so that is
-  ``min_v Max_m + 1``; no Max_m search is needed) or once every virtual worker is bottleneck-bound.
+  Nm rises from ``min_num_inflight`` and stops at the first Nm some virtual worker cannot fit (memory grows with
+  Nm, so that is ``min_v Max_m + 1``; no Max_m search is needed) or once every virtual worker is bottleneck-bound
+  (no larger Nm predicts more: the min-max stage time only grows as memory tightens).
 
   Returns:
-    ``(num_inflight, predicted total minibatches/s)``; ``(0, 0.0)`` when some virtual worker fits no Nm.
+    ``(num_inflight, predicted total minibatches/s)``; ``(0, 0.0)`` when some virtual worker fits no Nm of the range.
   """
+  top = min(p.cap for p in planners)
+  if max_num_inflight is not None:
+    top = min(top, max_num_inflight)
   best_nm, best = 0, 0.0
-  for nm in range(1, min(p.cap for p in planners) + 1):
+  for nm in range(min_num_inflight, top + 1):
     if any(p.partition(nm) is None for p in planners):
       break
     total = len(planners) * min(p.throughput_per_s(nm) for p in planners)
@@ -141,27 +149,57 @@ def additive_throughput_bounds_per_s(costs: StageCosts) -> dict[str, float]:
   return out
 
 
-def throughput_upper_bound_per_s(costs: StageCosts, gpu_types: Sequence[str], link_group: Mapping[str, str]) -> float:
-  """An upper bound on ``max_Nm throughput_per_s(Nm)`` of every virtual worker whose GPUs have these types, on any
-  nodes (0 when none fits memory even at Nm = 1, or when there are more GPUs than layers).
+def round_trip_lower_bound_ms(costs: StageCosts, gpu_types: Sequence[str]) -> float:
+  """A lower bound on the sum of stage times (ms) of every partition of the model over GPUs of these types.
+
+  Proof: a partition over S GPUs has S non-empty stages, so every layer runs on one of the types (at least the
+  fastest type's time for that layer) and S - 1 distinct cuts are crossed, each received twice (the activation by
+  the next stage, the gradient by the previous one, over the same link), each at least the cheaper of the intra-
+  and inter-node receive at that cut: at least twice the sum of the S - 1 smallest such receives.
+  """
+  kinds = sorted(set(gpu_types))
+  compute = np.min([np.diff(costs.compute_prefix_ms[t]) for t in kinds], axis=0).sum()
+  cuts = np.sort(np.minimum(costs.recv_ms[INTRA], costs.recv_ms[INTER])[1:costs.num_layers])
+  return float(compute + 2 * cuts[:len(gpu_types) - 1].sum())
+
+
+def little_bound_per_s(costs: StageCosts, gpu_types: Sequence[str], max_num_inflight: int) -> float:
+  """An upper bound on ``throughput_per_s(Nm)`` for every ``Nm <= max_num_inflight`` of every virtual worker whose
+  GPUs have these types: ``max_num_inflight * 1000 / round_trip_lower_bound_ms`` (Little's law term of
+  ``cost_model.vw_throughput_per_s``; minibatches/s)."""
+  trip = round_trip_lower_bound_ms(costs, gpu_types)
+  return max_num_inflight * MS_PER_S / trip * (1 + 1e-9) if trip > 0 else np.inf
+
+
+def throughput_upper_bound_per_s(costs: StageCosts, gpu_types: Sequence[str], link_group: Mapping[str, str],
+                                 min_num_inflight: int = 1, max_num_inflight: int | None = None) -> float:
+  """An upper bound on ``max throughput_per_s(Nm)`` over ``min_num_inflight <= Nm <= max_num_inflight`` (None: no
+  upper end) of every virtual worker whose GPUs have these types, on any nodes (0 when none fits memory at
+  ``min_num_inflight``, or when there are more GPUs than layers); minibatches/s.
 
   Relaxation: the GPUs of types in one link group (``link_group[type]``; types sharing a node anywhere in the
   cluster, closed transitively) sit on one pseudo-node and a link between them costs the cheaper of the intra- and
   inter-node link; GPUs of different groups never share a node, so their link is inter-node, as in every real
-  placement. Memory is checked at Nm = 1. Proof: a real virtual worker's partition at any feasible Nm, with the same
-  GPU-type order and cuts, fits the relaxed problem at Nm = 1 (stage memory is non-decreasing in Nm and independent
-  of links) with no larger stage times, so the relaxed optimum M (``partitioner.min_max_stage_time_ms``) is at most
-  its largest stage time, and its throughput is at most ``1000 / M``.
+  placement. Memory is checked at ``min_num_inflight``. Proof: a real virtual worker's partition at any feasible Nm
+  of the range, with the same GPU-type order and cuts, fits the relaxed problem at ``min_num_inflight`` (stage
+  memory is non-decreasing in Nm and independent of links) with no larger stage times, so the relaxed optimum M
+  (``partitioner.min_max_stage_time_ms``) is at most its largest stage time, and its throughput is at most
+  ``1000 / M``; with an upper end, also at most :func:`little_bound_per_s`.
 
   Args:
     costs: per-range costs.
     gpu_types: the virtual worker's GPU types (a multiset).
     link_group: GPU type -> its link group.
+    min_num_inflight: the smallest Nm bounded (>= 1).
+    max_num_inflight: the largest Nm bounded, None for every Nm from ``min_num_inflight`` on.
   """
   if not gpu_types or len(gpu_types) > costs.num_layers:
     return 0.0
   relaxed = dataclasses.replace(costs, recv_ms={INTRA: np.minimum(costs.recv_ms[INTRA], costs.recv_ms[INTER]),
                                                 INTER: costs.recv_ms[INTER]})
   gpus = tuple(Gpu(f"bound/{i}", t, f"group {link_group[t]}") for i, t in enumerate(sorted(gpu_types)))
-  best_ms = min_max_stage_time_ms(PartitionProblem(relaxed, gpus, 1))
-  return MS_PER_S / best_ms if np.isfinite(best_ms) else 0.0
+  best_ms = min_max_stage_time_ms(PartitionProblem(relaxed, gpus, min_num_inflight))
+  bound = MS_PER_S / best_ms if np.isfinite(best_ms) else 0.0
+  if max_num_inflight is not None:
+    bound = min(bound, little_bound_per_s(costs, gpu_types, max_num_inflight))
+  return bound
