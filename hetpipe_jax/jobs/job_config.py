@@ -262,7 +262,7 @@ def _settings_from_plan(config: Any, plan: Any) -> JobSettings:
                         "re-plan with a cluster that maps its GPUs to local devices")
     vws.append(VWLayout(partition, planned))
   return JobSettings(plan.model, num_vws, num_inflight, config.staleness_bound, tuple(vws), config.platform, plan,
-                     sources, tuple(notes), method)
+                     sources, tuple(notes), method=method)
 
 
 def settings_from_config(config: Any, plan: Any = None) -> JobSettings:
@@ -318,7 +318,7 @@ def settings_from_config(config: Any, plan: Any = None) -> JobSettings:
     partitions = (None,) * num_vws
   devices = _parse_devices(config.stage_devices, num_stages)
   return JobSettings(config.model, num_vws, values["num_inflight"], config.staleness_bound,
-                     tuple(VWLayout(p, devices) for p in partitions), config.platform, None, sources, (), method)
+                     tuple(VWLayout(p, devices) for p in partitions), config.platform, None, sources, (), method=method)
 
 
 def check_world_size(settings: JobSettings, world_size: int) -> None:
