@@ -55,7 +55,9 @@ class LaggingPeerClient(param_server.LocalPSClient):
     max_held_polls: see ``hold_reply``.
 
   Attributes:
-    pulls: per pull reply handed to VW 0, ``(vector clock, waves VW 0 had pushed then)``.
+    pulls: per pull reply handed to VW 0, ``(vector clock, waves VW 0 had pushed when the PS answered it)`` (a held
+      reply can be installed after VW 0 pushed more: several completions, a whole wave under load, can land between
+      two polls).
   """
 
   def __init__(self, server, vw_id, *, peer_waves, lag=1, hold_reply=None, max_held_polls=200):
@@ -67,6 +69,7 @@ class LaggingPeerClient(param_server.LocalPSClient):
     self.max_held_polls = max_held_polls
     self.pulls: list[tuple[tuple[int, ...], int]] = []
     self._held_reply = None
+    self._held_pushed = 0
     self._held_polls = 0
 
   def _peer_push(self, wave_id: int) -> None:
@@ -81,13 +84,14 @@ class LaggingPeerClient(param_server.LocalPSClient):
   def poll_pull(self):
     if self._held_reply is None:
       self._held_reply = super().poll_pull()
+      self._held_pushed = self.server.state.pushed_waves[0]
     if self._held_reply is None:
       return None
     if self.hold_reply is not None and self._held_polls < self.max_held_polls and self.hold_reply():
       self._held_polls += 1
       return None
     reply, self._held_reply, self._held_polls = self._held_reply, None, 0
-    self.pulls.append((reply[0], self.server.state.pushed_waves[0]))
+    self.pulls.append((reply[0], self._held_pushed))
     return reply
 
   def finish(self) -> None:
