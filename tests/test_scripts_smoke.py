@@ -111,3 +111,16 @@ def test_wsp_study_smoke(tmp_path, synthetic_data_dir):
   # 3 VWs at 1x / 1.5x / 3x with D = 2: the fast VWs' newer waves reach the others' weights on receipt.
   assert next(r for r in het["trained"] if r["ps_apply"] == "on_receipt")["minibatches_with_extra_updates"] > 0
   assert all(r["minibatches_with_extra_updates"] > 0 for r in het["engine"] if r["ps_apply"] == "on_receipt")
+
+
+@pytest.mark.mpi
+def test_methods_throughput_smoke(tmp_path):
+  output = tmp_path / "methods.json"
+  proc = _run(["experiments/methods_throughput.py", "--smoke", f"--output={output}", f"--runs_dir={tmp_path / 'r'}"],
+              timeout=600)
+  result = json.loads(output.read_text())
+  assert [r["method"] for r in result["rows"]] == ["hetpipe", "pipedream", "gpipe", "1f1b_flush", "horovod"]
+  for r in result["rows"]:
+    assert _finite(r["steady_images_per_s"], r["run_images_per_s"]) and r["steady_images_per_s"] > 0, r
+  assert [r["ranks"] for r in result["rows"]] == [3, 3, 2, 2, 2]
+  assert "| horovod | 2 x 1 |" in proc.stdout
