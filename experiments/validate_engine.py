@@ -23,6 +23,13 @@ one clock for all VWs: ``minibatches.jsonl`` has each VW's times since its own s
 start on the machine clock (``per_vw[vw]["start_unix_s"]``, ``time.time()`` taken next to the VW's ``perf_counter``
 origin), so a VW's completion on the common clock is its start plus its record time.
 
+Methods (``Case.method``): two or more cases per method of :mod:`hetpipe_jax.rules.methods` besides HetPipe
+(``--methods=...`` picks them): PipeDream (1F1B, per-stage updates, WSP), GPipe and 1F1B-flush (M micro-batches, the
+stage times given per minibatch and split into M micro-batch tasks, all-reduce BSP across VWs, no PS rank) and
+Horovod (one-stage VWs). The engine runs the same method (``EngineConfig.method``); the all-reduce methods' step-end
+synchronisation (loss read-back, gradients to the host, ``Allreduce``, the update) gets the probe's PS round trip
+as ``allreduce_s``.
+
 Latency (``--latency``): a probe job (1 VW, 2 stages, Nm = 1, D = 0) measures the runtime's hand-off latency between
 tasks and its push/PS/pull round trip (medians); the engine gets them as ``send_ms`` and ``push_ms`` / ``pull_ms``.
 """
@@ -47,6 +54,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from hetpipe_jax.jobs.job_config import parse_stage_ms  # noqa: E402
 from hetpipe_jax.paths import REPO_ROOT  # noqa: E402
+from hetpipe_jax.rules import methods  # noqa: E402
 from hetpipe_jax.sim import engine  # noqa: E402
 from hetpipe_jax.sim import engine_report  # noqa: E402
 from hetpipe_jax.sim import task_times  # noqa: E402
@@ -62,6 +70,7 @@ _LATENCY = flags.DEFINE_bool("latency", True, "Measure the runtime's hand-off an
                              "job and pass them to the engine as send_ms and push_ms / pull_ms (else all are 0).")
 _TOLERANCE = flags.DEFINE_float("tolerance_pct", 10.0, "A row passes when |error| <= this.")
 _TIMEOUT_S = flags.DEFINE_integer("timeout_s", 180, "Wall-clock limit of one MPI run.")
+_METHODS = flags.DEFINE_list("methods", [], "Run only the cases of these methods (default: every method).")
 _RUNS_DIR = flags.DEFINE_string("runs_dir", "", "Where the runs' outputs go (default: a new /tmp/validate_* dir).")
 
 _PYTHON = REPO_ROOT / ".venv" / "bin" / "python"
@@ -80,6 +89,7 @@ class Case:
     num_inflight: Nm.
     staleness_bound: D.
     in_quick: also run with ``--quick`` (which keeps 10 cases that still span the ranges above).
+    method: the training method (``num_inflight`` is M for gpipe, 1f1b_flush and horovod).
   """
 
   name: str
@@ -89,10 +99,19 @@ class Case:
   num_inflight: int
   staleness_bound: int
   in_quick: bool = True
+  method: str = "hetpipe"
+
+  @property
+  def flush(self) -> bool:
+    return methods.get_method(self.method).is_flush
 
   def vw_stage_ms(self) -> list[list[float]]:
-    """Per VW, per stage ms (as ``job_config.parse_stage_ms`` reads ``config.emulate_stage_ms``)."""
-    return parse_stage_ms(self.stage_ms, self.num_vws, self.num_stages)
+    """Per VW, per stage ms of one task (as ``job_config.emulated_task_times`` builds them from
+    ``config.emulate_stage_ms``: a minibatch's time, divided over its M micro-batches for the flush methods)."""
+    rows = parse_stage_ms(self.stage_ms, self.num_vws, self.num_stages)
+    if self.flush:
+      rows = [[v / self.num_inflight for v in r] for r in rows]
+    return rows
 
 
 # Every non-last stage >= 60 ms, so its forward (a third) is >= 20 ms; last-stage F+B tasks are >= 60 ms. Stage
@@ -113,6 +132,18 @@ CASES = (
     Case("3vw_2s_het_nm5_d3", 3, 2, "60,120;120,120;120,60", 5, 3),
     Case("3vw_3s_het_nm3_d0", 3, 3, "60,120,60;120,120,120;240,120,60", 3, 0),
 )
+# Two or more per method (same rules as above: tasks >= 10 ms; per-minibatch stage times for the flush methods).
+METHOD_CASES = (
+    Case("pd_1vw_3s_noam_d0", 1, 3, "60,120,60", 3, 0, method="pipedream", in_quick=False),
+    Case("pd_2vw_2s_het_d1", 2, 2, "60,120;120,60", 2, 1, method="pipedream", in_quick=False),
+    Case("gp_1vw_2s_m4", 1, 2, "120,240", 4, 0, method="gpipe", in_quick=False),
+    Case("gp_2vw_3s_het_m3", 2, 3, "180,180,360;360,180,180", 3, 0, method="gpipe", in_quick=False),
+    Case("1f1b_1vw_3s_m4", 1, 3, "120,120,240", 4, 0, method="1f1b_flush", in_quick=False),
+    Case("1f1b_2vw_2s_m4", 2, 2, "120,240", 4, 0, method="1f1b_flush", in_quick=False),
+    Case("hv_2vw_m1", 2, 1, "120;240", 1, 0, method="horovod", in_quick=False),
+    Case("hv_3vw_m2", 3, 1, "120;120;180", 2, 0, method="horovod", in_quick=False),
+)
+CASES = CASES + METHOD_CASES
 # ``--smoke``: two heterogeneous VWs (so the common clock matters), short tasks; not a validation point.
 SMOKE = Case("smoke_2vw_het_nm2_d1", 2, 2, "20,40;40,20", 2, 1, in_quick=False)
 # Run length per mode: (waves after the warm-up, least minibatches per VW).
@@ -188,11 +219,15 @@ def case_warmup_waves(case: Case, base: int) -> int:
 # ------------------------------------------------------------------------------------------------ the two sides
 def predict(case: Case, minibatches: int, warmup_waves: int, send_ms: float = 0.0, push_ms: float = 0.0,
             pull_ms: float = 0.0) -> dict:
-  """The engine's prediction for ``case``: :func:`rates` of its virtual completion times (as :func:`measure`)."""
+  """The engine's prediction for ``case``: :func:`rates` of its virtual completion times (as :func:`measure`).
+
+  ``minibatches``: the rules' (micro-)batches per VW (a multiple of Nm, or of M)."""
   times = [task_times.uniform_task_times(r, send_ms=send_ms, push_ms=push_ms, pull_ms=pull_ms)
            for r in case.vw_stage_ms()]
+  if case.flush:  # no PS: the step-end synchronisation costs about the probe's PS round trip
+    times = [dataclasses.replace(t, push_s=0.0, pull_s=0.0, allreduce_s=(push_ms + pull_ms) * 1e-3) for t in times]
   config = engine.EngineConfig(num_waves=minibatches // case.num_inflight, num_inflight=case.num_inflight,
-                               staleness_bound=case.staleness_bound, pull_every_wave=True)
+                               staleness_bound=case.staleness_bound, pull_every_wave=True, method=case.method)
   report = engine.run(times, config)
   completions = completion_times_by_vw([dataclasses.asdict(r) for r in report.minibatch_records], case.num_vws)
   return {**rates(completions, case.num_inflight, warmup_waves),
@@ -208,13 +243,16 @@ def run_job(case: Case, minibatches: int, data_dir: pathlib.Path, workdir: pathl
   Raises:
     RuntimeError: the job failed (the message holds the tail of its output).
   """
-  cmd = [str(_MPIEXEC), "-n", str(1 + case.num_vws), str(_PYTHON), "-m", "mpi4py", "-m", "hetpipe_jax.train",
+  ranks = case.num_vws + (0 if case.flush else 1)  # the all-reduce methods have no PS rank
+  # The job counts minibatches (a flush step is one minibatch of M micro-batches); the rules count micro-batches.
+  job_minibatches = minibatches // case.num_inflight if case.flush else minibatches
+  cmd = [str(_MPIEXEC), "-n", str(ranks), str(_PYTHON), "-m", "mpi4py", "-m", "hetpipe_jax.train",
          "--config=experiments/configs/tiny.py", f"--workdir={workdir}",
          f"--config.num_virtual_workers={case.num_vws}", f"--config.num_stages={case.num_stages}",
          "--config.partition=", f"--config.num_inflight={case.num_inflight}",
          f"--config.staleness_bound={case.staleness_bound}", f"--config.emulate_stage_ms={case.stage_ms}",
-         f"--config.num_minibatches={minibatches}", "--config.progress=False", "--config.check_counts=False",
-         f"--config.data_dir={data_dir}", *extra_flags]
+         f"--config.num_minibatches={job_minibatches}", "--config.progress=False", "--config.check_counts=False",
+         f"--config.data_dir={data_dir}", f"--config.method={case.method}", *extra_flags]
   env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
   t0 = time.perf_counter()
   proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -275,12 +313,13 @@ def latency_from_probe(records: Sequence[dict], stage_ms: Sequence[float] = (60.
 # ------------------------------------------------------------------------------------------------ main
 def format_table(rows: Sequence[dict], tolerance_pct: float) -> str:
   """One line per case: Nm, D, stage ms, predicted and measured total minibatches/s, error %, per-VW errors."""
-  lines = [f"{'case':<22} {'N':>1} {'S':>1} {'Nm':>2} {'D':>1} {'stage ms':<34} {'M':>3} {'W':>2} {'pred mb/s':>9} "
-           f"{'meas mb/s':>9} {'err %':>6}  per-VW err %"]
+  lines = [f"{'case':<22} {'method':<10} {'N':>1} {'S':>1} {'Nm':>2} {'D':>1} {'stage ms':<34} {'M':>3} {'W':>2} "
+           f"{'pred mb/s':>9} {'meas mb/s':>9} {'err %':>6}  per-VW err %"]
   for r in rows:
     c = r["case"]
     ok = "" if abs(r["error_pct"]) <= tolerance_pct else "  MISS"
-    lines.append(f"{c['name']:<22} {c['num_vws']:>1} {c['num_stages']:>1} {c['num_inflight']:>2} "
+    lines.append(f"{c['name']:<22} {c.get('method', 'hetpipe'):<10} {c['num_vws']:>1} {c['num_stages']:>1} "
+                 f"{c['num_inflight']:>2} "
                  f"{c['staleness_bound']:>1} {c['stage_ms']:<34} {r['num_minibatches_per_vw']:>3} "
                  f"{r['warmup_waves']:>2} "
                  f"{r['predicted']['total_mb_per_s']:>9.3f} "
@@ -304,6 +343,8 @@ def main(argv):
     cases = [SMOKE]
   else:
     cases = [c for c in CASES if (c.name in _CASES.value if _CASES.value else c.in_quick or not _QUICK.value)]
+    if _METHODS.value:
+      cases = [c for c in cases if c.method in _METHODS.value]
   unknown = set(_CASES.value) - {c.name for c in CASES}
   if unknown:
     raise app.UsageError(f"unknown --cases {sorted(unknown)}; known: {[c.name for c in CASES]}")

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # pylint: disable=wrong-import-position
 
+from hetpipe_jax.rules.records import MinibatchRecord  # pylint: disable=wrong-import-position
 from hetpipe_jax.rules import wsp  # pylint: disable=wrong-import-position
 from hetpipe_jax.sim import engine  # pylint: disable=wrong-import-position
 from hetpipe_jax.sim import task_times  # pylint: disable=wrong-import-position
@@ -118,7 +119,11 @@ def _report_dict(report: engine.EngineReport) -> dict:
 
 
 def _plain(x):
-  """Dataclasses (and lists of them) as tuples of their fields, recursively, for a stable ``repr``."""
+  """Dataclasses (and lists of them) as tuples of their fields, recursively, for a stable ``repr``. A record's
+  ``stage_versions`` (PipeDream's per-stage versions, added with the methods) is left out when unset, so the hash of
+  the HetPipe results did not change with the field."""
+  if isinstance(x, MinibatchRecord) and x.stage_versions is None:
+    return dataclasses.astuple(x)[:-1]
   if dataclasses.is_dataclass(x):
     return dataclasses.astuple(x)
   if isinstance(x, (list, tuple)):

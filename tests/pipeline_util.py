@@ -17,7 +17,7 @@ from hetpipe_jax.runtime.param_layout import ParamLayout
 
 def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_bound=0, optimizer=None,
              batch_size=16, seed=0, pull_every_wave=True, num_vws=1, vw_id=0, server=None, client_factory=None,
-             ps_apply="on_receipt", dataset=None):
+             ps_apply="on_receipt", dataset=None, method="hetpipe", vertical_sync=False):
   """Returns ``(vw, source, initial per-layer params, optimizer, server)`` for an in-process VW.
 
   ``dataset``: an already loaded dataset (e.g. text windows for a GPT) instead of Fashion-MNIST from ``data_dir``.
@@ -36,7 +36,8 @@ def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_b
   server = server or param_server.ParameterServer(layout.flatten(params0), num_vws, ps_apply)
   client = (client_factory or param_server.LocalPSClient)(server, vw_id)
   vw = virtual_worker.VirtualWorker(vw_id, stages, layout, params0, tx, num_inflight, staleness_bound, client,
-                                    source.get, num_virtual_workers=num_vws, pull_every_wave=pull_every_wave)
+                                    source.get, num_virtual_workers=num_vws, pull_every_wave=pull_every_wave,
+                                    method=method, vertical_sync=vertical_sync)
   return vw, source, params0, tx, server
 
 
@@ -132,3 +133,23 @@ def assert_params_close(actual, expected, rtol=1e-5, atol=1e-6):
   assert len(a) == len(b)
   for x, y in zip(a, b):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def pipedream_replay(spec, partition, params0, tx, batches, stage_versions):
+  """Sequential replay of per-stage updates (PipeDream): minibatch q's gradient is taken with stage s at its weights
+  after ``stage_versions[q][s]`` of its own updates; then every stage applies its own optimizer step with its part
+  of that gradient, minibatches in order (each stage updates in minibatch order).
+
+  Returns:
+    Final per-layer params (host).
+  """
+  grad_fn = loss_and_grad(spec)
+  hist = [[list(params0[i:j])] for i, j in partition]
+  states = [tx.init(list(params0[i:j])) for i, j in partition]
+  for (x, y), versions in zip(batches, stage_versions):
+    used = [layer for s, v in enumerate(versions) for layer in hist[s][v]]
+    _, g = grad_fn(used, x, y)
+    for s, (i, j) in enumerate(partition):
+      updates, states[s] = tx.update(list(g[i:j]), states[s], hist[s][-1])
+      hist[s].append(jax.device_get(optax.apply_updates(hist[s][-1], updates)))
+  return [layer for h in hist for layer in h[-1]]

@@ -24,7 +24,6 @@ import optax
 
 from hetpipe_jax import models
 from hetpipe_jax.runtime import objectives
-from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime.param_layout import ParamLayout
 
 

@@ -83,3 +83,30 @@ def test_allreduce_methods_refuse_a_ps_world_size_and_resume(tmp_path, synthetic
   assert "one rank per VW: config.method='gpipe' has no PS" in proc.stderr
   proc = run_job(tmp_path / "b", 2, {"data_dir": synthetic_data_dir, "method": "horovod", "num_stages": 2})
   assert proc.returncode != 0 and "num_stages must be 1" in proc.stderr
+
+
+@pytest.mark.parametrize("vertical_sync", [False, True])
+def test_pipedream_under_mpi_keeps_wsp_and_its_1f1b_order(tmp_path, synthetic_data_dir, vertical_sync):
+  from tests.test_mpi_job import _check_wsp
+  from hetpipe_jax.rules import methods
+  workdir = tmp_path / "run"
+  stages, mb = 3, 24
+  proc = run_job(workdir, 3, {"data_dir": synthetic_data_dir, "method": "pipedream", "num_stages": stages,
+                              "num_minibatches": mb, "staleness_bound": 1, "emulate_stage_ms": "6,6,6;18,18,18",
+                              "num_cpu_devices": 3, "save_task_trace": True, "vertical_sync": vertical_sync})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary, records = _check_wsp(workdir, 2, mb, stages, 1, reach=False)
+  assert summary["method"] == "pipedream" and summary["num_inflight"] == stages  # NOAM
+  assert summary["method_settings"]["vertical_sync"] is vertical_sync
+  assert summary["setting_sources"]["num_inflight"].startswith("default (PipeDream's NOAM")
+  for r in records:
+    v = r["stage_versions"]
+    assert len(v) == stages and min(v) >= 0
+    if vertical_sync:
+      assert len(set(v)) == 1
+  order = methods.stage_order(methods.get_method("pipedream"), stages, stages, mb)
+  tasks = read_jsonl(workdir / "tasks.jsonl")
+  for vw in range(2):
+    for s in range(stages):
+      got = [t["task"] for t in tasks if t["vw_id"] == vw and int(t["task"][0]) == s]
+      assert got == [str(t) for t in order.stage_tasks(s)]

@@ -115,3 +115,61 @@ def test_virtual_time_allreduce_methods_equal_union_training(tmp_path, synthetic
   import json
   metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"wave"' in l]
   np.testing.assert_allclose([l["loss"] for l in metrics], losses, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------- PipeDream
+@pytest.mark.parametrize("vertical_sync", [False, True])
+@pytest.mark.parametrize("partition,nm,pull_every_wave", [
+    ([(0, 1), (1, 2), (2, 4)], 3, True),  # NOAM = S, a pull (rebase) at every wave end
+    ([(0, 2), (2, 4)], 3, False),  # Nm > S
+])
+def test_pipedream_weight_stashing_equals_sequential_replay(synthetic_data_dir, vertical_sync, partition, nm,
+                                                            pull_every_wave):
+  from tests.pipeline_util import build_vw, pipedream_replay
+  vw, source, params0, tx, _ = build_vw(synthetic_data_dir, partition=partition, num_inflight=nm,
+                                        method="pipedream", vertical_sync=vertical_sync,
+                                        pull_every_wave=pull_every_wave, staleness_bound=0)
+  total = 6 * nm
+  vw.run(total)
+  recs = sorted(vw.records, key=lambda r: r.minibatch_id)
+  versions = [r.stage_versions for r in recs]
+  s_count = len(partition)
+  for q, v in enumerate(versions):
+    if vertical_sync:
+      assert len(set(v)) == 1  # every stage used the version stage 0 used
+    else:  # 1F1B: stage s runs forward q after its backward q - K_s (K_s = max(1, Nm - s)), never earlier
+      for s in range(s_count):
+        k = 1 if s == s_count - 1 else max(1, nm - s)
+        assert v[s] == max(0, q - k + 1), (q, s, v)
+  assert any(len(set(v)) > 1 for v in versions) != vertical_sync
+  spec = __import__("hetpipe_jax.models", fromlist=["get_model"]).get_model("mlp_tiny")
+  want = pipedream_replay(spec, partition, params0, tx, [source.get(q) for q in range(total)], versions)
+  assert_params_close(vw.layer_params(), want, rtol=1e-5, atol=1e-6)
+  assert vw.stats.num_pushes == 6
+
+
+def test_pipedream_in_virtual_time_one_vw_equals_replay_and_two_vws_keep_the_bound(tmp_path, synthetic_data_dir):
+  from experiments.configs import tiny
+  from hetpipe_jax.jobs import checkpoint, job_config, virtual_job
+  from tests.pipeline_util import pipedream_replay
+  import json
+  spec = models.get_model("mlp_tiny")
+  for n, stage_ms in ((1, "10,20,10"), (2, "10,20,10;30,30,30")):
+    c = tiny.get_config()
+    c.update({"data_dir": str(synthetic_data_dir), "check_counts": False, "progress": False, "method": "pipedream",
+              "num_virtual_workers": n, "num_stages": 3, "num_minibatches": 18, "staleness_bound": 1,
+              "emulate_stage_ms": stage_ms, "lr_schedule": "constant"})
+    out = tmp_path / f"n{n}"
+    summary = virtual_job.run(c, job_config.resolve_settings(c), str(out))
+    records = [json.loads(l) for l in (out / "minibatches.jsonl").read_text().splitlines()]
+    assert summary["method"] == "pipedream" and summary["num_inflight"] == 3
+    assert max(r["local_clock_at_injection"] - r["version_global_clock"] for r in records) <= 1
+    assert summary["max_clock_distance"] <= 2
+    if n == 1:
+      params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
+      dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
+      source = sharding.ShardedMinibatches(dataset, 1, 0, c.batch_size, 0)
+      partition = [tuple(r) for r in summary["partitions"]["0"]]
+      want = pipedream_replay(spec, partition, params0, optax.adam(c.learning_rate),
+                              [source.get(q) for q in range(18)], [r["stage_versions"] for r in records])
+      assert_params_close(checkpoint.restore_weights(out / "checkpoint"), want, rtol=1e-5, atol=1e-6)

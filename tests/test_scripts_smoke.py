@@ -131,3 +131,16 @@ def test_bench_checkpoint_smoke(tmp_path, synthetic_data_dir):
   assert 0 < pair["checkpoint_barrier_fraction"] < 1
   without = json.loads((tmp_path / "r0_none" / "summary.json").read_text())
   assert without["checkpoint_every_waves"] == 0 and without["checkpoints"] == []
+
+
+@pytest.mark.mpi
+def test_methods_throughput_smoke(tmp_path):
+  output = tmp_path / "methods.json"
+  proc = _run(["experiments/methods_throughput.py", "--smoke", f"--output={output}", f"--runs_dir={tmp_path / 'r'}"],
+              timeout=600)
+  result = json.loads(output.read_text())
+  assert [r["method"] for r in result["rows"]] == ["hetpipe", "pipedream", "gpipe", "1f1b_flush", "horovod"]
+  for r in result["rows"]:
+    assert _finite(r["steady_images_per_s"], r["run_images_per_s"]) and r["steady_images_per_s"] > 0, r
+  assert [r["ranks"] for r in result["rows"]] == [3, 3, 2, 2, 2]
+  assert "| horovod | 2 x 1 |" in proc.stdout

@@ -497,7 +497,11 @@ def with_ps_shards(config: Any, settings: JobSettings) -> JobSettings:
   nodes = plan_nodes(plan) if plan is not None else ["host"]
   given = config.get("num_ps_shards")
   sources = dict(settings.sources)
-  if given is None:
+  per_stage = methods.get_method(settings.method).update == "stage"
+  if given is None and per_stage:
+    num = 1
+    sources["num_ps_shards"] = f"default (1: config.method={settings.method!r} runs with one PS on rank 0)"
+  elif given is None:
     num = len(nodes) if plan is not None else 1
     sources["num_ps_shards"] = "plan (one shard per node)" if plan is not None else "default (1: one PS on rank 0)"
   else:
@@ -506,6 +510,10 @@ def with_ps_shards(config: Any, settings: JobSettings) -> JobSettings:
     if num < 1:
       raise ConfigError(f"config.num_ps_shards={given}: must be >= 1 (1 = one PS on rank 0), or leave it unset for "
                         "one shard per node of the plan")
+  if per_stage and num > 1:
+    raise ConfigError(f"config.num_ps_shards={num} with config.method={settings.method!r}: per-stage updates with "
+                      "sharded parameter servers are not supported yet; leave config.num_ps_shards unset (one PS) "
+                      "or use --config.method=hetpipe")
   policy = config.get("ps_placement") or ""
   if policy:
     sources["ps_placement"] = "config"

@@ -92,6 +92,9 @@ class RunOutputs:
     """Writes ``minibatches.jsonl``, sorted by (VW, minibatch); returns the summary's extra-update statistics
     (:func:`hetpipe_jax.rules.records.extra_update_stats`)."""
     rows = sorted((dict(r) for r in records), key=lambda r: (r["vw_id"], r["minibatch_id"]))
+    for r in rows:  # per-stage versions exist for PipeDream only (every stage uses one version otherwise)
+      if r.get("stage_versions", 0) is None:
+        del r["stage_versions"]
     with open(self.dir / "minibatches.jsonl", "w", encoding="utf-8") as f:
       for r in rows:
         f.write(json.dumps(json_safe(r)) + "\n")

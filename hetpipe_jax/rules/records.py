@@ -25,6 +25,9 @@ class MinibatchRecord:
       is ``version_global_clock``; entries above it are extra updates, HetPipe §5–§6, under ``on_receipt``).
     inject_time_s, complete_time_s: seconds since the VW's start (wall time, or simulated time).
     loss: the minibatch's training loss (NaN in the timing-only engine).
+    stage_versions: PipeDream (per-stage updates): per stage, how many of the stage's own minibatch updates the
+      weights its forward used (and stashed for its backward) included; None for the other methods, where every
+      stage uses ``version_local_updates``.
   """
 
   vw_id: int
@@ -38,6 +41,7 @@ class MinibatchRecord:
   inject_time_s: float
   complete_time_s: float = float("nan")
   loss: float = float("nan")
+  stage_versions: list[int] | None = None
 
 
 @dataclasses.dataclass

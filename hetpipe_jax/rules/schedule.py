@@ -91,6 +91,11 @@ def completes_minibatch(task: Task) -> bool:
   return task.stage_id == 0 and task.kind is not _FORWARD
 
 
+def _key(task: Task | None):
+  """A task's key among one stage's ready tasks (static orders): ``(minibatch, is a backward)``; None past the end."""
+  return None if task is None else (task.minibatch_id, task.kind is _BACKWARD)
+
+
 class PipelineRules:
   """Pure state of one VW's pipeline under the HetPipe rules; the runtime and the engine both drive it.
 
@@ -127,9 +132,11 @@ class PipelineRules:
     if order is not None:
       if order.num_stages != num_stages:
         raise ValueError(f"the stage order has {order.num_stages} stages, the pipeline {num_stages}")
-      self._ready_set = [set() for _ in range(num_stages)]  # ready tasks not yet started, any order
+      # Ready tasks not yet started, any order, by key (minibatch, is a backward): unique on a stage, cheap to hash.
+      self._ready_set = [{} for _ in range(num_stages)]
       self._position = [0] * num_stages  # index of the next task of each stage's order
       self._expected = [order.task(s, 0) for s in range(num_stages)]
+      self._expected_key = [_key(t) for t in self._expected]
 
   @property
   def num_in_flight(self) -> int:
@@ -150,7 +157,7 @@ class PipelineRules:
     task = first_task(self.num_stages, self.num_injected)
     self.num_injected += 1
     if self.order is not None:
-      self._ready_set[0].add(task)
+      self._ready_set[0][_key(task)] = task
     else:
       self._ready[0].append(task)
     return task
@@ -158,20 +165,19 @@ class PipelineRules:
   def has_ready(self, stage_id: int) -> bool:
     """True when ``pop_ready(stage_id)`` would start a task (FIFO: any ready; static order: its next one)."""
     if self.order is not None:
-      return self._expected[stage_id] in self._ready_set[stage_id]
+      return self._expected_key[stage_id] in self._ready_set[stage_id]
     return bool(self._ready[stage_id])
 
   def pop_ready(self, stage_id: int) -> Task | None:
     """Starts the next task of ``stage_id`` (FIFO head, or the next of its static order if it is ready), checking
     rules 1–2; None when nothing may start."""
     if self.order is not None:
-      task = self._expected[stage_id]
-      ready = self._ready_set[stage_id]
-      if task is None or task not in ready:
+      task = self._ready_set[stage_id].pop(self._expected_key[stage_id], None)
+      if task is None:
         return None
-      ready.remove(task)
       self._position[stage_id] += 1
-      self._expected[stage_id] = self.order.task(stage_id, self._position[stage_id])
+      nxt = self._expected[stage_id] = self.order.task(stage_id, self._position[stage_id])
+      self._expected_key[stage_id] = _key(nxt)
     else:
       queue = self._ready[stage_id]
       if not queue:
@@ -213,7 +219,7 @@ class PipelineRules:
     new = successors(task, self.num_stages)
     if self.order is not None:
       for t in new:
-        self._ready_set[t.stage_id].add(t)
+        self._ready_set[t.stage_id][_key(t)] = t
       return new
     ready = self._ready
     for t in new:

@@ -27,6 +27,14 @@ micro-batch's gradients are added to the stage's accumulator (:meth:`complete_mi
 ``reducer`` (MPI: ``Allreduce`` per reduction segment; virtual time: held until the engine's all-reduce), and
 :meth:`apply_reduced` applies the mean gradient over the N VWs' M micro-batches on every stage (one new version per
 step; every replica applies the same update, so replicas stay identical).
+
+PipeDream (``method="pipedream"``, per-stage updates): each stage keeps its own latest weights; a forward uses them
+(or, with ``vertical_sync``, the stage's weights after as many own updates as stage 0's forward of that minibatch
+used) and its VJP closure stashes them for the backward (weight stashing); right after its backward (FB on the last
+stage) the stage applies its own optimizer step, adding the delta to that minibatch's wave accumulator. Records
+carry the per-stage versions (``stage_versions``). At a wave end the VW pushes every stage's wave delta, and a pull
+rebases every stage (global + own waves the PS lacks + deltas not pushed yet), under a per-stage lock because the
+stage executors update concurrently.
 """
 
 from __future__ import annotations
@@ -169,6 +177,8 @@ class VirtualWorker:
       (the accumulated gradients in layer order, then the step's loss sum); a returned sum over every VW is applied
       at once (MPI), None means the caller applies it later with :meth:`apply_reduced` (virtual time).
     on_step: flush methods: ``(step, mean loss over every VW's micro-batches) -> None`` after each applied step.
+    vertical_sync: pipedream: every stage uses, for a minibatch, its weights after as many own updates as stage 0
+      used for it (PipeDream's vertical sync); False: each stage's latest weights.
 
   Raises:
     ValueError: ``num_inflight < 1``, ``staleness_bound < 0``, or ``vw_id`` not in ``[0, num_virtual_workers)``.
@@ -183,13 +193,17 @@ class VirtualWorker:
                corrupt_update: Callable[[int, np.ndarray], None] | None = None, ps_shards: Any = None,
                method: str = "hetpipe",
                reducer: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
-               on_step: Callable[[int, float], None] | None = None):
+               on_step: Callable[[int, float], None] | None = None,
+               vertical_sync: bool = False):
     self.method = methods.get_method(method)
     self.sync = self._new_sync(num_inflight, staleness_bound, pull_every_wave)  # validates Nm and D
     if self.method.is_flush and reducer is None:
       raise ValueError(f"method {method!r} needs a reducer (the all-reduce across VWs)")
     self.reducer = reducer
     self.on_step = on_step
+    if vertical_sync and self.method.update != "stage":
+      raise ValueError(f"vertical_sync is a PipeDream setting, not {method!r}'s")
+    self.vertical_sync = vertical_sync
     if not 0 <= vw_id < num_virtual_workers:
       raise ValueError(f"vw_id={vw_id} must be in [0, num_virtual_workers={num_virtual_workers})")
     self.num_virtual_workers = num_virtual_workers
@@ -218,6 +232,7 @@ class VirtualWorker:
     self.version = WeightVersion(params, 0, (0,) * num_virtual_workers, 0)
     self.wave_delta = list(self._zeros)
     self.grad_acc = list(self._zeros)  # flush methods: the step's accumulated gradients per stage
+    self._init_stage_state()
     self.own_waves: dict[int, list] = {}  # wave -> per-stage delta, own waves not yet in pulled global weights
     self.records: list[MinibatchRecord] = []
     # (task, start, end) in seconds since the run's start: the span on the emulated device when emulated, else from
@@ -225,6 +240,43 @@ class VirtualWorker:
     self.task_log: list[tuple[str, float, float]] = []
     self.stats = VWStats()
     self._wave_losses: list = []  # (record, loss array) of the current wave
+
+  def _init_stage_state(self, updates: list[int] | None = None) -> None:
+    """PipeDream: per-stage latest weights, own-update counts, per-wave deltas, version history and locks."""
+    import threading  # pylint: disable=g-import-not-at-top
+    n = len(self.stages)
+    self.stage_params = list(self.version.params)
+    self.stage_updates = list(updates) if updates is not None else [0] * n
+    self.stage_wave_delta: list[dict[int, Any]] = [{} for _ in range(n)]
+    self.stage_history: list[dict[int, Any]] = ([{k: p} for k, p in zip(self.stage_updates, self.stage_params)]
+                                                if self.vertical_sync else [])
+    self.stage_locks = [threading.Lock() for _ in range(n)]
+
+  def _stage_update(self, s: int, mb: "InFlightMinibatch", grads) -> None:
+    """PipeDream: stage ``s`` applies its own optimizer step for ``mb`` (on its executor thread)."""
+    st = self.stages[s]
+    wave = mb.record.wave_id  # the segment's wave (the job shifts records after the run)
+    with self.stage_locks[s]:
+      acc = self.stage_wave_delta[s].get(wave, self._zeros[s])
+      p, o, d = st.update(self.stage_params[s], self.opt_states[s], grads, acc)
+      self.stage_params[s] = p
+      self.opt_states[s] = o
+      self.stage_wave_delta[s][wave] = d
+      self.stage_updates[s] += 1
+      if self.vertical_sync:
+        self.stage_history[s][self.stage_updates[s]] = p
+
+  def _stage_forward_params(self, s: int, mb: "InFlightMinibatch"):
+    """PipeDream: the weights stage ``s``'s forward of ``mb`` uses (recorded in ``stage_versions``)."""
+    with self.stage_locks[s]:
+      if self.vertical_sync and s > 0:
+        k = mb.record.stage_versions[0]
+        params = self.stage_history[s][k]
+      else:
+        k = self.stage_updates[s]
+        params = self.stage_params[s]
+    mb.record.stage_versions[s] = k
+    return params
 
   def _new_sync(self, num_inflight: int, staleness_bound: int, pull_every_wave: bool):
     if self.method.sync == "allreduce":
@@ -400,6 +452,8 @@ class VirtualWorker:
     else:
       rec = ShardedMinibatchRecord(*fields, version_shard_vector_clocks=v.shard_vector_clocks or
                                    (v.vector_clock,) * self.ps_shards.num_shards)
+    if self.method.update == "stage":
+      rec.stage_versions = [-1] * len(self.stages)
     self.records.append(rec)
     x = jax.device_put(images, first.device)
     y = jax.device_put(labels, last.device)
@@ -412,6 +466,8 @@ class VirtualWorker:
     """
     s = task.stage_id
     st = self.stages[s]
+    if self.method.update == "stage":
+      return self._dispatch_per_stage(task, mb)
     params = mb.version.params[s]
     if task.kind is TaskKind.FORWARD:
       out, vjp = st.forward(params, mb.activations.pop(s))
@@ -438,14 +494,49 @@ class VirtualWorker:
     mb.grad_in[s - 1] = g
     return g
 
+  def _dispatch_per_stage(self, task: Task, mb: InFlightMinibatch):
+    """PipeDream's :meth:`dispatch`: forwards on the stage's current (or vertically synced) weights, stashed in the
+    VJP closure; each backward (FB) followed by the stage's own update."""
+    s = task.stage_id
+    st = self.stages[s]
+    if task.kind is TaskKind.FORWARD:
+      out, vjp = st.forward(self._stage_forward_params(s, mb), mb.activations.pop(s))
+      mb.residuals[s] = vjp
+      nxt = jax.device_put(out, self.stages[s + 1].device)
+      mb.activations[s + 1] = nxt
+      return nxt
+    if task.kind is TaskKind.FORWARD_BACKWARD:
+      loss, gp, gx = st.forward_backward(self._stage_forward_params(s, mb), mb.activations.pop(s), mb.labels)
+      mb.loss = loss
+      self._stage_update(s, mb, gp)
+      if s == 0:
+        return loss
+      g = jax.device_put(gx, self.stages[s - 1].device)
+      mb.grad_in[s - 1] = g
+      return g
+    grad_out = mb.grad_in.pop(s)
+    gp, gx = st.backward(mb.residuals.pop(s), grad_out)
+    self._stage_update(s, mb, gp)
+    if s == 0:
+      leaves = jax.tree.leaves(gp)
+      return leaves[0] if leaves else grad_out
+    g = jax.device_put(gx, self.stages[s - 1].device)
+    mb.grad_in[s - 1] = g
+    return g
+
   def complete_minibatch(self, mb: InFlightMinibatch, now: float) -> None:
     """Applies minibatch p's update on every stage (a new weight version) and adds it to the wave's delta.
 
     An action: the driver then advances ``sync`` (``on_minibatch_complete``) and, at a wave end, calls
     :meth:`end_wave`. Flush methods: adds the micro-batch's gradients to the step's accumulator instead.
     """
-    if self.method.is_flush:
-      self.grad_acc = [st.add(a, mb.grads[s]) for s, (st, a) in enumerate(zip(self.stages, self.grad_acc))]
+    if self.method.is_flush or self.method.update == "stage":
+      if self.method.is_flush:
+        self.grad_acc = [st.add(a, mb.grads[s]) for s, (st, a) in enumerate(zip(self.stages, self.grad_acc))]
+      else:  # PipeDream: every stage already applied its own update; the VW's version counts completions
+        self.version = self._new_version(self.version.params, local_updates=self.version.local_updates + 1)
+        if self.vertical_sync:
+          self._prune_history()
       rec = mb.record
       rec.complete_time_s = now
       self._wave_losses.append((rec, mb.loss))
@@ -476,6 +567,8 @@ class VirtualWorker:
     """
     if self.method.is_flush:
       return self._reduce_step(wave_id)
+    if self.method.update == "stage":
+      return self._push_stage_waves(wave_id)
     host, losses = jax.device_get((self.wave_delta, [loss for _, loss in self._wave_losses]))
     loss_sum = 0.0
     for (rec, _), loss in zip(self._wave_losses, losses):
@@ -517,6 +610,33 @@ class VirtualWorker:
         self.on_minibatch(rec)
     self._wave_losses = []
     return loss_sum
+
+  def _push_stage_waves(self, wave_id: int) -> bool:
+    """PipeDream: pushes every stage's delta of wave ``wave_id`` (each stage updated itself after its backwards)."""
+    loss_sum = self._read_losses()
+    deltas = []
+    for s in range(len(self.stages)):
+      with self.stage_locks[s]:
+        deltas.append(self.stage_wave_delta[s].pop(wave_id, self._zeros[s]))
+    host = jax.device_get(deltas)
+    flat = np.concatenate([self.layout.flatten(h, st.layer_range[0]) for h, st in zip(host, self.stages)])
+    if self.corrupt_update is not None:
+      self.corrupt_update(wave_id, flat)
+    self.ps.push(wave_id, flat, loss_sum, self.num_inflight)
+    self.stats.num_pushes += 1
+    self.own_waves[wave_id] = deltas
+    return False
+
+  def _prune_history(self) -> None:
+    """Vertical sync: drops the stage versions no minibatch can still ask for (older than stage 0's forwards of the
+    minibatches in flight, and than stage 0's current count)."""
+    pending = [r.stage_versions[0] for r in self.records[-2 * self.num_inflight - 2:]
+               if r.complete_time_s != r.complete_time_s and r.stage_versions[0] >= 0]
+    keep = min(pending + [self.stage_updates[0]])
+    for s in range(1, len(self.stages)):
+      with self.stage_locks[s]:
+        for k in [k for k in self.stage_history[s] if k < keep]:
+          del self.stage_history[s][k]
 
   def _reduce_step(self, step: int) -> bool:
     """Flush methods: the step's gradients and loss sum, as one buffer, to the reducer; applies a returned sum."""
@@ -593,6 +713,9 @@ class VirtualWorker:
       return
     keep = wsp.own_waves_after_pull(self.own_waves, vector_clock[self.vw_id])
     self.own_waves = {c: self.own_waves[c] for c in keep}
+    if self.method.update == "stage":
+      self._install_pull_per_stage(vector_clock, flat, keep)
+      return
     params = []
     for s, st in enumerate(self.stages):
       start, end = st.layer_range
@@ -623,6 +746,24 @@ class VirtualWorker:
     self.version = self._new_version(params, vector_clock=vector_clock,
                                      shard_vector_clocks=tuple(tuple(int(c) for c in vc) for vc in shard_vector_clocks))
 
+  def _install_pull_per_stage(self, vector_clock, flat: np.ndarray, keep: list[int]) -> None:
+    """PipeDream's pull: every stage := global + its own pushed waves the PS lacks + its deltas not pushed yet (under
+    the stage's lock; with vertical sync the kept history moves by the same correction)."""
+    for s, st in enumerate(self.stages):
+      start, end = st.layer_range
+      p = jax.device_put(_host_copy(self.layout.unflatten(flat, start, end)), st.device)
+      for c in keep:
+        p = st.add(p, self.own_waves[c][s])
+      with self.stage_locks[s]:
+        for _, d in sorted(self.stage_wave_delta[s].items()):
+          p = st.add(p, d)
+        if self.vertical_sync:
+          correction = jax.tree.map(lambda a, b: a - b, p, self.stage_params[s])
+          for k in self.stage_history[s]:
+            self.stage_history[s][k] = st.add(self.stage_history[s][k], correction)
+        self.stage_params[s] = p
+    self.version = self._new_version(self.stage_params, vector_clock=vector_clock)
+
   # ---------------------------------------------------------------- checkpoint segments
   def begin_segment(self, flat: np.ndarray) -> None:
     """Starts a new WSP segment from global weights that hold every VW's waves so far (a checkpoint barrier).
@@ -643,6 +784,7 @@ class VirtualWorker:
     self.wave_delta = list(self._zeros)
     self.grad_acc = list(self._zeros)
     self._wave_losses = []
+    self._init_stage_state(self.stage_updates)
     self.sync = self._new_sync(self.num_inflight, self.staleness_bound, self.sync.pull_every_wave)
 
   def set_version_id(self, version_id: int) -> None:
@@ -679,6 +821,7 @@ class VirtualWorker:
   def layer_params(self) -> list[Any]:
     """The VW's current weights as host per-layer params (for tests and checkpoints)."""
     out = []
-    for p in jax.device_get(list(self.version.params)):
+    current = self.stage_params if self.method.update == "stage" else self.version.params
+    for p in jax.device_get(list(current)):
       out.extend(p)
     return out

@@ -67,7 +67,8 @@ class CompareConfig:
     num_vws: VWs for the pipelined methods (Horovod uses one per GPU that holds the model).
     staleness_bound: D for the WSP methods (hetpipe, pipedream).
     pull_every_wave: WSP pull policy (False: HetPipe §5's).
-    num_waves: waves (steps, for the flush methods) the engine runs per VW.
+    num_waves: waves the engine runs per VW (the flush methods: a quarter as many steps, at least 4; a step of M
+      micro-batches repeats exactly once the first one is done).
     remat: gpipe / 1f1b_flush rematerialisation (memory model).
   """
 
@@ -135,7 +136,10 @@ def run_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, config: Co
   """Runs ``plan`` in the engine; returns its row."""
   t0 = time.perf_counter()
   times = task_times_lib.task_times_from_plan(plan, profile, cluster)
-  cfg = engine.EngineConfig(num_waves=config.num_waves, num_inflight=plan.num_inflight,
+  waves = config.num_waves
+  if methods.get_method(plan.method).is_flush:  # steps repeat exactly after the first: a quarter of the waves
+    waves = max(4, waves // 4)
+  cfg = engine.EngineConfig(num_waves=waves, num_inflight=plan.num_inflight,
                             staleness_bound=config.staleness_bound, pull_every_wave=config.pull_every_wave,
                             records=False, method=plan.method)
   report = engine.run(times, cfg, gpu_ids=[list(vw.gpus) for vw in plan.virtual_workers])

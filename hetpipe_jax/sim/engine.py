@@ -450,7 +450,25 @@ class Engine:
         rules = vw.rules
         num_completed = rules.num_completed
         new = rules.complete(task)
-        if vw.fifo and len(new) == 1 and rules.num_completed == num_completed:  # the output moves on
+        if not vw.fifo:  # a static order: only the task's stage, its successor's and (injections) stage 0 change
+          vw.active += len(new) - 1
+          changed = {gpu.stage_id}
+          if rules.num_completed != num_completed:
+            self._complete_minibatch(vw, task.minibatch_id, t)
+            self._try_inject(vw, t)
+            changed.add(0)
+          if vw.active == 0 and rules.num_completed < vw.total:
+            vw.idle_since = t
+          for nt in new:
+            changed.add(nt.stage_id)
+          changed = sorted(changed)
+          for cs in changed:
+            q = vw.gpus[cs].queue
+            while rules.has_ready(cs):
+              q.append(rules.pop_ready(cs))
+          start_ready(vw, t, changed)
+          continue
+        if len(new) == 1 and rules.num_completed == num_completed:  # the output moves on
           ns = new[0].stage_id
           successor = vw.gpus[ns]
           successor.queue.append(rules.pop_ready(ns))
@@ -464,7 +482,7 @@ class Engine:
           self._try_inject(vw, t)
         if vw.active == 0 and rules.num_completed < vw.total:
           vw.idle_since = t
-        if new or gpu.stage_id or not vw.fifo:
+        if new or gpu.stage_id:
           self._dispatch_all(vw)
           start_ready(vw, t, range(vw.num_stages))
         else:  # stage 0 completed a minibatch: only stage 0 changed (its device, its injections)
