@@ -233,3 +233,54 @@ def plot(rows: Sequence[Row], path: str, title: str = "") -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=90)
   plt.close(fig)
+
+
+@dataclasses.dataclass(frozen=True)
+class NumInflightChoice:
+  """An Nm chosen by running the engine (:func:`choose_num_inflight_by_engine`).
+
+  Attributes:
+    plan: the plan at the chosen Nm.
+    row: its engine row.
+    rates: Nm -> the engine's images/s at that Nm (every Nm tried, 1..the smallest Max_m).
+    planner_num_inflight: the Nm the planner's closed form chooses (no synchronisation, no PS time).
+  """
+
+  plan: Plan
+  row: Row
+  rates: dict[int, float]
+  planner_num_inflight: int
+
+
+def choose_num_inflight_by_engine(cluster: ClusterSpec, profile: ModelProfile, planner_config: planner.PlannerConfig,
+                                  config: CompareConfig, allocation: str = "", placement: str = "",
+                                  max_num_inflight: int | None = None) -> NumInflightChoice:
+  """HetPipe's Nm "set such that performance is maximized while every virtual worker uses the same value" (HetPipe
+  §8.3), with the performance measured by the engine under the run's D and pull policy (``config``) rather than the
+  planner's closed form (which has no synchronisation or PS time): every Nm from 1 to the smallest Max_m (or
+  ``max_num_inflight``) is planned (partitions re-made for that Nm's memory) and run; the fastest wins (smallest on
+  ties within 0.1%).
+
+  Args:
+    planner_config: a ``hetpipe`` NP / ED / HD config (its ``num_inflight`` is replaced by each candidate).
+
+  Raises:
+    allocator.AllocationError: the model fits no allocation even at Nm = 1.
+    ValueError: ``planner_config`` is not a hetpipe NP / ED / HD config.
+  """
+  if planner_config.method != "hetpipe" or planner_config.policy not in PIPELINE_POLICIES:
+    raise ValueError(f"choose_num_inflight_by_engine needs a hetpipe NP/ED/HD planner config, got method="
+                     f"{planner_config.method!r} policy={planner_config.policy!r}")
+  base = planner.make_plan(cluster, profile, dataclasses.replace(planner_config, num_inflight=0))
+  top = min(vw.max_num_inflight for vw in base.virtual_workers)
+  if max_num_inflight is not None:
+    top = min(top, max_num_inflight)
+  rates, best = {}, None
+  for nm in range(1, top + 1):
+    plan = planner.make_plan(cluster, profile, dataclasses.replace(planner_config, num_inflight=nm))
+    row = run_plan(plan, profile, cluster, config, allocation or planner_config.policy,
+                   placement or planner_config.ps_placement)
+    rates[nm] = row.images_per_s
+    if best is None or row.images_per_s > best[1].images_per_s * 1.001:
+      best = (plan, row)
+  return NumInflightChoice(best[0], best[1], rates, base.num_inflight)
