@@ -96,6 +96,13 @@ def horovod_images_per_s(cluster: ClusterSpec, profile: ModelProfile, gpus: Sequ
   return report.total_minibatches_per_s * profile.batch_size
 
 
+def horovod_fits(cluster: ClusterSpec, profile: ModelProfile, gpus: Sequence[Gpu]) -> bool:
+  """Whether our memory model lets every GPU of ``gpus`` hold the whole model (Horovod's one-stage memory)."""
+  costs = cost_model.build_stage_costs(profile, cluster, cost_model.CostModelConfig(method="horovod"))
+  n = profile.num_layers
+  return all(costs.stage_memory_bytes(0, n, True, 1, 1) <= costs.capacity_bytes[g.gpu_type] for g in gpus)
+
+
 @dataclasses.dataclass(frozen=True)
 class Calibration:
   """The fitted efficiencies and how they were obtained.
@@ -165,8 +172,6 @@ def calibrate(cluster: ClusterSpec | None = None) -> tuple[ClusterSpec, Calibrat
   return cal.apply(cluster), cal
 
 
-_RESULTS = flags.DEFINE_string("results_dir", common.RESULTS_DIR, "Where to write calibration.{json,md,png}.")
-_QUICK = flags.DEFINE_bool("quick", False, "Fewer engine steps per cell (seconds).")
 
 
 def run(results_dir: str, quick: bool) -> str:
@@ -218,11 +223,13 @@ def run(results_dir: str, quick: bool) -> str:
 
 def main(argv):
   del argv
-  path = run(_RESULTS.value, _QUICK.value)
+  path = run(flags.FLAGS.results_dir, flags.FLAGS.quick)
   with open(path.replace(".json", ".md"), encoding="utf-8") as f:
     print(f.read())
   print(f"wrote {path}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags only when run as a script: the other scripts import this module
+  flags.DEFINE_string("results_dir", common.RESULTS_DIR, "Where to write calibration.{json,md,png}.")
+  flags.DEFINE_bool("quick", False, "Fewer engine steps per cell (seconds).")
   app.run(main)
