@@ -124,8 +124,15 @@ class Calibration:
     return dataclasses.replace(cluster, gpu_types=types)
 
 
-def fit(cluster: ClusterSpec, profiles: dict[str, ModelProfile]) -> Calibration:
+def fit(cluster: ClusterSpec, profiles: dict[str, ModelProfile],
+        horovod_table: dict[str, dict[str, float | None]] | None = None) -> Calibration:
   """Fits one efficiency per GPU type on ``CALIBRATION_CELLS`` (module docstring).
+
+  Args:
+    cluster: the paper's cluster (its nodes named as Table 4's columns).
+    profiles: model name -> profile, for the models of ``horovod_table``.
+    horovod_table: model -> Table 4 column -> Horovod images/s (default: the paper's, ``TABLE4_HOROVOD``; tests
+      pass rates made from known efficiencies).
 
   Raises:
     CalibrationError: a cell leaves no compute time or needs an efficiency above 1.
@@ -139,8 +146,8 @@ def fit(cluster: ClusterSpec, profiles: dict[str, ModelProfile]) -> Calibration:
     new_type = pt.NODE_TYPES[new_node]
     logs = []
     for model, profile in profiles.items():
-      paper = pt.TABLE4_HOROVOD[model][col]
-      if paper is None or not is_calibration_cell("horovod", model, col):
+      paper = (horovod_table or pt.TABLE4_HOROVOD)[model][col]
+      if paper is None or (horovod_table is None and not is_calibration_cell("horovod", model, col)):
         continue
       gpus = horovod_gpus(cluster, nodes)
       step_s = len(gpus) * profile.batch_size / paper

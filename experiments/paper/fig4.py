@@ -37,9 +37,6 @@ from hetpipe_jax.planning import allreduce_cost  # noqa: E402
 from hetpipe_jax.planning import planner  # noqa: E402
 from hetpipe_jax.sim import compare as compare_lib  # noqa: E402
 
-_RESULTS = flags.DEFINE_string("results_dir", common.RESULTS_DIR, "Where to write fig4.{json,md,png}.")
-_QUICK = flags.DEFINE_bool("quick", False, "Seconds: ResNet-152 only, few waves, Nm <= 2.")
-_D = flags.DEFINE_integer("staleness_bound", 0, "WSP staleness bound D of the HetPipe runs.")
 
 BARS = (("NP", "default"), ("ED", "default"), ("HD", "default"), ("ED", "local"))
 MIB = float(2**20)
@@ -194,11 +191,14 @@ def _figure(out):
 
 def main(argv):
   del argv
-  path = run(_RESULTS.value, _QUICK.value, _D.value)
+  path = run(flags.FLAGS.results_dir, flags.FLAGS.quick, flags.FLAGS.staleness_bound)
   with open(path.replace(".json", ".md"), encoding="utf-8") as f:
     print(f.read())
   print(f"wrote {path}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags only when run as a script (reproduction --quick imports it)
+  flags.DEFINE_string("results_dir", common.RESULTS_DIR, "Where to write fig4.{json,md,png}.")
+  flags.DEFINE_bool("quick", False, "Seconds: ResNet-152 only, few waves, Nm <= 2.")
+  flags.DEFINE_integer("staleness_bound", 0, "WSP staleness bound D of the HetPipe runs.")
   app.run(main)

@@ -33,9 +33,6 @@ from experiments.paper import paper_tables as pt  # noqa: E402
 from hetpipe_jax.planning import planner  # noqa: E402
 from hetpipe_jax.sim import compare as compare_lib  # noqa: E402
 
-_RESULTS = flags.DEFINE_string("results_dir", common.RESULTS_DIR, "Where to write table4.{json,md,png}.")
-_QUICK = flags.DEFINE_bool("quick", False, "Seconds: ResNet-152 only, two columns, few waves, Nm <= 3.")
-_D = flags.DEFINE_integer("staleness_bound", 0, "WSP staleness bound D of the HetPipe runs.")
 
 
 def hetpipe_cell(cluster, profile, column: str, config: compare_lib.CompareConfig, max_nm: int | None):
@@ -158,11 +155,14 @@ def _figure(rows, models, columns):
 
 def main(argv):
   del argv
-  path = run(_RESULTS.value, _QUICK.value, _D.value)
+  path = run(flags.FLAGS.results_dir, flags.FLAGS.quick, flags.FLAGS.staleness_bound)
   with open(path.replace(".json", ".md"), encoding="utf-8") as f:
     print(f.read())
   print(f"wrote {path}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags only when run as a script (reproduction --quick imports it)
+  flags.DEFINE_string("results_dir", common.RESULTS_DIR, "Where to write table4.{json,md,png}.")
+  flags.DEFINE_bool("quick", False, "Seconds: ResNet-152 only, two columns, few waves, Nm <= 3.")
+  flags.DEFINE_integer("staleness_bound", 0, "WSP staleness bound D of the HetPipe runs.")
   app.run(main)
