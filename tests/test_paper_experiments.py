@@ -1,4 +1,5 @@
-"""The paper-reproduction scripts (experiments/paper/): calibration, Nm chosen by the engine, results, REPRODUCTION.md."""
+"""The paper-reproduction scripts (experiments/paper/): calibration, Nm chosen by the engine, results, REPRODUCTION.md
+(HetPipe §8)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ MODELS = ("vgg19_imagenet", "resnet152_imagenet")
 MODEL_NAMES = {"vgg19_imagenet": "VGG-19", "resnet152_imagenet": "ResNet-152"}
 BATCH_SIZE = 32  # §8.1: "For each DNN model, batch size of 32 is used."
 
-# §8.1 Table 1 / cluster: node name -> GPU type (4 GPUs each); our cluster file experiments/clusters/hetpipe_paper.json.
+# §8.1 Table 1: node name -> GPU type (4 GPUs each; our cluster file experiments/clusters/hetpipe_paper.json).
 NODE_TYPES = {"V": "TITAN V", "R": "TITAN RTX", "G": "GeForce RTX 2060", "Q": "Quadro P4000"}
 
 # §8.1 Table 3: resource allocation of each virtual worker.

@@ -1,7 +1,7 @@
 r"""Writes REPRODUCTION.md (repository root) from ``experiments/paper/results/*.json``: every §8 claim of the HetPipe
 paper, the paper's number, ours, the difference, why, whether the cell is calibration, and its re-run command.
 
-  .venv/bin/python experiments/paper/reproduction.py [--results_dir=...] [--output=REPRODUCTION.md] [--quick]
+  .venv/bin/python experiments/paper/reproduction.py [--run_all | --quick] [--results_dir=...] [--output=...]
 
 Numbers come from the results files only (written by ``calibration.py``, ``table3.py``, ``fig4.py``, ``table4.py``
 and the convergence scripts of branch ``paper-conv``); nothing is typed here. Each results JSON has a top-level
@@ -11,7 +11,7 @@ relative to the repository root) and ``"markdown"`` (its table). A file in ``SEC
 ``SECTIONS`` is appended as its own section, so a new script needs no change here to appear.
 
 ``--quick`` first runs the throughput scripts' quick modes into ``--results_dir`` (seconds; for tests and CI, not a
-result), then writes the page.
+result), ``--run_all`` their full settings (about a minute on 2 cores), then writes the page.
 """
 
 from __future__ import annotations
@@ -138,22 +138,20 @@ def write(results_dir: str, output: str) -> str:
 
 
 
-def run_quick(results_dir: str) -> None:
-  """The throughput scripts' quick modes into ``results_dir`` (imported lazily: each script defines its flags)."""
-  from experiments.paper import calibration  # pylint: disable=g-import-not-at-top
-  calibration.run(results_dir, True)
-  for name in ("table3", "fig4", "table4"):
-    mod = __import__(f"experiments.paper.{name}", fromlist=["run"])
-    if name == "table3":
-      mod.run(results_dir, True, 3)
-    else:
-      mod.run(results_dir, True)
+def run_scripts(results_dir: str, quick: bool) -> None:
+  """The throughput scripts (quick modes, or their full settings) into ``results_dir``, in process (each defines
+  its flags only when run as a script)."""
+  from experiments.paper import calibration, fig4, table3, table4  # pylint: disable=g-import-not-at-top
+  calibration.run(results_dir, quick)
+  table3.run(results_dir, quick, 8)
+  fig4.run(results_dir, quick)
+  table4.run(results_dir, quick)
 
 
 def main(argv):
   del argv
-  if flags.FLAGS.quick:
-    run_quick(flags.FLAGS.results_dir)
+  if flags.FLAGS.quick or flags.FLAGS.run_all:
+    run_scripts(flags.FLAGS.results_dir, flags.FLAGS.quick)
   text = write(flags.FLAGS.results_dir, flags.FLAGS.output)
   print(text[:2000])
   print(f"wrote {flags.FLAGS.output}")
@@ -163,4 +161,5 @@ if __name__ == "__main__":  # flags only when run as a script (reproduction --qu
   flags.DEFINE_string("results_dir", common.RESULTS_DIR, "Where the results JSON files are.")
   flags.DEFINE_string("output", str(REPO_ROOT / "REPRODUCTION.md"), "The page to write.")
   flags.DEFINE_bool("quick", False, "Run the throughput scripts' quick modes into --results_dir first.")
+  flags.DEFINE_bool("run_all", False, "Run the throughput scripts in their full settings first (about a minute).")
   app.run(main)

@@ -70,6 +70,8 @@ class CompareConfig:
     num_waves: waves the engine runs per VW (the flush methods: a quarter as many steps, at least 4; a step of M
       micro-batches repeats exactly once the first one is done).
     remat: gpipe / 1f1b_flush rematerialisation (memory model).
+    ps_link_contention: the engine's ``ps_link_contention`` (every push and pull on one shared PS link); None: the
+      engine's default (``EngineConfig``), so a change of that default reaches every comparison.
   """
 
   num_vws: int = 4
@@ -77,6 +79,7 @@ class CompareConfig:
   pull_every_wave: bool = False
   num_waves: int = 40
   remat: bool = False
+  ps_link_contention: bool | None = None
 
 
 def images_per_s(report: engine.EngineReport, plan: Plan) -> float:
@@ -139,9 +142,10 @@ def run_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, config: Co
   waves = config.num_waves
   if methods.get_method(plan.method).is_flush:  # steps repeat exactly after the first: a quarter of the waves
     waves = max(4, waves // 4)
+  extra = {} if config.ps_link_contention is None else {"ps_link_contention": config.ps_link_contention}
   cfg = engine.EngineConfig(num_waves=waves, num_inflight=plan.num_inflight,
                             staleness_bound=config.staleness_bound, pull_every_wave=config.pull_every_wave,
-                            records=False, method=plan.method)
+                            records=False, method=plan.method, **extra)
   report = engine.run(times, cfg, gpu_ids=[list(vw.gpus) for vw in plan.virtual_workers])
   use = max(m / c for vw in plan.virtual_workers for m, c in zip(vw.stage_memory_bytes, vw.stage_capacity_bytes))
   return Row(plan.method, allocation, placement, len(plan.virtual_workers),
