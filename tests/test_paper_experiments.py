@@ -65,6 +65,20 @@ def test_paper_calibration_uses_only_the_horovod_cells_and_fits_them():
   assert rate == pytest.approx(pt.TABLE4_HOROVOD["resnet152_imagenet"]["V4R4"], rel=0.05)
 
 
+def test_calibrated_cluster_file_carries_the_fitted_efficiencies(tmp_path):
+  path = tmp_path / "cal.json"
+  proc = _run(["experiments/paper/calibration.py", "--quick", f"--results_dir={tmp_path / 'r'}",
+               f"--write_cluster={path}"])
+  assert "TITAN RTX" in proc.stdout
+  loaded = cluster_lib.load_cluster(str(path))
+  _, cal = calibration.calibrate()
+  assert loaded.name == "hetpipe_paper_calibrated"
+  assert {n: t.roofline_efficiency for n, t in loaded.gpu_types.items()} == pytest.approx(cal.efficiency)
+  data = json.loads((tmp_path / "r" / "calibration.json").read_text())
+  assert len(data["claims"]) == 7 and all(c["calibrated"] for c in data["claims"])
+  assert data["efficiency"] == pytest.approx(cal.efficiency)
+
+
 def test_planner_fixes_hetpipe_num_inflight_or_says_why_not():
   cluster = cluster_lib.load_cluster("hetpipe_paper")
   profile = common.load_profile("resnet152_imagenet")

@@ -1,6 +1,7 @@
 r"""Calibration protocol: one roofline efficiency per GPU type, fitted on the paper's Horovod throughputs (Table 4).
 
-  .venv/bin/python experiments/paper/calibration.py [--quick] [--results_dir=experiments/paper/results]
+  .venv/bin/python experiments/paper/calibration.py [--quick] [--results_dir=experiments/paper/results] \
+      [--write_cluster=/tmp/hetpipe_paper_calibrated.json]   # then: python -m hetpipe_jax.compare --cluster=<it>
 
 **What is calibrated.** The cost model's only free compute parameter is the roofline efficiency (achieved / peak
 FLOP/s and memory bandwidth, :mod:`hetpipe_jax.planning.cost_model`); the cluster file's default (0.5 for every
@@ -33,7 +34,9 @@ The Horovod cells are run on the paper's GPUs whatever our memory model says (it
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import pathlib
 import sys
 from typing import Sequence
@@ -46,6 +49,7 @@ from absl import app, flags  # noqa: E402
 from experiments.paper import common  # noqa: E402
 from experiments.paper import paper_tables as pt  # noqa: E402
 from hetpipe_jax.planning import allreduce_cost  # noqa: E402
+from hetpipe_jax.planning import cluster as cluster_lib  # noqa: E402
 from hetpipe_jax.planning import cost_model  # noqa: E402
 from hetpipe_jax.planning.cluster import ClusterSpec, Gpu  # noqa: E402
 from hetpipe_jax.planning.profile_format import ModelProfile  # noqa: E402
@@ -172,6 +176,23 @@ def fit(cluster: ClusterSpec, profiles: dict[str, ModelProfile],
   return Calibration(eff, cells, order)
 
 
+def write_calibrated_cluster(path: str, name: str = "hetpipe_paper_calibrated") -> dict:
+  """Writes the paper cluster's JSON with the fitted ``roofline_efficiency`` per type, named ``name``, so the CLIs
+  can use it (``python -m hetpipe_jax.compare --cluster=<path>``). Returns the dict written."""
+  with open(os.path.join(cluster_lib.CLUSTER_DIR, common.CLUSTER + ".json"), encoding="utf-8") as f:
+    d = json.load(f)
+  _, cal = calibrate()
+  d["name"] = name
+  d["_comment"] = (d.get("_comment", "") + " roofline_efficiency: fitted by experiments/paper/calibration.py on the "
+                   "paper's Horovod throughputs (Table 4); regenerate, do not edit.")
+  for t in d["gpu_types"]:
+    t["roofline_efficiency"] = cal.efficiency[t["name"]]
+  cluster_lib.cluster_from_dict(d)  # validates
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(d, f, indent=2)
+  return d
+
+
 def calibrate(cluster: ClusterSpec | None = None) -> tuple[ClusterSpec, Calibration]:
   """The paper cluster with the fitted efficiencies (``(calibrated cluster, calibration)``)."""
   cluster = cluster or common.load_cluster()
@@ -231,6 +252,9 @@ def run(results_dir: str, quick: bool) -> str:
 def main(argv):
   del argv
   path = run(flags.FLAGS.results_dir, flags.FLAGS.quick)
+  if flags.FLAGS.write_cluster:
+    write_calibrated_cluster(flags.FLAGS.write_cluster)
+    print(f"wrote {flags.FLAGS.write_cluster}")
   with open(path.replace(".json", ".md"), encoding="utf-8") as f:
     print(f.read())
   print(f"wrote {path}")
@@ -239,4 +263,5 @@ def main(argv):
 if __name__ == "__main__":  # flags only when run as a script: the other scripts import this module
   flags.DEFINE_string("results_dir", common.RESULTS_DIR, "Where to write calibration.{json,md,png}.")
   flags.DEFINE_bool("quick", False, "Fewer engine steps per cell (seconds).")
+  flags.DEFINE_string("write_cluster", "", "Also write the calibrated cluster JSON here (for the CLIs' --cluster).")
   app.run(main)
