@@ -357,6 +357,11 @@ MUTATIONS = (
              "    if best is None:",
              ("tests/test_paper_experiments.py::test_num_inflight_chosen_by_the_engine_is_the_fastest_engine_run",),
              "choose_num_inflight_by_engine keeps Nm = 1 instead of the fastest engine run"),
+    Mutation("compare_ignores_nm_by_engine", "hetpipe_jax/sim/compare.py",
+             "      if config.num_inflight_by_engine and method == \"hetpipe\"",
+             "      if False and method == \"hetpipe\"",
+             ("tests/test_paper_experiments.py::test_compare_with_nm_by_engine_is_never_slower_than_the_planners_nm",),
+             "compare --num_inflight_by_engine silently keeps the planner's closed-form Nm"),
 )
 
 

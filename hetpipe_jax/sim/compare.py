@@ -72,6 +72,8 @@ class CompareConfig:
     remat: gpipe / 1f1b_flush rematerialisation (memory model).
     ps_link_contention: the engine's ``ps_link_contention`` (every push and pull on one shared PS link); None: the
       engine's default (``EngineConfig``), so a change of that default reaches every comparison.
+    num_inflight_by_engine: HetPipe NP / ED / HD rows take the Nm the engine runs fastest under this D
+      (:func:`choose_num_inflight_by_engine`) instead of the planner's closed-form choice.
   """
 
   num_vws: int = 4
@@ -80,6 +82,7 @@ class CompareConfig:
   num_waves: int = 40
   remat: bool = False
   ps_link_contention: bool | None = None
+  num_inflight_by_engine: bool = False
 
 
 def images_per_s(report: engine.EngineReport, plan: Plan) -> float:
@@ -175,11 +178,13 @@ def compare(cluster: ClusterSpec, profile: ModelProfile, config: CompareConfig =
                                num_vws=config.num_vws, ps_placement=placement or "default", method=method,
                                remat=config.remat, **kw)
     try:
-      plan = planner.make_plan(cluster, profile, pc)
+      if config.num_inflight_by_engine and method == "hetpipe" and allocation in PIPELINE_POLICIES:
+        row = choose_num_inflight_by_engine(cluster, profile, pc, config, allocation, placement).row
+      else:
+        plan = planner.make_plan(cluster, profile, pc)
+        row = run_plan(plan, profile, cluster, config, allocation, placement)
     except (allocator.AllocationError, ValueError) as e:
       row = _infeasible(method, allocation, placement, e)
-    else:
-      row = run_plan(plan, profile, cluster, config, allocation, placement)
     every.append(row)
     return row
 
