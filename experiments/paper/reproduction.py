@@ -43,11 +43,9 @@ SECTIONS = (
       "bytes across nodes: VGG-19 ED-local 103 MB vs Horovod 515 MB; ResNet-152 298 MB vs 211 MB"]),
     ("table4", "Table 4: adding whimpy GPUs (§8.3)", common.command("table4"),
      [f"Table 4 HetPipe {pt.MODEL_NAMES[m]} {c}: {v} images/s" for m, _, c, v in pt.table4_cells("hetpipe")]),
-    ("fig5", "Figure 5: ResNet-152 convergence, Horovod vs HetPipe (§8.4)", "(branch paper-conv)",
-     [pt.CONVERGENCE_CLAIMS[k] for k in ("fig5_hetpipe12_vs_horovod12", "fig5_hetpipe16_vs_horovod12")]),
-    ("fig6", "Figure 6: VGG-19 convergence vs D, waiting statistics (§8.4)", "(branch paper-conv)",
-     [pt.CONVERGENCE_CLAIMS[k] for k in ("fig6_d0_vs_horovod", "fig6_d4_vs_d0", "fig6_d4_vs_horovod",
-                                         "fig6_d32_vs_d4", "waiting_d4_over_d0", "idle_over_waiting")]),
+    # Written by experiments/paper/convergence.py (branch paper-conv) as one results file.
+    ("convergence", "Figures 5 and 6: convergence in virtual time, waiting statistics (§8.4)",
+     common.command("convergence"), list(pt.CONVERGENCE_CLAIMS.values())),
 )
 CLAIM_KEYS = ("claim", "paper", "ours", "difference", "why", "command", "calibrated")
 
