@@ -56,6 +56,14 @@ def compare_config(quick: bool, staleness_bound: int = 0) -> compare_lib.Compare
                                    num_waves=8 if quick else 40)
 
 
+def engine_shares_nics() -> bool:
+  """Whether the engine's default models VWs sharing a node's network interface (``EngineConfig.shared_nic``, added
+  by the NIC work): the scripts name "no shared NIC" as a cause of a miss only when it does not."""
+  from hetpipe_jax.sim import engine  # pylint: disable=g-import-not-at-top
+  fields = {f.name: f for f in dataclasses.fields(engine.EngineConfig)}
+  return "shared_nic" in fields and bool(fields["shared_nic"].default)
+
+
 def rel_error(ours: float | None, paper: float | None) -> float | None:
   """``ours / paper - 1`` (None when either is missing or the paper's is 0)."""
   if ours is None or paper is None or paper == 0:

@@ -183,7 +183,8 @@ def _ps_cause(model, diagnostics, bars) -> str:
           f"{dg['ED_one_shared_ps_link_images_per_s']:.0f}. The paper's ED (default placement) is at or below Horovod "
           f"while its ED-local is {pt.FIG4_EDLOCAL_OVER_HOROVOD[model]}x Horovod, so its PS transfers cost far more "
           "than InfiniBand x 0.7 gives (TF 1.12's gRPC parameter servers; no calibration cell identifies it), and our "
-          "GPU efficiencies, fitted on Horovod with our ring all-reduce, absorb Horovod's own communication overheads")
+          "GPU efficiencies, fitted on Horovod with our ring all-reduce, absorb Horovod's own communication overheads"
+          + ("" if common.engine_shares_nics() else "; VWs sharing a node's NIC is not modelled (branch nic)"))
 
 
 def _markdown(out, d, quick, diag) -> str:

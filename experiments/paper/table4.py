@@ -149,7 +149,8 @@ def _why_hetpipe(model, err, nm, choice, paper_c, row, roomy) -> str:
                  f"{roomy.plan.num_inflight} (ours {nm}, the paper's {paper_c // row.num_vws}): our bound of Nm "
                  "minibatches and weight versions on every non-last stage forces worse partitions")
   parts.append(f"bottleneck {row.bottleneck}")
-  parts.append("not modelled: VWs sharing a node's NIC (branch nic)")
+  if not common.engine_shares_nics():
+    parts.append("not modelled: VWs sharing a node's NIC (branch nic)")
   return "; ".join(parts)
 
 
