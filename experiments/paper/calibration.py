@@ -18,13 +18,13 @@ shapes) is a **prediction**.
 
 **Fitting procedure** (:func:`fit`): Table 4's columns add one GPU type at a time (V, then R, Q, G). Walk them in
 order; in a column with types fitted so far, each cell's paper rate gives the step time, minus our all-reduce time
-(:func:`hetpipe_jax.planning.allreduce_cost.allreduce_time_s`) the compute time of the slowest GPU; this must be the
-new type, so ``e_cell = T_new(e = 1) / T_needed`` (when the types fitted before are already slower, the cell
-only bounds the new type's time from above and ``e_cell`` is the lowest efficiency it allows; recorded as
-``identifies_type: false``)
-with ``T(e = 1)`` the roofline time of the whole model at efficiency 1 (``cost_model.layer_times_ms``; the roofline
-scales exactly as ``1 / e`` when compute and memory efficiency are equal). The type's efficiency is the geometric
-mean of its cells' (least squares on log step time, one value shared by both models). :func:`horovod_images_per_s`
+(:func:`hetpipe_jax.planning.allreduce_cost.allreduce_time_s`) the compute time ``T_needed`` of the slowest GPU,
+taken to be the new type: ``e_cell = T_new(e = 1) / T_needed``, with ``T(e = 1)`` the roofline time of the whole
+model at efficiency 1 (``cost_model.layer_times_ms``; the roofline scales exactly as ``1 / e`` when compute and
+memory efficiency are equal). When the types fitted before are already slower than ``T_needed``, the cell only bounds
+the new type's time from above and ``e_cell`` is the lowest efficiency it allows (recorded as ``identifies_type:
+false``; RTX 2060, by 1%). The type's efficiency is the geometric mean of its cells' (least squares on log compute
+time, one value shared by both models). :func:`horovod_images_per_s`
 then runs every cell through the engine at the fitted values and the residuals are reported (``calibration.json``).
 
 The Horovod cells are run on the paper's GPUs whatever our memory model says (it excludes the Quadro P4000 and RTX
