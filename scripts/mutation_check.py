@@ -403,6 +403,9 @@ def run_one(mutation: Mutation, timeout_s: int) -> dict:
       return {**row, "status": "error", "detail": str(e), "seconds": time.perf_counter() - t0}
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = str(root)
+    # One persistent compilation cache for every copy (tests/conftest.py's; keyed by the HLO, so a mutated function
+    # compiles anew): most named tests compile the same small stage functions.
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO_ROOT / ".jax_cache"))
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutation.tests]
     try:
       proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)

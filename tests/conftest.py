@@ -1,11 +1,16 @@
 """Test environment: CPU only, 8 forced host devices, set before anything imports jax."""
 
 import os
+import pathlib
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-
-import pathlib  # noqa: E402
+# JAX's persistent compilation cache, shared by this process and every process it starts (MPI ranks, scripts, the
+# mutation check's copies): the suite compiles the same small stage functions hundreds of times. Keyed by the HLO,
+# the compile options and the jax version, so a changed (or mutated) function compiles anew.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(__file__).resolve().parent.parent / ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402
 
