@@ -70,6 +70,7 @@ class CompareConfig:
     num_waves: waves the engine runs per VW (the flush methods: a quarter as many steps, at least 4; a step of M
       micro-batches repeats exactly once the first one is done).
     remat: gpipe / 1f1b_flush rematerialisation (memory model).
+    shared_nic: the engine's network rule (``EngineConfig.shared_nic``): VWs on one node share its NIC.
   """
 
   num_vws: int = 4
@@ -77,6 +78,7 @@ class CompareConfig:
   pull_every_wave: bool = False
   num_waves: int = 40
   remat: bool = False
+  shared_nic: bool = True
 
 
 def images_per_s(report: engine.EngineReport, plan: Plan) -> float:
@@ -102,7 +104,8 @@ def bottleneck(report: engine.EngineReport, plan: Plan, times: Sequence[task_tim
   * a straggler (the spread of waits across VWs: under WSP or all-reduce BSP the fast VWs wait for the slowest);
   * the PS (WSP waits every VW has: pushes and pulls at the bound);
   * the busiest GPU's compute (its utilisation; "network: activations" when sending them is most of its busy time);
-  * the pipeline bubble (the busiest GPU's idle time not spent waiting: fill and drain, Nm or M too small).
+  * the pipeline bubble (the busiest GPU's idle time not spent waiting: fill and drain, Nm or M too small);
+  * the busiest NIC (``shared_nic``: its send or receive busy time over the run, ``EngineReport.nic_busy_s``).
   """
   span = report.makespan_s or 1.0
   waits = [v.wait_s / span for v in report.vws]
@@ -127,6 +130,9 @@ def bottleneck(report: engine.EngineReport, plan: Plan, times: Sequence[task_tim
   else:
     shares["PS: push/pull waits"] = min(waits)
   shares["pipeline bubble"] = max(0.0, 1.0 - g.utilization - waits[g.vw_id])
+  if report.nic_busy_s:
+    node, busy = max(report.nic_busy_s.items(), key=lambda kv: max(kv[1]))
+    shares[f"network: NIC of node {node}"] = max(busy) / span
   label = max(shares, key=lambda k: shares[k])
   return f"{label} ({100 * shares[label]:.0f}%)"
 
@@ -141,7 +147,7 @@ def run_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, config: Co
     waves = max(4, waves // 4)
   cfg = engine.EngineConfig(num_waves=waves, num_inflight=plan.num_inflight,
                             staleness_bound=config.staleness_bound, pull_every_wave=config.pull_every_wave,
-                            records=False, method=plan.method)
+                            records=False, method=plan.method, shared_nic=config.shared_nic)
   report = engine.run(times, cfg, gpu_ids=[list(vw.gpus) for vw in plan.virtual_workers])
   use = max(m / c for vw in plan.virtual_workers for m, c in zip(vw.stage_memory_bytes, vw.stage_capacity_bytes))
   return Row(plan.method, allocation, placement, len(plan.virtual_workers),
