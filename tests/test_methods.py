@@ -339,6 +339,7 @@ def test_compare_cli_smoke(tmp_path):
   assert "| gpipe |" in proc.stdout and "| horovod |" in proc.stdout
   d = json.loads((tmp_path / "cmp.json").read_text())
   assert d["cluster"] == "local_cpu" and len(d["table"]) == 12
+  assert d["shared_nic"] is True and "shared NICs" in proc.stdout  # the network rule, on by default, recorded
   assert (tmp_path / "cmp.png").stat().st_size > 1000
   rates = {r["label"]: r["images_per_s"] for r in d["table"]}
   assert rates["hetpipe ED/default"] > 0 and np.isfinite(list(rates.values())).all()

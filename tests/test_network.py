@@ -19,6 +19,8 @@ from hetpipe_jax.planning import cluster as cluster_lib
 from hetpipe_jax.planning import plan_format
 from hetpipe_jax.planning import profile_format
 from hetpipe_jax.rules.network import Leg, NicState
+from hetpipe_jax.planning import planner
+from hetpipe_jax.sim import compare
 from hetpipe_jax.sim import engine
 from hetpipe_jax.sim import task_times
 
@@ -228,3 +230,19 @@ def test_simulate_cli_records_the_nic_setting(tmp_path):
   assert set(shared["nic_busy_s"]) == {"V", "R", "G", "Q"} and own["nic_busy_s"] == {}
   assert shared["makespan_s"] > own["makespan_s"]
   assert min(max(b) for b in shared["nic_busy_s"].values()) > 0
+
+
+def test_compare_runs_the_rule_it_is_given(paper):
+  # VGG-19 ED with round-robin PS shards on the paper's cluster: every VW spans the four nodes and pushes ~0.5 GB a
+  # wave across them, so sharing the NICs must cost throughput; a cluster of one node has no NIC to share.
+  cluster, prof = paper
+  plan = planner.make_plan(cluster, prof, planner.PlannerConfig(policy="ED", num_vws=4))
+  rows = {shared: compare.run_plan(plan, prof, cluster, compare.CompareConfig(num_waves=10, shared_nic=shared), "ED",
+                                   "default") for shared in (True, False)}
+  assert 0 < rows[True].images_per_s < rows[False].images_per_s
+  local = cluster_lib.load_cluster("local_cpu")
+  lprof = profile_format.load_profile(profile_format.default_profile_path("cnn", 64, "cpu", True))
+  lplan = planner.make_plan(local, lprof, planner.PlannerConfig(policy="ED", num_vws=2))
+  lrows = [compare.run_plan(lplan, lprof, local, compare.CompareConfig(num_waves=10, shared_nic=shared), "ED",
+                            "default") for shared in (True, False)]
+  assert lrows[0].images_per_s == lrows[1].images_per_s > 0

@@ -103,7 +103,8 @@ def bottleneck(report: engine.EngineReport, plan: Plan, times: Sequence[task_tim
   * the all-reduce (flush methods: its time over the run);
   * a straggler (the spread of waits across VWs: under WSP or all-reduce BSP the fast VWs wait for the slowest);
   * the PS (WSP waits every VW has: pushes and pulls at the bound);
-  * the busiest GPU's compute (its utilisation; "network: activations" when sending them is most of its busy time);
+  * the busiest GPU's compute, and its activation (gradient) sends with their waits for shared NICs (its busy time
+    split in two);
   * the pipeline bubble (the busiest GPU's idle time not spent waiting: fill and drain, Nm or M too small);
   * the busiest NIC (``shared_nic``: its send or receive busy time over the run, ``EngineReport.nic_busy_s``).
   """
@@ -117,10 +118,11 @@ def bottleneck(report: engine.EngineReport, plan: Plan, times: Sequence[task_tim
   send = (t.send_activation_s[s] if s < last else 0.0) + (t.send_gradient_s[s - 1] if s > 0 else 0.0)
   where = f"VW {g.vw_id} stage {s} on {vw.gpu_types[s]}"
   shares = {}
-  if t.stage_time_s(s) > 0 and send / t.stage_time_s(s) > 0.5:
-    shares[f"network: activations of {where}"] = g.utilization
-  else:
-    shares[f"compute: {where}"] = g.utilization
+  # Its busy time is its compute, its sends, and (shared NICs) its sends' queueing at the NICs.
+  minibatches = g.num_tasks / (1 if s == last else 2)
+  sends = minibatches * send + max(0.0, g.busy_s - minibatches * t.stage_time_s(s))
+  shares[f"compute: {where}"] = (g.busy_s - sends) / span
+  shares[f"network: activations of {where}"] = sends / span
   slow = min(range(len(waits)), key=lambda v: waits[v])
   shares[f"straggler: VW {slow} ({'/'.join(dict.fromkeys(plan.virtual_workers[slow].gpu_types))})"] = (
       max(waits) - min(waits))
