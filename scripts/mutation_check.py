@@ -259,8 +259,8 @@ MUTATIONS = (
              "a stage's time leaves out receiving its input activation"),
     # ---- engine
     Mutation("engine_backward_takes_forward_time", "hetpipe_jax/sim/engine.py",
-             "        d = vw.dur_bwd[s] if task.kind is _BACKWARD else vw.dur_fwd[s]",
-             "        d = vw.dur_fwd[s]",
+             "          d, leg = vw.dur_bwd[s], vw.leg_bwd[s]",
+             "          d, leg = vw.dur_fwd[s], vw.leg_bwd[s]",
              ("tests/test_engine.py",), "backward tasks last as long as forward tasks"),
     # ---- data
     Mutation("sharding_overlapping_shards", "hetpipe_jax/data/sharding.py",
