@@ -83,6 +83,20 @@ def test_ps_on_the_vws_own_node_is_not_slowed():
   assert report.nic_busy_s == {}
 
 
+def test_a_push_takes_each_nic_when_its_data_gets_there():
+  # VW 0 (one stage on A, 10 ms) pushes at 10 ms as two legs: A -> B (10 ms), then C -> D (10 ms). VW 1 (stage 0 on
+  # C, forward 15 ms; stage 1 on D) sends its activation C -> D (10 ms) at 15 ms. The push's second leg is ready at
+  # 20 ms, behind that activation (C's send side busy until 25): it runs 25-35. VW 1 is not delayed: its minibatch
+  # ends at 45 + 20 + 20 = 85 ms, as alone (a leg booked at 10 ms for 20-30 would have held the activation to 40).
+  push = dataclasses.replace(task_times.uniform_task_times([10.0], push_ms=20.0, pull_ms=0.0), stage_nodes=("A",),
+                             push_legs=(Leg("A", "B", 0.010), Leg("C", "D", 0.010)), pull_legs=())
+  pipe = dataclasses.replace(task_times.uniform_task_times([45.0, 20.0], send_ms=10.0), stage_nodes=("C", "D"))
+  hooks = _Pushes()
+  report = engine.run([push, pipe], engine.EngineConfig(num_waves=1, num_inflight=1), hooks=hooks)
+  assert hooks.arrivals[(0, 0)] == pytest.approx(0.035, rel=REL)
+  assert [r.complete_time_s for r in report.minibatch_records if r.vw_id == 1] == pytest.approx([0.085], rel=REL)
+
+
 # ------------------------------------------------------------------------------------------------ pipeline sends
 def _two_stage(nodes, send_ms=5.0):
   # Stage 0: forward 10/3 ms, backward 20/3 ms; stage 1: forward+backward 20 ms; every send 5 ms.

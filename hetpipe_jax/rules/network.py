@@ -15,7 +15,9 @@ Legs are served one at a time per side, first come first served in the order the
 events in virtual time; ties in creation order), without back-filling an earlier gap. A leg inside one node
 (``src == dst``, or an unknown node) takes its seconds without touching a NIC. A transfer made of several legs (a PS
 push of a VW whose stages sit on several nodes, to shards on several nodes) sends them one after another, as one
-sender process does.
+sender process does; the engine requests each leg when the previous one has arrived (its data is there), so a leg
+never books a NIC ahead of time and holds back a transfer that could run now (booking all legs at the push measured
+a 39% loss on ResNet-152 ED at 25% NIC load, an artefact).
 
 Why FIFO serialisation and not processor sharing: with k equal transfers requested together, both give the last
 one the same finish time k x d and both keep the NIC busy for exactly the bytes it carried / its bandwidth, which is

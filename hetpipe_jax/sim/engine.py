@@ -45,13 +45,15 @@ node's NIC carries its inter-node traffic one transfer at a time per direction, 
 output crosses nodes (``VWTaskTimes.output_leg``) computes for its compute time, then its send waits for the sending
 node's NIC and the receiving node's NIC and takes ``send_*_s``; the stage stays occupied until the output has
 arrived (as without the rule). A wave push and a pull reply are their ``push_legs`` / ``pull_legs``, one after
-another through the NICs they cross; an all-reduce takes ``VWTaskTimes.allreduce_time_s(shared_nic)`` (rings
+another through the NICs they cross, each leg requested when the previous one has arrived (``_LEG`` events; a pull
+request sent behind a push still on its way waits for that push's arrival, as on an ordered channel); an all-reduce takes ``VWTaskTimes.allreduce_time_s(shared_nic)`` (rings
 sharing a NIC served one after another). Transfers inside a node, and task times with no nodes (synthetic
 ``uniform_task_times``), touch no NIC. ``shared_nic=False``: every transfer at full link speed (the per-link model).
 The report's ``nic_busy_s`` gives each node's NIC send and receive busy seconds.
 
 Optional PS link contention (``ps_link_contention``, off by default): in addition, every push and every pull reply
-crosses one shared link at the PS, one transfer at a time in request order (a single PS link for all shards).
+crosses one shared link at the PS, one transfer at a time in request order (a single PS link for all shards); with
+it, a transfer's NIC legs are booked when it is sent.
 
 Speed (timing-only mode, ``records=False``): an event does only the work its outcome needs. It examines only the
 stages whose device or queue it changed (``_start_ready``), looks for pending pulls to answer only after a push that
@@ -94,7 +96,7 @@ from hetpipe_jax.sim import engine_report
 from hetpipe_jax.sim.engine_report import EngineReport, GPUReport, MinibatchRecord, TaskEvent, VWReport
 from hetpipe_jax.sim.task_times import VWTaskTimes
 
-_TASK_END, _PUSH_ARRIVAL, _PULL_REQUEST, _PULL_REPLY, _REDUCED, _SEND = 0, 1, 2, 3, 4, 5
+_TASK_END, _PUSH_ARRIVAL, _PULL_REQUEST, _PULL_REPLY, _REDUCED, _SEND, _LEG = 0, 1, 2, 3, 4, 5, 6
 _BACKWARD = TaskKind.BACKWARD
 _STAGE_0 = (0,)
 _heappush = heapq.heappush
@@ -165,7 +167,8 @@ class _VW:
   __slots__ = ("vw_id", "times", "rules", "sync", "num_stages", "total", "dur_fwd", "dur_bwd", "leg_fwd", "leg_bwd",
                "gpus", "active",
                "idle_since", "idle_s", "wait_since", "wait_s", "completions", "version_id", "num_pushes", "num_pulls",
-               "last_push_arrival", "records", "vector_clock", "fifo", "reduce_entered")
+               "last_push_arrival", "records", "vector_clock", "fifo", "reduce_entered", "pushes_in_flight",
+               "deferred_pulls")
 
   def __init__(self, vw_id: int, times: VWTaskTimes, config: EngineConfig, sync: wsp.VWSyncState | None,
                num_vws: int):
@@ -210,6 +213,8 @@ class _VW:
     self.num_pushes = 0
     self.num_pulls = 0
     self.last_push_arrival = 0.0
+    self.pushes_in_flight = 0  # pushes going leg by leg through shared NICs (their arrival is not known yet)
+    self.deferred_pulls: list[int] = []  # pull requests sent behind such a push (the channel is ordered)
     self.records: dict[int, MinibatchRecord] = {}
     self.vector_clock = (0,) * num_vws  # of the installed pulled weights
     self.reduce_entered = 0.0  # when the VW entered its current all-reduce
@@ -312,7 +317,21 @@ class Engine:
       self._ps_link_free = end
     return end
 
+  def _send_ps_transfer(self, t: float, duration: float, legs, code: int, v: int, arg) -> float | None:
+    """Sends a push (``code`` _PUSH_ARRIVAL) or a pull reply (_PULL_REPLY) at ``t``; its arrival event carries
+    ``arg``. Returns the arrival time, or None when it goes leg by leg through shared NICs: each leg is served when
+    the previous one has arrived (a ``_LEG`` event), so the NICs are requested when the data is there."""
+    if self.config.shared_nic and legs and not self.config.ps_link_contention:
+      self._push_event(t, _LEG, v, (legs, 0, code, arg))
+      return None
+    arrival = self._ps_transfer_arrival(t, duration, legs)
+    self._push_event(arrival, code, v, arg)
+    return arrival
+
   def _request_pull(self, vw: _VW, required: int, t: float) -> None:
+    if vw.pushes_in_flight:  # behind a push still crossing the NICs: sent when it has arrived
+      vw.deferred_pulls.append(required)
+      return
     self._push_event(max(t, vw.last_push_arrival), _PULL_REQUEST, vw.vw_id, required)
 
   def _send_pull_reply(self, v: int, t: float) -> None:
@@ -326,7 +345,7 @@ class Engine:
     else:
       reply = self.ps.global_clock
     times = self.vws[v].times
-    self._push_event(self._ps_transfer_arrival(t, times.pull_s, times.pull_legs), _PULL_REPLY, v, reply)
+    self._send_ps_transfer(t, times.pull_s, times.pull_legs, _PULL_REPLY, v, reply)
 
   def _try_inject(self, vw: _VW, t: float) -> None:
     """Runs the VW's injection step (``wsp.injection_step``) and accounts for its outcome at time ``t``."""
@@ -422,9 +441,11 @@ class Engine:
       if hook is not None:
         hook(vw.vw_id, wave, t)
       vw.num_pushes += 1
-      arrival = self._ps_transfer_arrival(t, vw.times.push_s, vw.times.push_legs)
-      vw.last_push_arrival = arrival
-      self._push_event(arrival, _PUSH_ARRIVAL, vw.vw_id, wave)
+      arrival = self._send_ps_transfer(t, vw.times.push_s, vw.times.push_legs, _PUSH_ARRIVAL, vw.vw_id, wave)
+      if arrival is None:
+        vw.pushes_in_flight += 1
+      else:
+        vw.last_push_arrival = arrival
       self._advance_clock(wave, t)
     if pull is not None:
       self._request_pull(vw, pull, t)
@@ -529,6 +550,13 @@ class Engine:
         gpu = arg
         leg = vw.leg_bwd[gpu.stage_id] if gpu.task.kind is _BACKWARD else vw.leg_fwd[gpu.stage_id]
         _heappush(heap, (self.nic.leg_end(t, leg), next(self._seq), _TASK_END, v, gpu))
+      elif code == _LEG:  # leg i of a PS transfer is ready at t: through the NICs, then the next leg or arrival
+        legs, i, final, final_arg = arg
+        end = self.nic.leg_end(t, legs[i])
+        if i + 1 < len(legs):
+          _heappush(heap, (end, next(self._seq), _LEG, v, (legs, i + 1, final, final_arg)))
+        else:
+          _heappush(heap, (end, next(self._seq), final, v, final_arg))
       elif code == _PUSH_ARRIVAL:
         hook = self.hooks["on_push"]
         if hook is not None:
@@ -538,6 +566,13 @@ class Engine:
         if ps.global_clock != clock:  # pending pulls wait for a larger global clock: only now can one be served
           for w in ps.serve_pending_pulls():
             self._send_pull_reply(w, t)
+        if vw.pushes_in_flight:  # a push that went leg by leg: release the pull requests sent behind it
+          vw.pushes_in_flight -= 1
+          vw.last_push_arrival = t
+          if not vw.pushes_in_flight and vw.deferred_pulls:
+            for required in vw.deferred_pulls:
+              self._push_event(t, _PULL_REQUEST, v, required)
+            vw.deferred_pulls.clear()
       elif code == _PULL_REQUEST:
         if ps.request_pull(v, arg):
           self._send_pull_reply(v, t)
