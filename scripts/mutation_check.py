@@ -151,6 +151,10 @@ MUTATIONS = (
              "    if False:",
              ("tests/test_network.py",), "a push books every leg's NIC time when sent, holding back transfers "
              "that could run before its later legs are ready"),
+    Mutation("engine_pull_overtakes_a_push_on_the_nics", "hetpipe_jax/sim/engine.py",
+             "    if vw.leg_pushes_arrived < vw.leg_pushes_sent:  # behind a push",
+             "    if False:  # behind a push",
+             ("tests/test_network.py",), "a pull request overtakes the VW's push still crossing the NICs"),
     Mutation("allreduce_ignores_the_nic", "hetpipe_jax/planning/allreduce_cost.py",
              "  if not shared_nic:\n    per_nic = {}",
              "  per_nic = {}",

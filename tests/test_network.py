@@ -97,6 +97,26 @@ def test_a_push_takes_each_nic_when_its_data_gets_there():
   assert [r.complete_time_s for r in report.minibatch_records if r.vw_id == 1] == pytest.approx([0.085], rel=REL)
 
 
+class _PullsSent:
+  def __init__(self):
+    self.sent = []
+
+  def on_pull_sent(self, vw_id, vector_clock, t):
+    self.sent.append((vw_id, tuple(vector_clock), t))
+
+
+def test_a_pull_request_sent_behind_a_push_reaches_the_ps_after_it():
+  # One VW (10 ms minibatches, Nm = 1, D = 2: the PS can answer any pull at once) pulls at every wave end. Wave 0's
+  # push leaves at 10 ms and crosses A -> P in 20 ms; the pull request sent behind it on the same ordered channel
+  # reaches the PS at 30 ms, so its reply already holds wave 0 (vector clock (1,)).
+  vw = _ps_vw("A", 20.0)
+  hooks = _PullsSent()
+  engine.run([vw], engine.EngineConfig(num_waves=2, num_inflight=1, staleness_bound=2, pull_every_wave=True),
+             hooks=hooks)
+  assert hooks.sent[0][:2] == (0, (1,))
+  assert hooks.sent[0][2] == pytest.approx(0.030, rel=REL)
+
+
 # ------------------------------------------------------------------------------------------------ pipeline sends
 def _two_stage(nodes, send_ms=5.0):
   # Stage 0: forward 10/3 ms, backward 20/3 ms; stage 1: forward+backward 20 ms; every send 5 ms.

@@ -167,8 +167,8 @@ class _VW:
   __slots__ = ("vw_id", "times", "rules", "sync", "num_stages", "total", "dur_fwd", "dur_bwd", "leg_fwd", "leg_bwd",
                "gpus", "active",
                "idle_since", "idle_s", "wait_since", "wait_s", "completions", "version_id", "num_pushes", "num_pulls",
-               "last_push_arrival", "records", "vector_clock", "fifo", "reduce_entered", "pushes_in_flight",
-               "deferred_pulls")
+               "last_push_arrival", "records", "vector_clock", "fifo", "reduce_entered", "leg_pushes_sent",
+               "leg_pushes_arrived", "deferred_pulls")
 
   def __init__(self, vw_id: int, times: VWTaskTimes, config: EngineConfig, sync: wsp.VWSyncState | None,
                num_vws: int):
@@ -213,8 +213,11 @@ class _VW:
     self.num_pushes = 0
     self.num_pulls = 0
     self.last_push_arrival = 0.0
-    self.pushes_in_flight = 0  # pushes going leg by leg through shared NICs (their arrival is not known yet)
-    self.deferred_pulls: list[int] = []  # pull requests sent behind such a push (the channel is ordered)
+    # Pushes that go leg by leg through shared NICs (their arrival is not known when sent): sent, arrived, and the
+    # pull requests sent behind one of them, as (pushes that must arrive first, required clock), in request order.
+    self.leg_pushes_sent = 0
+    self.leg_pushes_arrived = 0
+    self.deferred_pulls: collections.deque[tuple[int, int]] = collections.deque()
     self.records: dict[int, MinibatchRecord] = {}
     self.vector_clock = (0,) * num_vws  # of the installed pulled weights
     self.reduce_entered = 0.0  # when the VW entered its current all-reduce
@@ -329,8 +332,8 @@ class Engine:
     return arrival
 
   def _request_pull(self, vw: _VW, required: int, t: float) -> None:
-    if vw.pushes_in_flight:  # behind a push still crossing the NICs: sent when it has arrived
-      vw.deferred_pulls.append(required)
+    if vw.leg_pushes_arrived < vw.leg_pushes_sent:  # behind a push still crossing the NICs: sent when it arrived
+      vw.deferred_pulls.append((vw.leg_pushes_sent, required))
       return
     self._push_event(max(t, vw.last_push_arrival), _PULL_REQUEST, vw.vw_id, required)
 
@@ -443,7 +446,7 @@ class Engine:
       vw.num_pushes += 1
       arrival = self._send_ps_transfer(t, vw.times.push_s, vw.times.push_legs, _PUSH_ARRIVAL, vw.vw_id, wave)
       if arrival is None:
-        vw.pushes_in_flight += 1
+        vw.leg_pushes_sent += 1
       else:
         vw.last_push_arrival = arrival
       self._advance_clock(wave, t)
@@ -566,13 +569,11 @@ class Engine:
         if ps.global_clock != clock:  # pending pulls wait for a larger global clock: only now can one be served
           for w in ps.serve_pending_pulls():
             self._send_pull_reply(w, t)
-        if vw.pushes_in_flight:  # a push that went leg by leg: release the pull requests sent behind it
-          vw.pushes_in_flight -= 1
-          vw.last_push_arrival = t
-          if not vw.pushes_in_flight and vw.deferred_pulls:
-            for required in vw.deferred_pulls:
-              self._push_event(t, _PULL_REQUEST, v, required)
-            vw.deferred_pulls.clear()
+        if vw.leg_pushes_arrived < vw.leg_pushes_sent:  # a push that went leg by leg (they arrive in order)
+          vw.leg_pushes_arrived += 1
+          deferred = vw.deferred_pulls
+          while deferred and deferred[0][0] <= vw.leg_pushes_arrived:  # pull requests sent behind it go now
+            self._push_event(t, _PULL_REQUEST, v, deferred.popleft()[1])
       elif code == _PULL_REQUEST:
         if ps.request_pull(v, arg):
           self._send_pull_reply(v, t)
