@@ -74,6 +74,9 @@ _METHODS = flags.DEFINE_list("methods", [], "Run only the cases of these methods
 _RUNS_DIR = flags.DEFINE_string("runs_dir", "", "Where the runs' outputs go (default: a new /tmp/validate_* dir).")
 
 _PYTHON = REPO_ROOT / ".venv" / "bin" / "python"
+# tiny.py's batch size; a flush case whose M does not divide it runs the largest multiple of M below it (its tasks
+# are emulated, so the batch size changes no time).
+TINY_BATCH_SIZE = 32
 _MPIEXEC = REPO_ROOT / ".venv" / "bin" / "mpiexec"
 
 
@@ -246,13 +249,16 @@ def run_job(case: Case, minibatches: int, data_dir: pathlib.Path, workdir: pathl
   ranks = case.num_vws + (0 if case.flush else 1)  # the all-reduce methods have no PS rank
   # The job counts minibatches (a flush step is one minibatch of M micro-batches); the rules count micro-batches.
   job_minibatches = minibatches // case.num_inflight if case.flush else minibatches
+  batch_flags = []
+  if case.flush and TINY_BATCH_SIZE % case.num_inflight:  # M micro-batches must divide the minibatch: the largest
+    batch_flags = [f"--config.batch_size={TINY_BATCH_SIZE // case.num_inflight * case.num_inflight}"]  # that does
   cmd = [str(_MPIEXEC), "-n", str(ranks), str(_PYTHON), "-m", "mpi4py", "-m", "hetpipe_jax.train",
          "--config=experiments/configs/tiny.py", f"--workdir={workdir}",
          f"--config.num_virtual_workers={case.num_vws}", f"--config.num_stages={case.num_stages}",
          "--config.partition=", f"--config.num_inflight={case.num_inflight}",
          f"--config.staleness_bound={case.staleness_bound}", f"--config.emulate_stage_ms={case.stage_ms}",
          f"--config.num_minibatches={job_minibatches}", "--config.progress=False", "--config.check_counts=False",
-         f"--config.data_dir={data_dir}", f"--config.method={case.method}", *extra_flags]
+         f"--config.data_dir={data_dir}", f"--config.method={case.method}", *batch_flags, *extra_flags]
   env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
   t0 = time.perf_counter()
   proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)

@@ -32,6 +32,9 @@ _D = flags.DEFINE_integer("staleness_bound", 0, "WSP staleness bound D for hetpi
 _PULL = flags.DEFINE_bool("pull_every_wave", False, "WSP pull policy (False: HetPipe §5's).")
 _WAVES = flags.DEFINE_integer("num_waves", 40, "Waves (steps) the engine runs per VW.")
 _REMAT = flags.DEFINE_bool("remat", False, "GPipe / 1F1B-flush rematerialisation (memory model).")
+_SHARED_NIC = flags.DEFINE_bool("shared_nic", True, "VWs on one node share its network interface for inter-node "
+                                 "traffic (hetpipe_jax.rules.network); --noshared_nic: every transfer at full link "
+                                 "speed.")
 _NM_ENGINE = flags.DEFINE_bool("num_inflight_by_engine", False, "HetPipe NP/ED/HD: the Nm the engine runs fastest "
                                 "under --staleness_bound, not the planner's closed-form choice (HetPipe §8.3).")
 _PROFILE = flags.DEFINE_string("profile", None, "Profile JSON to use instead of the saved/default one.")
@@ -51,11 +54,11 @@ def main(argv):
   cluster = cluster_lib.load_cluster(cluster_name)
   profile = get_profile(model, batch, cluster, _PROFILE.value)
   config = compare_lib.CompareConfig(num_vws=num_vws, staleness_bound=_D.value, pull_every_wave=_PULL.value,
-                                     num_waves=waves, remat=_REMAT.value,
+                                     num_waves=waves, remat=_REMAT.value, shared_nic=_SHARED_NIC.value,
                                      num_inflight_by_engine=_NM_ENGINE.value)
   table, every = compare_lib.compare(cluster, profile, config)
   title = (f"{model} on {cluster.name}, batch {batch}, {num_vws} VWs (HetPipe/PipeDream D={_D.value}); "
-           f"predicted by the event engine")
+           f"{'shared' if _SHARED_NIC.value else 'per-link (no shared)'} NICs; predicted by the event engine")
   print(compare_lib.format_table(every if _ALL.value else table, title))
   for r in every:
     for note in r.notes:
@@ -69,7 +72,7 @@ def main(argv):
     with open(out + ".json", "w", encoding="utf-8") as f:
       json.dump({"cluster": cluster.name, "model": model, "batch_size": batch, "num_vws": num_vws,
                  "staleness_bound": _D.value, "num_inflight_by_engine": _NM_ENGINE.value, "num_waves": waves,
-                 "seconds": elapsed,
+                 "shared_nic": _SHARED_NIC.value, "seconds": elapsed,
                  "table": compare_lib.rows_to_json(table), "all": compare_lib.rows_to_json(every)}, f, indent=2)
     compare_lib.plot(table, out + ".png", title)
     print(f"wrote {out}.json and {out}.png")

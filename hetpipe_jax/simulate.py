@@ -31,6 +31,9 @@ _PS_APPLY = flags.DEFINE_enum("ps_apply", "on_receipt", ["on_receipt", "clock_al
                               "on_receipt: the PS adds each wave update when it arrives (HetPipe §5); clock_aligned: "
                               "once every VW pushed that wave.")
 _CONTENTION = flags.DEFINE_bool("ps_link_contention", False, "Serialise all PS pushes and pulls on one shared link.")
+_SHARED_NIC = flags.DEFINE_bool("shared_nic", True, "VWs on one node share its network interface for inter-node "
+                                 "traffic (hetpipe_jax.rules.network); --noshared_nic: every transfer at full link "
+                                 "speed.")
 _PROFILE = flags.DEFINE_string("profile", None, "Profile JSON the plan was made with (default: the saved one).")
 _CLUSTER = flags.DEFINE_string("cluster", None, "Cluster name or path (default: the plan's).")
 _OUTPUT = flags.DEFINE_string("output", None, "Where to write the report JSON.")
@@ -51,12 +54,13 @@ def main(argv):
   records = bool(_RECORDS.value or _TRACE.value or _GANTT.value)
   config = engine.EngineConfig(num_waves=_NUM_WAVES.value, num_inflight=plan.num_inflight,
                                staleness_bound=_D.value, pull_every_wave=_PULL_EVERY_WAVE.value, records=records,
-                               ps_link_contention=_CONTENTION.value, ps_apply=_PS_APPLY.value, method=plan.method)
+                               ps_link_contention=_CONTENTION.value, ps_apply=_PS_APPLY.value, method=plan.method,
+                               shared_nic=_SHARED_NIC.value)
   gpu_ids = [list(vw.gpus) for vw in plan.virtual_workers]
   report = engine.run(times, config, gpu_ids=gpu_ids)
   print(f"plan {_PLAN.value}: model={plan.model} batch_size={plan.batch_size} cluster={plan.cluster} "
         f"policy={plan.policy} Nm={plan.num_inflight} D={_D.value} ps_apply={_PS_APPLY.value} "
-        f"pull_every_wave={_PULL_EVERY_WAVE.value}; planner predicted "
+        f"pull_every_wave={_PULL_EVERY_WAVE.value} shared_nic={_SHARED_NIC.value}; planner predicted "
         f"{plan.predicted_total_minibatches_per_s:.3f} minibatches/s")
   print(engine_report.format_table(report))
   if _OUTPUT.value:

@@ -74,6 +74,7 @@ def test_train_virtual_mode_cli_smoke(tmp_path, synthetic_data_dir):
   assert summary["num_virtual_workers"] == len(plan["virtual_workers"]) == 4
   assert summary["num_inflight"] == plan["num_inflight"]
   assert summary["simulated_time_s"] > 0 and summary["host_wall_time_s"] > 0
+  assert summary["shared_nic"] is True  # the engine's network rule as it ran (on by default)
 
 
 def test_train_rejects_a_conflicting_setting_before_any_work(tmp_path):

@@ -231,7 +231,7 @@ def test_emulate_plan_pads_every_task_to_the_plans_cost_model(tmp_path, syntheti
     assert summary["per_vw"][str(v)]["wall_time_s"] >= mb * max(stage_ms) / 1000
   # The whole run lasts at least the engine's makespan for the same task times (the runtime does not pad PS
   # transfers, so the engine gets none).
-  no_ps = [dataclasses.replace(t, push_s=0.0, pull_s=0.0) for t in times]
+  no_ps = [dataclasses.replace(t, push_s=0.0, pull_s=0.0, push_legs=None, pull_legs=None) for t in times]
   report = engine.run(no_ps, engine.EngineConfig(num_waves=mb // nm, num_inflight=nm, staleness_bound=1))
   starts = vw_start_times(summary)
   span = (max(starts[v] + summary["per_vw"][str(v)]["wall_time_s"] for v in starts) - min(starts.values()))

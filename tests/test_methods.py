@@ -287,9 +287,11 @@ def test_plans_record_the_method_and_round_trip(paper, tmp_path, method):
   times = task_times.task_times_from_plan(plan, prof, cluster)
   if methods.get_method(method).is_flush:
     assert plan.num_inflight in method_planner.microbatch_candidates(32)
-    want = allreduce_cost.allreduce_time_s([([cluster.gpu(g) for g in vw.gpus], vw.partition)
-                                            for vw in plan.virtual_workers], prof, cluster)
+    vws = [([cluster.gpu(g) for g in vw.gpus], vw.partition) for vw in plan.virtual_workers]
+    want = allreduce_cost.allreduce_time_s(vws, prof, cluster, shared_nic=False)
+    shared = allreduce_cost.allreduce_time_s(vws, prof, cluster, shared_nic=True)
     assert all(t.allreduce_s == want for t in times) and want > 0
+    assert all(t.allreduce_time_s(True) == shared >= want for t in times)
     assert all(t.push_s == 0 for t in times)
   else:
     assert plan.num_inflight == 4  # NOAM = S
@@ -337,6 +339,7 @@ def test_compare_cli_smoke(tmp_path):
   assert "| gpipe |" in proc.stdout and "| horovod |" in proc.stdout
   d = json.loads((tmp_path / "cmp.json").read_text())
   assert d["cluster"] == "local_cpu" and len(d["table"]) == 12
+  assert d["shared_nic"] is True and "shared NICs" in proc.stdout  # the network rule, on by default, recorded
   assert (tmp_path / "cmp.png").stat().st_size > 1000
   rates = {r["label"]: r["images_per_s"] for r in d["table"]}
   assert rates["hetpipe ED/default"] > 0 and np.isfinite(list(rates.values())).all()

@@ -30,6 +30,7 @@ from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime import virtual_time
 from hetpipe_jax.runtime.param_layout import ParamLayout
 from hetpipe_jax.runtime.virtual_worker import VirtualWorker
+from hetpipe_jax.sim import engine as engine_lib
 from hetpipe_jax.sim import engine_report
 
 
@@ -225,6 +226,8 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
       "num_minibatches_per_vw": num_mb,
       "simulated_time_s": sim_time,
       "wall_time_s": sim_time,
+      # The engine's network rule (rules/network: VWs on one node share its NIC), as it ran.
+      "shared_nic": engine_lib.EngineConfig.shared_nic if report is None else report.config["shared_nic"],
       "minibatches_per_s": total / sim_time,
       "images_per_s": total * config.batch_size / sim_time,
       "steady_minibatches_per_s": engine_report.steady_rates(
@@ -354,7 +357,9 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
       "host_wall_time_s": time.perf_counter() - host_t0,
       **settings_summary(settings, partitions, config),
       "global_clock": steps,
-      "allreduce": {"steps": report.final_global_clock, "allreduce_s_per_step": max(t.allreduce_s for t in times),
+      "shared_nic": report.config["shared_nic"],  # the engine's network rule, as it ran
+      "allreduce": {"steps": report.final_global_clock,
+                    "allreduce_s_per_step": max(t.allreduce_time_s(report.config["shared_nic"]) for t in times),
                     "replicas_identical": identical},
       **extra,
       "evaluations": state["evals"] + [{"global_clock": steps, "simulated_time_s": sim_time, **final}],

@@ -8,6 +8,13 @@ nodes runs at the inter-node link (its slowest), else at the intra-node link. Gr
 same time; the segments one GPU holds are reduced one after another; the step waits for the GPU that finishes last.
 Every hop of a ring carries ``2(N-1)/N * b``; a ring visiting its GPUs node by node crosses nodes once per node it
 spans (when it spans two or more).
+
+Shared network interfaces (:mod:`hetpipe_jax.rules.network`, on by default as in the engine): a ring that spans
+nodes enters and leaves each of its nodes once, through the node's one NIC, so the rings crossing a node's NIC are
+served one after another there, as the segments one GPU holds are: the step then waits for the GPU *or the NIC*
+that finishes last. Rings inside one node use PCIe and no NIC. Example (HetPipe §8.1's cluster, GPipe with NP: four
+VWs, one per node, four stages): the four stage groups each span the four nodes, so every NIC carries four rings
+and the all-reduce takes four times one ring's time instead of one ring's.
 """
 
 from __future__ import annotations
@@ -40,23 +47,32 @@ def _groups(vws: Sequence[tuple[Sequence[Gpu], Sequence[Sequence[int]]]], profil
 
 
 def allreduce_time_s(vws: Sequence[tuple[Sequence[Gpu], Sequence[Sequence[int]]]], profile: ModelProfile,
-                     cluster: ClusterSpec) -> float:
-  """One step's all-reduce time (module docstring).
+                     cluster: ClusterSpec, shared_nic: bool = True) -> float:
+  """One step's all-reduce time in seconds (module docstring).
 
   Args:
     vws: per VW, its GPUs in stage order and their layer ranges.
     profile: parameter bytes per layer (the gradients have the same size).
     cluster: its links.
+    shared_nic: the rings crossing one node's NIC are served one after another (:mod:`hetpipe_jax.rules.network`);
+      False: every ring runs at full link speed, however many share a node.
   """
   if len(vws) <= 1:
     return 0.0
   per_gpu: dict[str, float] = {}
+  per_nic: dict[str, float] = {}
   for nbytes, gpus in _groups(vws, profile):
-    link = cluster.inter_node_link if len({g.node for g in gpus}) > 1 else cluster.intra_node_link
+    nodes = {g.node for g in gpus}
+    link = cluster.inter_node_link if len(nodes) > 1 else cluster.intra_node_link
     t = ring_allreduce_s(nbytes, len(gpus), link.bandwidth_bytes_per_s * link.efficiency, link.latency_s)
     for g in gpus:
       per_gpu[g.gpu_id] = per_gpu.get(g.gpu_id, 0.0) + t
-  return max(per_gpu.values(), default=0.0)
+    if len(nodes) > 1:
+      for node in nodes:
+        per_nic[node] = per_nic.get(node, 0.0) + t
+  if not shared_nic:
+    per_nic = {}
+  return max(max(per_gpu.values(), default=0.0), max(per_nic.values(), default=0.0))
 
 
 def allreduce_cross_node_bytes(vws: Sequence[tuple[Sequence[Gpu], Sequence[Sequence[int]]]],

@@ -70,6 +70,7 @@ class CompareConfig:
     num_waves: waves the engine runs per VW (the flush methods: a quarter as many steps, at least 4; a step of M
       micro-batches repeats exactly once the first one is done).
     remat: gpipe / 1f1b_flush rematerialisation (memory model).
+    shared_nic: the engine's network rule (``EngineConfig.shared_nic``): VWs on one node share its NIC.
     ps_link_contention: the engine's ``ps_link_contention`` (every push and pull on one shared PS link); None: the
       engine's default (``EngineConfig``), so a change of that default reaches every comparison.
     num_inflight_by_engine: HetPipe NP / ED / HD rows take the Nm the engine runs fastest under this D
@@ -81,6 +82,7 @@ class CompareConfig:
   pull_every_wave: bool = False
   num_waves: int = 40
   remat: bool = False
+  shared_nic: bool = True
   ps_link_contention: bool | None = None
   num_inflight_by_engine: bool = False
 
@@ -107,8 +109,10 @@ def bottleneck(report: engine.EngineReport, plan: Plan, times: Sequence[task_tim
   * the all-reduce (flush methods: its time over the run);
   * a straggler (the spread of waits across VWs: under WSP or all-reduce BSP the fast VWs wait for the slowest);
   * the PS (WSP waits every VW has: pushes and pulls at the bound);
-  * the busiest GPU's compute (its utilisation; "network: activations" when sending them is most of its busy time);
-  * the pipeline bubble (the busiest GPU's idle time not spent waiting: fill and drain, Nm or M too small).
+  * the busiest GPU's compute, and its activation (gradient) sends with their waits for shared NICs (its busy time
+    split in two);
+  * the pipeline bubble (the busiest GPU's idle time not spent waiting: fill and drain, Nm or M too small);
+  * the busiest NIC (``shared_nic``: its send or receive busy time over the run, ``EngineReport.nic_busy_s``).
   """
   span = report.makespan_s or 1.0
   waits = [v.wait_s / span for v in report.vws]
@@ -120,10 +124,11 @@ def bottleneck(report: engine.EngineReport, plan: Plan, times: Sequence[task_tim
   send = (t.send_activation_s[s] if s < last else 0.0) + (t.send_gradient_s[s - 1] if s > 0 else 0.0)
   where = f"VW {g.vw_id} stage {s} on {vw.gpu_types[s]}"
   shares = {}
-  if t.stage_time_s(s) > 0 and send / t.stage_time_s(s) > 0.5:
-    shares[f"network: activations of {where}"] = g.utilization
-  else:
-    shares[f"compute: {where}"] = g.utilization
+  # Its busy time is its compute, its sends, and (shared NICs) its sends' queueing at the NICs.
+  minibatches = g.num_tasks / (1 if s == last else 2)
+  sends = minibatches * send + max(0.0, g.busy_s - minibatches * t.stage_time_s(s))
+  shares[f"compute: {where}"] = (g.busy_s - sends) / span
+  shares[f"network: activations of {where}"] = sends / span
   slow = min(range(len(waits)), key=lambda v: waits[v])
   shares[f"straggler: VW {slow} ({'/'.join(dict.fromkeys(plan.virtual_workers[slow].gpu_types))})"] = (
       max(waits) - min(waits))
@@ -133,6 +138,9 @@ def bottleneck(report: engine.EngineReport, plan: Plan, times: Sequence[task_tim
   else:
     shares["PS: push/pull waits"] = min(waits)
   shares["pipeline bubble"] = max(0.0, 1.0 - g.utilization - waits[g.vw_id])
+  if report.nic_busy_s:
+    node, busy = max(report.nic_busy_s.items(), key=lambda kv: max(kv[1]))
+    shares[f"network: NIC of node {node}"] = max(busy) / span
   label = max(shares, key=lambda k: shares[k])
   return f"{label} ({100 * shares[label]:.0f}%)"
 
@@ -148,7 +156,7 @@ def run_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, config: Co
   extra = {} if config.ps_link_contention is None else {"ps_link_contention": config.ps_link_contention}
   cfg = engine.EngineConfig(num_waves=waves, num_inflight=plan.num_inflight,
                             staleness_bound=config.staleness_bound, pull_every_wave=config.pull_every_wave,
-                            records=False, method=plan.method, **extra)
+                            records=False, method=plan.method, shared_nic=config.shared_nic, **extra)
   report = engine.run(times, cfg, gpu_ids=[list(vw.gpus) for vw in plan.virtual_workers])
   use = max(m / c for vw in plan.virtual_workers for m, c in zip(vw.stage_memory_bytes, vw.stage_capacity_bytes))
   return Row(plan.method, allocation, placement, len(plan.virtual_workers),

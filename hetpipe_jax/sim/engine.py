@@ -40,9 +40,20 @@ Hooks of the all-reduce methods: ``on_wave_end(vw_id, step, t)`` when a VW enter
 gradients are final), ``on_allreduce(step, t)`` when the last VW enters it, ``on_reduced(vw_id, step, t)`` when the
 reduced update is applied on a VW (then its injections and task starts follow, as after a pull reply).
 
-Optional link contention (``ps_link_contention``): every push and every pull reply crosses one shared link at the
-PS (its node's NIC), one transfer at a time in request order, so PS traffic serialises; pipeline sends stay part of
-their tasks (they already serialise with the sender's compute).
+Shared network interfaces (``shared_nic``, on by default for every method; :mod:`hetpipe_jax.rules.network`): each
+node's NIC carries its inter-node traffic one transfer at a time per direction, in request order. A task whose
+output crosses nodes (``VWTaskTimes.output_leg``) computes for its compute time, then its send waits for the sending
+node's NIC and the receiving node's NIC and takes ``send_*_s``; the stage stays occupied until the output has
+arrived (as without the rule). A wave push and a pull reply are their ``push_legs`` / ``pull_legs``, one after
+another through the NICs they cross, each leg requested when the previous one has arrived (``_LEG`` events; a pull
+request sent behind a push still on its way waits for that push's arrival, as on an ordered channel); an all-reduce takes ``VWTaskTimes.allreduce_time_s(shared_nic)`` (rings
+sharing a NIC served one after another). Transfers inside a node, and task times with no nodes (synthetic
+``uniform_task_times``), touch no NIC. ``shared_nic=False``: every transfer at full link speed (the per-link model).
+The report's ``nic_busy_s`` gives each node's NIC send and receive busy seconds.
+
+Optional PS link contention (``ps_link_contention``, off by default): in addition, every push and every pull reply
+crosses one shared link at the PS, one transfer at a time in request order (a single PS link for all shards); with
+it, a transfer's NIC legs are booked when it is sent.
 
 Speed (timing-only mode, ``records=False``): an event does only the work its outcome needs. It examines only the
 stages whose device or queue it changed (``_start_ready``), looks for pending pulls to answer only after a push that
@@ -77,6 +88,7 @@ from typing import Any, Sequence
 
 from hetpipe_jax.rules import allreduce
 from hetpipe_jax.rules import methods
+from hetpipe_jax.rules import network
 from hetpipe_jax.rules import schedule
 from hetpipe_jax.rules import wsp
 from hetpipe_jax.rules.schedule import Task, TaskKind
@@ -84,7 +96,7 @@ from hetpipe_jax.sim import engine_report
 from hetpipe_jax.sim.engine_report import EngineReport, GPUReport, MinibatchRecord, TaskEvent, VWReport
 from hetpipe_jax.sim.task_times import VWTaskTimes
 
-_TASK_END, _PUSH_ARRIVAL, _PULL_REQUEST, _PULL_REPLY, _REDUCED = 0, 1, 2, 3, 4
+_TASK_END, _PUSH_ARRIVAL, _PULL_REQUEST, _PULL_REPLY, _REDUCED, _SEND, _LEG = 0, 1, 2, 3, 4, 5, 6
 _BACKWARD = TaskKind.BACKWARD
 _STAGE_0 = (0,)
 _heappush = heapq.heappush
@@ -107,6 +119,9 @@ class EngineConfig:
     records: keep per-minibatch records, per-task events, PS waits and the PS's application order; False is the
       timing-only mode.
     ps_link_contention: serialise all pushes and pull replies on one shared PS link (module docstring).
+    shared_nic: the VWs on one node share its network interface for inter-node traffic (activations and gradients,
+      PS pushes and pulls, all-reduces; :mod:`hetpipe_jax.rules.network`, HetPipe §8.1's one InfiniBand NIC per
+      node). False: every transfer runs at full link speed.
     method: one of :data:`hetpipe_jax.rules.methods.METHODS` (its stage order and synchronisation); for the
       all-reduce methods ``num_inflight`` is M (micro-batches per step) and ``num_waves`` the steps.
   """
@@ -119,6 +134,7 @@ class EngineConfig:
   ps_link_contention: bool = False
   ps_apply: str = "on_receipt"
   method: str = "hetpipe"
+  shared_nic: bool = True
 
   def __post_init__(self):
     wsp.check_ps_apply(self.ps_apply)
@@ -148,9 +164,11 @@ class _GPU:
 class _VW:
   """One virtual worker's engine state (rules + devices + accounting)."""
 
-  __slots__ = ("vw_id", "times", "rules", "sync", "num_stages", "total", "dur_fwd", "dur_bwd", "gpus", "active",
+  __slots__ = ("vw_id", "times", "rules", "sync", "num_stages", "total", "dur_fwd", "dur_bwd", "leg_fwd", "leg_bwd",
+               "gpus", "active",
                "idle_since", "idle_s", "wait_since", "wait_s", "completions", "version_id", "num_pushes", "num_pulls",
-               "last_push_arrival", "records", "vector_clock", "fifo", "reduce_entered")
+               "last_push_arrival", "records", "vector_clock", "fifo", "reduce_entered", "leg_pushes_sent",
+               "leg_pushes_arrived", "deferred_pulls")
 
   def __init__(self, vw_id: int, times: VWTaskTimes, config: EngineConfig, sync: wsp.VWSyncState | None,
                num_vws: int):
@@ -175,6 +193,15 @@ class _VW:
                     for s in range(s_count)]
     self.dur_bwd = [times.task_duration_s(Task(s, TaskKind.BACKWARD, 0)) if s < last else 0.0
                     for s in range(s_count)]
+    # Shared NICs: per stage, the inter-node send ending its forward (FB) / backward task, else None. Such a task
+    # computes for its duration minus the send, then the send waits for the NICs (network rule).
+    self.leg_fwd: list[network.Leg | None] = [None] * s_count
+    self.leg_bwd: list[network.Leg | None] = [None] * s_count
+    if config.shared_nic:
+      for s in range(s_count):
+        self.leg_fwd[s] = times.output_leg(Task(s, TaskKind.FORWARD if s < last else TaskKind.FORWARD_BACKWARD, 0))
+        if s < last:
+          self.leg_bwd[s] = times.output_leg(Task(s, TaskKind.BACKWARD, 0))
     self.gpus = [_GPU(s) for s in range(s_count)]
     self.active = 0  # tasks ready or running
     self.idle_since: float | None = 0.0
@@ -186,6 +213,11 @@ class _VW:
     self.num_pushes = 0
     self.num_pulls = 0
     self.last_push_arrival = 0.0
+    # Pushes that go leg by leg through shared NICs (their arrival is not known when sent): sent, arrived, and the
+    # pull requests sent behind one of them, as (pushes that must arrive first, required clock), in request order.
+    self.leg_pushes_sent = 0
+    self.leg_pushes_arrived = 0
+    self.deferred_pulls: collections.deque[tuple[int, int]] = collections.deque()
     self.records: dict[int, MinibatchRecord] = {}
     self.vector_clock = (0,) * num_vws  # of the installed pulled weights
     self.reduce_entered = 0.0  # when the VW entered its current all-reduce
@@ -250,7 +282,8 @@ class Engine:
     self.method = methods.get_method(config.method)
     self.ps = wsp.ParameterServerState(len(self.vws), config.ps_apply)  # unused by the all-reduce methods
     self.reducer = allreduce.AllReduceState(len(self.vws)) if self.method.sync == "allreduce" else None
-    self.allreduce_s = max(t.allreduce_s for t in task_times)
+    self.allreduce_s = max(t.allreduce_time_s(config.shared_nic) for t in task_times)
+    self.nic = network.NicState()  # used only with config.shared_nic
     self.hooks = {name: getattr(hooks, name, None) for name in _HOOK_NAMES}
     self._on_task_start = self.hooks["on_task_start"]
     self._on_inject = self.hooks["on_inject"]
@@ -274,14 +307,34 @@ class Engine:
   def _push_event(self, t: float, code: int, vw_id: int, arg) -> None:
     _heappush(self._heap, (t, next(self._seq), code, vw_id, arg))
 
-  def _ps_transfer_arrival(self, t: float, duration: float) -> float:
-    if not self.config.ps_link_contention:
-      return t + duration
-    start = max(t, self._ps_link_free)
-    self._ps_link_free = start + duration
-    return self._ps_link_free
+  def _ps_transfer_arrival(self, t: float, duration: float, legs) -> float:
+    """When a push (pull reply) of ``duration`` seconds sent at ``t`` arrives: through the shared PS link
+    (``ps_link_contention``) and the NICs its ``legs`` cross (``shared_nic``)."""
+    contention = self.config.ps_link_contention
+    start = max(t, self._ps_link_free) if contention else t
+    if self.config.shared_nic and legs is not None:
+      end = self.nic.transfer_end(start, legs)
+    else:
+      end = start + duration
+    if contention:
+      self._ps_link_free = end
+    return end
+
+  def _send_ps_transfer(self, t: float, duration: float, legs, code: int, v: int, arg) -> float | None:
+    """Sends a push (``code`` _PUSH_ARRIVAL) or a pull reply (_PULL_REPLY) at ``t``; its arrival event carries
+    ``arg``. Returns the arrival time, or None when it goes leg by leg through shared NICs: each leg is served when
+    the previous one has arrived (a ``_LEG`` event), so the NICs are requested when the data is there."""
+    if self.config.shared_nic and legs and not self.config.ps_link_contention:
+      self._push_event(t, _LEG, v, (legs, 0, code, arg))
+      return None
+    arrival = self._ps_transfer_arrival(t, duration, legs)
+    self._push_event(arrival, code, v, arg)
+    return arrival
 
   def _request_pull(self, vw: _VW, required: int, t: float) -> None:
+    if vw.leg_pushes_arrived < vw.leg_pushes_sent:  # behind a push still crossing the NICs: sent when it arrived
+      vw.deferred_pulls.append((vw.leg_pushes_sent, required))
+      return
     self._push_event(max(t, vw.last_push_arrival), _PULL_REQUEST, vw.vw_id, required)
 
   def _send_pull_reply(self, v: int, t: float) -> None:
@@ -294,7 +347,8 @@ class Engine:
         hook(v, reply, t)
     else:
       reply = self.ps.global_clock
-    self._push_event(self._ps_transfer_arrival(t, self.vws[v].times.pull_s), _PULL_REPLY, v, reply)
+    times = self.vws[v].times
+    self._send_ps_transfer(t, times.pull_s, times.pull_legs, _PULL_REPLY, v, reply)
 
   def _try_inject(self, vw: _VW, t: float) -> None:
     """Runs the VW's injection step (``wsp.injection_step``) and accounts for its outcome at time ``t``."""
@@ -358,8 +412,14 @@ class Engine:
       if gpu.task is None and q:
         task = gpu.task = q.popleft()
         gpu.started = t
-        d = vw.dur_bwd[s] if task.kind is _BACKWARD else vw.dur_fwd[s]
-        _heappush(self._heap, (t + d, next(self._seq), _TASK_END, vw.vw_id, gpu))
+        if task.kind is _BACKWARD:
+          d, leg = vw.dur_bwd[s], vw.leg_bwd[s]
+        else:
+          d, leg = vw.dur_fwd[s], vw.leg_fwd[s]
+        if leg is None:
+          _heappush(self._heap, (t + d, next(self._seq), _TASK_END, vw.vw_id, gpu))
+        else:  # compute, then the output's inter-node send through the NICs (a _SEND event)
+          _heappush(self._heap, (t + (d - leg.seconds), next(self._seq), _SEND, vw.vw_id, gpu))
         if on_task_start is not None:
           on_task_start(vw.vw_id, task, t)
 
@@ -384,9 +444,11 @@ class Engine:
       if hook is not None:
         hook(vw.vw_id, wave, t)
       vw.num_pushes += 1
-      arrival = self._ps_transfer_arrival(t, vw.times.push_s)
-      vw.last_push_arrival = arrival
-      self._push_event(arrival, _PUSH_ARRIVAL, vw.vw_id, wave)
+      arrival = self._send_ps_transfer(t, vw.times.push_s, vw.times.push_legs, _PUSH_ARRIVAL, vw.vw_id, wave)
+      if arrival is None:
+        vw.leg_pushes_sent += 1
+      else:
+        vw.last_push_arrival = arrival
       self._advance_clock(wave, t)
     if pull is not None:
       self._request_pull(vw, pull, t)
@@ -487,6 +549,17 @@ class Engine:
           start_ready(vw, t, range(vw.num_stages))
         else:  # stage 0 completed a minibatch: only stage 0 changed (its device, its injections)
           start_ready(vw, t, _STAGE_0)
+      elif code == _SEND:  # a task's compute ended; its output's inter-node send goes through the NICs
+        gpu = arg
+        leg = vw.leg_bwd[gpu.stage_id] if gpu.task.kind is _BACKWARD else vw.leg_fwd[gpu.stage_id]
+        _heappush(heap, (self.nic.leg_end(t, leg), next(self._seq), _TASK_END, v, gpu))
+      elif code == _LEG:  # leg i of a PS transfer is ready at t: through the NICs, then the next leg or arrival
+        legs, i, final, final_arg = arg
+        end = self.nic.leg_end(t, legs[i])
+        if i + 1 < len(legs):
+          _heappush(heap, (end, next(self._seq), _LEG, v, (legs, i + 1, final, final_arg)))
+        else:
+          _heappush(heap, (end, next(self._seq), final, v, final_arg))
       elif code == _PUSH_ARRIVAL:
         hook = self.hooks["on_push"]
         if hook is not None:
@@ -496,6 +569,11 @@ class Engine:
         if ps.global_clock != clock:  # pending pulls wait for a larger global clock: only now can one be served
           for w in ps.serve_pending_pulls():
             self._send_pull_reply(w, t)
+        if vw.leg_pushes_arrived < vw.leg_pushes_sent:  # a push that went leg by leg (they arrive in order)
+          vw.leg_pushes_arrived += 1
+          deferred = vw.deferred_pulls
+          while deferred and deferred[0][0] <= vw.leg_pushes_arrived:  # pull requests sent behind it go now
+            self._push_event(t, _PULL_REQUEST, v, deferred.popleft()[1])
       elif code == _PULL_REQUEST:
         if ps.request_pull(v, arg):
           self._send_pull_reply(v, t)
@@ -567,7 +645,7 @@ class Engine:
         max_clock_distance=self._max_distance,
         clock_distance_samples=self._clock_samples, ps_applied=list(self.ps.applied) if self.config.records else [],
         ps_waits=list(self._ps_waits), minibatch_records=records, task_events=events, num_events=num_events,
-        engine_wall_s=wall_s)
+        engine_wall_s=wall_s, nic_busy_s={node: tuple(b) for node, b in sorted(self.nic.busy_s.items())})
 
 
 def run(task_times: Sequence[VWTaskTimes], config: EngineConfig, hooks: Any = None,

@@ -87,6 +87,8 @@ class EngineReport:
     ps_waits: ``(vw_id, start_s, end_s)`` intervals blocked by the WSP bound (records mode only).
     minibatch_records, task_events: records mode only (empty in timing-only mode).
     num_events: events the engine processed; engine_wall_s: host seconds it took.
+    nic_busy_s: per node, ``(send, receive)`` seconds its NIC carried inter-node transfers (``shared_nic``; empty
+      when no transfer crossed nodes or the rule is off; :mod:`hetpipe_jax.rules.network`).
   """
 
   config: dict[str, Any]
@@ -105,6 +107,7 @@ class EngineReport:
   task_events: list[TaskEvent]
   num_events: int
   engine_wall_s: float
+  nic_busy_s: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
   def to_dict(self, include_records: bool = True) -> dict[str, Any]:
     """JSON-ready dict (NaN becomes None); ``include_records=False`` drops the per-minibatch/per-task lists."""

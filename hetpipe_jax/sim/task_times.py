@@ -14,6 +14,11 @@ send of its output, serially, on the sender's side:
 
 Summed over a stage's tasks of one minibatch this is the cost model's stage time (compute plus the transfers at
 both of the stage's cuts), so the engine and the planner agree on per-stage work.
+
+Where the traffic goes (for the network rule, :mod:`hetpipe_jax.rules.network`): ``stage_nodes`` names each stage's
+node, so the engine knows which sends cross nodes; ``push_legs`` / ``pull_legs`` split a wave push (pull reply) into
+its per-(node, node) transfers; ``allreduce_shared_nic_s`` is the all-reduce with the rings crossing a node's NIC
+served one after another. Synthetic times (:func:`uniform_task_times`) have none of these (no NIC is modelled).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from hetpipe_jax.planning.cluster import ClusterSpec
 from hetpipe_jax.planning.plan_format import Plan
 from hetpipe_jax.planning.profile_format import ModelProfile
 from hetpipe_jax.rules import methods
+from hetpipe_jax.rules.network import Leg
 from hetpipe_jax.rules.schedule import Task, TaskKind
 
 S_PER_MS = 1e-3
@@ -58,10 +64,18 @@ class VWTaskTimes:
     push_s: sending one wave's aggregated update to the parameter server (HetPipe §5).
     pull_s: receiving the global weights from the parameter server.
     allreduce_s: all-reduce BSP methods: one step's all-reduce of the gradients, from the moment the last VW
-      enters it until every replica holds the sum (the same for every VW of a job; the engine takes the largest).
+      enters it until every replica holds the sum (the same for every VW of a job; the engine takes the largest),
+      every ring at full link speed.
+    stage_nodes: per stage, the name of its GPU's node (length S), or None (unknown: no send crosses a NIC).
+    push_legs: the push as transfers ``Leg(src node, dst node, seconds)`` sent one after another; their seconds sum
+      to ``push_s``. None: one transfer that touches no NIC.
+    pull_legs: the same for a pull reply (PS shard nodes to the stages' nodes); they sum to ``pull_s``.
+    allreduce_shared_nic_s: ``allreduce_s`` with shared NICs (:mod:`hetpipe_jax.planning.allreduce_cost`); None:
+      the same as ``allreduce_s``.
 
   Raises:
-    ValueError: a negative or non-finite duration, or per-stage lists of different lengths.
+    ValueError: a negative or non-finite duration, per-stage lists of different lengths, ``stage_nodes`` of the
+      wrong length, or legs that do not sum to their transfer's seconds.
   """
 
   forward_s: tuple[float, ...]
@@ -72,6 +86,10 @@ class VWTaskTimes:
   push_s: float
   pull_s: float
   allreduce_s: float = 0.0
+  stage_nodes: tuple[str | None, ...] | None = None
+  push_legs: tuple[Leg, ...] | None = None
+  pull_legs: tuple[Leg, ...] | None = None
+  allreduce_shared_nic_s: float | None = None
 
   def __post_init__(self):
     n = len(self.forward_s)
@@ -80,6 +98,41 @@ class VWTaskTimes:
       _check_durations(name, getattr(self, name), n)
     for name in ("forward_backward_s", "push_s", "pull_s", "allreduce_s"):
       _check_durations(name, [getattr(self, name)], 1)
+    if self.allreduce_shared_nic_s is not None:
+      _check_durations("allreduce_shared_nic_s", [self.allreduce_shared_nic_s], 1)
+    if self.stage_nodes is not None:
+      object.__setattr__(self, "stage_nodes", tuple(self.stage_nodes))
+      if len(self.stage_nodes) != n + 1:
+        raise ValueError(f"stage_nodes has {len(self.stage_nodes)} entries for {n + 1} stages")
+    for name, total in (("push_legs", self.push_s), ("pull_legs", self.pull_s)):
+      legs = getattr(self, name)
+      if legs is None:
+        continue
+      legs = tuple(Leg(*leg) for leg in legs)
+      object.__setattr__(self, name, legs)
+      _check_durations(name, [leg.seconds for leg in legs], len(legs))
+      if not math.isclose(sum(leg.seconds for leg in legs), total, rel_tol=1e-9, abs_tol=1e-12):
+        raise ValueError(f"{name} sum to {sum(leg.seconds for leg in legs)} s, not {name[:4]}_s = {total} s")
+
+  def allreduce_time_s(self, shared_nic: bool) -> float:
+    """One step's all-reduce in seconds, with NICs shared (``allreduce_shared_nic_s``, when known) or not."""
+    if shared_nic and self.allreduce_shared_nic_s is not None:
+      return self.allreduce_shared_nic_s
+    return self.allreduce_s
+
+  def output_leg(self, task: Task) -> Leg | None:
+    """The inter-node send at the end of ``task`` (its output to its consumer's node), or None when the output
+    stays on the node (or the nodes are unknown)."""
+    nodes, s = self.stage_nodes, task.stage_id
+    if nodes is None:
+      return None
+    if task.kind is TaskKind.FORWARD:
+      leg = Leg(nodes[s], nodes[s + 1], self.send_activation_s[s])
+    elif s > 0:  # backward (or the last stage's forward+backward) sends the gradient to stage s - 1
+      leg = Leg(nodes[s], nodes[s - 1], self.send_gradient_s[s - 1])
+    else:
+      return None
+    return leg if leg.inter_node else None
 
   @property
   def num_stages(self) -> int:
@@ -169,6 +222,25 @@ def ps_transfer_bytes(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, v
   return remote, local
 
 
+def ps_transfer_legs(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, vw_index: int) -> tuple[Leg, ...]:
+  """One push of a VW as transfers ``Leg(stage node, shard node, seconds)``, one per (stage node, shard node) pair
+  with bytes (in order of first appearance along the VW's stages and layers): over the inter-node link when the
+  nodes differ, else the intra-node link. A pull reply is the same legs reversed in direction."""
+  vw = plan.virtual_workers[vw_index]
+  layer_to_node = plan.ps_placement["layer_to_node"]
+  pair_bytes: dict[tuple[str, str], int] = {}
+  for gpu_id, (i, j) in zip(vw.gpus, vw.partition):
+    node = cluster.gpu(gpu_id).node
+    for layer in range(i, j):
+      b = profile.layers[layer].param_bytes
+      if layer_to_node[layer] is None or b == 0:
+        continue
+      key = (node, layer_to_node[layer])
+      pair_bytes[key] = pair_bytes.get(key, 0) + b
+  return tuple(Leg(src, dst, (cluster.inter_node_link if src != dst else cluster.intra_node_link).transfer_time_s(b))
+               for (src, dst), b in pair_bytes.items())
+
+
 def task_times_from_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec,
                          config: cost_model.CostModelConfig | None = None) -> list[VWTaskTimes]:
   """Every VW's task times for ``plan`` from the cost model (HetPipe §7), for the plan's method.
@@ -178,8 +250,9 @@ def task_times_from_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec
 
   Stage compute is ``cost_model``'s (measured or roofline) fwd+bwd time of its layers, split into forward and
   backward by the same model applied to the forward costs alone; sends use the cost model's per-cut transfer
-  times over the link between the two stages' nodes. A push (and a pull) moves every parameter once, one message:
-  ``inter_link(remote bytes) + intra_link(local bytes)`` (:func:`ps_transfer_bytes`).
+  times over the link between the two stages' nodes. A push (and a pull) moves every parameter once, one transfer
+  per (stage node, shard node) pair, one after another (:func:`ps_transfer_legs`; the inter-node ones use the NICs,
+  :mod:`hetpipe_jax.rules.network`). ``stage_nodes`` are the GPUs' nodes.
 
   Args:
     plan: the plan (its VWs' GPUs and layer ranges).
@@ -205,16 +278,19 @@ def task_times_from_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec
     costs = cost_model.build_stage_costs(micro, cluster, config)
     fwd_prefix = forward_prefix_ms(micro, cluster, config)
     vws = [([cluster.gpu(g) for g in vw.gpus], vw.partition) for vw in plan.virtual_workers]
-    t_ar = allreduce_cost.allreduce_time_s(vws, profile, cluster)
-    return [vw_task_times(gpus, ranges, costs, fwd_prefix, cluster, allreduce_s=t_ar) for gpus, ranges in vws]
+    t_ar = allreduce_cost.allreduce_time_s(vws, profile, cluster, shared_nic=False)
+    t_nic = allreduce_cost.allreduce_time_s(vws, profile, cluster, shared_nic=True)
+    return [vw_task_times(gpus, ranges, costs, fwd_prefix, cluster, allreduce_s=t_ar, allreduce_shared_nic_s=t_nic)
+            for gpus, ranges in vws]
   costs = cost_model.build_stage_costs(profile, cluster, config)
   fwd_prefix = forward_prefix_ms(profile, cluster, config)
   out = []
   for index, vw in enumerate(plan.virtual_workers):
-    remote, local = ps_transfer_bytes(plan, profile, cluster, index)
-    ps_s = cluster.inter_node_link.transfer_time_s(remote) + cluster.intra_node_link.transfer_time_s(local)
+    push = ps_transfer_legs(plan, profile, cluster, index)
+    pull = tuple(Leg(leg.dst, leg.src, leg.seconds) for leg in push)
+    ps_s = sum(leg.seconds for leg in push)
     out.append(vw_task_times([cluster.gpu(g) for g in vw.gpus], vw.partition, costs, fwd_prefix, cluster,
-                             push_s=ps_s, pull_s=ps_s))
+                             push_s=ps_s, pull_s=ps_s, push_legs=push, pull_legs=pull))
   return out
 
 
@@ -228,7 +304,9 @@ def forward_prefix_ms(profile: ModelProfile, cluster: ClusterSpec,
 
 def vw_task_times(gpus: Sequence, ranges: Sequence[Sequence[int]], costs: cost_model.StageCosts,
                   fwd_prefix: dict[str, np.ndarray], cluster: ClusterSpec, *, push_s: float = 0.0,
-                  pull_s: float = 0.0, allreduce_s: float = 0.0) -> VWTaskTimes:
+                  pull_s: float = 0.0, allreduce_s: float = 0.0, push_legs: Sequence[Leg] | None = None,
+                  pull_legs: Sequence[Leg] | None = None, allreduce_shared_nic_s: float | None = None
+                  ) -> VWTaskTimes:
   """One VW's task times from the cost model: ``gpus`` (:class:`~hetpipe_jax.planning.cluster.Gpu`) in stage order
   with their layer ranges; sends over the link between neighbouring stages' nodes (module docstring)."""
   fwd, bwd, send = [], [], []
@@ -246,7 +324,10 @@ def vw_task_times(gpus: Sequence, ranges: Sequence[Sequence[int]], costs: cost_m
   del cluster
   return VWTaskTimes(forward_s=tuple(fwd), backward_s=tuple(bwd), forward_backward_s=fb_ms * S_PER_MS,
                      send_activation_s=tuple(send), send_gradient_s=tuple(send), push_s=push_s, pull_s=pull_s,
-                     allreduce_s=allreduce_s)
+                     allreduce_s=allreduce_s, stage_nodes=tuple(g.node for g in gpus),
+                     push_legs=None if push_legs is None else tuple(push_legs),
+                     pull_legs=None if pull_legs is None else tuple(pull_legs),
+                     allreduce_shared_nic_s=allreduce_shared_nic_s)
 
 
 def profile_for_plan(plan: Plan, path: str | None = None) -> ModelProfile:
