@@ -34,6 +34,7 @@ engine is imported lazily, it imports the planning layer's task times).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import numpy as np
@@ -64,14 +65,29 @@ def schedule_held_per_stage(costs: StageCosts, gpus: Sequence[Gpu], ranges: Sequ
   Raises:
     ValueError: ``costs`` has no forward times (built by hand), or Nm < 1.
   """
-  from hetpipe_jax.sim import engine, task_times  # pylint: disable=g-import-not-at-top  (import cycle)
   if costs.forward_prefix_ms is None:
     raise ValueError("inflight_memory='schedule' needs the forward/backward split of each stage: build the costs "
                      "with cost_model.build_stage_costs (StageCosts.forward_prefix_ms is None)")
   if num_inflight < 1:
     raise ValueError(f"num_inflight must be >= 1, got {num_inflight}")
+  from hetpipe_jax.sim import task_times  # pylint: disable=g-import-not-at-top  (import cycle)
   times = task_times.vw_task_times(list(gpus), ranges, costs, costs.forward_prefix_ms, None)
-  n = num_minibatches or num_minibatches_for_bound(len(gpus), num_inflight)
+  return held_peaks_for_times(times, num_inflight, num_minibatches)
+
+
+def held_peaks_for_times(times, num_inflight: int, num_minibatches: int | None = None) -> tuple[int, ...]:
+  """Per stage, ``PipelineRules.peak_held`` of one virtual worker run by the event engine from an empty pipeline
+  with these task times (``sim.task_times.VWTaskTimes``; its PS transfers are ignored: D = 0 and one VW, so no
+  wave waits), for ``num_minibatches`` (None: :func:`num_minibatches_for_bound`) minibatches.
+
+  Raises:
+    ValueError: Nm < 1.
+  """
+  from hetpipe_jax.sim import engine  # pylint: disable=g-import-not-at-top  (import cycle)
+  if num_inflight < 1:
+    raise ValueError(f"num_inflight must be >= 1, got {num_inflight}")
+  n = num_minibatches or num_minibatches_for_bound(times.num_stages, num_inflight)
+  times = dataclasses.replace(times, push_s=0.0, pull_s=0.0)
   config = engine.EngineConfig(num_waves=-(-n // num_inflight), num_inflight=num_inflight, staleness_bound=0,
                                records=False)
   return tuple(int(h) for h in engine.run([times], config).vws[0].peak_inflight_per_stage)
