@@ -162,8 +162,8 @@ def _dp(classes: list[tuple[str, str]], counts: list[int], mid: list[np.ndarray]
         recv: dict[str | None, np.ndarray], combine: str,
         limit: float = np.inf) -> tuple[float, list[int], list[int]]:
   """Core DP. ``mid[k][c]``/``last[c]``: ``[L+1, L+1]`` cost of a non-last stage at position k / the last stage
-  ``[i, j)`` on class c (inf = not allowed); ``recv[link]``: ``[L+1]`` cost added for receiving at cut b. ``combine``: "max" or "sum";
-  a stage whose full cost exceeds ``limit`` is not allowed.
+  ``[i, j)`` on class c (inf = not allowed); ``recv[link]``: ``[L+1]`` cost added for receiving at cut b.
+  ``combine``: "max" or "sum"; a stage whose full cost exceeds ``limit`` is not allowed.
   Returns (objective, class index per stage, cut positions ``[0, ..., L]``)."""
   cap = lambda x: x if limit == np.inf else np.where(x <= limit, x, np.inf)
   n_layers = last[0].shape[0] - 1
