@@ -14,6 +14,7 @@ from absl import flags
 from hetpipe_jax import profiles
 from hetpipe_jax.planning import allocator
 from hetpipe_jax.planning import cluster as cluster_lib
+from hetpipe_jax.planning import cost_model
 from hetpipe_jax.planning import plan_format
 from hetpipe_jax.planning import planner
 from hetpipe_jax.planning import profile_format
@@ -30,6 +31,11 @@ _NUM_INFLIGHT = flags.DEFINE_integer("num_inflight", 0, "hetpipe (NP/ED/HD): Nm 
                                      "pipedream: Nm (0: NOAM); gpipe/1f1b_flush/horovod: micro-batches per step M "
                                      "(0: the planner's choice; horovod: 1).")
 _REMAT = flags.DEFINE_bool("remat", False, "gpipe/1f1b_flush: rematerialise each stage's activations (memory).")
+_INFLIGHT_MEMORY = flags.DEFINE_enum(
+    "inflight_memory", "conservative", ["conservative", "schedule"],
+    "hetpipe: minibatches each stage is counted to hold in memory: 'conservative' Nm on every non-last stage (safe "
+    "whatever the task times); 'schedule' each stage's peak under the schedule rules at the plan's task times (safe "
+    "only at those times; hetpipe_jax.planning.inflight_memory). Recorded in the plan's cost_model.")
 _PROFILE = flags.DEFINE_string("profile", None, "Profile JSON to use instead of the saved/default one.")
 _OUTPUT = flags.DEFINE_string("output", None, "Where to write the plan JSON.")
 flags.mark_flags_as_required(["model"])
@@ -45,10 +51,14 @@ def main(argv):
   del argv
   if _BATCH.value <= 0:
     raise app.UsageError(f"--batch_size must be positive, got {_BATCH.value}")
+  if _INFLIGHT_MEMORY.value == "schedule" and _METHOD.value != "hetpipe":
+    raise app.UsageError(f"--inflight_memory=schedule is for --method=hetpipe (FIFO rule); --method={_METHOD.value} "
+                         "has a closed-form held count: use --inflight_memory=conservative")
   cluster = cluster_lib.load_cluster(_CLUSTER.value)
   profile = get_profile(_MODEL.value, _BATCH.value, cluster, _PROFILE.value)
   config = planner.PlannerConfig(policy=_POLICY.value, num_vws=_NUM_VWS.value, ps_placement=_PLACEMENT.value,
-                                 method=_METHOD.value, num_inflight=_NUM_INFLIGHT.value, remat=_REMAT.value)
+                                 method=_METHOD.value, num_inflight=_NUM_INFLIGHT.value, remat=_REMAT.value,
+                                 cost=cost_model.CostModelConfig(inflight_memory=_INFLIGHT_MEMORY.value))
   plan = planner.make_plan(cluster, profile, config)
   print(planner.format_table(plan))
   if _OUTPUT.value:

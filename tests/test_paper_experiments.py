@@ -131,6 +131,8 @@ def test_quick_modes_and_reproduction_page(tmp_path):
     assert data["claims"] and data["markdown"] and (results / f"{name}.png").stat().st_size > 1000
     for c in data["claims"]:
       assert set(reproduction.CLAIM_KEYS) <= set(c)
+    if name != "calibration":  # the HetPipe predictions record the in-flight memory count they used
+      assert data["inflight_memory"] == common.INFLIGHT_MEMORY == "schedule"
   # Table 4: Horovod cells are the calibration set, HetPipe cells predictions with their Nm and concurrency.
   t4 = json.loads((results / "table4.json").read_text())
   assert [r["column"] for r in t4["rows"]] == ["V4", "V4R4"]

@@ -40,6 +40,24 @@ def test_paper_plans(tmp_path, model, policy):
     assert key in d["virtual_workers"][0]
 
 
+def test_inflight_memory_flag_is_used_and_recorded(tmp_path):
+  # The setting reaches the plan (its cost_model entry) and the memory each stage is counted for; ResNet-152 on the
+  # paper's cluster is bottleneck-last, so the schedule count equals the conservative one (same memory).
+  plans = {}
+  for mode in ("conservative", "schedule"):
+    out = tmp_path / f"{mode}.json"
+    r = run_plan("--cluster=hetpipe_paper", "--model=resnet152_imagenet", "--policy=ED", "--num_vws=4",
+                 f"--inflight_memory={mode}", f"--output={out}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    plans[mode] = json.loads(out.read_text())
+    assert plans[mode]["cost_model"]["inflight_memory"] == mode
+  assert ([v["stage_memory_bytes"] for v in plans["schedule"]["virtual_workers"]]
+          == [v["stage_memory_bytes"] for v in plans["conservative"]["virtual_workers"]])
+  r = run_plan("--cluster=hetpipe_paper", "--model=resnet152_imagenet", "--method=pipedream",
+               "--inflight_memory=schedule")
+  assert r.returncode != 0 and "--inflight_memory=schedule is for --method=hetpipe" in r.stderr
+
+
 def write_cluster(tmp_path, mutate):
   d = json.loads((REPO_ROOT / "experiments/clusters/hetpipe_paper.json").read_text())
   mutate(d)

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 from hetpipe_jax.paths import REPO_ROOT
 from hetpipe_jax.planning import cluster as cluster_lib
+from hetpipe_jax.planning import cost_model
 from hetpipe_jax.planning import profile_format
 from hetpipe_jax.planning.cluster import ClusterSpec
 from hetpipe_jax.sim import compare as compare_lib
@@ -21,6 +22,10 @@ from hetpipe_jax.sim import compare as compare_lib
 RESULTS_DIR = str(REPO_ROOT / "experiments" / "paper" / "results")
 CLUSTER = "hetpipe_paper"
 PYTHON = ".venv/bin/python"
+# The in-flight memory count of the HetPipe predictions (``CostModelConfig.inflight_memory``): each stage's peak under
+# the schedule rules at the plan's task times (the engine runs exactly those times, so the bound is safe for what is
+# predicted; ``hetpipe_jax.planning.inflight_memory``). Plans that run keep the planner's default, "conservative".
+INFLIGHT_MEMORY = "schedule"
 
 
 def load_profile(model: str, batch_size: int = 32) -> profile_format.ModelProfile:
@@ -46,6 +51,11 @@ def sub_cluster(cluster: ClusterSpec, nodes: Sequence[str]) -> ClusterSpec:
                             local_devices={})
   out.validate()
   return out
+
+
+def cost_config() -> cost_model.CostModelConfig:
+  """The cost-model settings of the HetPipe predictions (:data:`INFLIGHT_MEMORY`; everything else default)."""
+  return cost_model.CostModelConfig(inflight_memory=INFLIGHT_MEMORY)
 
 
 def compare_config(quick: bool, staleness_bound: int = 0) -> compare_lib.CompareConfig:

@@ -60,7 +60,7 @@ def run(results_dir: str, quick: bool, staleness_bound: int = 0) -> str:
     bars = {}
     for policy, placement in BARS:
       label = _bar_label(policy, placement)
-      pc = planner.PlannerConfig(policy=policy, num_vws=4, ps_placement=placement)
+      pc = planner.PlannerConfig(policy=policy, num_vws=4, ps_placement=placement, cost=common.cost_config())
       try:
         choice = compare_lib.choose_num_inflight_by_engine(cluster, profile, pc, config, policy, placement,
                                                            2 if quick else None)
@@ -81,7 +81,7 @@ def run(results_dir: str, quick: bool, staleness_bound: int = 0) -> str:
     # sharded PS has one NIC per node). The gap to ED is what PS traffic could cost.
     if "num_inflight" in bars["ED"]:
       pc = planner.PlannerConfig(policy="ED", num_vws=4, ps_placement="default",
-                                 num_inflight=bars["ED"]["num_inflight"])
+                                 num_inflight=bars["ED"]["num_inflight"], cost=common.cost_config())
       plan = planner.make_plan(cluster, profile, pc)
       contended = compare_lib.run_plan(plan, profile, cluster, dataclasses.replace(config, ps_link_contention=True),
                                        "ED", "default")
@@ -107,7 +107,8 @@ def run(results_dir: str, quick: bool, staleness_bound: int = 0) -> str:
     diag[model] = diagnostics
     claims += _claims(model, bars, cmd, diagnostics)
   markdown = _markdown(out, staleness_bound, quick, diag)
-  payload = {"staleness_bound": staleness_bound, "num_waves": config.num_waves, "efficiency": cal.efficiency,
+  payload = {"inflight_memory": common.INFLIGHT_MEMORY, "staleness_bound": staleness_bound,
+             "num_waves": config.num_waves, "efficiency": cal.efficiency,
              "bars": out, "diagnostics": diag, "claims": claims, "quick": quick}
   return common.write_results(results_dir, "fig4", payload, markdown, _figure(out))
 

@@ -54,7 +54,7 @@ def single_vw_plan(cluster, profile, gpus, num_inflight: int) -> plan_format.Pla
   Raises:
     allocator.AllocationError: it does not fit memory at that Nm.
   """
-  config = cost_model.CostModelConfig()
+  config = common.cost_config()
   costs = cost_model.build_stage_costs(profile, cluster, config)
   system = allocator.plan_system(costs, [gpus], "single VW", num_inflight, num_inflight=num_inflight)
   parts = [vw.partition for vw in system.virtual_workers]
@@ -97,7 +97,8 @@ def run(results_dir: str, quick: bool, max_nm: int) -> str:
       out[model][letters] = series
     claims += _claims(model, out[model])
   markdown = _markdown(out, top, quick)
-  payload = {"efficiency": cal.efficiency, "max_nm": top, "num_waves": config.num_waves, "vws": out,
+  payload = {"inflight_memory": common.INFLIGHT_MEMORY, "efficiency": cal.efficiency, "max_nm": top,
+             "num_waves": config.num_waves, "vws": out,
              "claims": claims, "quick": quick}
   return common.write_results(results_dir, "table3", payload, markdown, _figure(out, top))
 
@@ -123,8 +124,9 @@ def _claims(model, series_by_vw) -> list[dict]:
                       f"{fit[last]['normalised']:.2f} at Nm {last}")
   why = "each VW's largest fitting Nm vs Nm = 1 (engine, one VW)"
   if declines:
-    why += ("; but " + "; ".join(declines) + ": past the saturating Nm our memory model (Nm minibatches and weight "
-            "versions held on every non-last stage) forces less balanced partitions; the paper's bars keep rising")
+    why += ("; but " + "; ".join(declines) + ": past the saturating Nm our memory model (Nm weight versions and, "
+            f"with inflight_memory={common.INFLIGHT_MEMORY!r}, each stage's schedule peak of held minibatches, Nm on "
+            "these bottleneck-last plans) forces less balanced partitions; the paper's bars keep rising")
   return [
       common.claim(f"Fig. 3 {name}: normalised throughput and max GPU utilisation grow with Nm", "generally yes",
                    f"{rising} of {total} VWs up at their largest Nm; {total - len(declines)} of {total} without a "

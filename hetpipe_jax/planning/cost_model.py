@@ -50,6 +50,7 @@ from hetpipe_jax.planning.profile_format import ModelProfile
 from hetpipe_jax.rules import methods
 
 MS_PER_S = 1e3
+INFLIGHT_MEMORY = ("conservative", "schedule")
 INTRA = "intra"
 INTER = "inter"
 
@@ -71,6 +72,11 @@ class CostModelConfig:
       accumulated gradients the all-reduce reduces.
     method: the training method whose memory the model counts (module docstring).
     remat: rematerialisation per stage (``gpipe``, ``1f1b_flush``): a held micro-batch keeps only its input.
+    inflight_memory: how many minibatches a ``hetpipe`` stage is counted to hold (:data:`INFLIGHT_MEMORY`):
+      ``"conservative"`` (default): Nm on every non-last stage, safe whatever the task times
+      (:func:`max_inflight_per_stage`); ``"schedule"``: each stage's peak under the schedule rules at the
+      partition's own task times (:mod:`hetpipe_jax.planning.inflight_memory`), safe only while tasks take the
+      plan's times (the runtime observes, does not enforce, what a stage holds).
   """
 
   compute_efficiency: float = 0.5
@@ -80,9 +86,15 @@ class CostModelConfig:
   gradient_accumulator: bool = True
   method: str = "hetpipe"
   remat: bool = False
+  inflight_memory: str = "conservative"
 
   def __post_init__(self):
     methods.get_method(self.method)
+    if self.inflight_memory not in INFLIGHT_MEMORY:
+      raise ValueError(f"inflight_memory must be one of {list(INFLIGHT_MEMORY)}, got {self.inflight_memory!r}")
+    if self.inflight_memory == "schedule" and self.method != "hetpipe":
+      raise ValueError(f"inflight_memory='schedule' is for method 'hetpipe' (FIFO rule); method {self.method!r} "
+                       "has a closed-form held count: use inflight_memory='conservative'")
     for f in ("compute_efficiency", "memory_efficiency"):
       if not 0 < getattr(self, f) <= 1:
         raise ValueError(f"{f} must be in (0, 1], got {getattr(self, f)}")
@@ -181,6 +193,9 @@ class StageCosts:
     workspace_max: ``[L + 1, L + 1]``: max XLA temp bytes over layers ``[i, j)`` (0 when ``j <= i``).
     capacity_bytes: GPU type name -> usable memory (memory_bytes - reserved_bytes).
     config: the cost-model configuration used.
+    forward_prefix_ms: GPU type name -> ``[L + 1]`` prefix sums of the layers' forward time alone (ms), which splits a
+      stage's compute into its forward and backward tasks (``inflight_memory="schedule"`` needs it); None when
+      the costs were built by hand.
   """
 
   num_layers: int
@@ -193,6 +208,7 @@ class StageCosts:
   workspace_max: np.ndarray
   capacity_bytes: dict[str, int]
   config: CostModelConfig
+  forward_prefix_ms: dict[str, np.ndarray] | None = None
 
   def compute_ms(self, gpu_type: str, i: int, j: int) -> float:
     p = self.compute_prefix_ms[gpu_type]
@@ -214,17 +230,33 @@ class StageCosts:
     m[np.tril_indices(self.num_layers + 1)] = np.inf
     return m
 
-  def memory_matrix_bytes(self, is_last: bool, num_stages: int, num_inflight: int) -> np.ndarray:
-    """``[L + 1, L + 1]``: memory (bytes) of a stage running ``[i, j)`` (valid for ``i < j``), see module doc."""
+  def memory_matrix_bytes(self, is_last: bool, num_stages: int, num_inflight: int,
+                          held: int | None = None) -> np.ndarray:
+    """``[L + 1, L + 1]``: memory (bytes) of a stage running ``[i, j)`` (valid for ``i < j``), see module doc.
+
+    ``held``: the minibatches the stage is counted to hold (``inflight_memory="schedule"``: the stage's peak under
+    the schedule rules, :mod:`hetpipe_jax.planning.inflight_memory`); None: the method's closed form
+    (``methods.max_held_per_stage``, stage 0's on non-last stages). A ``hetpipe`` non-last stage keeps Nm weight
+    versions whatever ``held`` is: the runtime keeps each in-flight minibatch's version of every stage until the
+    minibatch completes (``runtime.virtual_worker`` ``WeightVersion``), and in steady state every injection follows
+    a completion, so the Nm in-flight minibatches use Nm distinct versions.
+
+    Raises:
+      ValueError: ``held`` outside ``[1, num_inflight]``.
+    """
     method = methods.get_method(self.config.method)
-    held = methods.max_held_per_stage(method, num_stages, num_inflight)[-1 if is_last else 0]
+    closed = methods.max_held_per_stage(method, num_stages, num_inflight)[-1 if is_last else 0]
+    if held is None:
+      held = closed
+    elif not 1 <= held <= max(num_inflight, 1):
+      raise ValueError(f"held={held} must be in [1, num_inflight={num_inflight}]")
     params = self.param_prefix[None, :] - self.param_prefix[:, None]
     opt = self.optimizer_prefix[None, :] - self.optimizer_prefix[:, None]
     stash = self.stash_prefix[None, :] - self.stash_prefix[:, None]
     inp = self.boundary_bytes[:, None].astype(np.float64)
     grad = np.where(np.arange(self.num_layers + 1) == self.num_layers, 0.0, self.boundary_bytes)[None, :]
     versions = self.config.weight_versions and not is_last and method.update != "flush"
-    copies = 1 + (held if versions else 0)
+    copies = 1 + ((num_inflight if method.order == "fifo" else held) if versions else 0)
     copies += 1 if self.config.gradient_accumulator else 0
     if self.config.remat and method.is_flush:
       kept = held * (inp + grad) + stash  # inputs of the held micro-batches; one stash while recomputing
@@ -232,8 +264,9 @@ class StageCosts:
       kept = held * (np.maximum(stash, inp) + grad)
     return params * copies + opt + kept + (num_inflight - held) * inp + self.workspace_max
 
-  def stage_memory_bytes(self, i: int, j: int, is_last: bool, num_stages: int, num_inflight: int) -> float:
-    return float(self.memory_matrix_bytes(is_last, num_stages, num_inflight)[i, j])
+  def stage_memory_bytes(self, i: int, j: int, is_last: bool, num_stages: int, num_inflight: int,
+                         held: int | None = None) -> float:
+    return float(self.memory_matrix_bytes(is_last, num_stages, num_inflight, held)[i, j])
 
 
 def build_stage_costs(profile: ModelProfile, cluster: ClusterSpec,
@@ -260,7 +293,21 @@ def build_stage_costs(profile: ModelProfile, cluster: ClusterSpec,
       optimizer_prefix=prefix([l.optimizer_state_bytes for l in layers]),
       stash_prefix=prefix([l.stash_bytes for l in layers]), workspace_max=wmax,
       capacity_bytes={name: t.memory_bytes - t.reserved_bytes for name, t in cluster.gpu_types.items()},
-      config=config)
+      config=config, forward_prefix_ms=forward_prefix_ms(profile, cluster, config))
+
+
+def _forward_only(profile: ModelProfile) -> ModelProfile:
+  """The profile with every backward cost zeroed, so :func:`layer_times_ms` gives forward times only."""
+  layers = tuple(dataclasses.replace(l, bwd_time_ms=0.0 if l.bwd_time_ms is not None else None, bwd_flops=0.0,
+                                     bwd_bytes_accessed=0.0) for l in profile.layers)
+  return dataclasses.replace(profile, layers=layers)
+
+
+def forward_prefix_ms(profile: ModelProfile, cluster: ClusterSpec, config: CostModelConfig) -> dict[str, np.ndarray]:
+  """Per GPU type, ``[L + 1]`` prefix sums of the layers' forward times (ms): splits a stage's compute into its
+  forward and backward tasks."""
+  return {name: np.concatenate([[0.0], np.cumsum(layer_times_ms(_forward_only(profile), t, config))])
+          for name, t in cluster.gpu_types.items()}
 
 
 def vw_throughput_per_s(stage_times_ms: list[float], num_inflight: int) -> float:

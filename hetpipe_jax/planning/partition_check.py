@@ -54,7 +54,8 @@ def partition_milp(problem: PartitionProblem) -> tuple[float, Partition | None]:
   ranges = [(i, j) for i in range(n_layers) for j in range(i + 1, n_layers + 1)]
   z_index: dict[tuple[int, int, int, int], int] = {}
   for s in range(k):
-    mem = c.memory_matrix_bytes(s == k - 1, k, problem.num_inflight)
+    mem = c.memory_matrix_bytes(s == k - 1, k, problem.num_inflight,
+                                problem.held_per_stage[s] if problem.held_per_stage is not None else None)
     for (i, j) in ranges:
       if (s == 0) != (i == 0) or (s == k - 1) != (j == n_layers):
         continue

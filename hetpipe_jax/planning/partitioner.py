@@ -25,8 +25,10 @@ from typing import Sequence
 import numpy as np
 
 from hetpipe_jax.planning import cost_model
+from hetpipe_jax.planning import inflight_memory
 from hetpipe_jax.planning.cluster import Gpu
 from hetpipe_jax.planning.cost_model import INTER, INTRA, StageCosts
+from hetpipe_jax.rules import methods
 
 GIB = float(2**30)
 
@@ -39,11 +41,20 @@ class PartitionProblem:
     costs: per-range costs of the model on the cluster.
     gpus: the virtual worker's GPUs (any order; the partitioner picks the stage order).
     num_inflight: Nm, minibatches in flight (sets the memory each stage needs).
+    held_per_stage: per stage position, the minibatches the stage is counted to hold (``[S]``); None: the cost
+      model's rule (``costs.config.inflight_memory``: the method's closed form, or with ``"schedule"`` each
+      partition's own schedule peaks, :mod:`hetpipe_jax.planning.inflight_memory`).
   """
 
   costs: StageCosts
   gpus: tuple[Gpu, ...]
   num_inflight: int
+  held_per_stage: tuple[int, ...] | None = None
+
+  @property
+  def schedule_memory(self) -> bool:
+    """Whether the held counts come from the schedule rules at each partition's times (and are not given)."""
+    return self.held_per_stage is None and self.costs.config.inflight_memory == "schedule"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +68,7 @@ class Partition:
     stage_memory_bytes: predicted memory of each stage, bytes.
     capacity_bytes: usable memory of each stage's GPU, bytes.
     num_inflight: the Nm the memory was computed for.
+    held_per_stage: the minibatches each stage was counted to hold in ``stage_memory_bytes``.
   """
 
   gpus: tuple[Gpu, ...]
@@ -65,6 +77,7 @@ class Partition:
   stage_memory_bytes: tuple[float, ...]
   capacity_bytes: tuple[int, ...]
   num_inflight: int
+  held_per_stage: tuple[int, ...] = ()
 
   @property
   def max_stage_time_ms(self) -> float:
@@ -111,15 +124,30 @@ def evaluate(problem: PartitionProblem, gpus: Sequence[Gpu], ranges: Sequence[tu
       a[1] != b[0] for a, b in zip(ranges, ranges[1:])) or any(i >= j for i, j in ranges):
     raise ValueError(f"ranges {list(ranges)} are not {s_count} non-empty contiguous ranges covering "
                      f"0..{c.num_layers}")
+  held = _held(problem)
+  if problem.schedule_memory:
+    held = inflight_memory.schedule_held_per_stage(c, gpus, ranges, problem.num_inflight)
   times, mems, caps = [], [], []
   for s, (g, (i, j)) in enumerate(zip(gpus, ranges)):
     prev = link_between(gpus[s - 1], g) if s > 0 else None
     nxt = link_between(g, gpus[s + 1]) if s < s_count - 1 else None
     times.append(c.stage_time_ms(g.gpu_type, i, j, prev, nxt))
-    mems.append(c.stage_memory_bytes(i, j, s == s_count - 1, s_count, problem.num_inflight))
+    mems.append(c.stage_memory_bytes(i, j, s == s_count - 1, s_count, problem.num_inflight, held[s]))
     caps.append(c.capacity_bytes[g.gpu_type])
   return Partition(tuple(gpus), tuple((int(i), int(j)) for i, j in ranges), tuple(times), tuple(mems),
-                   tuple(caps), problem.num_inflight)
+                   tuple(caps), problem.num_inflight, tuple(int(h) for h in held))
+
+
+def _held(problem: PartitionProblem) -> tuple[int, ...]:
+  """Per stage position, the held count the memory rule uses for ``problem`` (the closed form unless given; the
+  schedule mode's search starts from a given one)."""
+  s_count = len(problem.gpus)
+  if problem.held_per_stage is not None:
+    if len(problem.held_per_stage) != s_count:
+      raise ValueError(f"held_per_stage has {len(problem.held_per_stage)} entries for {s_count} stages")
+    return tuple(problem.held_per_stage)
+  method = methods.get_method(problem.costs.config.method)
+  return tuple(methods.max_held_per_stage(method, s_count, problem.num_inflight))
 
 
 def _classes(gpus: Sequence[Gpu]) -> tuple[list[tuple[str, str]], list[int], dict[tuple[str, str], list[Gpu]]]:
@@ -133,12 +161,12 @@ def _classes(gpus: Sequence[Gpu]) -> tuple[list[tuple[str, str]], list[int], dic
 def _dp(classes: list[tuple[str, str]], counts: list[int], mid: list[np.ndarray], last: list[np.ndarray],
         recv: dict[str | None, np.ndarray], combine: str,
         limit: float = np.inf) -> tuple[float, list[int], list[int]]:
-  """Core DP. ``mid[c]``/``last[c]``: ``[L+1, L+1]`` cost of a non-last/last stage ``[i, j)`` on class c
-  (inf = not allowed); ``recv[link]``: ``[L+1]`` cost added for receiving at cut b. ``combine``: "max" or "sum";
-  a stage whose full cost exceeds ``limit`` is not allowed.
+  """Core DP. ``mid[k][c]``/``last[c]``: ``[L+1, L+1]`` cost of a non-last stage at position k / the last stage
+  ``[i, j)`` on class c (inf = not allowed); ``recv[link]``: ``[L+1]`` cost added for receiving at cut b.
+  ``combine``: "max" or "sum"; a stage whose full cost exceeds ``limit`` is not allowed.
   Returns (objective, class index per stage, cut positions ``[0, ..., L]``)."""
   cap = lambda x: x if limit == np.inf else np.where(x <= limit, x, np.inf)
-  n_layers = mid[0].shape[0] - 1
+  n_layers = last[0].shape[0] - 1
   total = sum(counts)
   nodes = [c[1] for c in classes]
   link = lambda a, b: INTRA if nodes[a] == nodes[b] else INTER
@@ -170,7 +198,7 @@ def _dp(classes: list[tuple[str, str]], counts: list[int], mid: list[np.ndarray]
         nls = [link(c, c2) for c2 in nexts]
         fnext = np.stack([table[(m2, c2, nl)][0] for m2, c2, nl in zip(grown, nexts, nls)])
         rnext = np.stack([recv[nl] for nl in nls])
-        cand = op(cap(mid[c][None] + a[None, :, None] + rnext[:, None, :]), fnext[:, None, :])
+        cand = op(cap(mid[k - 1][c][None] + a[None, :, None] + rnext[:, None, :]), fnext[:, None, :])
         flat = cand.transpose(1, 0, 2).reshape(n_layers + 1, -1)
         idx = flat.argmin(axis=1)
         best = flat[np.arange(n_layers + 1), idx]
@@ -207,19 +235,23 @@ def _to_partition(problem: PartitionProblem, classes, by_class, order: list[int]
   return evaluate(problem, gpus, list(zip(cuts[:-1], cuts[1:])))
 
 
-def _cost_tables(problem: PartitionProblem, classes):
+def _cost_tables(problem: PartitionProblem, classes, held: Sequence[int]):
+  """``mid[k][c]``, ``last[c]`` (compute ms, inf where memory does not fit) and the same as memory/capacity ratios,
+  for stage position k holding ``held[k]`` (positions with equal counts share one table)."""
   c = problem.costs
   s_count = len(problem.gpus)
-  mem_mid = c.memory_matrix_bytes(False, s_count, problem.num_inflight)
-  mem_last = c.memory_matrix_bytes(True, s_count, problem.num_inflight)
-  mid, last, mid_ratio, last_ratio = [], [], [], []
-  for gtype, _ in classes:
-    comp = c.compute_matrix_ms(gtype)
-    cap = c.capacity_bytes[gtype]
-    mid.append(np.where(mem_mid <= cap, comp, np.inf))
-    last.append(np.where(mem_last <= cap, comp, np.inf))
-    mid_ratio.append(np.where(np.isfinite(comp), mem_mid / cap, np.inf))
-    last_ratio.append(np.where(np.isfinite(comp), mem_last / cap, np.inf))
+  mem_last = c.memory_matrix_bytes(True, s_count, problem.num_inflight, held[-1])
+  comps = [c.compute_matrix_ms(gtype) for gtype, _ in classes]
+  caps = [c.capacity_bytes[gtype] for gtype, _ in classes]
+  last = [np.where(mem_last <= cap, comp, np.inf) for comp, cap in zip(comps, caps)]
+  last_ratio = [np.where(np.isfinite(comp), mem_last / cap, np.inf) for comp, cap in zip(comps, caps)]
+  by_count = {}
+  for h in set(held[:-1]) if s_count > 1 else ():
+    mem_mid = c.memory_matrix_bytes(False, s_count, problem.num_inflight, h)
+    by_count[h] = ([np.where(mem_mid <= cap, comp, np.inf) for comp, cap in zip(comps, caps)],
+                   [np.where(np.isfinite(comp), mem_mid / cap, np.inf) for comp, cap in zip(comps, caps)])
+  mid = [by_count[h][0] for h in held[:-1]]
+  mid_ratio = [by_count[h][1] for h in held[:-1]]
   return mid, last, mid_ratio, last_ratio
 
 
@@ -228,6 +260,10 @@ def partition_dp(problem: PartitionProblem) -> Partition:
 
   Args:
     problem: costs, the virtual worker's GPUs and Nm.
+
+  With ``inflight_memory="schedule"`` (and no ``held_per_stage``) each stage is counted to hold its own schedule
+  peak (:func:`hetpipe_jax.planning.inflight_memory.self_consistent_partition`: exact for the held counts it ends
+  with, a search over those counts; its largest stage time is at most the conservative optimum's).
 
   Returns:
     The :class:`Partition` minimising the maximum stage time (ties: least total time).
@@ -243,8 +279,10 @@ def partition_dp(problem: PartitionProblem) -> Partition:
   if n_layers < len(problem.gpus):
     raise ValueError(f"the model has {n_layers} layers, fewer than the {len(problem.gpus)} GPUs of the virtual "
                      "worker (every GPU needs a non-empty stage)")
+  if problem.schedule_memory:
+    return _schedule_partition(problem)
   classes, counts, by_class = _classes(problem.gpus)
-  mid, last, mid_ratio, last_ratio = _cost_tables(problem, classes)
+  mid, last, mid_ratio, last_ratio = _cost_tables(problem, classes, _held(problem))
   recv = {None: np.zeros(n_layers + 1), **problem.costs.recv_ms}
   best, order, cuts = _dp(classes, counts, mid, last, recv, "max")
   if not np.isfinite(best):
@@ -262,10 +300,33 @@ def partition_dp(problem: PartitionProblem) -> Partition:
   return _to_partition(problem, classes, by_class, order, cuts)
 
 
+def _schedule_partition(problem: PartitionProblem) -> Partition:
+  """:func:`partition_dp` under ``inflight_memory="schedule"``: the self-consistent search, the result evaluated at
+  its own schedule peaks (so its recorded memory and held counts are the schedule's)."""
+  errors = []
+
+  def solve(held):
+    try:
+      return partition_dp(dataclasses.replace(problem, held_per_stage=held))
+    except InfeasiblePartitionError as e:
+      errors.append(e)
+      return None
+
+  held_of = lambda p: inflight_memory.schedule_held_per_stage(problem.costs, p.gpus, p.ranges, problem.num_inflight)
+  part = inflight_memory.self_consistent_partition(solve, held_of, len(problem.gpus), problem.num_inflight)
+  if part is None:
+    raise InfeasiblePartitionError(f"{errors[-1]} (inflight_memory='schedule': every stage counted to hold at least "
+                                   "its own schedule peak)", errors[-1].best_attempt)
+  out = evaluate(problem, part.gpus, part.ranges)
+  assert out.fits, (out, part)
+  return out
+
+
 def min_max_stage_time_ms(problem: PartitionProblem) -> float:
   """The optimum of :func:`partition_dp`'s first pass alone: the least possible maximum stage time (ms) over every
   GPU order and cut that fits memory; ``inf`` when none fits. Cheaper than :func:`partition_dp` (no tie-break pass,
-  no partition built); used for bounds.
+  no partition built); used for bounds. Under ``inflight_memory="schedule"`` every stage is counted to hold one
+  minibatch (the least any schedule peak can be), so the value stays a lower bound.
 
   Raises:
     ValueError: no GPUs, or fewer layers than GPUs.
@@ -277,7 +338,9 @@ def min_max_stage_time_ms(problem: PartitionProblem) -> float:
     raise ValueError(f"the model has {n_layers} layers, fewer than the {len(problem.gpus)} GPUs of the virtual "
                      "worker (every GPU needs a non-empty stage)")
   classes, counts, _ = _classes(problem.gpus)
-  mid, last, _, _ = _cost_tables(problem, classes)
+  # Schedule mode: every stage holds at least 1, so the least held counts bound every partition's memory from below.
+  held = (1,) * len(problem.gpus) if problem.schedule_memory else _held(problem)
+  mid, last, _, _ = _cost_tables(problem, classes, held)
   recv = {None: np.zeros(n_layers + 1), **problem.costs.recv_ms}
   return float(_dp(classes, counts, mid, last, recv, "max")[0])
 

@@ -193,13 +193,6 @@ def uniform_task_times(stage_ms: Sequence[float], fwd_fraction: float = 1.0 / 3.
       send_gradient_s=(send_ms * S_PER_MS,) * n, push_s=push_ms * S_PER_MS, pull_s=pull_ms * S_PER_MS)
 
 
-def _forward_only(profile: ModelProfile) -> ModelProfile:
-  """The profile with every backward cost zeroed, so ``cost_model.layer_times_ms`` gives forward times only."""
-  layers = tuple(dataclasses.replace(l, bwd_time_ms=0.0 if l.bwd_time_ms is not None else None, bwd_flops=0.0,
-                                     bwd_bytes_accessed=0.0) for l in profile.layers)
-  return dataclasses.replace(profile, layers=layers)
-
-
 def ps_transfer_bytes(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, vw_index: int) -> tuple[int, int]:
   """``(bytes to shards on other nodes, bytes to shards on the same node)`` of one push (or pull) of a VW.
 
@@ -294,12 +287,7 @@ def task_times_from_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec
   return out
 
 
-def forward_prefix_ms(profile: ModelProfile, cluster: ClusterSpec,
-                      config: cost_model.CostModelConfig) -> dict[str, np.ndarray]:
-  """Per GPU type, ``[L + 1]`` prefix sums of the layers' forward times (ms): splits a stage's compute into its
-  forward and backward tasks."""
-  return {name: np.concatenate([[0.0], np.cumsum(cost_model.layer_times_ms(_forward_only(profile), t, config))])
-          for name, t in cluster.gpu_types.items()}
+forward_prefix_ms = cost_model.forward_prefix_ms
 
 
 def vw_task_times(gpus: Sequence, ranges: Sequence[Sequence[int]], costs: cost_model.StageCosts,
