@@ -71,7 +71,8 @@ MUTATIONS = (
              "def required_global_clock(local_clock: int, staleness_bound: int) -> int:\n"
              "  \"\"\"The smallest global clock the VW's weights must include: ``max(0, c - D)`` (HetPipe §5).\"\"\"\n"
              "  return max(0, local_clock - min(staleness_bound, 1))",
-             ("tests/test_virtual_time.py",), "the VW never runs more than 1 wave ahead whatever D is"),
+             ("tests/test_virtual_time.py::test_virtual_time_reaches_staleness_bound_two_without_wave_end_pulls",),
+             "the VW never runs more than 1 wave ahead whatever D is"),
     Mutation("loss_halved", "hetpipe_jax/runtime/stages.py",
              "optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()",
              "optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean() * 0.5",
@@ -83,7 +84,8 @@ MUTATIONS = (
     Mutation("install_pull_forgets_own_waves", "hetpipe_jax/runtime/virtual_worker.py",
              "    keep = wsp.own_waves_after_pull(self.own_waves, vector_clock[self.vw_id])\n",
              "    keep = []\n",
-             ("tests/test_pipeline.py",), "pulled weights lose the VW's own pushed but unapplied waves"),
+             ("tests/test_pipeline.py::test_pull_while_own_waves_are_unapplied_keeps_them",),
+             "pulled weights lose the VW's own pushed but unapplied waves"),
     Mutation("partitioner_no_second_pass", "hetpipe_jax/planning/partitioner.py",
              "  if np.isfinite(total):\n    cand = _to_partition(problem, classes, by_class, order2, cuts2)",
              "  if False:\n    cand = _to_partition(problem, classes, by_class, order2, cuts2)",
@@ -194,7 +196,7 @@ MUTATIONS = (
     Mutation("install_pull_readds_waves_the_ps_holds", "hetpipe_jax/runtime/virtual_worker.py",
              "    keep = wsp.own_waves_after_pull(self.own_waves, vector_clock[self.vw_id])\n",
              "    keep = wsp.own_waves_after_pull(self.own_waves, min(vector_clock))\n",
-             ("tests/test_pipeline.py",),
+             ("tests/test_pipeline.py::test_pull_while_own_waves_are_unapplied_keeps_them",),
              "a pull re-adds own waves beyond the global clock that the on-receipt PS already applied"),
     Mutation("records_claim_the_global_clock_only", "hetpipe_jax/runtime/virtual_worker.py",
              "              v.local_updates, v.global_clock, v.vector_clock, now)",
