@@ -59,7 +59,8 @@ def main(argv):
   table, every = compare_lib.compare(cluster, profile, config)
   title = (f"{model} on {cluster.name}, batch {batch}, {num_vws} VWs (HetPipe/PipeDream D={_D.value}); "
            f"{'shared' if _SHARED_NIC.value else 'per-link (no shared)'} NICs; predicted by the event engine")
-  print(compare_lib.format_table(every if _ALL.value else table, title))
+  unit = compare_lib.example_unit(model)
+  print(compare_lib.format_table(every if _ALL.value else table, title, unit))
   for r in every:
     for note in r.notes:
       if r.method == "horovod" or not r.memory_fits:
@@ -72,9 +73,9 @@ def main(argv):
     with open(out + ".json", "w", encoding="utf-8") as f:
       json.dump({"cluster": cluster.name, "model": model, "batch_size": batch, "num_vws": num_vws,
                  "staleness_bound": _D.value, "num_inflight_by_engine": _NM_ENGINE.value, "num_waves": waves,
-                 "shared_nic": _SHARED_NIC.value, "seconds": elapsed,
+                 "shared_nic": _SHARED_NIC.value, "seconds": elapsed, "rate_unit": f"{unit}/s",
                  "table": compare_lib.rows_to_json(table), "all": compare_lib.rows_to_json(every)}, f, indent=2)
-    compare_lib.plot(table, out + ".png", title)
+    compare_lib.plot(table, out + ".png", title, unit)
     print(f"wrote {out}.json and {out}.png")
 
 

@@ -343,3 +343,17 @@ def test_compare_cli_smoke(tmp_path):
   assert (tmp_path / "cmp.png").stat().st_size > 1000
   rates = {r["label"]: r["images_per_s"] for r in d["table"]}
   assert rates["hetpipe ED/default"] > 0 and np.isfinite(list(rates.values())).all()
+
+
+def test_compare_gpt2_medium_on_the_paper_cluster_reports_sequences():
+  """GPT-2 medium (batch 2 x 1,024 tokens) in compare: HetPipe ED fits the paper's cluster, Horovod leaves out every GPU
+  that cannot hold the whole model (21 GiB at batch 2: all but the 24 GiB TITAN RTXs), and rates are sequences/s."""
+  cluster = cluster_lib.load_cluster("hetpipe_paper")
+  prof = profile_format.load_profile(profile_format.default_profile_path("gpt2_medium", 2, "cpu", False))
+  table, _ = compare.compare(cluster, prof, compare.CompareConfig(num_vws=4, num_waves=10))
+  rows = {r.label: r for r in table}
+  assert rows["hetpipe ED/local"].memory_fits and rows["hetpipe ED/local"].images_per_s > 0
+  horovod = table[-1]
+  assert horovod.gpus_used == 4 and len(horovod.notes) == 12
+  assert compare.example_unit("gpt2_medium") == "sequences" and compare.example_unit("vgg19_imagenet") == "images"
+  assert "| sequences/s |" in compare.format_table(table, unit="sequences")

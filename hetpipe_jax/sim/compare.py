@@ -206,10 +206,16 @@ def compare(cluster: ClusterSpec, profile: ModelProfile, config: CompareConfig =
   return table, every
 
 
-def format_table(rows: Sequence[Row], title: str = "") -> str:
-  """A Markdown table of ``rows``."""
+def example_unit(model: str) -> str:
+  """What one example of ``model`` is in rates: ``images`` (classification) or ``sequences`` (language models)."""
+  from hetpipe_jax import models  # pylint: disable=g-import-not-at-top
+  return "sequences" if models.get_model(model).objective == "next_token" else "images"
+
+
+def format_table(rows: Sequence[Row], title: str = "", unit: str = "images") -> str:
+  """A Markdown table of ``rows``; ``unit``: what an example is (:func:`example_unit`), for the rate's header."""
   lines = [title] if title else []
-  lines += ["| method | allocation | GPUs | Nm / M | images/s | bottleneck | memory | cross-node MiB/step |",
+  lines += [f"| method | allocation | GPUs | Nm / M | {unit}/s | bottleneck | memory | cross-node MiB/step |",
             "|---|---|---:|---:|---:|---|---|---:|"]
   for r in rows:
     nm = "-" if r.num_inflight is None else (f"M={r.num_inflight}" if methods.get_method(r.method).is_flush
@@ -231,8 +237,8 @@ def rows_to_json(rows: Sequence[Row]) -> list[dict[str, Any]]:
   return [json_safe({**dataclasses.asdict(r), "label": r.label}) for r in rows]
 
 
-def plot(rows: Sequence[Row], path: str, title: str = "") -> None:
-  """A horizontal bar chart of images/s per row (grey: does not fit)."""
+def plot(rows: Sequence[Row], path: str, title: str = "", unit: str = "images") -> None:
+  """A horizontal bar chart of the rate (``unit``/s) per row (grey: does not fit)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -244,7 +250,7 @@ def plot(rows: Sequence[Row], path: str, title: str = "") -> None:
   ax.barh(labels, values, color=[colors[r.method] if r.memory_fits else "lightgrey" for r in rows][::-1])
   for y, v in enumerate(values):
     ax.text(v, y, f" {v:.0f}", va="center", fontsize=8)
-  ax.set_xlabel("predicted images/s (event engine)")
+  ax.set_xlabel(f"predicted {unit}/s (event engine)")
   ax.set_title(title, fontsize=10)
   ax.grid(axis="x", alpha=0.3)
   fig.tight_layout()
