@@ -151,3 +151,15 @@ def test_lm_config_smoke_under_mpi(tmp_path, text_dir):
   assert summary["test_bits_per_byte"] == pytest.approx(summary["test_loss"] / np.log(2))
   assert len(read_jsonl(tmp_path / "minibatches.jsonl")) == 8
   assert (tmp_path / "metrics.png").exists()
+
+
+def test_metrics_plot_shows_bits_per_byte_for_language_models(tmp_path):
+  from hetpipe_jax.jobs import outputs
+  lm = [{"minibatches": 4, "wall_time_s": 1.0, "loss": 3.0},
+        {"minibatches": 8, "wall_time_s": 2.0, "loss": 2.5, "test_accuracy": 0.3, "test_bits_per_byte": 3.4}]
+  image = [{"minibatches": 8, "wall_time_s": 2.0, "loss": 0.5, "test_accuracy": 0.8}]
+  assert outputs.held_out_metric(lm) == ("test_bits_per_byte", "held-out bits per byte")
+  assert outputs.held_out_metric(image) == ("test_accuracy", "test accuracy")
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("\n".join(json.dumps(r) for r in lm))
+  assert outputs.plot_metrics(path, tmp_path / "m.png").stat().st_size > 5_000

@@ -171,10 +171,18 @@ def settings_summary(settings: JobSettings, partitions: Sequence[Sequence[Sequen
   }
 
 
-def plot_metrics(metrics_path: str | pathlib.Path, png_path: str | pathlib.Path) -> pathlib.Path | None:
-  """Draws training loss and test accuracy against time and against minibatches from ``metrics.jsonl``.
+def held_out_metric(lines: list[dict]) -> tuple[str, str]:
+  """``(key, label)`` of the held-out metric that metrics lines carry: bits per byte (language models) or accuracy."""
+  if any(r.get("test_bits_per_byte") is not None for r in lines):
+    return "test_bits_per_byte", "held-out bits per byte"
+  return "test_accuracy", "test accuracy"
 
-  Time is ``wall_time_s`` (MPI runs) or ``simulated_time_s`` (virtual time), whichever the lines carry.
+
+def plot_metrics(metrics_path: str | pathlib.Path, png_path: str | pathlib.Path) -> pathlib.Path | None:
+  """Draws training loss and the held-out metric against time and against minibatches from ``metrics.jsonl``.
+
+  Time is ``wall_time_s`` (MPI runs) or ``simulated_time_s`` (virtual time), whichever the lines carry. The held-out
+  metric is ``test_bits_per_byte`` when the evaluations carry it (language models), else ``test_accuracy``.
 
   Returns:
     The PNG's path, or None when the file has no lines to plot.
@@ -189,16 +197,17 @@ def plot_metrics(metrics_path: str | pathlib.Path, png_path: str | pathlib.Path)
   time_key = "simulated_time_s" if any("simulated_time_s" in r for r in lines) else "wall_time_s"
   time_label = "simulated seconds" if time_key == "simulated_time_s" else "wall-clock seconds"
   fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharey="row")
-  for row, (key, label) in enumerate((("loss", "training loss"), ("test_accuracy", "test accuracy"))):
+  held_out = held_out_metric(lines)
+  for row, (key, label) in enumerate((("loss", "training loss"), held_out)):
     pts = [r for r in lines if r.get(key) is not None and r.get(time_key) is not None and "minibatches" in r]
     for col, (xkey, xlabel) in enumerate(((time_key, time_label), ("minibatches", "minibatches (all VWs)"))):
       ax = axes[row][col]
-      ax.plot([r[xkey] for r in pts], [r[key] for r in pts], marker="o" if key == "test_accuracy" else None,
+      ax.plot([r[xkey] for r in pts], [r[key] for r in pts], marker="o" if key.startswith("test_") else None,
               markersize=3)
       ax.set_xlabel(xlabel)
       ax.set_ylabel(label)
       ax.grid(alpha=0.3)
-  fig.suptitle("training loss and test accuracy")
+  fig.suptitle(f"training loss and {held_out[1]}")
   fig.tight_layout()
   fig.savefig(png_path, dpi=90)
   plt.close(fig)
