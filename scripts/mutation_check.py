@@ -342,6 +342,18 @@ MUTATIONS = (
              "      transport.PS_BYTES.add(dest, weights.nbytes)\n", "",
              ("tests/test_ps_shards.py::test_served_pulls_are_counted_per_destination_rank",),
              "the transport does not count pulled weights in the PS bytes per rank pair"),
+    Mutation("timing_plan_nm_unchecked", "hetpipe_jax/jobs/job_config.py",
+             '            ("num_inflight", plan.num_inflight, settings.num_inflight),\n',
+             '            ("num_inflight", plan.num_inflight, plan.num_inflight),\n',
+             ("tests/test_timing_plan.py::test_a_timing_plan_that_does_not_describe_the_run_is_refused",),
+             "a timing plan made for another Nm times the run (its schedule of versions is not the plan's)"),
+    Mutation("timing_plan_drops_ps_times", "hetpipe_jax/jobs/job_config.py",
+             "    return task_times.task_times_from_plan(plan, task_times.profile_for_plan(plan),\n"
+             "                                           cluster_lib.load_cluster(plan.cluster))\n",
+             "    return [dataclasses.replace(t, push_s=0.0, pull_s=0.0) for t in task_times.task_times_from_plan(\n"
+             "        plan, task_times.profile_for_plan(plan), cluster_lib.load_cluster(plan.cluster))]\n",
+             ("tests/test_timing_plan.py::test_timing_plan_gives_the_plans_own_task_times",),
+             "the timing plan's task times lose the PS push and pull (a different schedule of versions)"),
 )
 
 
