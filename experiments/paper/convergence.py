@@ -35,7 +35,6 @@ plans (``plans/``) into ``--output_dir`` (default ``experiments/paper/results``)
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 import shutil
@@ -67,12 +66,14 @@ _MODEL = flags.DEFINE_string("model", "mlp_tiny", "The Fashion-MNIST model whose
 _LR = flags.DEFINE_float("learning_rate", 0.01, "SGD learning rate per VW (Horovod: times its replicas).")
 _EPOCHS = flags.DEFINE_float("num_epochs", 1.0, "Epochs per run (all VWs together).")
 _EVAL_EVERY = flags.DEFINE_float("eval_every_epochs", 0.05, "Test-set evaluation interval (epochs).")
-_TARGET = flags.DEFINE_float("target_accuracy", 0.7, "Target test accuracy of the proxy (must be reached by every "
-                             "configuration and seed; the results say which did not).")
+_TARGET = flags.DEFINE_float("target_accuracy", 0.0, "The claims' target test accuracy (0: the highest multiple "
+                             "of 5% that every run of every configuration reaches, at most --high_target_accuracy).")
+_HIGH_TARGET = flags.DEFINE_float("high_target_accuracy", 0.7, "A second, fixed target reported beside it (some "
+                                  "configurations may not reach it; the results say which).")
 _CONFIGS = flags.DEFINE_list("configs", [], "Only these configurations (names in CONFIGS; default: all).")
 
 QUICK_EPOCHS = 3.0
-QUICK_TARGET = 0.3
+QUICK_HIGH_TARGET = 0.3
 PAPER_NOTE = ("Timing: the paper-scale model's plan on hetpipe_paper (cost model + event engine); numerics: a "
               "Fashion-MNIST proxy trained with the same schedule of versions. Reproduces the paper's staleness "
               "pattern and speed, not its ImageNet accuracy.")
@@ -210,11 +211,22 @@ def run_config(c: Conv, plan: dict, seed: int, workdir: pathlib.Path, quick: boo
 
 
 def time_to_target(curve, target: float) -> float | None:
-  """Simulated seconds of the first evaluation at or above ``target`` (None: never reached)."""
+  """Simulated seconds at which the test accuracy first reaches ``target`` (None: never), linearly interpolated
+  between the evaluation below it and the first at or above it (the first evaluation's time if that one is)."""
+  prev = None
   for t, acc in curve:
     if acc >= target:
-      return float(t)
+      if prev is None or prev[1] >= acc:
+        return float(t)
+      return float(prev[0] + (target - prev[1]) / (acc - prev[1]) * (t - prev[0]))
+    prev = (t, acc)
   return None
+
+
+def common_target(runs: dict, cap: float, step: float = 0.05) -> float:
+  """The highest multiple of ``step`` (at most ``cap``) that every run of every configuration reaches."""
+  best = min(max(acc for _, acc in r["curve"]) for rs in runs.values() for r in rs)
+  return round(min(cap, np.floor(best / step + 1e-9) * step), 4)
 
 
 def _stats(xs) -> dict:
@@ -228,13 +240,15 @@ def _stats(xs) -> dict:
 
 def _fmt_pct(s: dict) -> str:
   if s["mean"] is None:
-    return "n/a"
+    return "not reached"
   return f"{100 * s['mean']:+.1f}% ± {100 * s['std']:.1f} (min {100 * s['min']:+.1f}, max {100 * s['max']:+.1f})"
 
 
-def analyse(confs, plans: dict, runs: dict, target: float, quick: bool) -> dict:
-  """Times to target, speed-ups per seed, waiting statistics and the claims list."""
+def analyse(confs, plans: dict, runs: dict, target: float, high_target: float, quick: bool) -> dict:
+  """Times to the two targets, speed-ups per seed, waiting statistics and the claims list (``target``: reached by
+  every run, the claims' target; ``high_target``: the fixed, higher one, which some configurations may miss)."""
   ttt = {c.name: [time_to_target(r["curve"], target) for r in runs[c.name]] for c in confs}
+  tth = {c.name: [time_to_target(r["curve"], high_target) for r in runs[c.name]] for c in confs}
   per_config = {}
   for c in confs:
     rs = runs[c.name]
@@ -243,44 +257,52 @@ def analyse(confs, plans: dict, runs: dict, target: float, quick: bool) -> dict:
         "method": c.method, "staleness_bound": c.staleness_bound, "plan": plans[c.name],
         "time_to_target_s": ttt[c.name], "time_to_target": _stats(ttt[c.name]),
         "reached_in_every_seed": all(t is not None for t in ttt[c.name]),
+        "time_to_high_target_s": tth[c.name], "time_to_high_target": _stats(tth[c.name]),
         "minibatches_per_s": _stats([r["minibatches_per_s"] for r in rs]),
         "final_accuracy": _stats([r["final_accuracy"] for r in rs]),
+        "best_accuracy": _stats([max(a for _, a in r["curve"]) for r in rs]),
         "mean_wait_s": _stats([r["mean_wait_s"] for r in rs]), "mean_idle_s": _stats([r["mean_idle_s"] for r in rs]),
         "runs": rs}
   names = {c.name for c in confs}
   claims, speedups = [], []
   cmd = _command(quick)
+
+  def reductions(times, fast, slow):
+    return [None if a is None or b is None else 1.0 - a / b for a, b in zip(times[fast], times[slow])]
+
   for claim, paper, fast, slow in SPEEDUP_CLAIMS:
     if fast not in names or slow not in names:
       continue
-    red = [None if a is None or b is None else 1.0 - a / b for a, b in zip(ttt[fast], ttt[slow])]
-    s = _stats(red)
+    red, red_high = reductions(ttt, fast, slow), reductions(tth, fast, slow)
+    s, sh = _stats(red), _stats(red_high)
     thr = per_config[fast]["minibatches_per_s"]["mean"] / per_config[slow]["minibatches_per_s"]["mean"]
     speedups.append({"claim": claim, "faster": fast, "slower": slow, "paper_time_reduction": paper,
-                     "time_reduction_per_seed": red, "time_reduction": s, "throughput_ratio": thr})
+                     "time_reduction_per_seed": red, "time_reduction": s, "high_target_time_reduction_per_seed":
+                     red_high, "high_target_time_reduction": sh, "throughput_ratio": thr})
     ours = "not reached" if s["mean"] is None else round(s["mean"], 4)
     diff = ("n/a" if s["mean"] is None else
             f"{100 * (s['mean'] - paper):+.1f} points (ours {_fmt_pct(s)} over {s['n']} seeds; "
-            f"{'same' if (s['mean'] > 0) == (paper > 0) else 'opposite'} ordering)")
+            f"{'same' if (s['mean'] > 0) == (paper > 0) else 'opposite'} sign as the paper)")
+    high = (f"not every seed reaches {high_target:.0%} in both ({sh['n']} of {len(red_high)} pairs do: "
+            f"{_fmt_pct(sh)})" if sh["n"] < len(red_high) else f"at {high_target:.0%}: {_fmt_pct(sh)}")
     claims.append({
-        "claim": f"{claim}: time to target accuracy reduced by (1 - T_fast / T_slow)", "paper": paper, "ours": ours,
-        "difference": diff,
-        "why": (f"proxy numerics (Fashion-MNIST {_MODEL.value} to {target:.0%} test accuracy, not ImageNet); timing "
-                f"from the planned {per_config[fast]['timing_model']} plans (throughput ratio {thr:.2f}x); "
-                "uncalibrated cost model; Horovod on the paper's GPUs with its lr scaled by N"),
+        "claim": f"{claim}: time to the target accuracy reduced by (1 - T_fast / T_slow)", "paper": paper,
+        "ours": ours, "difference": diff,
+        "why": (f"proxy numerics (Fashion-MNIST {_MODEL.value} to {target:.0%} test accuracy, reached by every run; "
+                f"{high}), not ImageNet; timing from the planned {per_config[fast]['timing_model']} plans "
+                f"(throughput ratio fast/slow {thr:.2f}x, uncalibrated cost model); Horovod on the paper's GPUs with "
+                "its lr scaled by N"),
         "command": cmd, "calibrated": False})
   waits = {}
   if {"fig6_d0", "fig6_d4"} <= names:
-    w0, w4 = (np.mean([r["mean_wait_s"] for r in runs[n]]) for n in ("fig6_d0", "fig6_d4"))
-    i4 = np.mean([r["mean_idle_s"] for r in runs["fig6_d4"]])
-    i0 = np.mean([r["mean_idle_s"] for r in runs["fig6_d0"]])
-    waits = {"wait_d4_over_d0": float(w4 / w0) if w0 > 0 else None,
-             "idle_over_wait_d4": float(i4 / w4) if w4 > 0 else None,
-             "idle_over_wait_d0": float(i0 / w0) if w0 > 0 else None,
-             "mean_wait_s": {"d0": float(w0), "d4": float(w4)}, "mean_idle_s": {"d0": float(i0), "d4": float(i4)}}
+    w0, w4 = (float(np.mean([r["mean_wait_s"] for r in runs[n]])) for n in ("fig6_d0", "fig6_d4"))
+    i0, i4 = (float(np.mean([r["mean_idle_s"] for r in runs[n]])) for n in ("fig6_d0", "fig6_d4"))
+    waits = {"wait_d4_over_d0": w4 / w0 if w0 > 0 else None, "idle_over_wait_d4": i4 / w4 if w4 > 0 else None,
+             "idle_over_wait_d0": i0 / w0 if w0 > 0 else None,
+             "mean_wait_s": {"d0": w0, "d4": w4}, "mean_idle_s": {"d0": i0, "d4": i4}}
     why = ("engine report of the virtual runs (VGG-19 ED-local timing, 4 VWs): wait_s = time WSP's bound refused an "
-           "injection, idle_s = time no stage of the VW had a task; ED-local VWs are identical, so waits come only "
-           "from the wave-end pull round trip")
+           "injection, idle_s = time no stage of the VW had a task; the engine's ED-local VWs are identical and "
+           "deterministic, so they drift apart only at the start and waits come from the wave-end pull round trip")
     for claim, paper, key in (("Fig 6 runs: average waiting time with D=4 relative to D=0", 0.62, "wait_d4_over_d0"),
                               ("Fig 6 runs: idle time relative to waiting time (D=4)", 0.18, "idle_over_wait_d4")):
       v = waits[key]
@@ -292,34 +314,42 @@ def analyse(confs, plans: dict, runs: dict, target: float, quick: bool) -> dict:
 
 def markdown(result: dict) -> str:
   a = result
+  t1, t2 = a["target_accuracy"], a["high_target_accuracy"]
   lines = [f"**HetPipe §8.4 convergence (Figures 5, 6) in virtual time.** {PAPER_NOTE} Proxy model "
-           f"`{a['model']}`, target test accuracy {a['target_accuracy']:.0%}, {a['seeds']} seeds; SGD, learning "
-           f"rate {a['learning_rate']} per VW (Horovod: x N replicas).", "",
-           "| config | GPUs (VWs) | Nm | D | time to target (sim s) | minibatches/s | final acc | mean wait s | "
-           "mean idle s |", "|---|---|---|---|---|---|---|---|---|"]
-  for name, p in a["per_config"].items():
-    t = p["time_to_target"]
-    tt = "not reached" if t["mean"] is None else f"{t['mean']:.1f} ± {t['std']:.1f}"
-    if not p["reached_in_every_seed"] and t["mean"] is not None:
-      tt += f" ({t['n']} of {len(p['runs'])} seeds)"
+           f"`{a['model']}`, {a['num_epochs']} epoch(s), {a['seeds']} seeds; SGD, learning rate {a['learning_rate']} "
+           f"per VW (Horovod: x N replicas). Target test accuracy {t1:.0%} (the highest multiple of 5% every run "
+           f"reaches) and {t2:.0%}. Times: mean ± sd over seeds (simulated seconds of the paper's cluster).", "",
+           f"| config | GPUs (VWs) | Nm | D | to {t1:.0%} (s) | to {t2:.0%} (s) | minibatches/s | best acc | final acc "
+           "| mean wait s | mean idle s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+  def tt(s, n):
+    out = "not reached" if s["mean"] is None else f"{s['mean']:.1f} ± {s['std']:.1f}"
+    return out + (f" ({s['n']} of {n} seeds)" if 0 < s["n"] < n else "")
+
+  for p in a["per_config"].values():
+    n = len(p["runs"])
     lines.append(f"| {p['label']} ({p['timing_model'].split('_')[0]}) | {p['plan']['gpus']} ({p['plan']['num_vws']}) | "
-                 f"{p['plan']['num_inflight']} | {p['staleness_bound']} | {tt} | "
-                 f"{p['minibatches_per_s']['mean']:.2f} | {p['final_accuracy']['mean']:.3f} | "
+                 f"{p['plan']['num_inflight']} | {p['staleness_bound']} | {tt(p['time_to_target'], n)} | "
+                 f"{tt(p['time_to_high_target'], n)} | {p['minibatches_per_s']['mean']:.2f} | "
+                 f"{p['best_accuracy']['mean']:.3f} | {p['final_accuracy']['mean']:.3f} | "
                  f"{p['mean_wait_s']['mean']:.2f} | {p['mean_idle_s']['mean']:.2f} |")
-  lines += ["", "| paper claim | paper | ours (mean ± sd, min, max over seeds) |", "|---|---|---|"]
+  lines += ["", f"| paper claim (time-to-accuracy reduction, 1 - T_fast / T_slow) | paper | ours at {t1:.0%} | "
+            f"ours at {t2:.0%} | throughput ratio |", "|---|---|---|---|---|"]
   for s in a["speedups"]:
-    lines.append(f"| {s['claim']} | {100 * s['paper_time_reduction']:+.1f}% | {_fmt_pct(s['time_reduction'])} |")
+    lines.append(f"| {s['claim']} | {100 * s['paper_time_reduction']:+.1f}% | {_fmt_pct(s['time_reduction'])} | "
+                 f"{_fmt_pct(s['high_target_time_reduction'])} | {s['throughput_ratio']:.2f} |")
   w = a["waiting"]
   if w:
     def pct(v):
-      return "n/a" if v is None else f"{100 * v:.0f}%"
-    lines.append(f"| Waiting time D=4 / D=0 | 62% | {pct(w['wait_d4_over_d0'])} |")
+      return "n/a (no waiting)" if v is None else f"{100 * v:.0f}%"
+    lines.append(f"| Waiting time D=4 / D=0 | 62% | {pct(w['wait_d4_over_d0'])} | | |")
     lines.append(f"| Idle time / waiting time (D=4) | 18% | {pct(w['idle_over_wait_d4'])} (D=0: "
-                 f"{pct(w['idle_over_wait_d0'])}) |")
-  notes = [p for p in a["per_config"].values() if p["method"] == "horovod"]
-  for p in notes:
-    lines.append(f"\nHorovod {p['timing_model']}: the paper's {p['plan']['gpus']} GPUs; our memory model admits "
-                 f"{len(p['plan']['our_memory_model_gpus'])} ({', '.join(p['plan']['our_memory_model_gpus'])}).")
+                 f"{pct(w['idle_over_wait_d0'])}) | | |")
+  for p in a["per_config"].values():
+    if p["method"] == "horovod":
+      lines.append(f"\nHorovod with {p['timing_model']} timing runs on the paper's {p['plan']['gpus']} GPUs; our memory "
+                   f"model admits {len(p['plan']['our_memory_model_gpus'])} of them "
+                   f"({', '.join(p['plan']['our_memory_model_gpus'])}).")
   return "\n".join(lines) + "\n"
 
 
@@ -342,7 +372,8 @@ def plot(result: dict, path: pathlib.Path) -> None:
         line, = ax.plot(t, acc, color=color, alpha=0.8 if i == 0 else 0.35, lw=1.2,
                         label=p["label"] if i == 0 else None)
         color = line.get_color()
-    ax.axhline(result["target_accuracy"], color="k", ls="--", lw=0.8, label=f"target {result['target_accuracy']:.0%}")
+    for y, ls in ((result["target_accuracy"], "--"), (result["high_target_accuracy"], ":")):
+      ax.axhline(y, color="k", ls=ls, lw=0.8, label=f"target {y:.0%}")
     ax.set_title(f"Figure {f}: {model} timing, Fashion-MNIST {result['model']} numerics", fontsize=10)
     ax.set_xlabel("simulated seconds (paper's cluster)")
     ax.set_ylabel("test accuracy (Fashion-MNIST proxy)")
@@ -364,7 +395,7 @@ def main(argv):
   # --quick: synthetic-size data (512 training examples) for 3 epochs, an evaluation every epoch.
   epochs = QUICK_EPOCHS if quick and not _EPOCHS.present else _EPOCHS.value
   eval_every = 1.0 if quick and not _EVAL_EVERY.present else _EVAL_EVERY.value
-  target = QUICK_TARGET if quick and not _TARGET.present else _TARGET.value
+  high_target = QUICK_HIGH_TARGET if quick and not _HIGH_TARGET.present else _HIGH_TARGET.value
   out_dir = pathlib.Path(_OUTPUT_DIR.value or REPO_ROOT / "experiments" / "paper" / "results")
   known = {c.name: c for c in CONFIGS}
   unknown = [n for n in _CONFIGS.value if n not in known]
@@ -383,13 +414,16 @@ def main(argv):
                    r["final_accuracy"], r["simulated_time_s"], r["host_s"])
       runs[c.name].append(r)
   shutil.rmtree(work, ignore_errors=True)
+  target = _TARGET.value if _TARGET.value > 0 else common_target(runs, high_target)
   result = {"experiment": "HetPipe §8.4 Figures 5 and 6 + waiting statistics (virtual time)", "note": PAPER_NOTE,
             "quick": quick, "model": _MODEL.value, "seeds": seeds, "target_accuracy": target,
+            "target_accuracy_chosen": "given" if _TARGET.value > 0 else "highest multiple of 5% every run reaches",
+            "high_target_accuracy": high_target,
             "learning_rate": _LR.value, "num_epochs": epochs, "eval_every_epochs": eval_every,
             "speedup_definition": "time reduction 1 - T_fast / T_slow of the simulated time to the target accuracy, "
                                   "per seed",
             "command": _command(quick)}
-  result.update(analyse(confs, plans, runs, target, quick))
+  result.update(analyse(confs, plans, runs, target, high_target, quick))
   md = markdown(result)
   png = out_dir / "convergence.png"
   plot(result, png)
