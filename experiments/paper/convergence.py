@@ -127,6 +127,10 @@ SENSITIVITY_ROWS = (
     ("Sensitivity, lr/2: HetPipe D=4 vs D=0", 0.28, "fig6_half_lr_d4", "fig6_half_lr_d0"),
     ("Sensitivity, lr/2: HetPipe D=32 vs D=4 (negative: slower)", -0.047, "fig6_half_lr_d32", "fig6_half_lr_d4"),
 )
+STALENESS_WHY = ("; with D >= 1 the proxy loses more per example to staleness than the paper's ImageNet runs: the "
+                 "identical ED VWs pull only when the bound requires it, and a pull under on_receipt brings every "
+                 "other VW's waves since the last one at once (D=32: 32 waves of all four VWs after the first 32, "
+                 "after which the proxy collapses); see the lr/2 sensitivity rows")
 PAPER_HOROVOD_NODES = {"resnet152_imagenet": ("V", "R", "Q"), "vgg19_imagenet": ("V", "R", "G", "Q")}
 
 
@@ -309,7 +313,8 @@ def analyse(confs, plans: dict, runs: dict, target: float, high_target: float, q
         "why": (f"proxy numerics (Fashion-MNIST {_MODEL.value} to {target:.0%} test accuracy, reached by every run; "
                 f"{high}), not ImageNet; timing from the planned {per_config[fast]['timing_model']} plans "
                 f"(throughput ratio fast/slow {thr:.2f}x, uncalibrated cost model); Horovod on the paper's GPUs with "
-                "its lr scaled by N"),
+                "its lr scaled by N" + (STALENESS_WHY if max(per_config[fast]["staleness_bound"],
+                                                              per_config[slow]["staleness_bound"]) else "")),
         "command": cmd, "calibrated": False})
   waits = {}
   if {"fig6_d0", "fig6_d4"} <= names:
@@ -383,13 +388,13 @@ def plot(result: dict, path: pathlib.Path) -> None:
       if p["figure"] != f:
         continue
       model = p["timing_model"]
-      color = None
+      color = ("tab:blue" if p["method"] == "horovod" else "tab:purple" if p["plan"]["gpus"] == 12 else
+               {0: "tab:orange", 4: "tab:green"}.get(p["staleness_bound"], "tab:red"))
       for i, r in enumerate(p["runs"]):
         t = [x for x, _ in r["curve"]]
         acc = [y for _, y in r["curve"]]
-        line, = ax.plot(t, acc, color=color, alpha=0.8 if i == 0 else 0.35, lw=1.2,
-                        label=p["label"] if i == 0 else None)
-        color = line.get_color()
+        ax.plot(t, acc, color=color, alpha=0.8 if i == 0 else 0.35, lw=1.2,
+                label=p["label"] if i == 0 else None)
     for y, ls in ((result["target_accuracy"], "--"), (result["high_target_accuracy"], ":")):
       ax.axhline(y, color="k", ls=ls, lw=0.8, label=f"target {y:.0%}")
     ax.set_title(f"Figure {f}: {model} timing, Fashion-MNIST {result['model']} numerics", fontsize=10)
