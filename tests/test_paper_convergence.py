@@ -39,7 +39,7 @@ def test_configurations_are_the_papers(result):
     p = pc[name]
     assert (p["plan"]["gpus"], p["plan"]["num_vws"], p["staleness_bound"]) == (gpus, vws, d), name
     assert p["timing_model"] == ("resnet152_imagenet" if name.startswith("fig5") else "vgg19_imagenet")
-    plan = json.loads(open(p["plan"]["path"]).read())
+    plan = json.loads((REPO_ROOT / p["plan"]["path"]).read_text())
     assert plan["model"] == p["timing_model"] and plan["batch_size"] == 32
     if p["method"] == "hetpipe":
       nodes = {"VRQ"} if gpus == 12 else {"VRGQ"}
@@ -58,7 +58,7 @@ def test_horovod_time_is_steps_times_slowest_replica_plus_allreduce(result):
   _, r = result
   for name in ("fig5_horovod12", "fig6_horovod16"):
     p = r["per_config"][name]
-    plan = json.loads(open(p["plan"]["path"]).read())
+    plan = json.loads((REPO_ROOT / p["plan"]["path"]).read_text())
     compute_s = max(vw["stage_time_ms"][0] for vw in plan["virtual_workers"]) / 1000
     allreduce_s = p["plan"]["allreduce_s"]
     assert allreduce_s > 0.01 * compute_s

@@ -186,7 +186,11 @@ def make_timing_plans(confs, out_dir: pathlib.Path) -> dict[str, dict]:
     path.parent.mkdir(parents=True, exist_ok=True)
     plan_format.write_plan(plan, str(path))
     times = task_times.task_times_from_plan(plan, profile, cluster)
-    info.update(path=str(path), num_vws=len(plan.virtual_workers),
+    try:  # relative to the repository root when inside it (the committed results name no machine's paths)
+      shown = str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+      shown = str(path)
+    info.update(path=shown, num_vws=len(plan.virtual_workers),
                 num_stages=[len(vw.partition) for vw in plan.virtual_workers], num_inflight=plan.num_inflight,
                 gpus=sum(len(vw.gpus) for vw in plan.virtual_workers),
                 vw_gpus=["".join(gid.split("/")[0] for gid in vw.gpus) for vw in plan.virtual_workers],
