@@ -6,7 +6,10 @@ r"""Which method, and which allocation, for my cluster? Every method planned and
 Prints one Markdown table (HetPipe NP/ED/HD/auto x default/local PS placement, PipeDream, GPipe and 1F1B-flush with
 all-reduce across VWs, Horovod): GPUs used, Nm or M, predicted images/s from the engine, the bottleneck, memory
 feasibility and the bytes crossing nodes per step; writes ``<output>.json`` (every candidate) and ``<output>.png``
-(a bar chart). ``--smoke``: a seconds-long run on ``local_cpu`` (CI).
+(a bar chart). ``--smoke``: a seconds-long run on ``local_cpu`` (CI). ``--num_inflight_by_engine``: HetPipe's Nm is
+the engine's fastest under ``--staleness_bound`` (every Nm up to the smallest Max_m), as HetPipe §8.3 sets it, instead
+of the planner's closed form; ``--cluster`` also takes a file, e.g. the calibrated paper cluster that
+``experiments/paper/calibration.py --write_cluster=PATH`` writes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ _D = flags.DEFINE_integer("staleness_bound", 0, "WSP staleness bound D for hetpi
 _PULL = flags.DEFINE_bool("pull_every_wave", False, "WSP pull policy (False: HetPipe §5's).")
 _WAVES = flags.DEFINE_integer("num_waves", 40, "Waves (steps) the engine runs per VW.")
 _REMAT = flags.DEFINE_bool("remat", False, "GPipe / 1F1B-flush rematerialisation (memory model).")
+_NM_ENGINE = flags.DEFINE_bool("num_inflight_by_engine", False, "HetPipe NP/ED/HD: the Nm the engine runs fastest "
+                                "under --staleness_bound, not the planner's closed-form choice (HetPipe §8.3).")
 _PROFILE = flags.DEFINE_string("profile", None, "Profile JSON to use instead of the saved/default one.")
 _OUTPUT = flags.DEFINE_string("output", None, "Write <output>.json and <output>.png.")
 _ALL = flags.DEFINE_bool("all", False, "Print every candidate allocation, not only the fastest per method.")
@@ -46,7 +51,8 @@ def main(argv):
   cluster = cluster_lib.load_cluster(cluster_name)
   profile = get_profile(model, batch, cluster, _PROFILE.value)
   config = compare_lib.CompareConfig(num_vws=num_vws, staleness_bound=_D.value, pull_every_wave=_PULL.value,
-                                     num_waves=waves, remat=_REMAT.value)
+                                     num_waves=waves, remat=_REMAT.value,
+                                     num_inflight_by_engine=_NM_ENGINE.value)
   table, every = compare_lib.compare(cluster, profile, config)
   title = (f"{model} on {cluster.name}, batch {batch}, {num_vws} VWs (HetPipe/PipeDream D={_D.value}); "
            f"predicted by the event engine")
@@ -62,7 +68,8 @@ def main(argv):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out + ".json", "w", encoding="utf-8") as f:
       json.dump({"cluster": cluster.name, "model": model, "batch_size": batch, "num_vws": num_vws,
-                 "staleness_bound": _D.value, "num_waves": waves, "seconds": elapsed,
+                 "staleness_bound": _D.value, "num_inflight_by_engine": _NM_ENGINE.value, "num_waves": waves,
+                 "seconds": elapsed,
                  "table": compare_lib.rows_to_json(table), "all": compare_lib.rows_to_json(every)}, f, indent=2)
     compare_lib.plot(table, out + ".png", title)
     print(f"wrote {out}.json and {out}.png")

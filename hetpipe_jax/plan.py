@@ -26,8 +26,9 @@ _NUM_VWS = flags.DEFINE_integer("num_vws", 4, "Number of virtual workers.")
 _PLACEMENT = flags.DEFINE_enum("ps_placement", "default", ["default", "local"], "Parameter placement.")
 _METHOD = flags.DEFINE_enum("method", "hetpipe", ["hetpipe", "pipedream", "gpipe", "1f1b_flush", "horovod"],
                             "Training method (hetpipe_jax.rules.methods).")
-_NUM_INFLIGHT = flags.DEFINE_integer("num_inflight", 0, "pipedream: Nm (0: NOAM); gpipe/1f1b_flush/horovod: "
-                                     "micro-batches per step M (0: the planner's choice; horovod: 1).")
+_NUM_INFLIGHT = flags.DEFINE_integer("num_inflight", 0, "hetpipe (NP/ED/HD): Nm (0: the planner's choice); "
+                                     "pipedream: Nm (0: NOAM); gpipe/1f1b_flush/horovod: micro-batches per step M "
+                                     "(0: the planner's choice; horovod: 1).")
 _REMAT = flags.DEFINE_bool("remat", False, "gpipe/1f1b_flush: rematerialise each stage's activations (memory).")
 _PROFILE = flags.DEFINE_string("profile", None, "Profile JSON to use instead of the saved/default one.")
 _OUTPUT = flags.DEFINE_string("output", None, "Where to write the plan JSON.")

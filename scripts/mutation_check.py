@@ -354,6 +354,26 @@ MUTATIONS = (
              "        plan, task_times.profile_for_plan(plan), cluster_lib.load_cluster(plan.cluster))]\n",
              ("tests/test_timing_plan.py::test_timing_plan_gives_the_plans_own_task_times",),
              "the timing plan's task times lose the PS push and pull (a different schedule of versions)"),
+    # ---- paper reproduction (issue 13)
+    Mutation("type_efficiency_ignored", "hetpipe_jax/planning/cost_model.py",
+             "  if gpu.roofline_efficiency is not None:", "  if False:",
+             ("tests/test_cost_model.py::test_per_type_roofline_efficiency_replaces_the_config_efficiencies",
+              "tests/test_paper_experiments.py::test_calibration_recovers_known_efficiencies_from_horovod_rates"),
+             "a GPU type's calibrated roofline efficiency is ignored (the config's 0.5 is used)"),
+    Mutation("fixed_num_inflight_ignored", "hetpipe_jax/planning/allocator.py",
+             "  if num_inflight > 0:\n    nm, total", "  if False:\n    nm, total",
+             ("tests/test_paper_experiments.py::test_planner_fixes_hetpipe_num_inflight_or_says_why_not",),
+             "the planner ignores a fixed hetpipe Nm and chooses its own"),
+    Mutation("engine_nm_choice_keeps_the_first", "hetpipe_jax/sim/compare.py",
+             "    if best is None or row.images_per_s > best[1].images_per_s * 1.001:",
+             "    if best is None:",
+             ("tests/test_paper_experiments.py::test_num_inflight_chosen_by_the_engine_is_the_fastest_engine_run",),
+             "choose_num_inflight_by_engine keeps Nm = 1 instead of the fastest engine run"),
+    Mutation("compare_ignores_nm_by_engine", "hetpipe_jax/sim/compare.py",
+             "      if config.num_inflight_by_engine and method == \"hetpipe\"",
+             "      if False and method == \"hetpipe\"",
+             ("tests/test_paper_experiments.py::test_compare_with_nm_by_engine_is_never_slower_than_the_planners_nm",),
+             "compare --num_inflight_by_engine silently keeps the planner's closed-form Nm"),
 )
 
 

@@ -1,6 +1,7 @@
 """Cost model: stage time and memory formulas, roofline estimates, in-flight bound (HetPipe §4, §7)."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -124,3 +125,27 @@ def test_throughput_closed_form_and_saturation():
   assert cost_model.vw_throughput_per_s([100.0, 100.0, 100.0, 100.0], 4) == pytest.approx(10.0)
   assert cost_model.vw_throughput_per_s([100.0, 100.0, 100.0, 100.0], 9) == pytest.approx(10.0)
   assert cost_model.saturating_num_inflight([100.0, 50.0, 50.0]) == 2
+
+
+def test_per_type_roofline_efficiency_replaces_the_config_efficiencies():
+  # tiny_profile layer 3 on a 2e12 FLOP/s, 1e9 B/s device: compute 4e9 / 2e12 = 2 ms fwd, 8e9 / 2e12 = 4 ms bwd;
+  # memory 1e6 / 1e9 = 1 ms, 2e6 / 1e9 = 2 ms. At the type's own efficiency 0.25 both terms grow 4x: max(8, 4) +
+  # max(16, 8) = 24 ms, whatever the config says; a type without one keeps the config's (0.5: 12 ms).
+  cpu = cluster_lib.load_cluster("local_cpu").gpu_types["cpu"]
+  dev = dataclasses.replace(cpu, peak_fp32_flops_per_s=2e12, memory_bandwidth_bytes_per_s=1e9,
+                            measured_device_kind=None)
+  config = cost_model.CostModelConfig(compute_efficiency=0.5, memory_efficiency=0.5)
+  assert cost_model.layer_times_ms(tiny_profile(), dev, config)[3] == pytest.approx(12.0, rel=1e-12)
+  own = dataclasses.replace(dev, roofline_efficiency=0.25)
+  assert cost_model.layer_times_ms(tiny_profile(), own, config)[3] == pytest.approx(24.0, rel=1e-12)
+  # Memory-bound layer 0 (fwd 1e9 FLOPs: 0.5 ms < 1 ms of memory): the memory term uses the type's efficiency too.
+  assert cost_model.layer_times_ms(tiny_profile(), own, config)[0] == pytest.approx((1.0 + 2.0) / 0.25, rel=1e-12)
+
+
+def test_cluster_rejects_a_roofline_efficiency_outside_0_1():
+  d = json.loads(open(cluster_lib.CLUSTER_DIR + "/hetpipe_paper.json").read())
+  d["gpu_types"][0]["roofline_efficiency"] = 0.3
+  assert cluster_lib.cluster_from_dict(d).gpu_types["TITAN V"].roofline_efficiency == 0.3
+  d["gpu_types"][0]["roofline_efficiency"] = 1.5
+  with pytest.raises(ValueError, match="TITAN V.*roofline_efficiency must be in"):
+    cluster_lib.cluster_from_dict(d)

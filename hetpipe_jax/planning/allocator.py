@@ -197,7 +197,7 @@ def _vw_planner(costs: StageCosts, gpus: Sequence[Gpu], planners: dict, max_num_
 
 def plan_system(costs: StageCosts, vws: Sequence[Sequence[Gpu]], policy: str,
                 max_num_inflight: int = inflight.DEFAULT_MAX_NUM_INFLIGHT,
-                planners: dict | None = None) -> SystemPlan:
+                planners: dict | None = None, num_inflight: int = 0) -> SystemPlan:
   """Plans the given allocation: each VW's Max_m, the system Nm, and each VW's partition at it.
 
   Args:
@@ -206,9 +206,12 @@ def plan_system(costs: StageCosts, vws: Sequence[Sequence[Gpu]], policy: str,
     policy: recorded in the plan.
     max_num_inflight: cap on the Nm search.
     planners: optional cache keyed by :func:`shape_key` (shared across candidate allocations).
+    num_inflight: 0: the system Nm maximising the predicted throughput (``inflight.choose_system_num_inflight``);
+      k > 0: Nm = k exactly (e.g. an Nm chosen by running the engine, ``sim/compare.choose_num_inflight_by_engine``).
 
   Raises:
-    AllocationError: some virtual worker fits no partition even at Nm = 1; the message carries its best attempt.
+    AllocationError: some virtual worker fits no partition even at Nm = 1, or at the given ``num_inflight``; the
+      message carries its best attempt or the VWs' Max_m.
   """
   planners = {} if planners is None else planners
   vw_planners = []
@@ -219,7 +222,13 @@ def plan_system(costs: StageCosts, vws: Sequence[Sequence[Gpu]], policy: str,
       raise AllocationError(f"virtual worker {v} ({', '.join(g.gpu_id for g in gpus)}) fits no partition even "
                             f"with num_inflight=1: {own.infeasibility(1)}")
     vw_planners.append(planner)
-  nm, total = inflight.choose_system_num_inflight(vw_planners)
+  if num_inflight > 0:
+    nm, total = inflight.choose_system_num_inflight(vw_planners, num_inflight, num_inflight)
+    if nm != num_inflight:
+      raise AllocationError(f"num_inflight={num_inflight} does not fit every virtual worker's memory (Max_m per VW: "
+                            f"{[p.max_num_inflight() for p in vw_planners]}); choose num_inflight <= the smallest")
+  else:
+    nm, total = inflight.choose_system_num_inflight(vw_planners)
   out = []
   for v, (gpus, planner) in enumerate(zip(vws, vw_planners)):
     part = planner.partition(nm)
@@ -230,12 +239,15 @@ def plan_system(costs: StageCosts, vws: Sequence[Sequence[Gpu]], policy: str,
 
 
 def allocate(cluster: ClusterSpec, costs: StageCosts, policy: str, num_vws: int,
-             max_num_inflight: int = inflight.DEFAULT_MAX_NUM_INFLIGHT, max_vw_gpus: int | None = None) -> SystemPlan:
+             max_num_inflight: int = inflight.DEFAULT_MAX_NUM_INFLIGHT, max_vw_gpus: int | None = None,
+             num_inflight: int = 0) -> SystemPlan:
   """Allocates GPUs to ``num_vws`` virtual workers by ``policy`` and plans every VW.
 
   Args:
     max_vw_gpus: ``auto`` only: the largest VW searched (None: :func:`default_max_vw_gpus`); recorded in the
       result's ``search``. Must be None for other policies.
+    num_inflight: NP / ED / HD: 0 chooses the system Nm, k > 0 fixes it (:func:`plan_system`); must be 0 for
+      ``auto`` (its search chooses Nm per level).
 
   Raises:
     AllocationError: unknown policy, a policy that does not apply to this cluster/num_vws, or a model that fits
@@ -250,7 +262,9 @@ def allocate(cluster: ClusterSpec, costs: StageCosts, policy: str, num_vws: int,
     if max_vw_gpus is not None:
       raise AllocationError(f"max_vw_gpus={max_vw_gpus} applies to policy 'auto' only, not {policy!r}")
     vws = {"NP": allocate_np, "ED": allocate_ed, "HD": allocate_hd}[policy](cluster, num_vws)
-    return plan_system(costs, vws, policy, max_num_inflight)
+    return plan_system(costs, vws, policy, max_num_inflight, num_inflight=num_inflight)
+  if num_inflight:
+    raise AllocationError(f"num_inflight={num_inflight} cannot be fixed with policy 'auto'; use NP, ED or HD, or 0")
   source = "user"
   if max_vw_gpus is None:
     max_vw_gpus, source = default_max_vw_gpus(total_gpus, num_vws), "default: ceil(num_gpus / num_vws) + 1"

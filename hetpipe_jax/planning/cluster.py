@@ -32,6 +32,9 @@ class GpuType:
     reserved_bytes: memory not available to the model (runtime context, allocator slack), bytes.
     measured_device_kind: JAX ``device_kind``-style tag (e.g. ``"cpu"``); a profile measured on this kind gives
       this type's layer times directly instead of the roofline estimate (see ``cost_model``).
+    roofline_efficiency: achieved / peak (FLOP/s and memory bandwidth alike) of this type in the roofline estimate,
+      in (0, 1]; None: the cost model's ``compute_efficiency`` / ``memory_efficiency``. Set by a calibration
+      (``experiments/paper/calibration.py`` fits one per type on the paper's Horovod throughputs, HetPipe Table 4).
   """
 
   name: str
@@ -41,6 +44,7 @@ class GpuType:
   memory_bandwidth_bytes_per_s: float
   reserved_bytes: int = 0
   measured_device_kind: str | None = None
+  roofline_efficiency: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +148,9 @@ class ClusterSpec:
           raise ValueError(f"GPU type {tname!r}: {field} must be positive, got {getattr(t, field)}")
       if not 0 <= t.reserved_bytes < t.memory_bytes:
         raise ValueError(f"GPU type {tname!r}: reserved_bytes must be in [0, memory_bytes)")
+      if t.roofline_efficiency is not None and not 0 < t.roofline_efficiency <= 1:
+        raise ValueError(f"GPU type {tname!r}: roofline_efficiency must be in (0, 1] or absent, got "
+                         f"{t.roofline_efficiency}")
     names = [n.name for n in self.nodes]
     if len(set(names)) != len(names):
       raise ValueError(f"cluster {self.name!r}: duplicate node names {names}")
@@ -192,7 +199,8 @@ def cluster_from_dict(d: Mapping[str, Any]) -> ClusterSpec:
           name=t["name"], peak_fp32_flops_per_s=float(t["peak_fp32_flops_per_s"]),
           peak_fp16_flops_per_s=float(t["peak_fp16_flops_per_s"]), memory_bytes=int(t["memory_bytes"]),
           memory_bandwidth_bytes_per_s=float(t["memory_bandwidth_bytes_per_s"]),
-          reserved_bytes=int(t.get("reserved_bytes", 0)), measured_device_kind=t.get("measured_device_kind"))
+          reserved_bytes=int(t.get("reserved_bytes", 0)), measured_device_kind=t.get("measured_device_kind"),
+          roofline_efficiency=(None if t.get("roofline_efficiency") is None else float(t["roofline_efficiency"])))
     nodes = tuple(NodeSpec(n["name"], tuple(n["gpus"])) for n in d["nodes"])
     spec = ClusterSpec(
         name=d["name"], gpu_types=types, nodes=nodes,

@@ -8,8 +8,10 @@ stage)``: forward+backward compute of its layers, receiving activations in the f
 backward pass (same bytes as the activations across that cut). Layer compute times are the measured profile times
 when the profile was measured on the type's ``measured_device_kind`` (local runs), otherwise a roofline estimate
 from XLA's cost analysis: ``max(flops / (peak_flops * compute_efficiency),
-bytes_accessed / (memory_bandwidth * memory_efficiency))`` for the forward and the backward. Transfers use
-``LinkSpec.transfer_time_s`` (peak bandwidth x scale-down constant + latency, HetPipe §7).
+bytes_accessed / (memory_bandwidth * memory_efficiency))`` for the forward and the backward, where a GPU type's own
+``roofline_efficiency`` (a calibration, :class:`~hetpipe_jax.planning.cluster.GpuType`) replaces both
+efficiencies. Transfers use ``LinkSpec.transfer_time_s`` (peak bandwidth x scale-down constant + latency, HetPipe
+§7).
 
 Memory. A stage at position ``s`` of ``S`` with ``Nm`` minibatches in flight holds at most
 ``h = max_inflight_per_stage(S, Nm)[s]`` minibatches and needs
@@ -125,8 +127,10 @@ def max_inflight_per_stage(num_stages: int, num_inflight: int) -> list[int]:
 
 def _roofline_ms(flops: float, bytes_accessed: float, gpu: GpuType, config: CostModelConfig) -> float:
   peak = gpu.peak_fp32_flops_per_s if config.precision == "fp32" else gpu.peak_fp16_flops_per_s
-  t = max(flops / (peak * config.compute_efficiency),
-          bytes_accessed / (gpu.memory_bandwidth_bytes_per_s * config.memory_efficiency))
+  compute_eff, memory_eff = config.compute_efficiency, config.memory_efficiency
+  if gpu.roofline_efficiency is not None:  # a per-type calibration replaces both (GpuType.roofline_efficiency)
+    compute_eff = memory_eff = gpu.roofline_efficiency
+  t = max(flops / (peak * compute_eff), bytes_accessed / (gpu.memory_bandwidth_bytes_per_s * memory_eff))
   return t * MS_PER_S
 
 

@@ -36,8 +36,9 @@ class PlannerConfig:
     cost: cost-model configuration (its ``method`` is set from ``method``).
     method: the training method (:mod:`hetpipe_jax.rules.methods`); ``horovod`` ignores ``policy`` and
       ``num_vws`` (one VW per GPU that holds the model).
-    num_inflight: pipedream: Nm (0: NOAM); gpipe / 1f1b_flush / horovod: M, micro-batches per step (0: the best
-      that fits, :mod:`method_planner`; Horovod: 1).
+    num_inflight: hetpipe (NP / ED / HD): Nm (0: the planner's choice, ``inflight.choose_system_num_inflight``);
+      pipedream: Nm (0: NOAM); gpipe / 1f1b_flush / horovod: M, micro-batches per step (0: the best that fits,
+      :mod:`method_planner`; Horovod: 1).
     remat: gpipe / 1f1b_flush: rematerialisation per stage (memory model).
   """
 
@@ -114,7 +115,7 @@ def make_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig
     return _make_method_plan(cluster, profile, config)
   costs = cost_model.build_stage_costs(profile, cluster, config.cost)
   system = allocator.allocate(cluster, costs, config.policy, config.num_vws, config.max_num_inflight,
-                              config.max_vw_gpus)
+                              config.max_vw_gpus, num_inflight=config.num_inflight)
   parts = [vw.partition for vw in system.virtual_workers]
   placements = [ps_placement.place(p, cluster, profile, parts, system.num_inflight)
                 for p in ps_placement.PLACEMENTS]

@@ -70,6 +70,10 @@ class CompareConfig:
     num_waves: waves the engine runs per VW (the flush methods: a quarter as many steps, at least 4; a step of M
       micro-batches repeats exactly once the first one is done).
     remat: gpipe / 1f1b_flush rematerialisation (memory model).
+    ps_link_contention: the engine's ``ps_link_contention`` (every push and pull on one shared PS link); None: the
+      engine's default (``EngineConfig``), so a change of that default reaches every comparison.
+    num_inflight_by_engine: HetPipe NP / ED / HD rows take the Nm the engine runs fastest under this D
+      (:func:`choose_num_inflight_by_engine`) instead of the planner's closed-form choice.
   """
 
   num_vws: int = 4
@@ -77,6 +81,8 @@ class CompareConfig:
   pull_every_wave: bool = False
   num_waves: int = 40
   remat: bool = False
+  ps_link_contention: bool | None = None
+  num_inflight_by_engine: bool = False
 
 
 def images_per_s(report: engine.EngineReport, plan: Plan) -> float:
@@ -139,9 +145,10 @@ def run_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, config: Co
   waves = config.num_waves
   if methods.get_method(plan.method).is_flush:  # steps repeat exactly after the first: a quarter of the waves
     waves = max(4, waves // 4)
+  extra = {} if config.ps_link_contention is None else {"ps_link_contention": config.ps_link_contention}
   cfg = engine.EngineConfig(num_waves=waves, num_inflight=plan.num_inflight,
                             staleness_bound=config.staleness_bound, pull_every_wave=config.pull_every_wave,
-                            records=False, method=plan.method)
+                            records=False, method=plan.method, **extra)
   report = engine.run(times, cfg, gpu_ids=[list(vw.gpus) for vw in plan.virtual_workers])
   use = max(m / c for vw in plan.virtual_workers for m, c in zip(vw.stage_memory_bytes, vw.stage_capacity_bytes))
   return Row(plan.method, allocation, placement, len(plan.virtual_workers),
@@ -171,11 +178,13 @@ def compare(cluster: ClusterSpec, profile: ModelProfile, config: CompareConfig =
                                num_vws=config.num_vws, ps_placement=placement or "default", method=method,
                                remat=config.remat, **kw)
     try:
-      plan = planner.make_plan(cluster, profile, pc)
+      if config.num_inflight_by_engine and method == "hetpipe" and allocation in PIPELINE_POLICIES:
+        row = choose_num_inflight_by_engine(cluster, profile, pc, config, allocation, placement).row
+      else:
+        plan = planner.make_plan(cluster, profile, pc)
+        row = run_plan(plan, profile, cluster, config, allocation, placement)
     except (allocator.AllocationError, ValueError) as e:
       row = _infeasible(method, allocation, placement, e)
-    else:
-      row = run_plan(plan, profile, cluster, config, allocation, placement)
     every.append(row)
     return row
 
@@ -233,3 +242,54 @@ def plot(rows: Sequence[Row], path: str, title: str = "") -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=90)
   plt.close(fig)
+
+
+@dataclasses.dataclass(frozen=True)
+class NumInflightChoice:
+  """An Nm chosen by running the engine (:func:`choose_num_inflight_by_engine`).
+
+  Attributes:
+    plan: the plan at the chosen Nm.
+    row: its engine row.
+    rates: Nm -> the engine's images/s at that Nm (every Nm tried, 1..the smallest Max_m).
+    planner_num_inflight: the Nm the planner's closed form chooses (no synchronisation, no PS time).
+  """
+
+  plan: Plan
+  row: Row
+  rates: dict[int, float]
+  planner_num_inflight: int
+
+
+def choose_num_inflight_by_engine(cluster: ClusterSpec, profile: ModelProfile, planner_config: planner.PlannerConfig,
+                                  config: CompareConfig, allocation: str = "", placement: str = "",
+                                  max_num_inflight: int | None = None) -> NumInflightChoice:
+  """HetPipe's Nm "set such that performance is maximized while every virtual worker uses the same value" (HetPipe
+  §8.3), with the performance measured by the engine under the run's D and pull policy (``config``) rather than the
+  planner's closed form (which has no synchronisation or PS time): every Nm from 1 to the smallest Max_m (or
+  ``max_num_inflight``) is planned (partitions re-made for that Nm's memory) and run; the fastest wins (smallest on
+  ties within 0.1%).
+
+  Args:
+    planner_config: a ``hetpipe`` NP / ED / HD config (its ``num_inflight`` is replaced by each candidate).
+
+  Raises:
+    allocator.AllocationError: the model fits no allocation even at Nm = 1.
+    ValueError: ``planner_config`` is not a hetpipe NP / ED / HD config.
+  """
+  if planner_config.method != "hetpipe" or planner_config.policy not in PIPELINE_POLICIES:
+    raise ValueError(f"choose_num_inflight_by_engine needs a hetpipe NP/ED/HD planner config, got method="
+                     f"{planner_config.method!r} policy={planner_config.policy!r}")
+  base = planner.make_plan(cluster, profile, dataclasses.replace(planner_config, num_inflight=0))
+  top = min(vw.max_num_inflight for vw in base.virtual_workers)
+  if max_num_inflight is not None:
+    top = min(top, max_num_inflight)
+  rates, best = {}, None
+  for nm in range(1, top + 1):
+    plan = planner.make_plan(cluster, profile, dataclasses.replace(planner_config, num_inflight=nm))
+    row = run_plan(plan, profile, cluster, config, allocation or planner_config.policy,
+                   placement or planner_config.ps_placement)
+    rates[nm] = row.images_per_s
+    if best is None or row.images_per_s > best[1].images_per_s * 1.001:
+      best = (plan, row)
+  return NumInflightChoice(best[0], best[1], rates, base.num_inflight)
