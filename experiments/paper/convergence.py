@@ -37,6 +37,7 @@ plans (``plans/``) into ``--output_dir`` (default ``experiments/paper/results``)
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import shutil
@@ -72,6 +73,9 @@ _TARGET = flags.DEFINE_float("target_accuracy", 0.0, "The claims' target test ac
                              "of 5% that every run of every configuration reaches, at most --high_target_accuracy).")
 _HIGH_TARGET = flags.DEFINE_float("high_target_accuracy", 0.7, "A second, fixed target reported beside it (some "
                                   "configurations may not reach it; the results say which).")
+_CALIBRATED = flags.DEFINE_bool("calibrated", True, "Time on the paper's cluster with the roofline efficiency per "
+                                 "GPU type fitted by experiments/paper/calibration.py on the paper's Horovod "
+                                 "throughputs (as the throughput experiments do); false: the cost model's defaults.")
 _CONFIGS = flags.DEFINE_list("configs", [], "Only these configurations (names in CONFIGS; default: all).")
 
 QUICK_EPOCHS = 3.0
@@ -166,15 +170,43 @@ def horovod_plan(cluster, profile, nodes: tuple[str, ...]):
   return plan, ours, list(base.notes)
 
 
-def make_timing_plans(confs, out_dir: pathlib.Path) -> dict[str, dict]:
-  """Plans every configuration's paper-scale timing (written to ``out_dir/plans``); returns per name the plan path
-  and what the results record about it."""
+def timing_clusters(out_dir: pathlib.Path, calibrated: bool) -> tuple[dict[str, str], dict[str, float] | None]:
+  """The timing clusters as files under ``out_dir/plans`` (a plan names its cluster, which the job loads): per
+  cluster name of :data:`CONFIGS` the file's absolute path (also its ``name``), and the fitted efficiencies.
+
+  ``calibrated``: every GPU type's ``roofline_efficiency`` as :mod:`experiments.paper.calibration` fits it on the
+  paper's Horovod throughputs (Table 4), as the throughput experiments use; else the cost model's defaults.
+  ``hetpipe_paper_vrq`` is ``hetpipe_paper`` without node G (``experiments/clusters/hetpipe_paper_vrq.json``).
+  """
+  from hetpipe_jax.planning import cluster as cluster_lib
+  efficiency = None
+  if calibrated:
+    from experiments.paper import calibration  # pylint: disable=g-import-not-at-top
+    efficiency = dict(calibration.calibrate()[1].efficiency)
+  out = {}
+  for name in sorted({c.cluster for c in CONFIGS}):
+    d = json.loads((pathlib.Path(cluster_lib.CLUSTER_DIR) / f"{name}.json").read_text())
+    if efficiency:
+      for t in d["gpu_types"]:
+        t["roofline_efficiency"] = efficiency[t["name"]]
+    path = (out_dir / "plans" / f"{name}{'_calibrated' if calibrated else ''}.json").resolve()
+    d["name"] = str(path)  # a path is loaded as it is (cluster.load_cluster)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(d, indent=1) + "\n")
+    cluster_lib.load_cluster(str(path))  # validates
+    out[name] = str(path)
+  return out, efficiency
+
+
+def make_timing_plans(confs, out_dir: pathlib.Path, clusters: dict[str, str]) -> dict[str, dict]:
+  """Plans every configuration's paper-scale timing (written to ``out_dir/plans``) on ``clusters`` (name -> file,
+  :func:`timing_clusters`); returns per name the plan path and what the results record about it."""
   from hetpipe_jax import profiles
   from hetpipe_jax.planning import cluster as cluster_lib, planner, plan_format
   from hetpipe_jax.sim import task_times
   out: dict[str, dict] = {}
   for c in confs:
-    cluster = cluster_lib.load_cluster(c.cluster)
+    cluster = cluster_lib.load_cluster(clusters[c.cluster])
     profile = profiles.get_profile(c.timing_model, 32, cluster, None)
     info: dict = {}
     if c.method == "horovod":
@@ -266,7 +298,8 @@ def _fmt_pct(s: dict) -> str:
   return f"{100 * s['mean']:+.1f}% ± {100 * s['std']:.1f} (min {100 * s['min']:+.1f}, max {100 * s['max']:+.1f})"
 
 
-def analyse(confs, plans: dict, runs: dict, target: float, high_target: float, quick: bool) -> dict:
+def analyse(confs, plans: dict, runs: dict, target: float, high_target: float, quick: bool,
+            calibrated: bool = True) -> dict:
   """Times to the two targets, speed-ups per seed, waiting statistics and the claims list (``target``: reached by
   every run, the claims' target; ``high_target``: the fixed, higher one, which some configurations may miss)."""
   ttt = {c.name: [time_to_target(r["curve"], target) for r in runs[c.name]] for c in confs}
@@ -292,6 +325,8 @@ def analyse(confs, plans: dict, runs: dict, target: float, high_target: float, q
   def reductions(times, fast, slow):
     return [None if a is None or b is None else 1.0 - a / b for a, b in zip(times[fast], times[slow])]
 
+  cost = ("one efficiency per GPU type fitted on the paper's Horovod Table 4 rates" if calibrated else
+          "uncalibrated")
   for claim, paper, fast, slow in SPEEDUP_CLAIMS + SENSITIVITY_ROWS:
     if fast not in names or slow not in names:
       continue
@@ -316,7 +351,7 @@ def analyse(confs, plans: dict, runs: dict, target: float, high_target: float, q
         "ours": ours, "difference": diff,
         "why": (f"proxy numerics (Fashion-MNIST {_MODEL.value} to {target:.0%} test accuracy, reached by every run; "
                 f"{high}), not ImageNet; timing from the planned {per_config[fast]['timing_model']} plans "
-                f"(throughput ratio fast/slow {thr:.2f}x, uncalibrated cost model); Horovod on the paper's GPUs with "
+                f"(throughput ratio fast/slow {thr:.2f}x; cost model {cost}); Horovod on the paper's GPUs with "
                 "its lr scaled by N" + (STALENESS_WHY if max(per_config[fast]["staleness_bound"],
                                                               per_config[slow]["staleness_bound"]) else "")),
         "command": cmd, "calibrated": False})
@@ -342,9 +377,12 @@ def analyse(confs, plans: dict, runs: dict, target: float, high_target: float, q
 def markdown(result: dict) -> str:
   a = result
   t1, t2 = a["target_accuracy"], a["high_target_accuracy"]
+  cost = ("roofline efficiency per GPU type fitted on the paper's Horovod rates (calibration.py)"
+          if a["calibrated_cost_model"] else "uncalibrated defaults")
   lines = [f"**HetPipe §8.4 convergence (Figures 5, 6) in virtual time.** {PAPER_NOTE} Proxy model "
            f"`{a['model']}`, {a['num_epochs']} epoch(s), {a['seeds']} seeds; SGD, learning rate {a['learning_rate']} "
-           f"per VW (Horovod: x N replicas). Target test accuracy {t1:.0%} ({a['target_accuracy_chosen']}) "
+           f"per VW (Horovod: x N replicas). Cost model: {cost}. Target test accuracy {t1:.0%} "
+           f"({a['target_accuracy_chosen']}) "
            f"and {t2:.0%}. Times: mean ± sd over seeds (simulated seconds of the paper's cluster).", "",
            f"| config | GPUs (VWs) | Nm | D | to {t1:.0%} (s) | to {t2:.0%} (s) | minibatches/s | best acc | final acc "
            "| mean wait s | mean idle s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -374,8 +412,8 @@ def markdown(result: dict) -> str:
                  f"{pct(w['idle_over_wait_d0'])}) | | |")
   for p in a["per_config"].values():
     if p["method"] == "horovod":
-      lines.append(f"\nHorovod with {p['timing_model']} timing runs on the paper's {p['plan']['gpus']} GPUs; our memory "
-                   f"model admits {len(p['plan']['our_memory_model_gpus'])} of them "
+      lines.append(f"\nHorovod with {p['timing_model']} timing runs on the paper's {p['plan']['gpus']} GPUs; our "
+                   f"memory model admits {len(p['plan']['our_memory_model_gpus'])} of them "
                    f"({', '.join(p['plan']['our_memory_model_gpus'])}).")
   return "\n".join(lines) + "\n"
 
@@ -431,7 +469,8 @@ def main(argv):
   confs = ([known[n] for n in _CONFIGS.value] if _CONFIGS.value else
            [c for c in CONFIGS if not (quick and c.name in SENSITIVITY)])
   t0 = time.perf_counter()
-  plans = make_timing_plans(confs, out_dir)
+  clusters, efficiency = timing_clusters(out_dir, _CALIBRATED.value)
+  plans = make_timing_plans(confs, out_dir, clusters)
   runs: dict[str, list] = {}
   work = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"hetpipe_convergence_{os.getpid()}"
   for c in confs:
@@ -450,10 +489,11 @@ def main(argv):
                                        "the highest multiple of 5% that every run of Figures 5 and 6 reaches"),
             "high_target_accuracy": high_target,
             "learning_rate": _LR.value, "num_epochs": epochs, "eval_every_epochs": eval_every,
+            "calibrated_cost_model": efficiency is not None, "roofline_efficiency": efficiency,
             "speedup_definition": "time reduction 1 - T_fast / T_slow of the simulated time to the target accuracy, "
                                   "per seed",
             "command": _command(quick)}
-  result.update(analyse(confs, plans, runs, target, high_target, quick))
+  result.update(analyse(confs, plans, runs, target, high_target, quick, efficiency is not None))
   md = markdown(result)
   png = out_dir / "convergence.png"
   plot(result, png)
