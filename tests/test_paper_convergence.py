@@ -41,6 +41,13 @@ def test_configurations_are_the_papers(result):
     assert p["timing_model"] == ("resnet152_imagenet" if name.startswith("fig5") else "vgg19_imagenet")
     plan = json.loads((REPO_ROOT / p["plan"]["path"]).read_text())
     assert plan["model"] == p["timing_model"] and plan["batch_size"] == 32
+    # The timing cluster: the paper's nodes (without G for 12 GPUs), every type at the recorded fitted efficiency.
+    cluster = json.loads(open(plan["cluster"]).read())
+    assert "".join(n["name"] for n in cluster["nodes"]) == ("VRQ" if name.startswith("fig5") and gpus == 12 else
+                                                            "VRGQ")
+    assert r["calibrated_cost_model"] is True and len(r["roofline_efficiency"]) == 4
+    assert {t["name"]: t["roofline_efficiency"] for t in cluster["gpu_types"]} == r["roofline_efficiency"]
+    assert all(0 < e <= 1 for e in r["roofline_efficiency"].values())
     if p["method"] == "hetpipe":
       nodes = {"VRQ"} if gpus == 12 else {"VRGQ"}
       assert {"".join(sorted(g, key="VRGQ".index)) for g in p["plan"]["vw_gpus"]} == nodes

@@ -176,7 +176,7 @@ def timing_clusters(out_dir: pathlib.Path, calibrated: bool) -> tuple[dict[str, 
 
   ``calibrated``: every GPU type's ``roofline_efficiency`` as :mod:`experiments.paper.calibration` fits it on the
   paper's Horovod throughputs (Table 4), as the throughput experiments use; else the cost model's defaults.
-  ``hetpipe_paper_vrq`` is ``hetpipe_paper`` without node G (``experiments/clusters/hetpipe_paper_vrq.json``).
+  ``hetpipe_paper_vrq`` is ``hetpipe_paper`` without node G (its four RTX 2060s), Figure 5's 12 GPUs.
   """
   from hetpipe_jax.planning import cluster as cluster_lib
   efficiency = None
@@ -185,7 +185,9 @@ def timing_clusters(out_dir: pathlib.Path, calibrated: bool) -> tuple[dict[str, 
     efficiency = dict(calibration.calibrate()[1].efficiency)
   out = {}
   for name in sorted({c.cluster for c in CONFIGS}):
-    d = json.loads((pathlib.Path(cluster_lib.CLUSTER_DIR) / f"{name}.json").read_text())
+    d = json.loads((pathlib.Path(cluster_lib.CLUSTER_DIR) / "hetpipe_paper.json").read_text())
+    if name == "hetpipe_paper_vrq":
+      d["nodes"] = [n for n in d["nodes"] if n["name"] != "G"]
     if efficiency:
       for t in d["gpu_types"]:
         t["roofline_efficiency"] = efficiency[t["name"]]
