@@ -19,16 +19,18 @@ from hetpipe_jax.sim import engine, task_times
 from tests.mpi_util import read_jsonl
 
 TIMING_PLAN = "experiments/plans/hetpipe_paper_cnn_b64_ed.json"  # cnn on the paper's cluster: 4 VWs x 4 stages
+SMALL_TIMING_PLAN = "experiments/plans/local_cpu_cnn_b64.json"  # cnn on local_cpu: 2 VWs x 2 stages (a quick run)
 
 
-def _plan_json():
-  return json.loads((REPO_ROOT / TIMING_PLAN).read_text())  # read apart from the code under test
+def _plan_json(path=TIMING_PLAN):
+  return json.loads((REPO_ROOT / path).read_text())  # read apart from the code under test
 
 
-def _config(base=paper_virtual, **overrides):
-  plan = _plan_json()
+def _config(base=paper_virtual, layout=TIMING_PLAN, **overrides):
+  """The proxy run laid out as the ``layout`` plan, timed by it unless ``overrides`` name another timing plan."""
+  plan = _plan_json(layout)
   c = base.get_config()
-  c.update({"plan": "", "emulate_plan": False, "timing_plan": TIMING_PLAN, "model": "mlp_tiny", "partition": "",
+  c.update({"plan": "", "emulate_plan": False, "timing_plan": layout, "model": "mlp_tiny", "partition": "",
             "num_virtual_workers": len(plan["virtual_workers"]), "num_stages": len(plan["virtual_workers"][0][
                 "partition"]), "num_inflight": plan["num_inflight"], "batch_size": plan["batch_size"],
             "check_counts": False, "progress": False, "checkpoint_every_waves": 0, **overrides})
@@ -39,8 +41,9 @@ def test_timing_plan_gives_the_plans_own_task_times():
   """The proxy run gets exactly the task times the timing plan's model would get with ``emulate_plan``."""
   c = _config()
   times = job_config.emulated_task_times(c, job_config.resolve_settings(c), virtual=True)
-  own = _config(model=_plan_json()["model"], plan=TIMING_PLAN, timing_plan="", emulate_plan=True,
-                num_virtual_workers=None, num_stages=None, num_inflight=None, partition=None)
+  own = _config(model=_plan_json()["model"], plan=TIMING_PLAN, emulate_plan=True, num_virtual_workers=None,
+                num_stages=None, num_inflight=None, partition=None)
+  own.timing_plan = ""
   assert times == job_config.emulated_task_times(own, job_config.resolve_settings(own))
   assert len(times) == 4 and all(t.num_stages == 4 and t.push_s > 0 and t.forward_backward_s > 0 for t in times)
 
@@ -73,12 +76,13 @@ def test_timing_plan_is_refused_with_a_plan_and_under_mpi():
 
 
 def test_a_proxy_model_under_a_timing_plan_runs_the_engines_schedule(tmp_path, synthetic_data_dir):
-  """mlp_tiny under the cnn plan's timing: every minibatch's simulated times and version clocks are the engine's for
+  """mlp_tiny under a cnn plan's timing: every minibatch's simulated times and version clocks are the engine's for
   the plan's task times (paper's WSP: on receipt, pull when the bound needs it), and config.json records it."""
-  mb = 2 * _plan_json()["num_inflight"]
-  c = _config(data_dir=str(synthetic_data_dir), num_minibatches=mb, eval_every_epochs=0.0, staleness_bound=0)
+  mb = 2 * _plan_json(SMALL_TIMING_PLAN)["num_inflight"]
+  c = _config(layout=SMALL_TIMING_PLAN, data_dir=str(synthetic_data_dir), num_minibatches=mb,
+              eval_every_epochs=0.0, staleness_bound=0)
   summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
-  plan = plan_format.load_plan(str(REPO_ROOT / TIMING_PLAN))
+  plan = plan_format.load_plan(str(REPO_ROOT / SMALL_TIMING_PLAN))
   times = task_times.task_times_from_plan(plan, task_times.profile_for_plan(plan),
                                           cluster_lib.load_cluster(plan.cluster))
   report = engine.run(times, engine.EngineConfig(num_waves=2, num_inflight=plan.num_inflight, staleness_bound=0,
@@ -90,4 +94,5 @@ def test_a_proxy_model_under_a_timing_plan_runs_the_engines_schedule(tmp_path, s
   recorded = {(r["vw_id"], r["minibatch_id"]): [r[k] for k in keys] for r in read_jsonl(tmp_path / "minibatches.jsonl")}
   assert recorded == {(r.vw_id, r.minibatch_id): [getattr(r, k) for k in keys] for r in report.minibatch_records}
   config = json.loads((tmp_path / "config.json").read_text())
-  assert config["timing_plan"] == TIMING_PLAN and config["model"] == "mlp_tiny" and config["emulate_plan"] is False
+  assert config["timing_plan"] == SMALL_TIMING_PLAN and config["model"] == "mlp_tiny"
+  assert config["emulate_plan"] is False and plan.model == "cnn"
