@@ -17,7 +17,9 @@ Configurations (each for ``--seeds`` seeds; the seed picks the initial weights, 
 * Sensitivity (not in the paper; skipped by ``--quick``): HetPipe D = 0, 4, 32 of Figure 6 at half the learning
   rate, since how much staleness costs the proxy depends on its step size.
 
-Horovod runs on the GPUs the paper used; our memory model is more pessimistic than the paper's (WORKSPACE.md, known
+The cost model is the paper cluster's with one roofline efficiency per GPU type fitted by
+``experiments/paper/calibration.py`` on the paper's Horovod throughputs (Table 4), as the throughput experiments use
+(``--calibrated=false``: the cost model's uncalibrated defaults). Horovod runs on the GPUs the paper used; our memory model is more pessimistic than the paper's (WORKSPACE.md, known
 limits), so its own Horovod plan would hold fewer GPUs: the results record those GPUs and the plan's notes, and the
 Horovod timing plans here are the planner's Horovod plan extended to the paper's GPUs with their memory *not*
 checked. Optimiser: SGD at a constant learning rate per VW; Horovod averages the gradients of its N replicas, so it
@@ -31,7 +33,7 @@ configurations) and reported as mean, standard deviation, min and max over the s
   .venv/bin/python experiments/paper/convergence.py --quick --data_dir=DIR --output_dir=/tmp/conv   # CI
 
 Writes ``convergence.json`` (with the shared ``claims`` list), ``convergence.png``, ``convergence.md`` and the timing
-plans (``plans/``) into ``--output_dir`` (default ``experiments/paper/results``) and prints the JSON path.
+clusters and plans (``plans/``; a plan names its cluster file by absolute path) into ``--output_dir`` (default ``experiments/paper/results``) and prints the JSON path.
 """
 
 from __future__ import annotations
