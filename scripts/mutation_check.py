@@ -399,6 +399,28 @@ MUTATIONS = (
              "      transport.PS_BYTES.add(dest, weights.nbytes)\n", "",
              ("tests/test_ps_shards.py::test_served_pulls_are_counted_per_destination_rank",),
              "the transport does not count pulled weights in the PS bytes per rank pair"),
+    Mutation("timing_plan_nm_unchecked", "hetpipe_jax/jobs/job_config.py",
+             '            ("num_inflight", plan.num_inflight, settings.num_inflight),\n',
+             '            ("num_inflight", plan.num_inflight, plan.num_inflight),\n',
+             ("tests/test_timing_plan.py::test_a_timing_plan_that_does_not_describe_the_run_is_refused",),
+             "a timing plan made for another Nm times the run (its schedule of versions is not the plan's)"),
+    Mutation("timing_plan_drops_ps_times", "hetpipe_jax/jobs/job_config.py",
+             "    return task_times.task_times_from_plan(plan, task_times.profile_for_plan(plan),\n"
+             "                                           cluster_lib.load_cluster(plan.cluster))\n",
+             "    return [dataclasses.replace(t, push_s=0.0, pull_s=0.0) for t in task_times.task_times_from_plan(\n"
+             "        plan, task_times.profile_for_plan(plan), cluster_lib.load_cluster(plan.cluster))]\n",
+             ("tests/test_timing_plan.py::test_timing_plan_gives_the_plans_own_task_times",),
+             "the timing plan's task times lose the PS push and pull (a different schedule of versions)"),
+    Mutation("allreduce_step_stamped_at_its_start", "hetpipe_jax/runtime/virtual_time.py",
+             "    self._pending[step] = [len(self.vws), float(summed[-1]) / (len(self.vws) * "
+             "self.vws[0].num_inflight)]\n",
+             "    self._pending[step] = [len(self.vws), float(summed[-1]) / (len(self.vws) * "
+             "self.vws[0].num_inflight)]\n"
+             "    if self.on_step is not None:\n      self.on_step(step, t, self._pending[step][1])\n"
+             "      self._pending[step][0] = -1\n",
+             ("tests/test_paper_convergence.py::test_horovod_time_is_steps_times_slowest_replica_plus_allreduce",),
+             "virtual time reports an all-reduce step (metrics, evaluation) when its reduction starts, before any "
+             "replica holds the update"),
     # ---- paper reproduction (issue 13)
     Mutation("type_efficiency_ignored", "hetpipe_jax/planning/cost_model.py",
              "  if gpu.roofline_efficiency is not None:", "  if False:",

@@ -41,6 +41,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Emulated heterogeneous devices: pad every task to the time it would take on the GPU its device stands in for.
   c.emulate_stage_ms = ""  # e.g. "20,80" (ms per minibatch per stage, every VW) or "20,80;40,40" (per VW)
   c.emulate_plan = False  # True: the cost model's times for the plan's GPU types (needs config.plan)
+  # --mode=virtual only: another plan whose cost-model times drive simulated time (e.g. the paper-scale ResNet-152
+  # on hetpipe_paper) while config.model's numerics run on the config's layout, which must match it (method, VWs,
+  # stages per VW, num_inflight, batch size). Needs config.plan = "". experiments/paper/convergence.py uses it.
+  c.timing_plan = ""
   # Training method (hetpipe_jax.rules.methods): "hetpipe" (Nm in flight + WSP), "pipedream" (async 1F1B with
   # weight stashing + WSP; num_inflight defaults to NOAM), "gpipe" / "1f1b_flush" (num_inflight = M micro-batches
   # per step, one update at the flush, all-reduce BSP across VWs, no PS), "horovod" (one-stage VWs, all-reduce BSP).

@@ -427,18 +427,70 @@ def parse_stage_ms(text: str, num_vws: int, num_stages: int) -> list[list[float]
   return rows
 
 
-def emulated_task_times(config: Any, settings: JobSettings, *, plan_times: bool | None = None) -> list | None:
+def timing_plan_task_times(config: Any, settings: JobSettings) -> list:
+  """Per-VW task times from ``config.timing_plan``: another plan's cost-model times drive simulated time while
+  ``config.model``'s numerics run on the config's layout (virtual time only; e.g. the paper-scale ResNet-152's plan
+  on ``hetpipe_paper`` timing a Fashion-MNIST model, HetPipe §8.4 reproduced as staleness pattern and speed).
+
+  The timing plan must describe the run's schedule: the same method, number of VWs, stages per VW, ``num_inflight``
+  (Nm, or M for the flush methods) and batch size; its model may differ from ``config.model``.
+
+  Returns:
+    Per VW a :class:`hetpipe_jax.sim.task_times.VWTaskTimes` (seconds), :func:`task_times.task_times_from_plan`.
+
+  Raises:
+    ConfigError: ``config.plan`` is also set, the file is missing or invalid, or the timing plan's schedule differs
+      from the run's (the message names both values and the fix).
+  """
+  from hetpipe_jax.planning import cluster as cluster_lib
+  from hetpipe_jax.planning import plan_format
+  from hetpipe_jax.sim import task_times
+  name = f"config.timing_plan={config.timing_plan!r}"
+  if settings.plan is not None:
+    raise ConfigError(f"{name} and config.plan={config.plan!r}: a timing plan times a run laid out by the config "
+                      "(num_virtual_workers, num_stages, num_inflight); unset one of them (--config.plan=)")
+  try:
+    plan = plan_format.load_plan(str(repo_path(config.timing_plan)))
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"{name}: {e}") from None
+  stages = [len(vw.partition) for vw in plan.virtual_workers]
+  checks = (("method", plan.method, settings.method),
+            ("num_virtual_workers", len(stages), settings.num_virtual_workers),
+            ("num_stages", stages, [len(vw.devices) for vw in settings.vws]),
+            ("num_inflight", plan.num_inflight, settings.num_inflight),
+            ("batch_size", plan.batch_size, config.batch_size))
+  for field, want, got in checks:
+    if want != got:
+      raise ConfigError(f"{name} has {field}={want} but the run has config.{field}={got}: the timing plan must "
+                        f"describe the run's schedule; set --config.{field}={want} or plan the timing again")
+  try:
+    return task_times.task_times_from_plan(plan, task_times.profile_for_plan(plan),
+                                           cluster_lib.load_cluster(plan.cluster))
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"{name}: {e}") from None
+
+
+def emulated_task_times(config: Any, settings: JobSettings, *, plan_times: bool | None = None,
+                        virtual: bool = False) -> list | None:
   """Per-VW :class:`hetpipe_jax.sim.task_times.VWTaskTimes` for emulated devices, or None when not emulating.
 
   ``config.emulate_stage_ms`` gives synthetic per-stage times of one minibatch (a third forward, two thirds
   backward; the flush methods' tasks are micro-batches, each ``1 / M`` of it);
-  ``config.emulate_plan`` (or ``plan_times=True``) uses the cost model's times for the GPU types of the plan's devices.
+  ``config.emulate_plan`` (or ``plan_times=True``) uses the cost model's times for the GPU types of the plan's devices;
+  ``config.timing_plan`` (``virtual`` runs only) another plan's (:func:`timing_plan_task_times`).
 
   Raises:
-    ConfigError: both set, plan times without a plan, or malformed times.
+    ConfigError: two sources set, plan times without a plan, a timing plan outside virtual time, or malformed times.
   """
   from hetpipe_jax.sim import task_times
   use_plan = config.emulate_plan if plan_times is None else plan_times
+  if config.get("timing_plan", ""):
+    if not virtual:
+      raise ConfigError(f"config.timing_plan={config.timing_plan!r} times simulated seconds: it needs --mode=virtual "
+                        "(under MPI use config.emulate_plan with a plan of config.model)")
+    if config.emulate_stage_ms.strip() or config.emulate_plan:
+      raise ConfigError("set one of config.timing_plan, config.emulate_stage_ms and config.emulate_plan")
+    return timing_plan_task_times(config, settings)
   stages = settings.num_stages
   rows = None
   if config.emulate_stage_ms.strip():

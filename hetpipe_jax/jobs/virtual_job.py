@@ -56,10 +56,11 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
   spec, partitions = prepare(config, settings, world_size=settings.world_size, check_local_devices=False)
   # Virtual time needs task durations: synthetic ones, or else the plan's GPU types through the cost model (which
   # config.json then records as emulate_plan=True).
-  use_plan = not config.emulate_stage_ms.strip()
+  use_plan = not config.emulate_stage_ms.strip() and not config.get("timing_plan", "")
   if use_plan and settings.plan is None:
-    raise ConfigError("--mode=virtual needs task durations: set config.emulate_stage_ms or config.plan")
-  times = emulated_task_times(config, settings, plan_times=use_plan or config.emulate_plan)
+    raise ConfigError("--mode=virtual needs task durations: set config.emulate_stage_ms, config.plan or "
+                      "config.timing_plan")
+  times = emulated_task_times(config, settings, plan_times=use_plan or config.emulate_plan, virtual=True)
   dataset = load_data(config, spec)
   num_mb = minibatches_per_vw(config, settings, dataset.num_train)
   check_workdir(workdir)
@@ -261,10 +262,11 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
   if resume:
     raise ConfigError(f"--resume is not supported for config.method={settings.method!r}")
   spec, partitions = prepare(config, settings, world_size=settings.world_size, check_local_devices=False)
-  use_plan = not config.emulate_stage_ms.strip()
+  use_plan = not config.emulate_stage_ms.strip() and not config.get("timing_plan", "")
   if use_plan and settings.plan is None:
-    raise ConfigError("--mode=virtual needs task durations: set config.emulate_stage_ms or config.plan")
-  times = emulated_task_times(config, settings, plan_times=use_plan or config.emulate_plan)
+    raise ConfigError("--mode=virtual needs task durations: set config.emulate_stage_ms, config.plan or "
+                      "config.timing_plan")
+  times = emulated_task_times(config, settings, plan_times=use_plan or config.emulate_plan, virtual=True)
   dataset = load_data(config, spec)
   steps = minibatches_per_vw(config, settings, dataset.num_train)
   check_workdir(workdir)

@@ -157,13 +157,16 @@ class AllReduceHooks(VirtualTimeHooks):
   Args:
     vws: the VWs (built with :class:`HeldReducer` reducers sharing ``outbox``).
     outbox: the reducers' held buffers.
-    on_step: ``(step, simulated time, mean loss) -> None`` after each applied step.
+    on_step: ``(step, simulated time, mean loss) -> None`` after each applied step, at the simulated time the
+      reduction ends and every replica holds the update (the engine's ``on_reduced``; the numerics are applied when
+      the reduction starts, which no task of the step's VWs can observe before it ends).
   """
 
   def __init__(self, vws: Sequence[VirtualWorker], outbox: dict,
                on_step: Callable[[int, float, float], None] | None = None):
     super().__init__(vws, None, outbox)
     self.on_step = on_step
+    self._pending: dict[int, list] = {}  # step -> [replicas yet to hold it, mean loss]
 
   def on_allreduce(self, step: int, t: float) -> None:
     bufs = [self.outbox.pop((v, step)) for v in range(len(self.vws))]
@@ -172,8 +175,16 @@ class AllReduceHooks(VirtualTimeHooks):
       summed += b
     for vw in self.vws:
       vw.apply_reduced(step, summed)
-    if self.on_step is not None:
-      self.on_step(step, t, float(summed[-1]) / (len(self.vws) * self.vws[0].num_inflight))
+    self._pending[step] = [len(self.vws), float(summed[-1]) / (len(self.vws) * self.vws[0].num_inflight)]
+
+  def on_reduced(self, vw_id: int, step: int, t: float) -> None:
+    del vw_id
+    pending = self._pending[step]
+    pending[0] -= 1
+    if pending[0] == 0:
+      del self._pending[step]
+      if self.on_step is not None:
+        self.on_step(step, t, pending[1])
 
 
 def run_allreduce(vws: Sequence[VirtualWorker], outbox: dict, task_times: Sequence[VWTaskTimes], num_steps: int,
