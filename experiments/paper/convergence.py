@@ -194,7 +194,10 @@ def timing_clusters(out_dir: pathlib.Path, calibrated: bool) -> tuple[dict[str, 
       for t in d["gpu_types"]:
         t["roofline_efficiency"] = efficiency[t["name"]]
     path = (out_dir / "plans" / f"{name}{'_calibrated' if calibrated else ''}.json").resolve()
-    d["name"] = str(path)  # a path is loaded as it is (cluster.load_cluster)
+    # A path is loaded as it is (cluster.load_cluster): relative to the repository root when run from it, so the
+    # committed plans name no machine's paths.
+    d["name"] = str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) and \
+        pathlib.Path.cwd().resolve() == REPO_ROOT.resolve() else str(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(d, indent=1) + "\n")
     cluster_lib.load_cluster(str(path))  # validates
