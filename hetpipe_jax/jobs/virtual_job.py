@@ -34,6 +34,22 @@ from hetpipe_jax.sim import engine as engine_lib
 from hetpipe_jax.sim import engine_report
 
 
+def _virtual_task_times(config, settings):
+  """``(task times, emulate_plan)``: the durations virtual time runs on — synthetic ones (``emulate_stage_ms``), a
+  ``timing_plan``'s, or else the plan's GPU types through the cost model — and whether they are the plan's (what
+  config.json records as ``emulate_plan``).
+
+  Raises:
+    ConfigError: none of the three is given.
+  """
+  use_plan = not config.emulate_stage_ms.strip() and not config.get("timing_plan", "")
+  if use_plan and settings.plan is None:
+    raise ConfigError("--mode=virtual needs task durations: set config.emulate_stage_ms, config.plan or "
+                      "config.timing_plan")
+  emulate_plan = bool(use_plan or config.emulate_plan)
+  return emulated_task_times(config, settings, plan_times=emulate_plan, virtual=True), emulate_plan
+
+
 def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) -> dict:
   """Trains in virtual time; writes the run's outputs (:mod:`hetpipe_jax.jobs.outputs`) and, every
   ``config.checkpoint_every_waves`` global-clock ticks, a training checkpoint (:mod:`hetpipe_jax.jobs.resume`).
@@ -54,13 +70,7 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
   if not settings.uses_ps:
     return _run_allreduce(config, settings, workdir, resume)
   spec, partitions = prepare(config, settings, world_size=settings.world_size, check_local_devices=False)
-  # Virtual time needs task durations: synthetic ones, or else the plan's GPU types through the cost model (which
-  # config.json then records as emulate_plan=True).
-  use_plan = not config.emulate_stage_ms.strip() and not config.get("timing_plan", "")
-  if use_plan and settings.plan is None:
-    raise ConfigError("--mode=virtual needs task durations: set config.emulate_stage_ms, config.plan or "
-                      "config.timing_plan")
-  times = emulated_task_times(config, settings, plan_times=use_plan or config.emulate_plan, virtual=True)
+  times, emulate_plan = _virtual_task_times(config, settings)
   dataset = load_data(config, spec)
   num_mb = minibatches_per_vw(config, settings, dataset.num_train)
   check_workdir(workdir)
@@ -79,7 +89,7 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
   if point:  # metrics.jsonl as it was at the checkpoint (later lines belong to the lost part of the run)
     resume_lib.rewrite_lines(pathlib.Path(workdir) / "metrics.jsonl", point.meta["metrics"])
   outputs = RunOutputs(workdir)
-  config_json = resolved_config(config, settings, partitions, emulate_plan=use_plan or config.emulate_plan,
+  config_json = resolved_config(config, settings, partitions, emulate_plan=emulate_plan,
                                 **data_config_fields(spec, dataset))
   outputs.write_config(config_json)
   for note in settings.notes:
@@ -262,11 +272,7 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
   if resume:
     raise ConfigError(f"--resume is not supported for config.method={settings.method!r}")
   spec, partitions = prepare(config, settings, world_size=settings.world_size, check_local_devices=False)
-  use_plan = not config.emulate_stage_ms.strip() and not config.get("timing_plan", "")
-  if use_plan and settings.plan is None:
-    raise ConfigError("--mode=virtual needs task durations: set config.emulate_stage_ms, config.plan or "
-                      "config.timing_plan")
-  times = emulated_task_times(config, settings, plan_times=use_plan or config.emulate_plan, virtual=True)
+  times, emulate_plan = _virtual_task_times(config, settings)
   dataset = load_data(config, spec)
   steps = minibatches_per_vw(config, settings, dataset.num_train)
   check_workdir(workdir)
@@ -274,7 +280,7 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
   layout = ParamLayout.from_layer_params(params0)
   n, m = settings.num_virtual_workers, settings.num_inflight
   outputs = RunOutputs(workdir)
-  outputs.write_config(resolved_config(config, settings, partitions, emulate_plan=use_plan or config.emulate_plan,
+  outputs.write_config(resolved_config(config, settings, partitions, emulate_plan=emulate_plan,
                                        checkpoint_every_waves=0))
   for note in settings.notes:
     logging.info("[virtual] %s", note)

@@ -569,26 +569,16 @@ class VirtualWorker:
       return self._reduce_step(wave_id)
     if self.method.update == "stage":
       return self._push_stage_waves(wave_id)
-    host, losses = jax.device_get((self.wave_delta, [loss for _, loss in self._wave_losses]))
-    loss_sum = 0.0
-    for (rec, _), loss in zip(self._wave_losses, losses):
-      rec.loss = float(loss)
-      if not np.isfinite(rec.loss):
-        raise FloatingPointError(f"[VW {self.vw_id}] loss is {rec.loss} at minibatch {rec.minibatch_id}: "
-                                 "training diverged; lower config.learning_rate")
-      loss_sum += rec.loss
-      if self.on_minibatch is not None:
-        self.on_minibatch(rec)
-    self._wave_losses = []
+    loss_sum = self._read_losses()
+    host = jax.device_get(self.wave_delta)
     flat = np.concatenate([self.layout.flatten(h, st.layer_range[0]) for h, st in zip(host, self.stages)])
+    if self.ps_shards is not None:
+      self.own_flat[wave_id] = flat.copy()  # the update as computed, before a fault drill can touch it
     if self.corrupt_update is not None:  # fault drills only (config.debug_nan_update)
       self.corrupt_update(wave_id, flat)
     self.ps.push(wave_id, flat, loss_sum, self.num_inflight)
     self.stats.num_pushes += 1
     self.own_waves[wave_id] = self.wave_delta
-    if self.ps_shards is not None:
-      self.own_flat[wave_id] = np.concatenate([self.layout.flatten(h, st.layer_range[0])
-                                               for h, st in zip(host, self.stages)])
     self.wave_delta = list(self._zeros)
     return False
 
