@@ -22,6 +22,7 @@ from hetpipe_jax.runtime import stage_ranks
 from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime import virtual_worker
 from hetpipe_jax.runtime.param_layout import ParamLayout
+from hetpipe_jax.runtime.stage_executor import Completion
 from tests import replay
 from tests.fake_mpi import FakeWorld
 from tests.pipeline_util import LaggingPeerClient, build_vw
@@ -182,6 +183,10 @@ def _run_linked(driver, servers, num_mb):
       server.serve()
     except BaseException as e:  # pylint: disable=broad-except
       errors.append(e)
+      # under MPI a failing rank aborts the world; here the driver's run gets the error as a failed task
+      while driver.remote._done is None:  # pylint: disable=protected-access
+        time.sleep(0.01)
+      driver.remote._done.put(Completion(Task(-1, TaskKind.FORWARD, -1), 0.0, 0.0, error=e))  # pylint: disable=protected-access
 
   threads = [threading.Thread(target=serve, args=(s,), daemon=True) for s in servers]
   for t in threads:
