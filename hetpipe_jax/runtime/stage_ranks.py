@@ -61,7 +61,7 @@ import jax
 import numpy as np
 
 from hetpipe_jax.rules.schedule import Task, TaskKind
-from hetpipe_jax.runtime.stage_executor import Completion, StageExecutor
+from hetpipe_jax.runtime.stage_executor import Completion, StageExecutor, fine_timer_slack
 
 MAGIC = 0x53544752  # "STGR"
 HEADER_FIELDS = ("magic", "kind", "vw", "minibatch", "stage", "version", "size", "arg0", "arg1")
@@ -72,7 +72,9 @@ TAG_REPLY = 42  # stage rank -> driver: wave deltas, the final report
 TAG_DATA = 100  # + 2 * receiving stage (+ 1 for gradients)
 REPORT_SIZE = 7
 RECEIVES_AHEAD = 4  # completion reports posted ahead per stage rank
-POLL_MIN_S, POLL_MAX_S = 2e-5, 2e-4  # polling back-off while nothing arrives (blocking MPI calls would spin)
+# Polling back-off while nothing arrives (MPICH's blocking calls spin; the pollers set a fine timer slack, so a sleep
+# lasts what it asks): a message waits at most POLL_MAX_S to be noticed by an idle poller.
+POLL_MIN_S, POLL_MAX_S = 2e-5, 1e-4
 TASK_CODES = {TaskKind.FORWARD: 0, TaskKind.BACKWARD: 1, TaskKind.FORWARD_BACKWARD: 2}
 TASK_KINDS = {v: k for k, v in TASK_CODES.items()}
 
@@ -417,8 +419,7 @@ class RemoteStages:
     if size:
       payload = np.ascontiguousarray(payload)
       self._sends.append((self.comm.Isend(payload, dest=rank, tag=TAG_CONTROL), payload))
-    if len(self._sends) > 64:
-      self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+    self._sends = [(r, b) for r, b in self._sends if not r.Test()]  # progresses them now
 
   def begin_run(self, done: queue.SimpleQueue, t0: float, start_unix_s: float, num_minibatches: int) -> None:
     """Tells every stage rank the run's start (their executors share the driver's clock) and starts listening for
@@ -508,6 +509,7 @@ class RemoteStages:
 
   def _listen(self) -> None:
     """The listener thread: each stage rank's completion reports, in its order, posted on the run's queue."""
+    fine_timer_slack()
     pause = POLL_MIN_S
     try:
       while not self._stop.is_set():
@@ -576,8 +578,8 @@ class StageRankServer:
       if size:
         payload = np.ascontiguousarray(payload)
         self._sends.append((self.comm.Isend(payload, dest=self.driver, tag=tag), payload))
-      if len(self._sends) > 64:
-        self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+      # test at once: MPI progresses the sends now, not when the main loop next polls
+      self._sends = [(r, b) for r, b in self._sends if not r.Test()]
 
   def put(self, c: Completion) -> None:
     """An executor's completion (called on its thread: the report leaves at once, without waking the main loop)."""
@@ -590,6 +592,7 @@ class StageRankServer:
     """Runs until the driver's STOP; returns this rank's final report (also sent to the driver)."""
     control = collections.deque()  # received control messages: (header, payload request or None, payload)
     pending = self._post_header()
+    fine_timer_slack()
     pause = POLL_MIN_S
     try:
       while not (self.stopping and not control and not self.events and self.num_reported == self.num_submitted):
