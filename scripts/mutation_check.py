@@ -441,6 +441,18 @@ MUTATIONS = (
              "      if False and method == \"hetpipe\"",
              ("tests/test_paper_experiments.py::test_compare_with_nm_by_engine_is_never_slower_than_the_planners_nm",),
              "compare --num_inflight_by_engine silently keeps the planner's closed-form Nm"),
+    Mutation("jitter_also_on_sends", "hetpipe_jax/sim/engine.py",
+             "          d += (vw.comp_bwd[s] if task.kind is _BACKWARD else vw.comp_fwd[s]) * (draw(mu, sigma) - 1.0)",
+             "          d *= draw(mu, sigma)",
+             ("tests/test_engine_jitter.py",), "the task-time jitter also stretches the output's send"),
+    Mutation("jitter_mean_not_one", "hetpipe_jax/sim/engine.py",
+             "      self._jitter = (random.Random(config.jitter_seed).lognormvariate, -0.5 * sigma * sigma, sigma)",
+             "      self._jitter = (random.Random(config.jitter_seed).lognormvariate, 0.0, sigma)",
+             ("tests/test_engine_jitter.py",), "the log-normal jitter factor's mean is exp(sigma^2 / 2), not 1"),
+    Mutation("jitter_cv_is_sigma", "hetpipe_jax/sim/engine.py",
+             "      sigma = math.sqrt(math.log1p(config.task_time_cv ** 2))",
+             "      sigma = config.task_time_cv * 0.5",
+             ("tests/test_engine_jitter.py",), "the jitter's coefficient of variation is not the one set"),
 )
 
 

@@ -83,6 +83,8 @@ import collections
 import dataclasses
 import heapq
 import itertools
+import math
+import random
 import time
 from typing import Any, Sequence
 
@@ -124,6 +126,12 @@ class EngineConfig:
       node). False: every transfer runs at full link speed.
     method: one of :data:`hetpipe_jax.rules.methods.METHODS` (its stage order and synchronisation); for the
       all-reduce methods ``num_inflight`` is M (micro-batches per step) and ``num_waves`` the steps.
+    task_time_cv: per-task timing jitter, the coefficient of variation (std / mean) of a task's compute time: each
+      task's compute lasts its ``VWTaskTimes`` time times an independent log-normal factor of mean 1 (a real GPU's
+      kernels, clocks and host dispatch vary from minibatch to minibatch; identical deterministic VWs never drift
+      apart, which HetPipe §8.4's waiting statistics depend on). Sends and PS transfers are not jittered. 0 (the
+      default): deterministic, bit-identical to the engine without jitter.
+    jitter_seed: seed of the jitter's random stream (draws are made in event order, so a run is reproducible).
   """
 
   num_waves: int
@@ -135,9 +143,13 @@ class EngineConfig:
   ps_apply: str = "on_receipt"
   method: str = "hetpipe"
   shared_nic: bool = True
+  task_time_cv: float = 0.0
+  jitter_seed: int = 0
 
   def __post_init__(self):
     wsp.check_ps_apply(self.ps_apply)
+    if not (math.isfinite(self.task_time_cv) and 0.0 <= self.task_time_cv <= 10.0):
+      raise ValueError(f"task_time_cv must be a finite coefficient of variation in [0, 10], got {self.task_time_cv}")
     methods.get_method(self.method)
     if self.num_waves < 1:
       raise ValueError(f"num_waves must be >= 1, got {self.num_waves}")
@@ -168,7 +180,7 @@ class _VW:
                "gpus", "active",
                "idle_since", "idle_s", "wait_since", "wait_s", "completions", "version_id", "num_pushes", "num_pulls",
                "last_push_arrival", "records", "vector_clock", "fifo", "reduce_entered", "leg_pushes_sent",
-               "leg_pushes_arrived", "deferred_pulls")
+               "leg_pushes_arrived", "deferred_pulls", "comp_fwd", "comp_bwd")
 
   def __init__(self, vw_id: int, times: VWTaskTimes, config: EngineConfig, sync: wsp.VWSyncState | None,
                num_vws: int):
@@ -193,6 +205,9 @@ class _VW:
                     for s in range(s_count)]
     self.dur_bwd = [times.task_duration_s(Task(s, TaskKind.BACKWARD, 0)) if s < last else 0.0
                     for s in range(s_count)]
+    # Their compute parts (what EngineConfig.task_time_cv jitters).
+    self.comp_fwd = [*times.forward_s, times.forward_backward_s]
+    self.comp_bwd = [*times.backward_s, 0.0]
     # Shared NICs: per stage, the inter-node send ending its forward (FB) / backward task, else None. Such a task
     # computes for its duration minus the send, then the send waits for the NICs (network rule).
     self.leg_fwd: list[network.Leg | None] = [None] * s_count
@@ -287,6 +302,11 @@ class Engine:
     self.hooks = {name: getattr(hooks, name, None) for name in _HOOK_NAMES}
     self._on_task_start = self.hooks["on_task_start"]
     self._on_inject = self.hooks["on_inject"]
+    # Per-task jitter (EngineConfig.task_time_cv): log-normal factor with mean 1 and that coefficient of variation.
+    self._jitter = None
+    if config.task_time_cv > 0:
+      sigma = math.sqrt(math.log1p(config.task_time_cv ** 2))
+      self._jitter = (random.Random(config.jitter_seed).lognormvariate, -0.5 * sigma * sigma, sigma)
     # A pull reply carries the vector clock of the weights it holds only when someone reads it (records, pull
     # hooks); otherwise just their global clock (the vector clock's minimum), which is all the VW's rules need.
     self._vector_clocks = (config.records or self.hooks["on_pull_sent"] is not None
@@ -416,6 +436,9 @@ class Engine:
           d, leg = vw.dur_bwd[s], vw.leg_bwd[s]
         else:
           d, leg = vw.dur_fwd[s], vw.leg_fwd[s]
+        if self._jitter is not None:  # the compute part only: sends keep their times
+          draw, mu, sigma = self._jitter
+          d += (vw.comp_bwd[s] if task.kind is _BACKWARD else vw.comp_fwd[s]) * (draw(mu, sigma) - 1.0)
         if leg is None:
           _heappush(self._heap, (t + d, next(self._seq), _TASK_END, vw.vw_id, gpu))
         else:  # compute, then the output's inter-node send through the NICs (a _SEND event)
