@@ -353,7 +353,8 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
                      pull_every_wave=config.pull_every_wave,
                      task_time_s=task_times.task_duration_s if task_times else None,
                      corrupt_update=resume_lib.nan_injector(config, vw_id, off), ps_shards=sharded,
-                     method=settings.method, vertical_sync=bool(config.get("vertical_sync", False)))
+                     method=settings.method, vertical_sync=bool(config.get("vertical_sync", False)),
+                     max_held=settings.memory_caps[vw_id] if settings.memory_caps else None)
   first_start = None
   if point is not None:
     vw.load_opt_state(*point.opt_states[vw_id])

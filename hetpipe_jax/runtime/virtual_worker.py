@@ -179,6 +179,8 @@ class VirtualWorker:
     on_step: flush methods: ``(step, mean loss over every VW's micro-batches) -> None`` after each applied step.
     vertical_sync: pipedream: every stage uses, for a minibatch, its weights after as many own updates as stage 0
       used for it (PipeDream's vertical sync); False: each stage's latest weights.
+    max_held: hetpipe: per stage, the most minibatches it may hold (the memory caps of
+      :class:`hetpipe_jax.rules.schedule.PipelineRules`; a ``schedule`` plan's ``held_per_stage``); None: none.
 
   Raises:
     ValueError: ``num_inflight < 1``, ``staleness_bound < 0``, or ``vw_id`` not in ``[0, num_virtual_workers)``.
@@ -194,8 +196,11 @@ class VirtualWorker:
                method: str = "hetpipe",
                reducer: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
                on_step: Callable[[int, float], None] | None = None,
-               vertical_sync: bool = False):
+               vertical_sync: bool = False, max_held: Sequence[int] | None = None):
     self.method = methods.get_method(method)
+    if max_held is not None and self.method.name != "hetpipe":
+      raise ValueError(f"max_held (memory caps) is a HetPipe rule, not {method!r}'s")
+    self.max_held = schedule.check_max_held(max_held, len(stages))
     self.sync = self._new_sync(num_inflight, staleness_bound, pull_every_wave)  # validates Nm and D
     if self.method.is_flush and reducer is None:
       raise ValueError(f"method {method!r} needs a reducer (the all-reduce across VWs)")
@@ -323,7 +328,8 @@ class VirtualWorker:
                        f"{self.num_inflight} (whole waves)")
     num_stages = len(self.stages)
     rules = schedule.PipelineRules(num_stages, self.num_inflight,
-                                   methods.stage_order(self.method, num_stages, self.num_inflight, num_minibatches))
+                                   methods.stage_order(self.method, num_stages, self.num_inflight, num_minibatches),
+                                   max_held=self.max_held)
     inflight: dict[int, InFlightMinibatch] = {}
     done: queue.SimpleQueue = queue.SimpleQueue()
     stats = self.stats

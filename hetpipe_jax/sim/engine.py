@@ -132,6 +132,8 @@ class EngineConfig:
       apart, which HetPipe §8.4's waiting statistics depend on). Sends and PS transfers are not jittered. 0 (the
       default): deterministic, bit-identical to the engine without jitter.
     jitter_seed: seed of the jitter's random stream (draws are made in event order, so a run is reproducible).
+    max_held: per VW, per stage, the most minibatches the stage may hold (``schedule.PipelineRules``'s memory
+      caps, ``hetpipe`` only; a plan's ``held_per_stage``); None: no caps.
   """
 
   num_waves: int
@@ -145,9 +147,14 @@ class EngineConfig:
   shared_nic: bool = True
   task_time_cv: float = 0.0
   jitter_seed: int = 0
+  max_held: tuple[tuple[int, ...], ...] | None = None
 
   def __post_init__(self):
     wsp.check_ps_apply(self.ps_apply)
+    if self.max_held is not None:
+      if self.method != "hetpipe":
+        raise ValueError(f"max_held (memory caps) is for method 'hetpipe', not {self.method!r}")
+      object.__setattr__(self, "max_held", tuple(tuple(int(h) for h in caps) for caps in self.max_held))
     if not (math.isfinite(self.task_time_cv) and 0.0 <= self.task_time_cv <= 10.0):
       raise ValueError(f"task_time_cv must be a finite coefficient of variation in [0, 10], got {self.task_time_cv}")
     methods.get_method(self.method)
@@ -190,8 +197,11 @@ class _VW:
     self.total = config.num_waves * config.num_inflight
     method = methods.get_method(config.method)
     order = methods.stage_order(method, s_count, config.num_inflight, self.total)
-    self.rules = schedule.PipelineRules(s_count, config.num_inflight, order)
-    self.fifo = order is None  # HetPipe's FIFO rule: the event loop's fast paths apply
+    caps = None if config.max_held is None else config.max_held[vw_id]
+    self.rules = schedule.PipelineRules(s_count, config.num_inflight, order, max_held=caps)
+    # HetPipe's FIFO rule without memory caps: the event loop's fast paths apply (a newly ready task starts at once).
+    # With caps a forward may wait for a backward on its stage: the general path re-examines every changed stage.
+    self.fifo = order is None and caps is None
     if sync is None:
       if method.sync == "allreduce":
         sync = allreduce.AllReduceSyncState(config.num_inflight)
@@ -284,6 +294,8 @@ class Engine:
     if not task_times:
       raise ValueError("task_times is empty: need at least one virtual worker")
     self.config = config
+    if config.max_held is not None and len(config.max_held) != len(task_times):
+      raise ValueError(f"max_held has caps for {len(config.max_held)} virtual workers, the run has {len(task_times)}")
     if sync_states is None:
       sync_states = [None] * len(task_times)
     else:
@@ -401,7 +413,7 @@ class Engine:
       for p in injected:
         on_inject(vw.vw_id, p, t)
     rules, q = vw.rules, vw.gpus[0].queue
-    if not vw.fifo:  # a static order starts stage 0's next task only (dispatched with the others by the caller)
+    if not vw.fifo:  # a static order (or memory caps) starts what stage 0's rules allow (the caller dispatches)
       while rules.has_ready(0):
         q.append(rules.pop_ready(0))
       return
@@ -535,7 +547,7 @@ class Engine:
         rules = vw.rules
         num_completed = rules.num_completed
         new = rules.complete(task)
-        if not vw.fifo:  # a static order: only the task's stage, its successor's and (injections) stage 0 change
+        if not vw.fifo:  # static order / caps: only the task's stage, its successor's and (injections) stage 0 change
           vw.active += len(new) - 1
           changed = {gpu.stage_id}
           if rules.num_completed != num_completed:
