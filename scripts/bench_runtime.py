@@ -22,6 +22,8 @@
   ``reaction_us`` (posted completion to the successor's submission, pickup included), and the bottleneck stage's
   emulated busy and starved (previous task ended, next not submitted yet) fractions of the steady window. Each case
   also reports ``scheduler_update_us_per_minibatch`` and the garbage collections during its runs (``gc_during_runs``).
+* ``wakeup_latency``: the machine's floor for the host path without JAX (sleep overshoot at 1 and 2 ms, a queue
+  hand-off's wake-up of a blocked thread); it differs between machines and bounds the 2-4 ms ratio.
 * ``targets``: issue 10's three numbers side by side (2-4 ms ratio, the lowest ratio with tasks >= 8 ms, host
   overhead) and whether each is met.
 * ``machine``: CPU count, load average and the cores other processes kept busy during the benchmark (this machine
@@ -244,6 +246,43 @@ def emulated_vs_engine(data_dir, n, nm, stage_ms, runs, warm, instrument, method
   return out
 
 
+def wakeup_latency(repeats: int = 300) -> dict:
+  """This machine's floor for the host path, without JAX: how late a ``time.sleep`` of 1 and 2 ms returns (with
+  the executors' 1 µs timer slack), and how long a ``queue.SimpleQueue`` hand-off takes to wake a thread blocked
+  in ``get`` (what an emulated task's end costs twice per cross-stage hop: executor -> scheduler -> next
+  executor). Timer and scheduler latency differ between (virtual) machines; the 2-4 ms ratio moves with them."""
+  import queue
+  import threading
+  import time
+  from hetpipe_jax.runtime import stage_executor
+  stage_executor.fine_timer_slack()
+  out = {}
+  for ms in (1, 2):
+    late = []
+    for _ in range(repeats // 2):
+      t0 = time.perf_counter()
+      time.sleep(ms * 1e-3)
+      late.append(time.perf_counter() - t0 - ms * 1e-3)
+    out[f"sleep_{ms}ms_overshoot_us"] = bench_util.percentiles_us(late)
+  q, back, lat = queue.SimpleQueue(), queue.SimpleQueue(), []
+
+  def waiter():
+    for _ in range(repeats):
+      sent = q.get()
+      lat.append(time.perf_counter() - sent)
+      back.put(None)
+
+  th = threading.Thread(target=waiter)
+  th.start()
+  for _ in range(repeats):
+    time.sleep(5e-4)  # the waiter is blocked in get() when the item arrives
+    q.put(time.perf_counter())
+    back.get()
+  th.join()
+  out["queue_handoff_wake_us"] = bench_util.percentiles_us(lat)
+  return out
+
+
 def launch_costs(repeats: int = 300) -> dict:
   """Single-threaded per-call costs of the trivial stage functions: jit launch (with its tiny compute) and the
   explicit device_put of an activation (a transfer), so the threaded run's executor time can be read."""
@@ -289,7 +328,8 @@ def main(argv):
     data_dir = synthetic.write_synthetic_fashion_mnist(tmp, 2048, 64)
     result = {"quick": quick,
               "host_overhead": host_overhead(data_dir, minibatches, nm),
-              "single_thread_launch": launch_costs(20 if quick else 300)}
+              "single_thread_launch": launch_costs(20 if quick else 300),
+              "wakeup_latency": wakeup_latency(20 if quick else 300)}
     warm = _build(data_dir, 32, nm)
     warm.run(nm * 2)  # compiles every stage function, the update and the pull rebase (batch 32)
     for name, (stage_ms, _) in CASES.items():

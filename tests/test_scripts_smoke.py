@@ -59,6 +59,9 @@ def test_bench_runtime_quick():
   host = out["host_overhead"]
   assert host["num_tasks"] > 0 and _finite(host["host_overhead_us_per_task"], host["wall_us_per_task"])
   assert _finite(*out["single_thread_launch"].values())
+  wake = out["wakeup_latency"]
+  assert wake["sleep_1ms_overshoot_us"]["n"] == 10 and wake["queue_handoff_wake_us"]["n"] == 20
+  assert all(0 <= v["p50"] < 1e5 for v in wake.values())
   emulated = out["emulated_vs_engine"]
   assert _finite(emulated["measured_mb_per_s"], emulated["predicted_mb_per_s"], emulated["ratio"])
   assert emulated["num_minibatches"] == 3 * emulated["num_inflight"] and emulated["ratio"] > 0
