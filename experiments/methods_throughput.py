@@ -142,10 +142,7 @@ def main(argv):
   result = {"setting": "experiments/configs/default.py (cnn, batch 64, 2 VWs / workers, CPU devices)",
             "num_minibatches_per_vw": num_mb, "warmup_waves": _WARMUP.value, "smoke": _SMOKE.value,
             "total_wall_s": time.perf_counter() - t0, "rows": rows}
-  text = json.dumps(engine_report.json_safe(result), indent=2)
-  if _OUTPUT.value:
-    pathlib.Path(_OUTPUT.value).write_text(text)
-  print(text)
+  engine_report.print_json(result, _OUTPUT.value)
 
 
 if __name__ == "__main__":

@@ -385,10 +385,7 @@ def main(argv):
         f"latency: send {latency['send_ms']:.2f} ms, push {latency['push_ms']:.2f} ms, "
         f"pull {latency['pull_ms']:.2f} ms; "
         f"total {result['total_wall_s']:.0f} s")
-  text = json.dumps(engine_report.json_safe(result), indent=2)
-  if _OUTPUT.value:
-    pathlib.Path(_OUTPUT.value).write_text(text)
-  print(text)
+  engine_report.print_json(result, _OUTPUT.value)
 
 
 if __name__ == "__main__":

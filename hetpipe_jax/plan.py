@@ -36,6 +36,9 @@ _INFLIGHT_MEMORY = flags.DEFINE_enum(
     "hetpipe: minibatches each stage is counted to hold in memory: 'conservative' Nm on every non-last stage (safe "
     "whatever the task times); 'schedule' each stage's peak under the schedule rules at the plan's task times (safe "
     "only at those times; hetpipe_jax.planning.inflight_memory). Recorded in the plan's cost_model.")
+_MAX_VW_GPUS = flags.DEFINE_integer(
+    "max_vw_gpus", None, "--policy=auto: the largest virtual worker searched (unset: ceil(GPUs / num_vws) + 1); the "
+    "value used is recorded in the plan's allocation_search.")
 _PROFILE = flags.DEFINE_string("profile", None, "Profile JSON to use instead of the saved/default one.")
 _OUTPUT = flags.DEFINE_string("output", None, "Where to write the plan JSON.")
 flags.mark_flags_as_required(["model"])
@@ -54,10 +57,15 @@ def main(argv):
   if _INFLIGHT_MEMORY.value == "schedule" and _METHOD.value != "hetpipe":
     raise app.UsageError(f"--inflight_memory=schedule is for --method=hetpipe (FIFO rule); --method={_METHOD.value} "
                          "has a closed-form held count: use --inflight_memory=conservative")
+  if _MAX_VW_GPUS.value is not None and _POLICY.value != "auto":
+    raise app.UsageError(f"--max_vw_gpus applies to --policy=auto only, not --policy={_POLICY.value}")
+  if _MAX_VW_GPUS.value is not None and _MAX_VW_GPUS.value < 1:
+    raise app.UsageError(f"--max_vw_gpus must be >= 1, got {_MAX_VW_GPUS.value}")
   cluster = cluster_lib.load_cluster(_CLUSTER.value)
   profile = get_profile(_MODEL.value, _BATCH.value, cluster, _PROFILE.value)
   config = planner.PlannerConfig(policy=_POLICY.value, num_vws=_NUM_VWS.value, ps_placement=_PLACEMENT.value,
                                  method=_METHOD.value, num_inflight=_NUM_INFLIGHT.value, remat=_REMAT.value,
+                                 max_vw_gpus=_MAX_VW_GPUS.value,
                                  cost=cost_model.CostModelConfig(inflight_memory=_INFLIGHT_MEMORY.value))
   plan = planner.make_plan(cluster, profile, config)
   print(planner.format_table(plan))

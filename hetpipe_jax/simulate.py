@@ -55,7 +55,8 @@ def main(argv):
   config = engine.EngineConfig(num_waves=_NUM_WAVES.value, num_inflight=plan.num_inflight,
                                staleness_bound=_D.value, pull_every_wave=_PULL_EVERY_WAVE.value, records=records,
                                ps_link_contention=_CONTENTION.value, ps_apply=_PS_APPLY.value, method=plan.method,
-                               shared_nic=_SHARED_NIC.value)
+                               shared_nic=_SHARED_NIC.value,
+                               max_held=plan_format.memory_caps(plan, plan.num_inflight))
   gpu_ids = [list(vw.gpus) for vw in plan.virtual_workers]
   report = engine.run(times, config, gpu_ids=gpu_ids)
   print(f"plan {_PLAN.value}: model={plan.model} batch_size={plan.batch_size} cluster={plan.cluster} "

@@ -17,7 +17,7 @@ from hetpipe_jax.runtime.param_layout import ParamLayout
 
 def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_bound=0, optimizer=None,
              batch_size=16, seed=0, pull_every_wave=True, num_vws=1, vw_id=0, server=None, client_factory=None,
-             ps_apply="on_receipt", dataset=None, method="hetpipe", vertical_sync=False):
+             ps_apply="on_receipt", dataset=None, method="hetpipe", vertical_sync=False, max_held=None):
   """Returns ``(vw, source, initial per-layer params, optimizer, server)`` for an in-process VW.
 
   ``dataset``: an already loaded dataset (e.g. text windows for a GPT) instead of Fashion-MNIST from ``data_dir``.
@@ -37,7 +37,7 @@ def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_b
   client = (client_factory or param_server.LocalPSClient)(server, vw_id)
   vw = virtual_worker.VirtualWorker(vw_id, stages, layout, params0, tx, num_inflight, staleness_bound, client,
                                     source.get, num_virtual_workers=num_vws, pull_every_wave=pull_every_wave,
-                                    method=method, vertical_sync=vertical_sync)
+                                    method=method, vertical_sync=vertical_sync, max_held=max_held)
   return vw, source, params0, tx, server
 
 

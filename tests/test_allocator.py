@@ -4,6 +4,7 @@
 import pytest
 
 from hetpipe_jax.planning import allocator
+from hetpipe_jax.planning import auto_allocation
 from hetpipe_jax.planning import cluster as cluster_lib
 from hetpipe_jax.planning import cost_model
 from hetpipe_jax.planning import inflight
@@ -206,7 +207,7 @@ def test_throughput_bounds_are_upper_bounds_of_every_small_virtual_worker():
     cl = mixed_cluster(seed, mem)
     costs = cost_model.build_stage_costs(saved_profile(model), cl)
     additive = inflight.additive_throughput_bounds_per_s(costs)
-    groups = allocator._link_groups(cl)  # pylint: disable=protected-access
+    groups = auto_allocation.link_groups(cl)
     gpus = cl.gpus()
     for size in range(1, len(gpus) + 1):
       for vw in itertools.combinations(gpus, size):

@@ -15,6 +15,7 @@ from experiments.paper import calibration
 from experiments.paper import common
 from experiments.paper import paper_tables as pt
 from experiments.paper import reproduction
+from experiments.paper import waiting as waiting_lib
 from hetpipe_jax.paths import REPO_ROOT
 from hetpipe_jax.planning import allocator
 from hetpipe_jax.planning import cluster as cluster_lib
@@ -161,7 +162,19 @@ def test_quick_modes_and_reproduction_page(tmp_path):
   # Horovod's ring over 3 nodes: 3 crossings of 2 (N-1)/N x params (N = 12).
   params = sum(l.param_bytes for l in common.load_profile("resnet152_imagenet").layers)
   assert bars["Horovod"]["cross_node_bytes_per_step"] == pytest.approx(3 * 2 * 11 / 12 * params, rel=1e-6)
+  # Waiting statistics: both pull policies, D = 0 and D = 4 per (policy, jitter CV); the paper's policy (pull only
+  # when D requires it) waits at D = 4 with deterministic times, ours (a pull at every wave end) never does.
+  wt = json.loads((results / "waiting.json").read_text())
+  assert {(r["pull_policy"], r["cv"]) for r in wt["rows"]} == {(p, cv) for p in waiting_lib.POLICIES
+                                                                 for cv in waiting_lib.QUICK_CVS}
+  for r in wt["rows"]:
+    assert r["mean_wait_s"]["d0"] > 0 and r["mean_wait_s"]["d4"] <= r["mean_wait_s"]["d0"]
+    assert r["max_clock_distance"]["0"] <= 1 and r["max_clock_distance"]["4"] <= 5
+  still = {r["pull_every_wave"]: r for r in wt["rows"] if r["cv"] == 0}
+  assert still[False]["mean_wait_s"]["d4"] > 0 and still[True]["mean_wait_s"]["d4"] == 0
+  assert wt["claims"] and not any(c["calibrated"] for c in wt["claims"])
   page = out.read_text()
+  assert "Waiting statistics vs timing jitter" in page
   assert "not run yet" in page  # the convergence sections (branch paper-conv)
   assert "![Table 4" in page and "calibration | " in page and "prediction | " in page
   assert "Quick mode" in page

@@ -113,3 +113,20 @@ def test_shipped_local_cpu_plan_is_valid():
   assert [vw.devices for vw in plan.virtual_workers] == [(0, 1), (2, 3)]
 
 
+
+
+def test_max_vw_gpus_flag_is_used_and_recorded(tmp_path):
+  # --policy=auto searches VWs of at most --max_vw_gpus GPUs: 16 GPUs in 4 VWs with at most 4 each leaves equal VWs
+  # only (4 x 4); the value and its source are recorded in the plan's allocation_search.
+  out = tmp_path / "auto.json"
+  r = run_plan("--cluster=hetpipe_paper", "--model=resnet152_imagenet", "--policy=auto", "--num_vws=4",
+               "--max_vw_gpus=4", f"--output={out}")
+  assert r.returncode == 0, r.stderr[-2000:]
+  plan = json.loads(out.read_text())
+  assert plan["allocation_search"]["max_vw_gpus"] == 4
+  assert "default" not in plan["allocation_search"]["max_vw_gpus_source"]
+  assert sorted(len(v["gpus"]) for v in plan["virtual_workers"]) == [4, 4, 4, 4]
+  for args, message in ((["--policy=ED", "--max_vw_gpus=4"], "--max_vw_gpus applies to --policy=auto only"),
+                        (["--policy=auto", "--max_vw_gpus=0"], "--max_vw_gpus must be >= 1")):
+    r = run_plan("--cluster=hetpipe_paper", "--model=resnet152_imagenet", "--num_vws=4", *args)
+    assert r.returncode != 0 and message in r.stderr

@@ -59,9 +59,21 @@ def test_bench_runtime_quick():
   host = out["host_overhead"]
   assert host["num_tasks"] > 0 and _finite(host["host_overhead_us_per_task"], host["wall_us_per_task"])
   assert _finite(*out["single_thread_launch"].values())
+  wake = out["wakeup_latency"]
+  assert wake["sleep_1ms_overshoot_us"]["n"] == 10 and wake["queue_handoff_wake_us"]["n"] == 20
+  assert all(0 <= v["p50"] < 1e5 for v in wake.values())
   emulated = out["emulated_vs_engine"]
   assert _finite(emulated["measured_mb_per_s"], emulated["predicted_mb_per_s"], emulated["ratio"])
   assert emulated["num_minibatches"] == 3 * emulated["num_inflight"] and emulated["ratio"] > 0
+  # The baselines' methods: each runs the 2-4 ms and 8-16 ms cases with the engine running the same method.
+  assert set(out["methods"]) == {"pipedream", "gpipe", "1f1b_flush"}
+  for method, cases in out["methods"].items():
+    assert set(cases) == {"tasks_2_4ms", "tasks_8_16ms"}
+    for row in cases.values():
+      assert row["method"] == method and _finite(row["measured_mb_per_s"], row["predicted_mb_per_s"])
+      assert 0 < row["ratio"] <= 1.5 and row["num_minibatches"] == 3 * row["num_inflight"]
+  assert out["targets"]["min_ratio_methods_tasks_2_4ms"] == min(
+      c["tasks_2_4ms"]["ratio"] for c in out["methods"].values())
 
 
 @pytest.mark.mpi

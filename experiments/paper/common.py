@@ -126,6 +126,13 @@ def write_results(results_dir: str, name: str, payload: dict[str, Any], markdown
   return path
 
 
+def print_results(path: str) -> None:
+  """A script's ending: prints the Markdown table written beside the results JSON ``path``, then the path."""
+  with open(path.replace(".json", ".md"), encoding="utf-8") as f:
+    print(f.read())
+  print(f"wrote {path}")
+
+
 def pyplot():
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")

@@ -46,6 +46,8 @@ SECTIONS = (
     # Written by experiments/paper/convergence.py (branch paper-conv) as one results file.
     ("convergence", "Figures 5 and 6: convergence in virtual time, waiting statistics (§8.4)",
      common.command("convergence"), list(pt.CONVERGENCE_CLAIMS.values())),
+    ("waiting", "Waiting statistics vs timing jitter and pull policy (§8.4, engine sensitivity study)",
+     common.command("waiting"), [pt.CONVERGENCE_CLAIMS["waiting_d4_over_d0"], pt.CONVERGENCE_CLAIMS["idle_over_waiting"]]),
 )
 CLAIM_KEYS = ("claim", "paper", "ours", "difference", "why", "command", "calibrated")
 
@@ -139,11 +141,12 @@ def write(results_dir: str, output: str) -> str:
 def run_scripts(results_dir: str, quick: bool) -> None:
   """The throughput scripts (quick modes, or their full settings) into ``results_dir``, in process (each defines
   its flags only when run as a script)."""
-  from experiments.paper import calibration, fig4, table3, table4  # pylint: disable=g-import-not-at-top
+  from experiments.paper import calibration, fig4, table3, table4, waiting  # pylint: disable=g-import-not-at-top
   calibration.run(results_dir, quick)
   table3.run(results_dir, quick, 8)
   fig4.run(results_dir, quick)
   table4.run(results_dir, quick)
+  waiting.run(results_dir, quick)
 
 
 def main(argv):

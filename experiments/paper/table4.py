@@ -203,9 +203,7 @@ def _figure(rows, models, columns):
 def main(argv):
   del argv
   path = run(flags.FLAGS.results_dir, flags.FLAGS.quick, flags.FLAGS.staleness_bound)
-  with open(path.replace(".json", ".md"), encoding="utf-8") as f:
-    print(f.read())
-  print(f"wrote {path}")
+  common.print_results(path)
 
 
 if __name__ == "__main__":  # flags only when run as a script (reproduction --quick imports it)

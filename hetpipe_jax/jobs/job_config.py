@@ -52,6 +52,8 @@ class JobSettings:
     notes: log lines about overrides.
     method: the training method (:mod:`hetpipe_jax.rules.methods`); for the flush methods (gpipe, 1f1b_flush,
       horovod) ``num_inflight`` is M, the micro-batches per step (each of ``batch_size / M`` examples).
+    memory_caps: per VW, per stage, the most minibatches a stage may hold (``plan_format.memory_caps``: a plan
+      made with ``inflight_memory="schedule"``, run at its Nm); None: no caps (at most Nm).
   """
 
   model: str
@@ -69,6 +71,7 @@ class JobSettings:
   shard_nodes: tuple[str, ...] = ("host",)  # node of each shard
   vw_stage_nodes: tuple[tuple[str, ...], ...] = ()  # per VW, per stage, the node of its GPU (plan) or "host"
   method: str = "hetpipe"
+  memory_caps: tuple[tuple[int, ...], ...] | None = None
   # Stage ranks (MPI jobs; :func:`with_stage_ranks`): per VW its stages grouped into processes, group 0 on the VW's
   # driver rank (S + v), the further groups on ranks after the drivers; () = one process per VW.
   stage_groups: tuple[tuple[tuple[int, ...], ...], ...] = ()
@@ -276,8 +279,16 @@ def _settings_from_plan(config: Any, plan: Any) -> JobSettings:
       raise ConfigError(f"the plan {config.plan} has no local device index for a GPU of virtual worker {vw.vw_id}: "
                         "re-plan with a cluster that maps its GPUs to local devices")
     vws.append(VWLayout(partition, planned))
+  from hetpipe_jax.planning import plan_format  # pylint: disable=g-import-not-at-top  (lazy, as load_plan)
+  caps = plan_format.memory_caps(plan, num_inflight)
+  if caps is not None:
+    sources["memory_caps"] = "plan (inflight_memory='schedule': each stage holds at most its held_per_stage)"
+  elif plan.cost_model.get("inflight_memory") == "schedule" and num_inflight != plan.num_inflight:
+    sources["memory_caps"] = "none (the plan's held_per_stage was counted at its Nm, the run uses another)"
+    notes.append(f"the plan counted memory with inflight_memory='schedule' at Nm={plan.num_inflight}; at "
+                 f"Nm={num_inflight} its per-stage caps do not apply and are not enforced")
   return JobSettings(plan.model, num_vws, num_inflight, config.staleness_bound, tuple(vws), config.platform, plan,
-                     sources, tuple(notes), method=method)
+                     sources, tuple(notes), method=method, memory_caps=caps)
 
 
 def settings_from_config(config: Any, plan: Any = None) -> JobSettings:
@@ -394,6 +405,7 @@ def resolved_config(config: Any, settings: JobSettings, partitions: Sequence[Par
   d.update(num_virtual_workers=settings.num_virtual_workers, num_stages=settings.num_stages,
            partition=format_partitions(partitions), num_inflight=settings.num_inflight, **overrides)
   d["setting_sources"] = dict(settings.sources)
+  d["memory_caps"] = None if settings.memory_caps is None else [list(c) for c in settings.memory_caps]
   return d
 
 

@@ -412,7 +412,8 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
                      pull_every_wave=config.pull_every_wave,
                      task_time_s=task_times.task_duration_s if task_times else None,
                      corrupt_update=resume_lib.nan_injector(config, vw_id, off), ps_shards=sharded,
-                     method=settings.method, vertical_sync=bool(config.get("vertical_sync", False)), link=link,
+                     method=settings.method, vertical_sync=bool(config.get("vertical_sync", False)),
+                     max_held=settings.memory_caps[vw_id] if settings.memory_caps else None, link=link,
                      remote=remote)
   first_start = None
   if point is not None:

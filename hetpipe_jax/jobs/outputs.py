@@ -167,6 +167,7 @@ def settings_summary(settings: JobSettings, partitions: Sequence[Sequence[Sequen
       "ps_apply": config.ps_apply,
       "pull_every_wave": config.pull_every_wave,
       "plan": settings.plan is not None,
+      "memory_caps": None if settings.memory_caps is None else [list(c) for c in settings.memory_caps],
       "setting_sources": dict(settings.sources),
   }
 

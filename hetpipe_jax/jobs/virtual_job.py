@@ -113,7 +113,8 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
                        lambda p, get=source.get, v=v: get(data_offset[v] + p),
                        num_virtual_workers=n, pull_every_wave=config.pull_every_wave,
                        corrupt_update=resume_lib.nan_injector(config, v, off), method=settings.method,
-                       vertical_sync=bool(config.get("vertical_sync", False)))
+                       vertical_sync=bool(config.get("vertical_sync", False)),
+                       max_held=settings.memory_caps[v] if settings.memory_caps else None)
     if point:
       vw.load_opt_state(*point.opt_states[v])
       vw.set_version_id(point.meta["version_ids"][v % len(point.meta["version_ids"])])

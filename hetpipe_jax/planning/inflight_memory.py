@@ -17,12 +17,14 @@ the engine run *is* what the runtime does at those times: the start-up burst (Nm
 pipeline at once, the largest queue a stage can see) and then the steady state, which for fixed times is periodic
 after a transient; the run is long enough (``4 S Nm + 4 Nm`` minibatches, tested against 4x longer runs) for the
 peak to have been seen. It is a peak *observed* by the rules, so it is also reached (a lower bound: some run at the
-plan's times attains it). Limits: (1) it holds for the plan's task times: the MPI runtime observes what a stage
-holds (``peak_inflight_per_stage``) and does not enforce it, so with timing jitter a stage may hold more (at most
-Nm); (2) waits for the parameter server (WSP, D) pause injection and then inject a burst into a partly drained
-pipeline, which the single-VW run does not model (the tests check multi-VW runs with WSP waits stay within the bound
-on random instances, but this is not proved). So the planner's default stays ``"conservative"`` for plans that run;
-the paper experiments use ``"schedule"`` for predictions (``experiments/paper/common.py``).
+plan's times attains it). At other times (jitter, WSP waits that pause injection and then inject a burst into a partly
+drained pipeline) a stage could hold more, so the plan records the counts (``VirtualWorkerEntry.held_per_stage``) and
+a run of a ``schedule`` plan at its Nm *enforces* them (``plan_format.memory_caps`` ->
+``schedule.PipelineRules(max_held=...)`` in the runtime, the engine and virtual time): a forward that would exceed
+its stage's count waits for a backward there, which may pass it (no deadlock: tests/test_memory_caps.py checks random
+instances with jitter and WSP). At the plan's own times the caps never bind (the engine's predictions are unchanged);
+at other times they cost throughput instead of memory. The planner's default stays ``"conservative"`` (no caps
+needed, throughput never limited by them); the paper experiments use ``"schedule"`` (``experiments/paper/common.py``).
 
 Weight versions are not tightened: the runtime keeps each in-flight minibatch's version of every stage until it
 completes (see ``StageCosts.memory_matrix_bytes``).

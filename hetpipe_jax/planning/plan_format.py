@@ -40,6 +40,9 @@ class VirtualWorkerEntry:
   max_num_inflight: int
   saturating_num_inflight: int
   predicted_minibatches_per_s: float
+  # Per stage, the minibatches the stage was counted to hold in stage_memory_bytes (the partitioner's
+  # held_per_stage; None in plans written before it was recorded). See memory_caps.
+  held_per_stage: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +93,8 @@ def make_plan(system: SystemPlan, cluster: ClusterSpec, profile: ModelProfile, p
         stage_memory_bytes=tuple(int(m) for m in p.stage_memory_bytes),
         stage_capacity_bytes=tuple(int(c) for c in p.capacity_bytes), max_num_inflight=vw.max_num_inflight,
         saturating_num_inflight=vw.saturating_num_inflight,
-        predicted_minibatches_per_s=round(p.throughput_per_s, 6)))
+        predicted_minibatches_per_s=round(p.throughput_per_s, 6),
+        held_per_stage=tuple(int(h) for h in p.held_per_stage) if p.held_per_stage else None))
   if ps_placement is not None:
     ps = ps_placement
   else:
@@ -107,6 +111,20 @@ def make_plan(system: SystemPlan, cluster: ClusterSpec, profile: ModelProfile, p
               profile={"device_kind": profile.device_kind, "measured": profile.measured,
                        "optimizer": profile.optimizer},
               allocation_search=system.search, method=method, notes=tuple(notes))
+
+
+def memory_caps(plan: Plan, num_inflight: int) -> tuple[tuple[int, ...], ...] | None:
+  """Per VW, per stage, the most minibatches a stage may hold when ``plan`` runs at Nm = ``num_inflight``: the
+  plan's ``held_per_stage`` when its memory was counted with ``inflight_memory="schedule"`` (each stage's peak
+  under the schedule rules at the plan's task times, below Nm; :mod:`hetpipe_jax.planning.inflight_memory`) for a
+  ``hetpipe`` plan run at the plan's own Nm. Enforced by ``schedule.PipelineRules`` (runtime, engine, virtual
+  time), they make that memory count hold whatever the task times and WSP waits. None otherwise: the
+  conservative count (Nm on every stage) needs no cap, and caps counted at another Nm do not apply.
+  """
+  if (plan.method != "hetpipe" or plan.cost_model.get("inflight_memory") != "schedule"
+      or num_inflight != plan.num_inflight or any(vw.held_per_stage is None for vw in plan.virtual_workers)):
+    return None
+  return tuple(tuple(vw.held_per_stage) for vw in plan.virtual_workers)
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -148,6 +166,10 @@ def validate_plan(plan: Plan) -> None:
     if plan.num_inflight > vw.max_num_inflight:
       raise ValueError(f"virtual worker {vw.vw_id}: num_inflight {plan.num_inflight} exceeds its "
                        f"max_num_inflight {vw.max_num_inflight}")
+    held = vw.held_per_stage
+    if held is not None and (len(held) != s or any(not 1 <= h <= max(plan.num_inflight, 1) for h in held)):
+      raise ValueError(f"virtual worker {vw.vw_id}: held_per_stage {list(held)} must have one entry per stage "
+                       f"({s}), each in [1, num_inflight={plan.num_inflight}]")
 
 
 def plan_from_dict(d: dict[str, Any]) -> Plan:
@@ -165,7 +187,9 @@ def plan_from_dict(d: dict[str, Any]) -> Plan:
                                       "partition": tuple(tuple(r) for r in vw["partition"]),
                                       "stage_time_ms": tuple(vw["stage_time_ms"]),
                                       "stage_memory_bytes": tuple(vw["stage_memory_bytes"]),
-                                      "stage_capacity_bytes": tuple(vw["stage_capacity_bytes"])})
+                                      "stage_capacity_bytes": tuple(vw["stage_capacity_bytes"]),
+                                      "held_per_stage": (None if vw.get("held_per_stage") is None
+                                                         else tuple(vw["held_per_stage"]))})
                 for vw in d["virtual_workers"])
     plan = Plan(**{**d, "virtual_workers": vws, "notes": tuple(d.get("notes", ()))})
   except (KeyError, TypeError) as e:

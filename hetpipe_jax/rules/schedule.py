@@ -96,6 +96,25 @@ def _key(task: Task | None):
   return None if task is None else (task.minibatch_id, task.kind is _BACKWARD)
 
 
+def check_max_held(max_held, num_stages: int, order=None) -> tuple[int, ...] | None:
+  """``max_held`` (see :class:`PipelineRules`) as a tuple of ints, or None.
+
+  Raises:
+    ValueError: the wrong length, a cap < 1, or caps with a static stage order (the other methods' held counts
+      are closed forms of their orders, :func:`hetpipe_jax.rules.methods.max_held_per_stage`).
+  """
+  if max_held is None:
+    return None
+  caps = tuple(int(h) for h in max_held)
+  if len(caps) != num_stages:
+    raise ValueError(f"max_held has {len(caps)} entries for {num_stages} stages")
+  if any(h < 1 for h in caps):
+    raise ValueError(f"max_held must be >= 1 on every stage (a stage must hold a minibatch to run it), got {caps}")
+  if order is not None:
+    raise ValueError("max_held (memory caps) applies to HetPipe's FIFO rule, not to a static stage order")
+  return caps
+
+
 class PipelineRules:
   """Pure state of one VW's pipeline under the HetPipe rules; the runtime and the engine both drive it.
 
@@ -107,12 +126,21 @@ class PipelineRules:
     num_inflight: Nm >= 1, the most minibatches in flight (HetPipe §4).
     order: None: HetPipe's FIFO rule 3; else the static per-stage order of another method
       (:class:`hetpipe_jax.rules.methods.StageOrder`): ``pop_ready(s)`` starts only the next task of stage s's order.
+    max_held: FIFO only: per stage, the most minibatches it may hold (the memory rule: a stage holds minibatch p
+      from the dispatch of its forward of p until its backward of p completes, what ``peak_held`` counts). A
+      forward that would exceed its stage's cap waits, and a ready backward behind it starts first (it frees
+      memory; forwards stay in order, backwards stay in order). The last stage's forward+backward holds its
+      minibatch only while it runs and is never held back. With every cap >= 1 the pipeline cannot deadlock: the
+      oldest minibatch a stage holds always moves on (the last stage never waits), so a backward completes and
+      frees a slot. A plan made with ``inflight_memory="schedule"`` records the caps it counted memory for
+      (``held_per_stage``), and enforcing them makes that count safe whatever the task times. None: no cap
+      (at most Nm, rule 2).
 
   Raises:
-    ValueError: on S < 1 or Nm < 1.
+    ValueError: on S < 1, Nm < 1, or ``max_held`` of the wrong length, with a cap < 1, or with a static order.
   """
 
-  def __init__(self, num_stages: int, num_inflight: int, order=None):
+  def __init__(self, num_stages: int, num_inflight: int, order=None, max_held=None):
     if num_stages < 1:
       raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     if num_inflight < 1:
@@ -128,6 +156,7 @@ class PipelineRules:
     # Minibatches whose forward is done on a stage and whose backward there is not (what the stage holds).
     self._held = [0] * num_stages
     self.peak_held = [0] * num_stages
+    self.max_held = check_max_held(max_held, num_stages, order)
     self.order = order
     if order is not None:
       if order.num_stages != num_stages:
@@ -163,10 +192,26 @@ class PipelineRules:
     return task
 
   def has_ready(self, stage_id: int) -> bool:
-    """True when ``pop_ready(stage_id)`` would start a task (FIFO: any ready; static order: its next one)."""
+    """True when ``pop_ready(stage_id)`` would start a task (FIFO: any ready one the memory cap allows; static
+    order: its next one)."""
     if self.order is not None:
       return self._expected_key[stage_id] in self._ready_set[stage_id]
-    return bool(self._ready[stage_id])
+    if self.max_held is None:
+      return bool(self._ready[stage_id])
+    return self._startable(stage_id) is not None
+
+  def _startable(self, stage_id: int) -> int | None:
+    """FIFO with memory caps: the index in the stage's ready queue of the task to start next, or None. The head,
+    unless it is a forward the cap holds back; then the first ready backward."""
+    queue = self._ready[stage_id]
+    if not queue:
+      return None
+    if queue[0].kind is not _FORWARD or self._held[stage_id] < self.max_held[stage_id]:
+      return 0
+    for i, task in enumerate(queue):
+      if task.kind is _BACKWARD:
+        return i
+    return None
 
   def pop_ready(self, stage_id: int) -> Task | None:
     """Starts the next task of ``stage_id`` (FIFO head, or the next of its static order if it is ready), checking
@@ -178,11 +223,18 @@ class PipelineRules:
       self._position[stage_id] += 1
       nxt = self._expected[stage_id] = self.order.task(stage_id, self._position[stage_id])
       self._expected_key[stage_id] = _key(nxt)
-    else:
+    elif self.max_held is None:
       queue = self._ready[stage_id]
       if not queue:
         return None
       task = queue.popleft()
+    else:
+      i = self._startable(stage_id)
+      if i is None:
+        return None
+      queue = self._ready[stage_id]
+      task = queue[i]
+      del queue[i]
     p = task.minibatch_id
     kind = task.kind
     if kind is _BACKWARD:

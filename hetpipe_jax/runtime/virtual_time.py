@@ -128,7 +128,9 @@ def run(vws: Sequence[VirtualWorker], server: ParameterServer, outbox: dict, tas
   num_inflight = vws[0].num_inflight
   config = engine_lib.EngineConfig(num_waves=num_waves, num_inflight=num_inflight, staleness_bound=staleness_bound,
                                    pull_every_wave=pull_every_wave, records=True,
-                                   ps_apply=server.state.ps_apply, method=vws[0].method.name)
+                                   ps_apply=server.state.ps_apply, method=vws[0].method.name,
+                                   max_held=(None if all(vw.max_held is None for vw in vws) else
+                                             tuple(vw.max_held or (num_inflight,) * len(vw.stages) for vw in vws)))
   hooks = VirtualTimeHooks(vws, server, outbox, on_clock)
   t0 = time.perf_counter()
   report = engine_lib.run(task_times, config, hooks=hooks, sync_states=[vw.sync for vw in vws])

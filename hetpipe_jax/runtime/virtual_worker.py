@@ -188,6 +188,8 @@ class VirtualWorker:
     on_step: flush methods: ``(step, mean loss over every VW's micro-batches) -> None`` after each applied step.
     vertical_sync: pipedream: every stage uses, for a minibatch, its weights after as many own updates as stage 0
       used for it (PipeDream's vertical sync); False: each stage's latest weights.
+    max_held: hetpipe: per stage, the most minibatches it may hold (the memory caps of
+      :class:`hetpipe_jax.rules.schedule.PipelineRules`; a ``schedule`` plan's ``held_per_stage``); None: none.
     link: stage ranks: the :class:`hetpipe_jax.runtime.stage_ranks.StageLink` of this rank (which stages are local,
       activations and gradients to and from stages on other ranks); None: every stage is local.
     remote: stage ranks, on the driver: the :class:`hetpipe_jax.runtime.stage_ranks.RemoteStages` its actions send
@@ -207,8 +209,12 @@ class VirtualWorker:
                method: str = "hetpipe",
                reducer: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
                on_step: Callable[[int, float], None] | None = None,
-               vertical_sync: bool = False, link: Any = None, remote: Any = None):
+               vertical_sync: bool = False, max_held: Sequence[int] | None = None, link: Any = None,
+               remote: Any = None):
     self.method = methods.get_method(method)
+    if max_held is not None and self.method.name != "hetpipe":
+      raise ValueError(f"max_held (memory caps) is a HetPipe rule, not {method!r}'s")
+    self.max_held = schedule.check_max_held(max_held, len(stages))
     self.sync = self._new_sync(num_inflight, staleness_bound, pull_every_wave)  # validates Nm and D
     if self.method.is_flush and reducer is None:
       raise ValueError(f"method {method!r} needs a reducer (the all-reduce across VWs)")
@@ -345,7 +351,8 @@ class VirtualWorker:
                        f"{self.num_inflight} (whole waves)")
     num_stages = len(self.stages)
     rules = schedule.PipelineRules(num_stages, self.num_inflight,
-                                   methods.stage_order(self.method, num_stages, self.num_inflight, num_minibatches))
+                                   methods.stage_order(self.method, num_stages, self.num_inflight, num_minibatches),
+                                   max_held=self.max_held)
     inflight: dict[int, InFlightMinibatch] = {}
     done: queue.SimpleQueue = queue.SimpleQueue()
     stats = self.stats

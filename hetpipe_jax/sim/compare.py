@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from hetpipe_jax.planning import allocator
 from hetpipe_jax.planning import planner
 from hetpipe_jax.planning.cluster import ClusterSpec
+from hetpipe_jax.planning import plan_format
 from hetpipe_jax.planning.plan_format import Plan
 from hetpipe_jax.planning.profile_format import ModelProfile
 from hetpipe_jax.rules import methods
@@ -156,7 +157,8 @@ def run_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, config: Co
   extra = {} if config.ps_link_contention is None else {"ps_link_contention": config.ps_link_contention}
   cfg = engine.EngineConfig(num_waves=waves, num_inflight=plan.num_inflight,
                             staleness_bound=config.staleness_bound, pull_every_wave=config.pull_every_wave,
-                            records=False, method=plan.method, shared_nic=config.shared_nic, **extra)
+                            records=False, method=plan.method, shared_nic=config.shared_nic,
+                            max_held=plan_format.memory_caps(plan, plan.num_inflight), **extra)
   report = engine.run(times, cfg, gpu_ids=[list(vw.gpus) for vw in plan.virtual_workers])
   use = max(m / c for vw in plan.virtual_workers for m, c in zip(vw.stage_memory_bytes, vw.stage_capacity_bytes))
   return Row(plan.method, allocation, placement, len(plan.virtual_workers),

@@ -83,6 +83,8 @@ import collections
 import dataclasses
 import heapq
 import itertools
+import math
+import random
 import time
 from typing import Any, Sequence
 
@@ -124,6 +126,14 @@ class EngineConfig:
       node). False: every transfer runs at full link speed.
     method: one of :data:`hetpipe_jax.rules.methods.METHODS` (its stage order and synchronisation); for the
       all-reduce methods ``num_inflight`` is M (micro-batches per step) and ``num_waves`` the steps.
+    task_time_cv: per-task timing jitter, the coefficient of variation (std / mean) of a task's compute time: each
+      task's compute lasts its ``VWTaskTimes`` time times an independent log-normal factor of mean 1 (a real GPU's
+      kernels, clocks and host dispatch vary from minibatch to minibatch; identical deterministic VWs never drift
+      apart, which HetPipe §8.4's waiting statistics depend on). Sends and PS transfers are not jittered. 0 (the
+      default): deterministic, bit-identical to the engine without jitter.
+    jitter_seed: seed of the jitter's random stream (draws are made in event order, so a run is reproducible).
+    max_held: per VW, per stage, the most minibatches the stage may hold (``schedule.PipelineRules``'s memory
+      caps, ``hetpipe`` only; a plan's ``held_per_stage``); None: no caps.
   """
 
   num_waves: int
@@ -135,9 +145,18 @@ class EngineConfig:
   ps_apply: str = "on_receipt"
   method: str = "hetpipe"
   shared_nic: bool = True
+  task_time_cv: float = 0.0
+  jitter_seed: int = 0
+  max_held: tuple[tuple[int, ...], ...] | None = None
 
   def __post_init__(self):
     wsp.check_ps_apply(self.ps_apply)
+    if self.max_held is not None:
+      if self.method != "hetpipe":
+        raise ValueError(f"max_held (memory caps) is for method 'hetpipe', not {self.method!r}")
+      object.__setattr__(self, "max_held", tuple(tuple(int(h) for h in caps) for caps in self.max_held))
+    if not (math.isfinite(self.task_time_cv) and 0.0 <= self.task_time_cv <= 10.0):
+      raise ValueError(f"task_time_cv must be a finite coefficient of variation in [0, 10], got {self.task_time_cv}")
     methods.get_method(self.method)
     if self.num_waves < 1:
       raise ValueError(f"num_waves must be >= 1, got {self.num_waves}")
@@ -168,7 +187,7 @@ class _VW:
                "gpus", "active",
                "idle_since", "idle_s", "wait_since", "wait_s", "completions", "version_id", "num_pushes", "num_pulls",
                "last_push_arrival", "records", "vector_clock", "fifo", "reduce_entered", "leg_pushes_sent",
-               "leg_pushes_arrived", "deferred_pulls")
+               "leg_pushes_arrived", "deferred_pulls", "comp_fwd", "comp_bwd")
 
   def __init__(self, vw_id: int, times: VWTaskTimes, config: EngineConfig, sync: wsp.VWSyncState | None,
                num_vws: int):
@@ -178,8 +197,11 @@ class _VW:
     self.total = config.num_waves * config.num_inflight
     method = methods.get_method(config.method)
     order = methods.stage_order(method, s_count, config.num_inflight, self.total)
-    self.rules = schedule.PipelineRules(s_count, config.num_inflight, order)
-    self.fifo = order is None  # HetPipe's FIFO rule: the event loop's fast paths apply
+    caps = None if config.max_held is None else config.max_held[vw_id]
+    self.rules = schedule.PipelineRules(s_count, config.num_inflight, order, max_held=caps)
+    # HetPipe's FIFO rule without memory caps: the event loop's fast paths apply (a newly ready task starts at once).
+    # With caps a forward may wait for a backward on its stage: the general path re-examines every changed stage.
+    self.fifo = order is None and caps is None
     if sync is None:
       if method.sync == "allreduce":
         sync = allreduce.AllReduceSyncState(config.num_inflight)
@@ -193,6 +215,9 @@ class _VW:
                     for s in range(s_count)]
     self.dur_bwd = [times.task_duration_s(Task(s, TaskKind.BACKWARD, 0)) if s < last else 0.0
                     for s in range(s_count)]
+    # Their compute parts (what EngineConfig.task_time_cv jitters).
+    self.comp_fwd = [*times.forward_s, times.forward_backward_s]
+    self.comp_bwd = [*times.backward_s, 0.0]
     # Shared NICs: per stage, the inter-node send ending its forward (FB) / backward task, else None. Such a task
     # computes for its duration minus the send, then the send waits for the NICs (network rule).
     self.leg_fwd: list[network.Leg | None] = [None] * s_count
@@ -269,6 +294,8 @@ class Engine:
     if not task_times:
       raise ValueError("task_times is empty: need at least one virtual worker")
     self.config = config
+    if config.max_held is not None and len(config.max_held) != len(task_times):
+      raise ValueError(f"max_held has caps for {len(config.max_held)} virtual workers, the run has {len(task_times)}")
     if sync_states is None:
       sync_states = [None] * len(task_times)
     else:
@@ -287,6 +314,11 @@ class Engine:
     self.hooks = {name: getattr(hooks, name, None) for name in _HOOK_NAMES}
     self._on_task_start = self.hooks["on_task_start"]
     self._on_inject = self.hooks["on_inject"]
+    # Per-task jitter (EngineConfig.task_time_cv): log-normal factor with mean 1 and that coefficient of variation.
+    self._jitter = None
+    if config.task_time_cv > 0:
+      sigma = math.sqrt(math.log1p(config.task_time_cv ** 2))
+      self._jitter = (random.Random(config.jitter_seed).lognormvariate, -0.5 * sigma * sigma, sigma)
     # A pull reply carries the vector clock of the weights it holds only when someone reads it (records, pull
     # hooks); otherwise just their global clock (the vector clock's minimum), which is all the VW's rules need.
     self._vector_clocks = (config.records or self.hooks["on_pull_sent"] is not None
@@ -381,7 +413,7 @@ class Engine:
       for p in injected:
         on_inject(vw.vw_id, p, t)
     rules, q = vw.rules, vw.gpus[0].queue
-    if not vw.fifo:  # a static order starts stage 0's next task only (dispatched with the others by the caller)
+    if not vw.fifo:  # a static order (or memory caps) starts what stage 0's rules allow (the caller dispatches)
       while rules.has_ready(0):
         q.append(rules.pop_ready(0))
       return
@@ -416,6 +448,9 @@ class Engine:
           d, leg = vw.dur_bwd[s], vw.leg_bwd[s]
         else:
           d, leg = vw.dur_fwd[s], vw.leg_fwd[s]
+        if self._jitter is not None:  # the compute part only: sends keep their times
+          draw, mu, sigma = self._jitter
+          d += (vw.comp_bwd[s] if task.kind is _BACKWARD else vw.comp_fwd[s]) * (draw(mu, sigma) - 1.0)
         if leg is None:
           _heappush(self._heap, (t + d, next(self._seq), _TASK_END, vw.vw_id, gpu))
         else:  # compute, then the output's inter-node send through the NICs (a _SEND event)
@@ -512,7 +547,7 @@ class Engine:
         rules = vw.rules
         num_completed = rules.num_completed
         new = rules.complete(task)
-        if not vw.fifo:  # a static order: only the task's stage, its successor's and (injections) stage 0 change
+        if not vw.fifo:  # static order / caps: only the task's stage, its successor's and (injections) stage 0 change
           vw.active += len(new) - 1
           changed = {gpu.stage_id}
           if rules.num_completed != num_completed:

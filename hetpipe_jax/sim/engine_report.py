@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import json
 import math
 from typing import Any, Sequence
 
@@ -127,6 +128,17 @@ def json_safe(x):
   if isinstance(x, (list, tuple)):
     return [json_safe(v) for v in x]
   return x
+
+
+def print_json(result, output: str | None = None) -> str:
+  """Prints ``result`` as indented strict JSON (:func:`json_safe`), also writing it to ``output`` when given (the
+  ending of the experiment scripts); returns the text."""
+  text = json.dumps(json_safe(result), indent=2)
+  if output:
+    with open(output, "w", encoding="utf-8") as f:
+      f.write(text)
+  print(text)
+  return text
 
 
 def steady_rates(completion_times: Sequence[Sequence[float]], num_inflight: int, warmup_waves: int = 1
