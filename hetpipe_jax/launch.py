@@ -1,7 +1,7 @@
-"""Launcher: maps a plan's ranks (PS shards, VWs) onto hosts and runs (or prints) the mpiexec command.
+"""Launcher: maps a plan's ranks (PS shards, VWs, stage ranks) onto hosts and runs (or prints) the mpiexec command.
 
   python -m hetpipe_jax.launch --plan=plan.json --hostfile=hosts [--dry_run] [--config=...] [--workdir=...] \
-      [-- --config.num_minibatches=100 ...]
+      [--stage_ranks [--stage_rank_grouping=node]] [-- --config.num_minibatches=100 ...]
 
 Prints the mapping table (rank, role, plan nodes, host, devices), writes ``<workdir>/ranks.hosts`` (an MPICH
 machinefile: one ``host:1`` line per rank, in rank order) and runs
@@ -9,16 +9,19 @@ machinefile: one ``host:1`` line per rank, in rank order) and runs
   mpiexec -f <workdir>/ranks.hosts -n <S+N> python -m mpi4py -m hetpipe_jax.train --config=... --workdir=...
       --config.plan=plan.json --config.num_ps_shards=S [extra args]
 
-(``--dry_run``: prints it and exits). The plan's node i runs on the hostfile's host i (MPICH syntax, ``host`` or
+(``--dry_run``: prints it and exits). ``--stage_ranks`` adds ``--config.stage_ranks=True`` (and the grouping): a VW's
+stages run on separate ranks, each on its own node's host, so ED and HD VWs, which span nodes, map onto a real
+cluster (ranks ``S..S+N-1``: each VW's driver and first stage; then one rank per further stage, or per further node
+of the VW with ``--stage_rank_grouping=node``). The plan's node i runs on the hostfile's host i (MPICH syntax, ``host`` or
 ``host:slots`` per line); a hostfile with one host, or none, maps every node to it (``localhost``): one machine runs
 a multi-node plan with CPU devices. Slurm equivalent (ranks placed by the same file, one host per line)::
 
   awk -F: '{print $1}' <workdir>/ranks.hosts > ranks.slurm
-  SLURM_HOSTFILE=ranks.slurm srun -n <S+N> --distribution=arbitrary --mpi=pmi2 \
+  SLURM_HOSTFILE=ranks.slurm srun -n <ranks> --distribution=arbitrary --mpi=pmi2 \
       python -m mpi4py -m hetpipe_jax.train ...   # the same arguments as the mpiexec command
 
-Bad input (a missing plan or hostfile, too few hosts, a VW spread over several hosts) is one ``error:`` line and
-exit status 2 before anything starts.
+Bad input (a missing plan or hostfile, too few hosts, a VW spread over several hosts without stage ranks) is one
+``error:`` line and exit status 2 before anything starts.
 """
 
 from __future__ import annotations
@@ -39,13 +42,19 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the mapping and the comman
 _CONFIG = flags.DEFINE_string("config", "experiments/configs/default.py", "Job config file for hetpipe_jax.train.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's directory (default runs/launch-<time>).")
 _NUM_PS_SHARDS = flags.DEFINE_integer("num_ps_shards", None, "PS shards (default: one per node of the plan).")
+_STAGE_RANKS = flags.DEFINE_bool("stage_ranks", False, "A VW's stages on separate ranks (config.stage_ranks=True), "
+                                  "each on its node's host.")
+_GROUPING = flags.DEFINE_enum("stage_rank_grouping", "gpu", ["gpu", "node"], "With --stage_ranks: one rank per stage "
+                              "(gpu) or per node of a VW (node).")
 _MPIEXEC = flags.DEFINE_string("mpiexec", "", "mpiexec to run ('' = the one next to this Python, else on PATH).")
 flags.mark_flags_as_required(["plan"])
 
 
 def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_ps_shards: int | None,
-                  extra: list[str], mpiexec: str = "") -> tuple[str, str, list[str]]:
-  """``(mapping table, machinefile text, mpiexec argv)`` for a plan and a hostfile.
+                  extra: list[str], mpiexec: str = "", stage_rank_grouping: str | None = None
+                  ) -> tuple[str, str, list[str]]:
+  """``(mapping table, machinefile text, mpiexec argv)`` for a plan and a hostfile (``stage_rank_grouping``: stage
+  ranks, ``"gpu"`` or ``"node"``; None: one process per VW).
 
   Raises:
     hetpipe_jax.planning.rank_map.LaunchError: unreadable plan or hostfile, or a mapping that cannot run.
@@ -65,13 +74,16 @@ def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_
       raise rank_map.LaunchError(f"--hostfile={hostfile}: {e}") from None
   nodes = plan_nodes(plan)
   shards = len(nodes) if num_ps_shards is None else num_ps_shards
-  slots = rank_map.map_ranks(plan, nodes, shards, hosts)
+  slots = rank_map.map_ranks(plan, nodes, shards, hosts, stage_rank_grouping)
   if not mpiexec:
     local = pathlib.Path(sys.executable).parent / "mpiexec"
     mpiexec = str(local) if local.exists() else "mpiexec"
   argv = [mpiexec, "-f", str(pathlib.Path(workdir) / "ranks.hosts"), "-n", str(len(slots)), sys.executable, "-m",
           "mpi4py", "-m", "hetpipe_jax.train", f"--config={config}", f"--workdir={workdir}",
-          f"--config.plan={plan_path}", f"--config.num_ps_shards={shards}", *extra]
+          f"--config.plan={plan_path}", f"--config.num_ps_shards={shards}"]
+  if stage_rank_grouping is not None:
+    argv += ["--config.stage_ranks=True", f"--config.stage_rank_grouping={stage_rank_grouping}"]
+  argv += extra
   return rank_map.format_table(slots), rank_map.machinefile(slots), argv
 
 
@@ -81,7 +93,8 @@ def main(argv) -> None:
   workdir = _WORKDIR.value or f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}"
   try:
     table, hostlines, command = build_command(_PLAN.value, _HOSTFILE.value, _CONFIG.value, workdir,
-                                              _NUM_PS_SHARDS.value, extra, _MPIEXEC.value)
+                                              _NUM_PS_SHARDS.value, extra, _MPIEXEC.value,
+                                              _GROUPING.value if _STAGE_RANKS.value else None)
   except LaunchError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)

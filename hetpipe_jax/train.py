@@ -1,5 +1,6 @@
 """Entry point: HetPipe training over MPI (rank 0 = parameter server, ranks 1..N = virtual workers; with
-``config.num_ps_shards`` = S: ranks 0..S-1 = PS shards, ranks S..S+N-1 = VWs, see ``python -m hetpipe_jax.launch``).
+``config.num_ps_shards`` = S: ranks 0..S-1 = PS shards, ranks S..S+N-1 = VWs; with ``config.stage_ranks``: the VWs'
+further stages on ranks S+N.., see ``python -m hetpipe_jax.launch``).
 
   mpiexec -n <1+N> python -m mpi4py -m hetpipe_jax.train --config=experiments/configs/default.py \
       --workdir=runs/default [--config.staleness_bound=2 ...] [--resume]

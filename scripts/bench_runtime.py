@@ -3,6 +3,7 @@
   .venv/bin/python scripts/bench_runtime.py [--minibatches=200] [--case_minibatches=200] [--runs=3]
       [--emulated_minibatches=60] [--stage_ms=40,80,60,50] [--noinstrument]
   .venv/bin/python scripts/bench_runtime.py --quick  # CI smoke (seconds): one short run per case
+  .venv/bin/python scripts/bench_runtime.py --stage_ranks [--quick] [--stage_ranks_ms=60,60,60] [--runs=3]
 
 * ``host_overhead_us_per_task``: scheduler + dispatch time per task (the VW loop's time outside sleeps divided by
   tasks), with trivial stage functions (the tiny MLP at batch 1, 4 stages on 4 CPU devices). Goal <= 20 µs.
@@ -28,12 +29,25 @@
   overhead) and whether each is met.
 * ``machine``: CPU count, load average and the cores other processes kept busy during the benchmark (this machine
   is shared: ratios measured while it is busy are noisier and lower).
+
+``--stage_ranks`` runs only ``stage_ranks_vs_one_process`` (issue 12): one VW of emulated devices (``--stage_ranks_ms``
+per stage, a third forward: every task >= 20 ms by default) trained under mpiexec twice, as one process
+(``mpiexec -n 2``: PS + VW) and with every stage on its own rank (``config.stage_ranks=True``, ``-n 1 + S``),
+alternating, ``--runs`` times each. Each run's steady minibatches/s comes from its records (the engine's steady-state
+rule, ``engine_report.steady_rates``); ``ratio`` is the median stage-rank rate over the median one-process rate (goal
+>= 0.95), and the engine's prediction for the same task times is reported for both (the engine has no notion of
+processes: it predicts the same rate for both layouts, so each ratio to it shows what the layout costs). The
+headline case runs Nm = ``--stage_ranks_nm`` (4: the 3 equal stages are the bottleneck with slack in the round trip);
+``stage_ranks_vs_one_process_no_slack`` (full mode only) runs Nm = 3, where Nm minibatches per round trip exactly
+equal the stage rate (Little's law), so every control round trip (stage rank -> driver -> stage rank) lies on the
+critical path.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pathlib
 import sys
 import tempfile
 
@@ -57,6 +71,12 @@ _INSTRUMENT = flags.DEFINE_bool("instrument", True, "Per-task timing of the emul
                                 "reaction, bottleneck stage); one list append per task.")
 _QUICK = flags.DEFINE_bool("quick", False, "A seconds-long smoke run: --minibatches=2 Nm, 3 Nm minibatches per "
                            "emulated case (one wave after the warm-up wave: noisy), one run each, 20 launch repeats.")
+_STAGE_RANKS = flags.DEFINE_bool("stage_ranks", False, "Run only the stage-ranks-vs-one-process comparison (MPI).")
+_STAGE_RANKS_MS = flags.DEFINE_list("stage_ranks_ms", ["60", "60", "60"], "Emulated per-stage ms of the stage-ranks "
+                                    "comparison's VW (a third forward: 60 ms makes every task >= 20 ms).")
+_STAGE_RANKS_MINIBATCHES = flags.DEFINE_integer("stage_ranks_minibatches", 60, "Minibatches per run of the "
+                                                "stage-ranks comparison (rounded down to whole waves).")
+_STAGE_RANKS_NM = flags.DEFINE_integer("stage_ranks_nm", 4, "Nm of the stage-ranks comparison's headline case.")
 _STAGE_MS = flags.DEFINE_list("stage_ms", ["40", "80", "60", "50"],
                               "Emulated per-stage ms of the 4-stage VW of emulated_vs_engine (half forward, half "
                               "backward: every task of a non-last stage lasts half its stage time, so >= 40 ms keeps "
@@ -313,12 +333,79 @@ def launch_costs(repeats: int = 300) -> dict:
           "device_put_us": per_call_us(lambda: jax.device_put(out, stages[2].device))}
 
 
+STAGE_RANKS_GOAL = 0.95  # issue 12: a VW on stage ranks keeps >= 95% of its one-process throughput (tasks >= 20 ms)
+
+
+def _mpi_run(workdir, data_dir, ranks: int, stage_ms, nm: int, n: int, stage_ranks: bool) -> list[float]:
+  """Trains one VW of emulated devices under mpiexec; returns its minibatches' completion times (seconds)."""
+  import subprocess
+  from hetpipe_jax.paths import REPO_ROOT
+  exe = pathlib.Path(sys.executable).parent / "mpiexec"
+  overrides = {"data_dir": data_dir, "check_counts": False, "progress": False, "num_virtual_workers": 1,
+               "num_stages": len(stage_ms), "num_inflight": nm, "staleness_bound": 0, "num_minibatches": n,
+               "emulate_stage_ms": ",".join(str(x) for x in stage_ms), "checkpoint_every_waves": 0,
+               "eval_every_epochs": 0.0, "stage_ranks": stage_ranks, "log_every_waves": 1000}
+  args = [str(exe) if exe.exists() else "mpiexec", "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
+          "hetpipe_jax.train", "--config=experiments/configs/tiny.py", f"--workdir={workdir}",
+          *[f"--config.{k}={v}" for k, v in overrides.items()]]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = str(REPO_ROOT)
+  proc = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+  if proc.returncode:
+    raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+  with open(pathlib.Path(workdir) / "minibatches.jsonl", encoding="utf-8") as f:
+    return sorted(json.loads(line)["complete_time_s"] for line in f if line.strip())
+
+
+def stage_ranks_vs_one_process(data_dir, tmp, stage_ms, nm: int, n: int, runs: int) -> dict:
+  """One VW's steady throughput with its stages on separate ranks vs in one process (module docstring)."""
+  import statistics
+  from hetpipe_jax.sim import engine
+  from hetpipe_jax.sim import engine_report
+  from hetpipe_jax.sim import task_times
+  stage_ms = [float(x) for x in stage_ms]
+  times = task_times.uniform_task_times(stage_ms)  # the job's emulate_stage_ms rule
+  report = engine.run([times], engine.EngineConfig(num_waves=n // nm, num_inflight=nm, staleness_bound=0))
+  predicted = report.vws[0].minibatches_per_s
+  rates = {"one_process": [], "stage_ranks": []}
+  for i in range(runs):
+    for name, ranks in (("one_process", 2), ("stage_ranks", 1 + len(stage_ms))):
+      done = _mpi_run(pathlib.Path(tmp) / f"{name}_nm{nm}_{i}", data_dir, ranks, stage_ms, nm, n, name == "stage_ranks")
+      (rate,), _, _ = engine_report.steady_rates([done], nm)
+      rates[name].append(rate)
+  out = {"stage_ms": stage_ms, "shortest_task_ms": 1e3 * min(min(times.forward_s), min(times.backward_s),
+                                                               times.forward_backward_s),
+         "num_inflight": nm, "num_minibatches": n, "runs": runs}
+  for name, measured in rates.items():
+    median = statistics.median(measured)
+    out[name] = {"measured_mb_per_s": median, "runs_mb_per_s": [round(r, 3) for r in measured],
+                 "predicted_mb_per_s": predicted, "ratio_to_engine": median / predicted}
+  out["ratio"] = out["stage_ranks"]["measured_mb_per_s"] / out["one_process"]["measured_mb_per_s"]
+  out["goal_ratio"] = STAGE_RANKS_GOAL
+  out["meets_goal"] = out["ratio"] >= STAGE_RANKS_GOAL
+  return out
+
+
 def main(argv):
   del argv
   from hetpipe_jax.data import synthetic
   nm = _NUM_INFLIGHT.value
   quick = _QUICK.value
   load = bench_util.MachineLoad()
+  if _STAGE_RANKS.value:
+    snm = _STAGE_RANKS_NM.value
+    n = _STAGE_RANKS_MINIBATCHES.value
+    with tempfile.TemporaryDirectory(prefix="bench_stage_ranks_") as tmp:
+      data_dir = synthetic.write_synthetic_fashion_mnist(tmp, 2048, 64)
+      result = {"quick": quick, "stage_ranks_vs_one_process": stage_ranks_vs_one_process(
+          data_dir, tmp, _STAGE_RANKS_MS.value, snm, 3 * snm if quick else n - n % snm, 1 if quick else _RUNS.value)}
+      if not quick:
+        tight = len(_STAGE_RANKS_MS.value)
+        result["stage_ranks_vs_one_process_no_slack"] = stage_ranks_vs_one_process(
+            data_dir, tmp, _STAGE_RANKS_MS.value, tight, n - n % tight, _RUNS.value)
+    result["machine"] = load.stop()
+    print(json.dumps(result, indent=2))
+    return
   if quick:
     minibatches, emulated, case_n, runs = 2 * nm, 3 * nm, {name: 3 * nm for name in CASES}, 1
   else:

@@ -229,8 +229,8 @@ MUTATIONS = (
              ("tests/test_resume.py",), "optimizer states land on the wrong layers after a resume"),
     # ---- runtime
     Mutation("dispatch_uses_current_version", "hetpipe_jax/runtime/virtual_worker.py",
-             "    params = mb.version.params[s]",
-             "    params = self.version.params[s]",
+             "      return self._dispatch_linked(task, mb)\n    params = mb.version.params[s]",
+             "      return self._dispatch_linked(task, mb)\n    params = self.version.params[s]",
              ("tests/test_pipeline.py",), "a stage uses the VW's latest weights, not the minibatch's version"),
     # ---- partitioner and cost model
     Mutation("cost_model_no_optimizer_state", "hetpipe_jax/planning/cost_model.py",
@@ -421,6 +421,33 @@ MUTATIONS = (
              ("tests/test_paper_convergence.py::test_horovod_time_is_steps_times_slowest_replica_plus_allreduce",),
              "virtual time reports an all-reduce step (metrics, evaluation) when its reduction starts, before any "
              "replica holds the update"),
+    # ---- stage ranks (issue 12)
+    Mutation("stage_version_wait_skipped", "hetpipe_jax/runtime/stage_ranks.py",
+             "      if version_id not in self._versions:\n        t = time.perf_counter()",
+             "      if version_id not in self._versions:\n        return self._versions[self.latest]\n"
+             "        t = time.perf_counter()",
+             ("tests/test_stage_ranks.py::test_a_task_waits_until_its_version_has_been_applied",),
+             "a stage rank runs a task whose weight version has not arrived on the latest version it holds"),
+    Mutation("stage_header_check_disabled", "hetpipe_jax/runtime/stage_ranks.py",
+             "  if wrong:\n", "  if False:\n",
+             ("tests/test_stage_ranks.py::test_a_header_that_does_not_match_is_an_error_naming_both_ranks",
+              "tests/test_stage_ranks.py::test_a_link_refuses_an_activation_whose_header_does_not_match"),
+             "a stage-rank header with the wrong kind, VW, minibatch, stage, version or size is accepted"),
+    Mutation("stage_pull_slice_without_own_waves", "hetpipe_jax/runtime/stage_ranks.py",
+             "        for wave in own_waves:\n          part += wave[a:b]\n", "",
+             ("tests/test_stage_ranks.py::test_stage_ranks_equal_the_replay_of_recorded_versions_with_lagging_pulls",),
+             "after a pull, stage ranks' stages lack the VW's own pushed waves the PS has not applied yet"),
+    Mutation("stage_wave_delta_not_reset", "hetpipe_jax/runtime/virtual_worker.py",
+             "    for s in self.local_stages:\n      self.wave_delta[s] = self._zeros[s]\n", "",
+             ("tests/test_stage_ranks.py::test_stage_ranks_train_exactly_as_one_process",),
+             "a stage rank's wave delta keeps the earlier waves' updates (each pushed again with every later wave)"),
+    Mutation("stage_update_skipped_on_stage_ranks", "hetpipe_jax/runtime/virtual_worker.py",
+             "    if self.remote is not None:  # every stage rank applies p's update to its stages: the same new version\n"
+             "      self.remote.on_update(mb.record.minibatch_id, self.version.version_id)\n",
+             "    if self.remote is not None and mb.record.minibatch_id % 2:\n"
+             "      self.remote.on_update(mb.record.minibatch_id, self.version.version_id)\n",
+             ("tests/test_stage_ranks.py::test_stage_ranks_train_exactly_as_one_process",),
+             "the driver does not send every minibatch's update to its stage ranks (their versions fall behind)"),
     # ---- paper reproduction (issue 13)
     Mutation("type_efficiency_ignored", "hetpipe_jax/planning/cost_model.py",
              "  if gpu.roofline_efficiency is not None:", "  if False:",

@@ -13,6 +13,8 @@ from hetpipe_jax.paths import REPO_ROOT
 from hetpipe_jax.planning import plan_format, rank_map
 
 ED_LOCAL = "experiments/plans/local_cpu_2node_mlp_tiny_ed_local.json"
+ED4 = "experiments/plans/local_cpu_4node_mlp_tiny_ed.json"  # 4 nodes x 2 CPU "GPUs": 2 VWs x 4 stages, one per node
+HD4 = "experiments/plans/local_cpu_4node_mlp_tiny_hd.json"  # 2 VWs x 4 stages, two per node
 NP_CPU = "experiments/plans/local_cpu_cnn_b64.json"
 
 
@@ -49,6 +51,27 @@ def test_ranks_follow_the_jobs_layout():
   assert [s.host for s in slots] == ["h0"] * 3 and slots[1].devices == tuple(np_plan.virtual_workers[0].devices)
 
 
+def test_stage_ranks_map_every_stage_to_its_nodes_host():
+  """With stage ranks an ED VW spans hosts: rank S+v runs its stage 0 on stage 0's node's host, one rank per further
+  stage follows (or one per further node with the node grouping, HD: two stages per node)."""
+  plan = plan_format.load_plan(ED4)
+  hosts = ["h0", "h1", "h2", "h3"]
+  slots = rank_map.map_ranks(plan, plan_nodes(plan), 4, hosts, "gpu")
+  assert len(slots) == 4 + 2 + 6
+  host_of = dict(zip(plan_nodes(plan), hosts))
+  for s in slots[4:]:
+    assert s.host == host_of[s.nodes[0]] and len(s.nodes) == 1 and len(s.devices) == 1
+  assert [(s.rank, s.role) for s in slots[4:7]] == [(4, "VW 0 stage 0"), (5, "VW 1 stage 0"), (6, "VW 0 stage 1")]
+  vw0 = plan.virtual_workers[0]
+  assert [s.nodes[0] for s in slots if s.role.startswith("VW 0")] == [g.split("/")[0] for g in vw0.gpus]
+  hd = plan_format.load_plan(HD4)
+  slots = rank_map.map_ranks(hd, plan_nodes(hd), 4, hosts, "node")
+  assert [(s.rank, s.role, s.nodes) for s in slots[4:]] == [
+      (4, "VW 0 stages 0,1", ("n0",)), (5, "VW 1 stages 0,1", ("n1",)), (6, "VW 0 stages 2,3", ("n2",)),
+      (7, "VW 1 stages 2,3", ("n3",))]
+  assert slots[6].devices == (0, 1) and slots[6].host == "h2"
+
+
 def test_dry_run_prints_the_mapping_and_the_command(tmp_path):
   hosts = tmp_path / "hosts"
   hosts.write_text("localhost\n")
@@ -61,6 +84,18 @@ def test_dry_run_prints_the_mapping_and_the_command(tmp_path):
   assert " -n 4 " in command and "--config.num_ps_shards=2" in command and "--config.num_minibatches=8" in command
   assert f"--config.plan={ED_LOCAL}" in command and "-f " in command
   assert not (tmp_path / "run").exists()  # a dry run starts nothing
+
+
+def test_dry_run_with_stage_ranks(tmp_path):
+  hosts = tmp_path / "hosts"
+  hosts.write_text("a:2\nb:2\nc:2\nd:2\n")
+  proc = _launch(f"--plan={HD4}", f"--hostfile={hosts}", "--dry_run", "--stage_ranks", "--stage_rank_grouping=node",
+                 f"--workdir={tmp_path / 'run'}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  command = next(line for line in proc.stdout.splitlines() if line.startswith("command: "))
+  assert " -n 8 " in command and "--config.stage_ranks=True" in command
+  assert "--config.stage_rank_grouping=node" in command
+  assert "VW 0 stages 2,3" in proc.stdout
 
 
 def test_bad_hostfile_is_one_error_line(tmp_path):
@@ -90,3 +125,62 @@ def test_launch_runs_an_ed_plan_with_local_placement_and_no_cross_node_ps_bytes(
   assert all(ps_bytes["by_rank_pair"][pair] > 0 for pair in ("2->0", "2->1", "3->0", "3->1", "0->2", "1->3"))
   assert summary["applied_waves_in_order_per_shard"] == [True, True]
   assert summary["applied_waves_count_per_shard"] == [8, 8]  # 2 VWs x 4 waves on each shard
+
+
+def _check_stage_rank_run(workdir, plan_path, grouping, num_minibatches):
+  """A launched run with stage ranks and one PS shard per node: outputs, ranks per stage, every shard applied every
+  wave once, WSP's bounds, and the final weights equal the per-shard replay of the recorded versions."""
+  import jax
+  import numpy as np
+  import optax
+  from hetpipe_jax import models
+  from hetpipe_jax.data import fashion_mnist, sharding
+  from hetpipe_jax.jobs import checkpoint
+  from hetpipe_jax.ps.shards import ShardLayout
+  from hetpipe_jax.runtime.param_layout import ParamLayout
+  from tests.mpi_util import read_jsonl
+  from tests.replay import read_applied_order, replay_final_weights
+  plan = plan_format.load_plan(plan_path)
+  summary = json.loads((workdir / "summary.json").read_text())
+  config = json.loads((workdir / "config.json").read_text())
+  assert config["stage_ranks"] is True and config["stage_rank_grouping"] == grouping
+  groups = [rank_map.stage_groups([g.split("/")[0] for g in vw.gpus], grouping) for vw in plan.virtual_workers]
+  assert summary["stage_rank_of_stage"] == [rank_map.stage_ranks_of_vw(4, groups, v) for v in range(2)]
+  assert summary["num_ps_shards"] == 4 and summary["ps_placement"] == "local"
+  nm = summary["num_inflight"]
+  num_waves = num_minibatches // nm
+  assert summary["applied_waves_count_per_shard"] == [2 * num_waves] * 4
+  assert summary["applied_waves_in_order_per_shard"] == [True] * 4
+  records = read_jsonl(workdir / "minibatches.jsonl")
+  assert len(records) == 2 * num_minibatches
+  d = config["staleness_bound"]
+  assert all(r["version_global_clock"] >= r["local_clock_at_injection"] - d for r in records)
+  spec = models.get_model("mlp_tiny")
+  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
+  layout = ParamLayout.from_layer_params(params0)
+  shard_layout = ShardLayout.build(layout.layer_offsets, summary["ps_shards"]["layer_shards"], 4)
+  logs = [read_applied_order(workdir, s) for s in range(4)]
+  dataset = fashion_mnist.load_fashion_mnist(config["data_dir"], expected_counts=None)
+  sources = [sharding.ShardedMinibatches(dataset, 2, v, config["batch_size"], 0) for v in range(2)]
+  expected = replay_final_weights(records, spec, params0, optax.sgd(config["learning_rate"]), sources, nm, logs[0],
+                                  shards=list(zip(shard_layout.index, logs)))
+  actual = layout.flatten(checkpoint.restore_weights(workdir / "checkpoint"))
+  np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("plan_path, grouping, ranks", [(ED4, "gpu", 12), (HD4, "node", 8)])
+def test_launch_runs_4_node_ed_and_hd_plans_with_stage_ranks_and_sharded_ps(tmp_path, synthetic_data_dir, plan_path,
+                                                                            grouping, ranks):
+  """The 4-node cluster's ED plan (every VW on all four nodes: one rank per stage) and HD plan (two stages per node:
+  one rank per node of a VW), launched on one machine with stage ranks and 4 PS shards (local placement)."""
+  workdir = tmp_path / "run"
+  mb = 12
+  proc = _launch(f"--plan={plan_path}", "--config=experiments/configs/tiny.py", f"--workdir={workdir}",
+                 "--stage_ranks", f"--stage_rank_grouping={grouping}", "--",
+                 f"--config.data_dir={synthetic_data_dir}", "--config.check_counts=False", "--config.progress=False",
+                 f"--config.num_minibatches={mb}", "--config.checkpoint_every_waves=0", "--config.optimizer=sgd",
+                 "--config.learning_rate=0.05", timeout=400)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert (workdir / "ranks.hosts").read_text() == "localhost:1\n" * ranks
+  _check_stage_rank_run(workdir, plan_path, grouping, mb)

@@ -77,6 +77,20 @@ def test_bench_runtime_quick():
 
 
 @pytest.mark.mpi
+def test_bench_runtime_stage_ranks_quick():
+  """The stage-ranks benchmark's quick mode: one VW as one process and with its 3 stages on 3 ranks, under mpiexec."""
+  out = json.loads(_run(["scripts/bench_runtime.py", "--stage_ranks", "--quick"], timeout=240).stdout)
+  assert out["quick"] is True and "stage_ranks_vs_one_process_no_slack" not in out
+  r = out["stage_ranks_vs_one_process"]
+  assert r["shortest_task_ms"] >= 20 and r["num_minibatches"] == 3 * r["num_inflight"] and r["runs"] == 1
+  for side in ("one_process", "stage_ranks"):
+    assert _finite(r[side]["measured_mb_per_s"], r[side]["predicted_mb_per_s"], r[side]["ratio_to_engine"])
+    assert r[side]["measured_mb_per_s"] > 0
+  assert r["one_process"]["predicted_mb_per_s"] == r["stage_ranks"]["predicted_mb_per_s"]
+  assert _finite(r["ratio"]) and r["ratio"] > 0 and r["goal_ratio"] == 0.95
+
+
+@pytest.mark.mpi
 def test_validate_engine_smoke(tmp_path):
   output = tmp_path / "validation.json"
   proc = _run(["experiments/validate_engine.py", "--smoke", f"--output={output}", f"--runs_dir={tmp_path / 'runs'}",

@@ -68,6 +68,12 @@ def get_config() -> ml_collections.ConfigDict:
   # Which shard holds each layer: "default" (round-robin, as TensorFlow), "local" (the shard of the node that runs
   # the layer; ED plans), "" -> the plan's choice ("default" without a plan).
   c.ps_placement = ""
+  # Stage ranks (MPI jobs): a VW's stages on separate MPI ranks. False: one process per VW (ranks S..S+N-1). True:
+  # rank S+v is VW v's driver and runs its first stage(s); one rank per further stage (grouping "gpu") or per further
+  # plan node of the VW (grouping "node") follows the drivers, VW by VW. `python -m hetpipe_jax.launch --stage_ranks`
+  # places them; config.json records both fields. Needs checkpoint_every_waves = 0.
+  c.stage_ranks = False
+  c.stage_rank_grouping = "gpu"  # "gpu" (one rank per stage) | "node" (a VW's stages on one plan node share a rank)
   # Optimizer (optax), applied by every VW to its own minibatches.
   c.optimizer = "adam"  # "adam" | "sgd" | "momentum"
   c.learning_rate = 1e-3

@@ -72,6 +72,14 @@ class JobSettings:
   vw_stage_nodes: tuple[tuple[str, ...], ...] = ()  # per VW, per stage, the node of its GPU (plan) or "host"
   method: str = "hetpipe"
   memory_caps: tuple[tuple[int, ...], ...] | None = None
+  # Stage ranks (MPI jobs; :func:`with_stage_ranks`): per VW its stages grouped into processes, group 0 on the VW's
+  # driver rank (S + v), the further groups on ranks after the drivers; () = one process per VW.
+  stage_groups: tuple[tuple[tuple[int, ...], ...], ...] = ()
+
+  @property
+  def num_stage_ranks(self) -> int:
+    """Ranks beyond the VWs' drivers that run stages (0 without stage ranks)."""
+    return sum(len(g) - 1 for g in self.stage_groups)
 
   @property
   def uses_ps(self) -> bool:
@@ -81,7 +89,7 @@ class JobSettings:
   def world_size(self) -> int:
     """MPI ranks: ``num_ps_shards`` PS shards (ranks ``0..S-1``) then one rank per VW (WSP methods); one rank per VW
     (all-reduce methods: no PS)."""
-    return (self.num_ps_shards if self.uses_ps else 0) + self.num_virtual_workers
+    return (self.num_ps_shards if self.uses_ps else 0) + self.num_virtual_workers + self.num_stage_ranks
 
   @property
   def num_stages(self) -> int | None:
@@ -197,6 +205,13 @@ def _check_scalars(config: Any) -> None:
                       f"config.batch_size={config.batch_size} is not a multiple of it: pick a divisor")
   if config.get("vertical_sync", False) and method != "pipedream":
     raise ConfigError(f"config.vertical_sync=True is a PipeDream setting; config.method={method!r}")
+  grouping = config.get("stage_rank_grouping", "gpu")
+  if grouping not in ("gpu", "node"):
+    raise ConfigError(f"config.stage_rank_grouping={grouping!r} must be 'gpu' (one rank per stage) or 'node' (a "
+                      "VW's stages on one plan node share a rank)")
+  if config.get("stage_ranks", False) and method != "hetpipe":
+    raise ConfigError(f"config.stage_ranks=True runs HetPipe's pipeline (config.method='hetpipe'); config.method="
+                      f"{method!r} runs each VW in one process: set --config.stage_ranks=False")
   if config.get("remat", False) and not methods.get_method(method).is_flush:
     raise ConfigError(f"config.remat=True applies to gpipe, 1f1b_flush and horovod; config.method={method!r}")
 
@@ -340,12 +355,16 @@ def check_world_size(settings: JobSettings, world_size: int) -> None:
       s = settings.num_ps_shards
       ps = "rank 0 = PS" if s == 1 else f"ranks 0..{s - 1} = PS shards (config.num_ps_shards={s})"
       layout = f"{ps}, ranks {s}..{s + settings.num_virtual_workers - 1} = VWs"
+      if settings.num_stage_ranks:
+        first = s + settings.num_virtual_workers
+        layout += (f" (their first stages), ranks {first}..{first + settings.num_stage_ranks - 1} = the VWs' further "
+                   f"stages (config.stage_ranks=True, grouping {settings.stage_groups})")
     else:
       s = 0
       layout = f"one rank per VW: config.method={settings.method!r} has no PS"
     raise ConfigError(f"MPI world size is {world_size} but the job has {settings.num_virtual_workers} virtual "
                       f"workers ({what}): run `mpiexec -n {settings.world_size} ...` ({layout})"
-                      + ("" if settings.plan is not None else
+                      + ("" if settings.plan is not None or settings.num_stage_ranks else
                          f" or set config.num_virtual_workers={world_size - s}"))
 
 
@@ -628,3 +647,28 @@ def ps_layer_shards(settings: JobSettings, partitions: Sequence[Partition], has_
     labels = [str(i) for i in range(num)]
   return [None if a is None else labels.index(a)
           for a in assign_layers(settings.ps_placement, labels, has_params, per_vw)]
+
+
+def with_stage_ranks(config: Any, settings: JobSettings, resume: bool = False) -> JobSettings:
+  """Resolves stage ranks (``config.stage_ranks``): a VW's stages on separate MPI ranks, grouped by
+  :func:`hetpipe_jax.planning.rank_map.stage_groups` (``config.stage_rank_grouping``: ``"gpu"``, one rank per stage;
+  ``"node"``, the VW's stages on one plan node in one rank). Call after :func:`with_ps_shards` (it sets the stages'
+  nodes). Off: ``settings`` unchanged (one process per VW).
+
+  Raises:
+    ConfigError: checkpoint barriers (``config.checkpoint_every_waves > 0``) or ``--resume`` with stage ranks (the
+      optimizer states live on the stage ranks; not supported yet).
+  """
+  if not config.get("stage_ranks", False):
+    return settings
+  from hetpipe_jax.planning import rank_map
+  if config.checkpoint_every_waves > 0:
+    raise ConfigError(f"config.checkpoint_every_waves={config.checkpoint_every_waves} with config.stage_ranks=True: "
+                      "checkpoint barriers are not supported with stage ranks yet; set "
+                      "--config.checkpoint_every_waves=0 (the final weights are still saved)")
+  if resume:
+    raise ConfigError("--resume with config.stage_ranks=True is not supported yet (stage ranks write no checkpoints "
+                      "with optimizer states): resume without stage ranks")
+  grouping = config.get("stage_rank_grouping", "gpu")
+  groups = tuple(rank_map.stage_groups(nodes, grouping) for nodes in settings.vw_stage_nodes)
+  return dataclasses.replace(settings, stage_groups=groups)

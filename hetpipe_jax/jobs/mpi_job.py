@@ -1,5 +1,6 @@
 """One HetPipe training job over MPI: ranks 0..S-1 run the parameter-server shards (S = config.num_ps_shards, rank 0
-the lead: outputs, evaluation, checkpoints), ranks S..S+N-1 run one VW each.
+the lead: outputs, evaluation, checkpoints), ranks S..S+N-1 run one VW each (with ``config.stage_ranks``: each VW's
+driver and first stage group; the VWs' further stage groups run on ranks S+N.., :mod:`hetpipe_jax.runtime.stage_ranks`).
 
 Runtime layer; :mod:`hetpipe_jax.train` is its thin absl entry point. Everything that can be checked is checked on
 every rank before training starts (settings, world size, model, partition, devices, data), so bad input ends every
@@ -24,7 +25,8 @@ from hetpipe_jax.data import dataset as dataset_lib
 from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs.job_config import (ConfigError, JobSettings, check_devices, check_partitions, check_world_size,
-                                         emulated_task_times, ps_layer_shards, resolved_config, with_ps_shards)
+                                         emulated_task_times, ps_layer_shards, resolved_config, with_ps_shards,
+                                         with_stage_ranks)
 from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, settings_summary
 from hetpipe_jax.ps.shards import ShardLayout
 from hetpipe_jax.rules import methods
@@ -148,6 +150,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
     from hetpipe_jax.jobs import allreduce_job  # pylint: disable=g-import-not-at-top
     return allreduce_job.run(config, settings, workdir, comm, resume)
   settings = with_ps_shards(config, settings)  # sharded PS: ranks 0..S-1 (bad settings fail here, on every rank)
+  settings = with_stage_ranks(config, settings, resume)  # stage ranks: ranks S+N.. (after the VWs' drivers)
   rank, world = comm.Get_rank(), comm.Get_size()
   spec, partitions = prepare(config, settings, world)
   emulated = emulated_task_times(config, settings)  # bad emulation settings fail here, on every rank
@@ -184,10 +187,61 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   if rank < num_shards:
     _run_shard(config, settings, flat0, shards, rank, comm)
     return None
+  if rank >= num_shards + settings.num_virtual_workers:  # a stage rank
+    from hetpipe_jax.planning.rank_map import stage_rank_layout
+    vw_id, stages = next((v, st) for r, v, st in stage_rank_layout(num_shards, settings.stage_groups) if r == rank)
+    _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, partitions[vw_id], vw_id, comm)
+    return None
   vw_id = rank - num_shards
   _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partitions[vw_id], vw_id, comm,
           emulated[vw_id] if emulated else None, point, shards)
   return None
+
+
+def _stage_link(config, settings, spec, partition, vw_id, num_mb, comm):
+  """This rank's :class:`hetpipe_jax.runtime.stage_ranks.StageLink` for VW ``vw_id`` (stage ranks)."""
+  from hetpipe_jax.planning.rank_map import stage_ranks_of_vw
+  from hetpipe_jax.runtime import stage_ranks
+  ranks = stage_ranks_of_vw(settings.num_ps_shards, settings.stage_groups, vw_id)
+  return stage_ranks.StageLink(comm, vw_id, ranks, stage_ranks.stage_boundaries(spec, partition, config.batch_size),
+                               num_mb, ahead=settings.num_inflight + 1)
+
+
+def _stage_devices(settings, vw_id: int, link) -> list:
+  """Per stage, its local device (stage ranks: a stage on another rank gets a placeholder, never used)."""
+  local = jax.local_devices()
+  return [local[d] if link is None or link.is_local(s) else local[0]
+          for s, d in enumerate(settings.vws[vw_id].devices)]
+
+
+def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, partition, vw_id, comm) -> None:
+  """A stage rank: runs its stages of VW ``vw_id`` as the VW's driver commands
+  (:class:`hetpipe_jax.runtime.stage_ranks.StageRankServer`), then joins the job's final collective."""
+  from hetpipe_jax.runtime.stage_ranks import StageRankServer
+  from hetpipe_jax.runtime.virtual_worker import VirtualWorker
+  link = _stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
+  devices = _stage_devices(settings, vw_id, link)
+  optimizer = make_optimizer(config, num_mb)
+  stages = stages_lib.build_stages(spec, partition, devices, optimizer)
+  vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, settings.num_inflight,
+                     settings.staleness_bound, None, None, num_virtual_workers=settings.num_virtual_workers,
+                     method=settings.method, link=link)
+  source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
+  server = StageRankServer(comm, vw, settings.num_ps_shards + vw_id, source.get(0)[1])
+  logging.info("[VW %d] stage rank %d: stages %s on %s", vw_id, comm.Get_rank(), vw.local_stages,
+               [str(devices[s]) for s in vw.local_stages])
+  server.serve()
+  _ps_byte_matrix(comm)
+
+
+def _stage_rank_fields(settings: JobSettings) -> dict:
+  """What config.json and summary.json record about stage ranks: per VW, its stage groups and each stage's rank."""
+  from hetpipe_jax.planning.rank_map import stage_ranks_of_vw
+  if not settings.stage_groups:
+    return {}
+  return {"stage_rank_groups": [[list(g) for g in groups] for groups in settings.stage_groups],
+          "stage_rank_of_stage": [stage_ranks_of_vw(settings.num_ps_shards, settings.stage_groups, v)
+                                  for v in range(settings.num_virtual_workers)]}
 
 
 TAG_SHARD_FINAL = 13  # a non-lead shard's applied log and weights, to rank 0 at the end
@@ -337,7 +391,12 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
   from hetpipe_jax.runtime.virtual_worker import VirtualWorker
   from hetpipe_jax.ps.transport import MPIPSClient
 
-  devices = [jax.local_devices()[d] for d in settings.vws[vw_id].devices]
+  link = remote = None
+  if settings.stage_groups:  # stage ranks: this rank runs the VW's first stage group and drives the others
+    from hetpipe_jax.runtime.stage_ranks import RemoteStages
+    link = _stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
+    remote = RemoteStages(comm, vw_id, link, layout.layer_offsets, partition)
+  devices = _stage_devices(settings, vw_id, link)
   optimizer = make_optimizer(config, num_mb)
   stages = stages_lib.build_stages(spec, partition, devices, optimizer)
   source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
@@ -354,7 +413,8 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
                      task_time_s=task_times.task_duration_s if task_times else None,
                      corrupt_update=resume_lib.nan_injector(config, vw_id, off), ps_shards=sharded,
                      method=settings.method, vertical_sync=bool(config.get("vertical_sync", False)),
-                     max_held=settings.memory_caps[vw_id] if settings.memory_caps else None)
+                     max_held=settings.memory_caps[vw_id] if settings.memory_caps else None, link=link,
+                     remote=remote)
   first_start = None
   if point is not None:
     vw.load_opt_state(*point.opt_states[vw_id])
@@ -394,11 +454,20 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
            "max_concurrent_tasks": max_concurrent, "start_unix_s": first_start}
   if _checkpoint_due(config, total, total):  # the final checkpoint's optimizer state, before DONE
     client.send_opt_state(num_mb // nm, _opt_state_bytes(*vw.opt_state_by_layer()))
+  trace_counts = {s.stage_id: dict(s.trace_counts) for s in stages}
+  if remote is not None:  # the stage ranks' own counts replace the placeholders' (never traced here)
+    stage_reports = remote.stop()
+    for rep in stage_reports.values():
+      trace_counts.update({int(s): c for s, c in rep["trace_counts"].items()})
+    report["stage_ranks"] = {"ranks": list(link.stage_ranks),
+                             "version_waits": sum(r["version_waits"] for r in stage_reports.values()),
+                             "version_wait_s": sum(r["version_wait_s"] for r in stage_reports.values()),
+                             "remote_tasks": sum(r["tasks"] for r in stage_reports.values())}
   report.update({
       "stats": stats,
       "partition": [list(r) for r in partition],
       "stage_devices": [d.id for d in devices],
-      "trace_counts": {s.stage_id: dict(s.trace_counts) for s in stages},
+      "trace_counts": trace_counts,
       "tasks": vw.task_log if config.save_task_trace else [],
   })
   client.finish(num_mb // nm, report)
@@ -422,7 +491,8 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
     resume_lib.rewrite_lines(pathlib.Path(workdir) / "metrics.jsonl", meta["metrics"])
   outputs = RunOutputs(workdir)
   config_json = resolved_config(config, settings, partitions, num_ps_shards=settings.num_ps_shards,
-                                ps_placement=settings.ps_placement, **data_config_fields(spec, dataset))
+                                ps_placement=settings.ps_placement, **_stage_rank_fields(settings),
+                                **data_config_fields(spec, dataset))
   outputs.write_config(config_json)
   for note in settings.notes:
     logging.info("[PS] %s", note)
@@ -521,7 +591,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
   trained_mb = n * (num_mb - start_mb)
   per_vw = {str(vw): {k: rep["stats"][k] for k in ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes",
                                                    "peak_inflight_per_stage", "max_concurrent_tasks", "num_tasks",
-                                                   "num_overruns", "overrun_s", "host_busy_s",
+                                                   "num_overruns", "overrun_s", "host_busy_s", "update_s",
                                                    "start_unix_s", "barrier_s")}
             | {"stage_devices": rep["stage_devices"]}
             for vw, rep in sorted(service.reports.items())}
@@ -548,6 +618,9 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
                     "floats_per_shard": [shards.size(s) for s in range(shards.num_shards)],
                     "first_vw_rank": settings.num_ps_shards},
       "ps_bytes": ps_bytes_summary(byte_matrix, settings, partitions, layout.layer_offsets, shards, total - clock0),
+      **_stage_rank_fields(settings),
+      **({"stage_rank_stats": {str(vw): rep["stage_ranks"] for vw, rep in sorted(service.reports.items())}}
+         if settings.stage_groups else {}),
       **extra,
       "trace_counts": {str(vw): rep["trace_counts"] for vw, rep in sorted(service.reports.items())},
       "evaluations": service.evals,

@@ -7,8 +7,11 @@ shards (shard i on the plan's node ``i mod #nodes``, one shard per node by defau
 ``S..S+N-1`` the VWs. The plan's nodes map to the hostfile's hosts in order (node i → host i); a hostfile with one
 host (or none: ``localhost``) takes every node, which is how one machine runs a multi-node plan.
 
-A VW runs in one process, so its stages' nodes must map to one host (ED and HD VWs span nodes: on a real cluster
-they need stage ranks, not implemented yet; on one machine every node is localhost).
+Without stage ranks a VW runs in one process, so its stages' nodes must map to one host (ED and HD VWs span nodes:
+on a real cluster they need stage ranks; on one machine every node is localhost). With stage ranks
+(``config.stage_ranks``) rank ``S + v`` is VW v's driver and runs the stages of its first group (stage 0's), and one
+rank per further group follows the drivers, VW by VW (:func:`stage_groups`, :func:`stage_rank_layout`): a group is
+one stage (``grouping="gpu"``: one rank per GPU) or the stages of one VW on one node (``"node"``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,54 @@ class RankSlot:
   nodes: tuple[str, ...]
   host: str
   devices: tuple[int, ...]
+
+
+STAGE_RANK_GROUPINGS = ("gpu", "node")
+
+
+def stage_groups(stage_nodes: Sequence[str], grouping: str) -> tuple[tuple[int, ...], ...]:
+  """A VW's stages grouped into processes (stage ranks): group 0 holds stage 0 and runs on the VW's driver rank.
+
+  Args:
+    stage_nodes: per stage, the node of its GPU.
+    grouping: ``"gpu"``: one process per stage; ``"node"``: the VW's stages on one node share a process (groups in
+      order of their first stage).
+
+  Raises:
+    LaunchError: an unknown grouping.
+  """
+  if grouping not in STAGE_RANK_GROUPINGS:
+    raise LaunchError(f"stage rank grouping {grouping!r} must be one of {list(STAGE_RANK_GROUPINGS)}")
+  if grouping == "gpu":
+    return tuple((s,) for s in range(len(stage_nodes)))
+  groups: dict[str, list[int]] = {}
+  for s, node in enumerate(stage_nodes):
+    groups.setdefault(node, []).append(s)
+  return tuple(tuple(g) for g in groups.values())
+
+
+def stage_rank_layout(num_ps_shards: int, groups_per_vw: Sequence[Sequence[Sequence[int]]]
+                      ) -> list[tuple[int, int, tuple[int, ...]]]:
+  """Every VW process as ``(rank, vw, stages)``: the drivers ``S..S+N-1`` (each its group 0), then every VW's further
+  groups, VW by VW, in group order (the job's and the launcher's one rule)."""
+  n = len(groups_per_vw)
+  out = [(num_ps_shards + v, v, tuple(groups[0])) for v, groups in enumerate(groups_per_vw)]
+  rank = num_ps_shards + n
+  for v, groups in enumerate(groups_per_vw):
+    for group in groups[1:]:
+      out.append((rank, v, tuple(group)))
+      rank += 1
+  return out
+
+
+def stage_ranks_of_vw(num_ps_shards: int, groups_per_vw: Sequence[Sequence[Sequence[int]]], vw: int) -> list[int]:
+  """Per stage of VW ``vw``, the rank that runs it (:func:`stage_rank_layout`)."""
+  ranks = [0] * sum(len(g) for g in groups_per_vw[vw])
+  for rank, v, stages in stage_rank_layout(num_ps_shards, groups_per_vw):
+    if v == vw:
+      for s in stages:
+        ranks[s] = rank
+  return ranks
 
 
 def read_hostfile(text: str) -> list[str]:
@@ -74,17 +125,20 @@ def node_hosts(nodes: Sequence[str], hosts: Sequence[str]) -> dict[str, str]:
   return dict(zip(nodes, hosts))
 
 
-def map_ranks(plan: Any, nodes: Sequence[str], num_ps_shards: int, hosts: Sequence[str]) -> list[RankSlot]:
-  """Every rank of the job (shards, then VWs) with its host and devices.
+def map_ranks(plan: Any, nodes: Sequence[str], num_ps_shards: int, hosts: Sequence[str],
+              grouping: str | None = None) -> list[RankSlot]:
+  """Every rank of the job (shards, then VWs' drivers, then stage ranks) with its host and devices.
 
   Args:
     plan: a :class:`hetpipe_jax.planning.plan_format.Plan`.
     nodes: the plan's nodes in shard order (:func:`hetpipe_jax.jobs.job_config.plan_nodes`).
     num_ps_shards: S >= 1.
     hosts: the hostfile's hosts (:func:`read_hostfile`).
+    grouping: stage ranks (``"gpu"`` or ``"node"``, :func:`stage_groups`); None: one process per VW.
 
   Raises:
-    LaunchError: ``num_ps_shards < 1``, too few hosts, or a VW whose stages' nodes map to different hosts.
+    LaunchError: ``num_ps_shards < 1``, too few hosts, or (without stage ranks) a VW whose stages' nodes map to
+      different hosts.
   """
   from hetpipe_jax.planning.ps_placement import gpu_node
   if num_ps_shards < 1:
@@ -94,23 +148,32 @@ def map_ranks(plan: Any, nodes: Sequence[str], num_ps_shards: int, hosts: Sequen
   for i in range(num_ps_shards):
     node = nodes[i % len(nodes)]
     slots.append(RankSlot(i, f"ps shard {i}" + (" (lead)" if i == 0 else ""), (node,), host_of[node], ()))
-  for vw in plan.virtual_workers:
-    vw_nodes = tuple(dict.fromkeys(gpu_node(g) for g in vw.gpus))
-    vw_hosts = sorted({host_of[n] for n in vw_nodes})
-    if len(vw_hosts) > 1:
-      raise LaunchError(f"VW {vw.vw_id}'s stages run on nodes {', '.join(vw_nodes)}, mapped to different hosts "
-                        f"({', '.join(vw_hosts)}): a VW runs in one process (stage ranks are not implemented yet); "
-                        "map those nodes to one host, or use an NP plan (one VW per node)")
-    devices = tuple(d if d is not None else -1 for d in vw.devices)
-    slots.append(RankSlot(num_ps_shards + vw.vw_id, f"VW {vw.vw_id}", vw_nodes, vw_hosts[0], devices))
+  vws = sorted(plan.virtual_workers, key=lambda vw: vw.vw_id)
+  stage_nodes = [[gpu_node(g) for g in vw.gpus] for vw in vws]
+  groups = [stage_groups(n, grouping) if grouping is not None else (tuple(range(len(n))),) for n in stage_nodes]
+  for rank, v, stages in stage_rank_layout(num_ps_shards, groups):
+    vw = vws[v]
+    proc_nodes = tuple(dict.fromkeys(stage_nodes[v][s] for s in stages))
+    proc_hosts = sorted({host_of[n] for n in proc_nodes})
+    if len(proc_hosts) > 1:
+      raise LaunchError(f"VW {vw.vw_id}'s stages run on nodes {', '.join(proc_nodes)}, mapped to different hosts "
+                        f"({', '.join(proc_hosts)}): a VW runs in one process unless it has stage ranks; add "
+                        "--stage_ranks (one rank per GPU, or --stage_rank_grouping=node), map those nodes to one "
+                        "host, or use an NP plan (one VW per node)")
+    devices = tuple(vw.devices[s] if vw.devices[s] is not None else -1 for s in stages)
+    if len(stages) == len(vw.gpus):
+      role = f"VW {vw.vw_id}"
+    else:
+      role = f"VW {vw.vw_id} stage{'s' if len(stages) > 1 else ''} {','.join(map(str, stages))}"
+    slots.append(RankSlot(rank, role, proc_nodes, proc_hosts[0], devices))
   return slots
 
 
 def format_table(slots: Sequence[RankSlot]) -> str:
   """The mapping as a fixed-width table (rank, role, nodes, host, devices)."""
-  lines = [f"{'rank':>4}  {'role':<18} {'plan nodes':<20} {'host':<20} devices"]
+  lines = [f"{'rank':>4}  {'role':<22} {'plan nodes':<20} {'host':<20} devices"]
   for s in slots:
-    lines.append(f"{s.rank:>4}  {s.role:<18} {','.join(s.nodes):<20} {s.host:<20} "
+    lines.append(f"{s.rank:>4}  {s.role:<22} {','.join(s.nodes):<20} {s.host:<20} "
                  f"{','.join(map(str, s.devices)) or '-'}")
   return "\n".join(lines)
 

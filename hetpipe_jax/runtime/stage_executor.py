@@ -61,6 +61,7 @@ class Completion:
   submit_s: float = 0.0  # when the scheduler submitted the task
   device_end_s: float = 0.0  # emulated: the end on the emulated device, max(start + duration, output ready) <=
   # end_s; else end_s. The executor's lateness in reporting the end is end_s - device_end_s.
+  loss: float | None = None  # stage ranks: a remote last stage's FB reports its minibatch's loss with its completion
 
 
 class StageExecutor:

@@ -35,6 +35,15 @@ stage) the stage applies its own optimizer step, adding the delta to that miniba
 carry the per-stage versions (``stage_versions``). At a wave end the VW pushes every stage's wave delta, and a pull
 rebases every stage (global + own waves the PS lacks + deltas not pushed yet), under a per-stage lock because the
 stage executors update concurrently.
+
+Stage ranks (``link`` / ``remote``, :mod:`hetpipe_jax.runtime.stage_ranks`): some of the VW's stages run on other MPI
+ranks. The driver's object holds its local stages only (``local_stages``; the others' entries in versions, optimizer
+states and deltas are None) and still makes every decision in :meth:`run`: a remote stage's executor sends its rank
+"start task X at version V" (:meth:`dispatch` of a remote stage's task sends that command), and each action also
+sends the remote stages its version change (``remote``: inject, a minibatch's update, a pull's rebased weights, a
+wave end that returns their wave deltas). A stage rank holds the same object over its own stages and applies those
+changes in the same order (:class:`hetpipe_jax.runtime.stage_ranks.StageRankServer`). Between stages of different
+ranks :meth:`dispatch` sends and receives activations and gradients through ``link``.
 """
 
 from __future__ import annotations
@@ -181,6 +190,10 @@ class VirtualWorker:
       used for it (PipeDream's vertical sync); False: each stage's latest weights.
     max_held: hetpipe: per stage, the most minibatches it may hold (the memory caps of
       :class:`hetpipe_jax.rules.schedule.PipelineRules`; a ``schedule`` plan's ``held_per_stage``); None: none.
+    link: stage ranks: the :class:`hetpipe_jax.runtime.stage_ranks.StageLink` of this rank (which stages are local,
+      activations and gradients to and from stages on other ranks); None: every stage is local.
+    remote: stage ranks, on the driver: the :class:`hetpipe_jax.runtime.stage_ranks.RemoteStages` its actions send
+      their version changes and remote tasks to; None on a stage rank and without stage ranks.
 
   Raises:
     ValueError: ``num_inflight < 1``, ``staleness_bound < 0``, or ``vw_id`` not in ``[0, num_virtual_workers)``.
@@ -196,7 +209,8 @@ class VirtualWorker:
                method: str = "hetpipe",
                reducer: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
                on_step: Callable[[int, float], None] | None = None,
-               vertical_sync: bool = False, max_held: Sequence[int] | None = None):
+               vertical_sync: bool = False, max_held: Sequence[int] | None = None, link: Any = None,
+               remote: Any = None):
     self.method = methods.get_method(method)
     if max_held is not None and self.method.name != "hetpipe":
       raise ValueError(f"max_held (memory caps) is a HetPipe rule, not {method!r}'s")
@@ -214,6 +228,12 @@ class VirtualWorker:
     self.num_virtual_workers = num_virtual_workers
     self.vw_id = vw_id
     self.stages = list(stages)
+    if (link is not None or remote is not None) and self.method.name != "hetpipe":
+      raise ValueError(f"stage ranks run HetPipe's pipeline, not {method!r}")
+    self.link = link
+    self.remote = remote
+    # the stages this process runs (stage ranks: the others' entries below are None)
+    self.local_stages = [s for s in range(len(self.stages)) if link is None or link.is_local(s)]
     self.layout = layout
     self.num_inflight = num_inflight
     self.staleness_bound = staleness_bound
@@ -226,14 +246,17 @@ class VirtualWorker:
     self.ps_shards = ps_shards
     self.own_flat: dict[int, np.ndarray] = {}  # sharded PS: wave -> host copy of the own wave's flat update
     self.optimizer = optimizer
-    params = tuple(self._place_stage(initial_layer_params, st) for st in self.stages)
+    local = set(self.local_stages)
+    params = tuple(self._place_stage(initial_layer_params, st) if s in local else None
+                   for s, st in enumerate(self.stages))
     # Constant outputs (Adam's step count, zeros) are not committed by jit: place them explicitly.
-    self.opt_states = [jax.device_put(jax.jit(optimizer.init)(p), st.device) for st, p in zip(self.stages, params)]
+    self.opt_states = [jax.device_put(jax.jit(optimizer.init)(p), st.device) if p is not None else None
+                       for st, p in zip(self.stages, params)]
     self._zeros = [jax.device_put(jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t))(p), st.device)
-                   for st, p in zip(self.stages, params)]
+                   if p is not None else None for st, p in zip(self.stages, params)]
     # Compile the update and the rebase now, not at the first completion / pull (a stall inside wave 1).
     jax.block_until_ready([(st.update(p, o, z, z), st.add(p, z))
-                           for st, p, o, z in zip(self.stages, params, self.opt_states, self._zeros)])
+                           for st, p, o, z in zip(self.stages, params, self.opt_states, self._zeros) if p is not None])
     self.version = WeightVersion(params, 0, (0,) * num_virtual_workers, 0)
     self.wave_delta = list(self._zeros)
     self.grad_acc = list(self._zeros)  # flush methods: the step's accumulated gradients per stage
@@ -339,7 +362,10 @@ class VirtualWorker:
     gc.freeze()
     t0 = time.perf_counter()
     stats.start_unix_s = time.time()
-    executors = [StageExecutor(s, done, t0) for s in range(num_stages)]
+    if self.remote is not None:  # stage ranks: they start their executors on the same clock
+      self.remote.begin_run(done, t0, stats.start_unix_s, num_minibatches)
+    executors = [StageExecutor(s, done, t0) if self.remote is None or s in self.local_stages
+                 else self.remote.executor(s) for s in range(num_stages)]
     num_running = 0
     first = None
     wait_since = idle_since = None
@@ -382,6 +408,8 @@ class VirtualWorker:
             num_running -= 1
             if c.error is not None:
               raise c.error
+            if c.loss is not None:  # a remote last stage's loss, reported with its FB task
+              inflight[c.task.minibatch_id].loss = c.loss
             self.task_log.append((str(c.task), c.start_s, c.device_end_s))
             if c.overrun_s > OVERRUN_TOLERANCE_S:
               stats.num_overruns += 1
@@ -462,7 +490,12 @@ class VirtualWorker:
       rec.stage_versions = [-1] * len(self.stages)
     self.records.append(rec)
     x = jax.device_put(images, first.device)
-    y = jax.device_put(labels, last.device)
+    if self.remote is None or len(self.stages) - 1 in self.local_stages:
+      y = jax.device_put(labels, last.device)
+    else:
+      y = None
+    if self.remote is not None:  # every stage rank learns p's version; the last stage's rank gets the labels
+      self.remote.on_inject(p, v.version_id, labels)
     return InFlightMinibatch(v, x, y, {0: x}, {}, {}, {}, record=rec)
 
   def dispatch(self, task: Task, mb: InFlightMinibatch):
@@ -474,6 +507,8 @@ class VirtualWorker:
     st = self.stages[s]
     if self.method.update == "stage":
       return self._dispatch_per_stage(task, mb)
+    if self.link is not None:
+      return self._dispatch_linked(task, mb)
     params = mb.version.params[s]
     if task.kind is TaskKind.FORWARD:
       out, vjp = st.forward(params, mb.activations.pop(s))
@@ -499,6 +534,56 @@ class VirtualWorker:
     g = jax.device_put(gx, self.stages[s - 1].device)
     mb.grad_in[s - 1] = g
     return g
+
+  def _dispatch_linked(self, task: Task, mb: InFlightMinibatch):
+    """:meth:`dispatch` with stage ranks: a remote stage's task is a command to its rank (the driver's remote
+    executor calls this on the scheduler thread; returns None); a local stage's input from a stage on another rank
+    arrives through the link, and its output to one leaves through it (the returned marker is ready once it has
+    been received). Parameter gradients are kept before the input gradient is sent, so a minibatch's update (sent
+    once stage 0's backward completed) finds them on every stage."""
+    s = task.stage_id
+    st = self.stages[s]
+    p = task.minibatch_id
+    if s not in self.local_stages:
+      self.remote.start_task(task, mb.version.version_id,
+                             self.task_time_s(task) if self.task_time_s is not None else None)
+      return None
+    version = mb.version.version_id
+    params = mb.version.params[s]
+    link = self.link
+    if task.kind is TaskKind.BACKWARD:
+      if link.is_local(s + 1):
+        grad_out = mb.grad_in.pop(s)
+      else:
+        grad_out = jax.device_put(link.recv_gradient(s, p, version), st.device)
+      gp, gx = st.backward(mb.residuals.pop(s), grad_out)
+      mb.grads[s] = gp
+      if s == 0:
+        leaves = jax.tree.leaves(gp)
+        return leaves[0] if leaves else grad_out
+    else:
+      if s == 0 or link.is_local(s - 1):
+        x = mb.activations.pop(s)
+      else:
+        x = jax.device_put(link.recv_activation(s, p, version), st.device)
+      if task.kind is TaskKind.FORWARD:
+        out, vjp = st.forward(params, x)
+        mb.residuals[s] = vjp
+        if link.is_local(s + 1):
+          nxt = jax.device_put(out, self.stages[s + 1].device)
+          mb.activations[s + 1] = nxt
+          return nxt
+        return link.send_activation(s, p, version, out)
+      loss, gp, gx = st.forward_backward(params, x, mb.labels)
+      mb.loss = loss
+      mb.grads[s] = gp
+      if s == 0:
+        return loss
+    if link.is_local(s - 1):
+      g = jax.device_put(gx, self.stages[s - 1].device)
+      mb.grad_in[s - 1] = g
+      return g
+    return link.send_gradient(s, p, version, gx)
 
   def _dispatch_per_stage(self, task: Task, mb: InFlightMinibatch):
     """PipeDream's :meth:`dispatch`: forwards on the stage's current (or vertically synced) weights, stashed in the
@@ -547,18 +632,55 @@ class VirtualWorker:
       rec.complete_time_s = now
       self._wave_losses.append((rec, mb.loss))
       return
-    new_params, new_states, new_deltas = [], [], []
-    for s, st in enumerate(self.stages):
-      p, o, d = st.update(self.version.params[s], self.opt_states[s], mb.grads[s], self.wave_delta[s])
-      new_params.append(p)
-      new_states.append(o)
-      new_deltas.append(d)
-    self.opt_states = new_states
-    self.wave_delta = new_deltas
-    self.version = self._new_version(new_params, local_updates=self.version.local_updates + 1)
+    self.apply_update(mb)
+    if self.remote is not None:  # every stage rank applies p's update to its stages: the same new version
+      self.remote.on_update(mb.record.minibatch_id, self.version.version_id)
     rec = mb.record
     rec.complete_time_s = now
     self._wave_losses.append((rec, mb.loss))  # read back once per wave, not once per minibatch
+
+  def apply_update(self, mb: InFlightMinibatch) -> None:
+    """Minibatch ``mb``'s optimizer step on every local stage: a new weight version, its delta added to the wave's."""
+    new_params, new_states, new_deltas = list(self.version.params), list(self.opt_states), list(self.wave_delta)
+    for s in self.local_stages:
+      st = self.stages[s]
+      new_params[s], new_states[s], new_deltas[s] = st.update(self.version.params[s], self.opt_states[s], mb.grads[s],
+                                                              self.wave_delta[s])
+    self.opt_states = new_states
+    self.wave_delta = new_deltas
+    self.version = self._new_version(new_params, local_updates=self.version.local_updates + 1)
+
+  def take_wave_delta(self) -> np.ndarray:
+    """The local stages' wave delta, flat (their layers in stage order), and a fresh zero delta (a stage rank's side
+    of a wave end)."""
+    host = jax.device_get([self.wave_delta[s] for s in self.local_stages])
+    flat = self._flat_of(self.local_stages, host)
+    for s in self.local_stages:
+      self.wave_delta[s] = self._zeros[s]
+    return flat
+
+  def _flat_of(self, stage_ids: Sequence[int], host: Sequence[Any]) -> np.ndarray:
+    parts = [self.layout.flatten(h, self.stages[s].layer_range[0]) for s, h in zip(stage_ids, host)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+  def install_rebased(self, flat: np.ndarray) -> None:
+    """A stage rank's side of a pull: its stages' rebased weights (the pulled global weights plus the own waves the
+    PS lacks, computed by the driver; its stages' layers in stage order) plus its current partial wave: a new
+    version."""
+    params = list(self.version.params)
+    pos = 0
+    offsets = self.layout.layer_offsets
+    for s in self.local_stages:
+      st = self.stages[s]
+      start, end = st.layer_range
+      n = offsets[end] - offsets[start]
+      p = jax.device_put(_host_copy(self.layout.unflatten(flat[pos:pos + n], start, end)), st.device)
+      params[s] = st.add(p, self.wave_delta[s])
+      pos += n
+    if pos != flat.size:
+      raise ValueError(f"[VW {self.vw_id}] rebased weights of {flat.size} floats for stages {self.local_stages} "
+                       f"holding {pos}")
+    self.version = self._new_version(params)
 
   def end_wave(self, wave_id: int) -> bool:
     """Pushes wave ``wave_id``'s summed delta and losses to the PS and keeps the delta until the PS holds it.
@@ -576,9 +698,12 @@ class VirtualWorker:
     if self.method.update == "stage":
       return self._push_stage_waves(wave_id)
     loss_sum = self._read_losses()
-    host = jax.device_get(self.wave_delta)
-    flat = np.concatenate([self.layout.flatten(h, st.layer_range[0]) for h, st in zip(host, self.stages)])
-    if self.ps_shards is not None:
+    if self.remote is not None:
+      flat = self._linked_wave_flat(wave_id)
+    else:
+      host = jax.device_get(self.wave_delta)
+      flat = np.concatenate([self.layout.flatten(h, st.layer_range[0]) for h, st in zip(host, self.stages)])
+    if self.ps_shards is not None or self.remote is not None:
       self.own_flat[wave_id] = flat.copy()  # the update as computed, before a fault drill can touch it
     if self.corrupt_update is not None:  # fault drills only (config.debug_nan_update)
       self.corrupt_update(wave_id, flat)
@@ -587,6 +712,20 @@ class VirtualWorker:
     self.own_waves[wave_id] = self.wave_delta
     self.wave_delta = list(self._zeros)
     return False
+
+  def _linked_wave_flat(self, wave_id: int) -> np.ndarray:
+    """Stage ranks: the wave's flat delta, the local stages' and every stage rank's (each sends its stages')."""
+    offsets = self.layout.layer_offsets
+    flat = np.empty(self.layout.num_params, np.float32)
+    remote = self.remote.wave_deltas(wave_id)  # stage -> its flat delta
+    host = jax.device_get([self.wave_delta[s] for s in self.local_stages])
+    for s, h in zip(self.local_stages, host):
+      start, end = self.stages[s].layer_range
+      flat[offsets[start]:offsets[end]] = self.layout.flatten(h, start)
+    for s, part in remote.items():
+      start, end = self.stages[s].layer_range
+      flat[offsets[start]:offsets[end]] = part
+    return flat
 
   def _read_losses(self) -> float:
     """Reads the current wave's (step's) losses back into their records; returns their sum.
@@ -712,14 +851,18 @@ class VirtualWorker:
     if self.method.update == "stage":
       self._install_pull_per_stage(vector_clock, flat, keep)
       return
-    params = []
-    for s, st in enumerate(self.stages):
+    params = [None] * len(self.stages)
+    for s in self.local_stages:
+      st = self.stages[s]
       start, end = st.layer_range
       p = jax.device_put(_host_copy(self.layout.unflatten(flat, start, end)), st.device)
       for c in keep:
         p = st.add(p, self.own_waves[c][s])
-      params.append(st.add(p, self.wave_delta[s]))
+      params[s] = st.add(p, self.wave_delta[s])
     self.version = self._new_version(params, vector_clock=vector_clock)
+    if self.remote is not None:  # the stage ranks' stages: pulled + the same own waves, added in the same order
+      self.own_flat = {c: self.own_flat[c] for c in keep}
+      self.remote.on_pull(self.version.version_id, flat, [self.own_flat[c] for c in keep])
     logging.log_every_n_seconds(logging.INFO, "[VW %d] pulled global clock %d, vector clock %s (local clock %d)", 10,
                                 self.vw_id, self.version.global_clock, list(vector_clock), self.sync.local_clock)
 
@@ -734,13 +877,16 @@ class VirtualWorker:
       index = self.ps_shards.index[shard]
       for c in wsp.own_waves_after_pull(keep, vc[self.vw_id]):  # this shard's slice lacks these own waves
         local[index] += self.own_flat[c][index]
-    params = []
-    for s, st in enumerate(self.stages):
+    params = [None] * len(self.stages)
+    for s in self.local_stages:
+      st = self.stages[s]
       start, end = st.layer_range
       p = jax.device_put(self.layout.unflatten(local, start, end), st.device)
-      params.append(st.add(p, self.wave_delta[s]))
+      params[s] = st.add(p, self.wave_delta[s])
     self.version = self._new_version(params, vector_clock=vector_clock,
                                      shard_vector_clocks=tuple(tuple(int(c) for c in vc) for vc in shard_vector_clocks))
+    if self.remote is not None:  # the stage ranks' stages: the same rebased slices
+      self.remote.on_pull(self.version.version_id, local, [])
 
   def _install_pull_per_stage(self, vector_clock, flat: np.ndarray, keep: list[int]) -> None:
     """PipeDream's pull: every stage := global + its own pushed waves the PS lacks + its deltas not pushed yet (under

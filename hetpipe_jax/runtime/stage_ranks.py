@@ -1,0 +1,737 @@
+"""Stage ranks: a VW's stages on separate MPI ranks (one rank per GPU, or the VW's stages on one node in one rank).
+
+Runtime layer. The VW's driver rank (``S + v``, running its first stage group) keeps the one
+:meth:`hetpipe_jax.runtime.virtual_worker.VirtualWorker.run` loop and every rule decision (``PipelineRules``,
+``injection_step``, ``VWSyncState``); this module carries them to the stage ranks:
+
+* **Tasks.** A remote stage's executor (:class:`RemoteStageExecutor`) sends its rank ``TASK`` ("start task X of
+  minibatch p at version V", with the emulated duration) when the driver submits it, and the driver's listener
+  thread posts the task's completion on the run's queue when the rank ``REPORT``\\ s it (its device times on the
+  driver's clock; a last stage's loss). FIFO order per stage, Nm and WSP are decided once, by the driver.
+* **Activations and gradients** go stage rank to stage rank (:class:`StageLink`): one int64 header (:func:`make_header`:
+  kind, VW, minibatch, stage, weight version, size) then one contiguous numpy payload, non-blocking ``Isend`` /
+  ``Irecv`` (nothing pickled). Receives are posted ahead (each stream carries minibatches 0, 1, ... in order: forwards
+  and backwards run in minibatch order on every stage), so a send completes when the data is in its consumer's
+  buffer, which is when the sending task completes (as in one process, where it waits for the ``device_put``). The
+  receiver checks the header (:func:`check_header`); one that does not match is a :class:`ProtocolError` naming both
+  ranks.
+* **Version changes** reach every stage rank as one in-order stream from the driver (``INJECT`` p at version V,
+  ``UPDATE`` p → V+1, ``PULL`` → V+1 with the rank's slice of the rebased pulled weights, ``END_WAVE`` w, which the
+  rank answers with its stages' ``WAVE_DELTA``; the driver pushes to the PS as before). A stage rank applies them in
+  that order (:class:`StageRankServer`), so its stages hold the driver's versions, and a task waits until its
+  minibatch's version has been applied there (:class:`VersionStore`): one consistent weight version per minibatch on
+  every stage.
+
+A rank that dies ends the whole job: ``mpiexec`` (hydra) kills every rank when one exits abnormally, and an exception
+on any rank aborts the world (``python -m mpi4py``), the same machinery as for VW ranks.
+
+Wire kinds (``stage`` field: the sending stage for data, the task's stage for TASK / REPORT):
+
+===========  =====================  ===========================================================================
+kind         direction              payload
+===========  =====================  ===========================================================================
+ACTIVATION   stage s → s + 1        the activation (its dtype, ``size`` elements)
+GRADIENT     stage s → s - 1        the gradient of stage s's input
+START        driver → stage rank    float64 ``[run start, unix seconds]``; ``minibatch``: minibatches in the run
+INJECT       driver → stage rank    the labels (int32), to the rank of the last stage only
+TASK         driver → stage rank    none; ``arg0`` task kind, ``arg1`` emulated nanoseconds (-1: none)
+UPDATE       driver → stage rank    none: apply minibatch p's update; ``version`` = the new version
+PULL         driver → stage rank    float32 rebased weights of the rank's stages' layers; ``version`` = the new one
+END_WAVE     driver → stage rank    none; ``minibatch`` = the wave
+STOP         driver → stage rank    none
+REPORT       stage rank → driver    float64 ``[start, end, overrun, dispatch, submit, device end, loss]``
+WAVE_DELTA   stage rank → driver    float32 the rank's stages' wave delta; ``minibatch`` = the wave
+STOPPED      stage rank → driver    uint8 JSON: its trace counts and version-wait statistics
+===========  =====================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import functools
+import gc
+import json
+import queue
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from hetpipe_jax.rules.schedule import Task, TaskKind
+from hetpipe_jax.runtime.stage_executor import Completion, StageExecutor, fine_timer_slack
+
+MAGIC = 0x53544752  # "STGR"
+HEADER_FIELDS = ("magic", "kind", "vw", "minibatch", "stage", "version", "size", "arg0", "arg1")
+HEADER_SIZE = len(HEADER_FIELDS)
+TAG_CONTROL = 40  # driver -> stage rank, in order
+TAG_REPORT = 41  # stage rank -> driver: task completions
+TAG_REPLY = 42  # stage rank -> driver: wave deltas, the final report
+TAG_DATA = 100  # + 2 * receiving stage (+ 1 for gradients)
+REPORT_SIZE = 7
+RECEIVES_AHEAD = 4  # completion reports posted ahead per stage rank
+# Polling back-off while nothing arrives (MPICH's blocking calls spin; the pollers set a fine timer slack, so a sleep
+# lasts what it asks): a message waits at most POLL_MAX_S to be noticed by an idle poller.
+POLL_MIN_S, POLL_MAX_S = 2e-5, 1e-4
+TASK_CODES = {TaskKind.FORWARD: 0, TaskKind.BACKWARD: 1, TaskKind.FORWARD_BACKWARD: 2}
+TASK_KINDS = {v: k for k, v in TASK_CODES.items()}
+
+
+class Kind(enum.IntEnum):
+  ACTIVATION = 1
+  GRADIENT = 2
+  START = 3
+  INJECT = 4
+  TASK = 5
+  UPDATE = 6
+  PULL = 7
+  END_WAVE = 8
+  STOP = 9
+  REPORT = 10
+  WAVE_DELTA = 11
+  STOPPED = 12
+
+
+CONTROL_KINDS = (Kind.START, Kind.INJECT, Kind.TASK, Kind.UPDATE, Kind.PULL, Kind.END_WAVE, Kind.STOP)
+
+
+class ProtocolError(RuntimeError):
+  """A stage-rank message that does not match what its receiver expects (the message names both ranks)."""
+
+
+def make_header(kind: Kind, vw: int, minibatch: int = 0, stage: int = 0, version: int = 0, size: int = 0,
+                arg0: int = 0, arg1: int = 0) -> np.ndarray:
+  return np.array([MAGIC, int(kind), vw, minibatch, stage, version, size, arg0, arg1], np.int64)
+
+
+def check_header(header: np.ndarray, *, source: int, dest: int, kinds: Sequence[Kind], vw: int,
+                 **expected: int | None) -> Kind:
+  """Checks a received header; returns its kind.
+
+  Args:
+    header: the int64 header.
+    source, dest: the sending and the receiving rank (named in the error).
+    kinds: the kinds the receiver accepts now.
+    vw: the VW both ranks serve.
+    **expected: fields that must have these values (``minibatch``, ``stage``, ``version``, ``size``, ``arg0``,
+      ``arg1``; None: not checked).
+
+  Raises:
+    ProtocolError: bad magic, an unknown or unexpected kind, or a field that differs from the expected value; the
+      message names the receiving and the sending rank, each differing field with both values, and the header.
+  """
+  values = dict(zip(HEADER_FIELDS, (int(x) for x in header)))
+  where = f"rank {dest} received from rank {source}"
+  if values["magic"] != MAGIC:
+    raise ProtocolError(f"{where} a message with bad magic {values['magic']:#x}, not a stage-rank header: {values}")
+  try:
+    kind = Kind(values["kind"])
+  except ValueError:
+    raise ProtocolError(f"{where} a message of unknown kind {values['kind']}: {values}") from None
+  wrong = []
+  if kind not in kinds:
+    wrong.append(f"kind {kind.name} (expected {' or '.join(k.name for k in kinds)})")
+  for field, want in (("vw", vw), *expected.items()):
+    if want is not None and values[field] != int(want):
+      wrong.append(f"{field} {values[field]} (expected {int(want)})")
+  if wrong:
+    shown = {k: (Kind(v).name if k == "kind" else v) for k, v in values.items() if k != "magic"}
+    raise ProtocolError(f"{where} a {kind.name} header that does not match: {', '.join(wrong)}; header {shown}")
+  return kind
+
+
+def _wait(requests: Sequence[Any]) -> None:
+  """Polls ``requests`` until all completed, backing off while they do not (MPICH's blocking waits spin)."""
+  pause = POLL_MIN_S
+  for request in requests:
+    while not request.Test():
+      time.sleep(pause)
+      pause = min(2 * pause, POLL_MAX_S)
+
+
+class SentMarker:
+  """What a task whose output leaves for another rank returns: ready once the output is in its consumer's buffer."""
+
+  def __init__(self, requests: list, buffers: list):
+    self._requests = requests
+    self._buffers = buffers  # alive until sent
+
+  def block_until_ready(self) -> "SentMarker":
+    _wait(self._requests)
+    self._buffers = []
+    return self
+
+
+class _Posted:
+  """A receive of one header + payload posted ahead; ``index`` is its place in the stream (the minibatch)."""
+
+  def __init__(self, comm, source: int, tag: int, index: int, shape: tuple, dtype):
+    self.index = index
+    self.header = np.empty(HEADER_SIZE, np.int64)
+    self.payload = np.empty(shape, dtype)
+    self.header_request = comm.Irecv(self.header, source=source, tag=tag)
+    self.payload_request = comm.Irecv(self.payload, source=source, tag=tag)
+
+
+class _InStream:
+  """One stream of activations (or gradients) into a stage from the adjacent stage's rank, minibatch by minibatch."""
+
+  def __init__(self, comm, source: int, tag: int, shape: tuple, dtype, total: int, ahead: int):
+    self.comm, self.source, self.tag, self.shape, self.dtype = comm, source, tag, shape, dtype
+    self.total, self.ahead = total, ahead
+    self.posted: collections.deque[_Posted] = collections.deque()
+    self.next_index = 0
+    self._refill()
+
+  def _refill(self) -> None:
+    while len(self.posted) < self.ahead and self.next_index < self.total:
+      self.posted.append(_Posted(self.comm, self.source, self.tag, self.next_index, self.shape, self.dtype))
+      self.next_index += 1
+
+  def take(self) -> _Posted:
+    if not self.posted:
+      raise ProtocolError(f"rank {self.comm.Get_rank()} was asked for message {self.next_index} of the stream from "
+                          f"rank {self.source} (tag {self.tag}), which carries {self.total}")
+    return self.posted.popleft()
+
+  def cancel(self) -> None:
+    for posted in self.posted:
+      for request in (posted.header_request, posted.payload_request):
+        request.Cancel()
+        request.Wait()
+    self.posted.clear()
+
+
+def _boundary_size(shape: tuple) -> int:
+  return int(np.prod(shape)) if shape else 1
+
+
+class StageLink:
+  """Activations and gradients between a VW's stages on different ranks (one object per rank).
+
+  Args:
+    comm: the MPI communicator.
+    vw_id: the VW.
+    stage_ranks: per stage, the rank that runs it.
+    boundaries: per stage ``s``, the ``(shape, dtype)`` of its input activation (index 0 unused); the gradient of
+      that input has the same shape.
+    num_minibatches: minibatches of the run (each stream carries this many messages).
+    ahead: receives posted ahead per stream (>= Nm: a producer is never more than Nm minibatches ahead).
+  """
+
+  def __init__(self, comm, vw_id: int, stage_ranks: Sequence[int], boundaries: Sequence[tuple], num_minibatches: int,
+               ahead: int):
+    self.comm = comm
+    self.vw_id = vw_id
+    self.rank = comm.Get_rank()
+    self.stage_ranks = list(stage_ranks)
+    self.boundaries = list(boundaries)
+    n = len(self.stage_ranks)
+    self._local = {s for s in range(n) if self.stage_ranks[s] == self.rank}
+    self._streams: dict[tuple[Kind, int], _InStream] = {}
+    for s in sorted(self._local):
+      if s > 0 and s - 1 not in self._local:
+        shape, dtype = self.boundaries[s]
+        self._streams[(Kind.ACTIVATION, s)] = _InStream(comm, self.stage_ranks[s - 1], _data_tag(Kind.ACTIVATION, s),
+                                                        shape, dtype, num_minibatches, ahead)
+      if s < n - 1 and s + 1 not in self._local:
+        shape, dtype = self.boundaries[s + 1]
+        self._streams[(Kind.GRADIENT, s)] = _InStream(comm, self.stage_ranks[s + 1], _data_tag(Kind.GRADIENT, s),
+                                                      shape, dtype, num_minibatches, ahead)
+
+  def is_local(self, stage: int) -> bool:
+    return stage in self._local
+
+  def recv_activation(self, stage: int, minibatch: int, version: int) -> np.ndarray:
+    """Stage ``stage``'s input activation of ``minibatch`` from stage ``stage - 1``'s rank (blocking poll)."""
+    return self._recv(Kind.ACTIVATION, stage, stage - 1, minibatch, version)
+
+  def recv_gradient(self, stage: int, minibatch: int, version: int) -> np.ndarray:
+    """The gradient of stage ``stage``'s output for ``minibatch`` from stage ``stage + 1``'s rank."""
+    return self._recv(Kind.GRADIENT, stage, stage + 1, minibatch, version)
+
+  def _recv(self, kind: Kind, stage: int, sender: int, minibatch: int, version: int) -> np.ndarray:
+    stream = self._streams[(kind, stage)]
+    posted = stream.take()
+    stream._refill()  # pylint: disable=protected-access
+    _wait([posted.header_request])
+    check_header(posted.header, source=stream.source, dest=self.rank, kinds=(kind,), vw=self.vw_id,
+                 minibatch=minibatch, stage=sender, version=version, size=_boundary_size(stream.shape))
+    _wait([posted.payload_request])
+    return posted.payload
+
+  def send_activation(self, stage: int, minibatch: int, version: int, out) -> SentMarker:
+    """Sends stage ``stage``'s output of ``minibatch`` to stage ``stage + 1``'s rank."""
+    return self._send(Kind.ACTIVATION, stage, stage + 1, minibatch, version, out)
+
+  def send_gradient(self, stage: int, minibatch: int, version: int, grad) -> SentMarker:
+    """Sends the gradient of stage ``stage``'s input for ``minibatch`` to stage ``stage - 1``'s rank."""
+    return self._send(Kind.GRADIENT, stage, stage - 1, minibatch, version, grad)
+
+  def _send(self, kind: Kind, stage: int, dest_stage: int, minibatch: int, version: int, value) -> SentMarker:
+    payload = np.ascontiguousarray(jax.device_get(value))
+    header = make_header(kind, self.vw_id, minibatch, stage, version, payload.size)
+    dest, tag = self.stage_ranks[dest_stage], _data_tag(kind, dest_stage)
+    requests = [self.comm.Isend(header, dest=dest, tag=tag), self.comm.Isend(payload, dest=dest, tag=tag)]
+    return SentMarker(requests, [header, payload])
+
+  def close(self) -> None:
+    """Cancels the receives posted beyond the run's last minibatch (none when every message arrived)."""
+    for stream in self._streams.values():
+      stream.cancel()
+
+
+def _data_tag(kind: Kind, receiving_stage: int) -> int:
+  return TAG_DATA + 2 * receiving_stage + (1 if kind is Kind.GRADIENT else 0)
+
+
+def stage_boundaries(spec: Any, partition: Sequence[Sequence[int]], batch_size: int) -> list[tuple]:
+  """Per stage, the ``(shape, dtype)`` of its input activation (index 0: the model's input), from ``jax.eval_shape``
+  (no computation)."""
+  from hetpipe_jax import models  # pylint: disable=g-import-not-at-top
+  params = jax.eval_shape(lambda: models.init_layer_params(spec, jax.random.key(0)))
+  x = jax.ShapeDtypeStruct((batch_size, *spec.input_shape), np.dtype(spec.input_dtype))
+  out = []
+  for start, end in partition:
+    out.append((tuple(x.shape), np.dtype(x.dtype)))
+    layers = spec.layers[start:end]
+    x = jax.eval_shape(lambda p, a, layers=layers: models.apply_layers(layers, p, a), list(params[start:end]), x)
+  return out
+
+
+class VersionStore:
+  """A stage rank's weight versions by id: installed in the driver's order, read by its stage executors.
+
+  :meth:`get` waits until the version has been applied on this rank (a pull's weights still arriving, or the
+  rank's main thread not there yet), so a task always runs on its minibatch's version.
+  """
+
+  def __init__(self, version: Any):
+    self._cv = threading.Condition()
+    self._versions = {version.version_id: version}
+    self.latest = version.version_id
+    self.num_waits = 0
+    self.wait_s = 0.0
+    self._error: BaseException | None = None
+
+  def install(self, version: Any) -> None:
+    with self._cv:
+      self._versions[version.version_id] = version
+      self.latest = version.version_id
+      self._cv.notify_all()
+
+  def get(self, version_id: int):
+    """The version ``version_id``, once it has been installed.
+
+    Raises:
+      ProtocolError: it was installed and already dropped (no minibatch in flight held it).
+      RuntimeError: the rank stopped while waiting (:meth:`fail`).
+    """
+    with self._cv:
+      if version_id not in self._versions:
+        t = time.perf_counter()
+        self.num_waits += 1
+        while version_id not in self._versions:
+          if self._error is not None:
+            raise RuntimeError(f"stopped while waiting for weight version {version_id}") from self._error
+          if version_id <= self.latest:
+            raise ProtocolError(f"weight version {version_id} was dropped (latest {self.latest}): a task asked for "
+                                "a version no minibatch in flight holds")
+          self._cv.wait(timeout=0.5)
+        self.wait_s += time.perf_counter() - t
+      return self._versions[version_id]
+
+  def keep_only(self, version_ids: set[int]) -> None:
+    """Drops every version except ``version_ids`` and the latest."""
+    with self._cv:
+      for v in [v for v in self._versions if v not in version_ids and v != self.latest]:
+        del self._versions[v]
+
+  def fail(self, error: BaseException) -> None:
+    with self._cv:
+      self._error = error
+      self._cv.notify_all()
+
+  def __len__(self) -> int:
+    with self._cv:
+      return len(self._versions)
+
+
+# ---------------------------------------------------------------------------------------------- the driver's side
+class RemoteStageExecutor:
+  """The driver's executor of a stage that runs on another rank: submitting a task sends the rank its command
+  (``dispatch``, :meth:`VirtualWorker.dispatch` of a remote stage's task, does), on the scheduler's thread; the
+  completion arrives through :class:`RemoteStages`' listener."""
+
+  def __init__(self, stage_id: int):
+    self.stage_id = stage_id
+
+  def submit(self, task: Task, dispatch: Callable[[], Any], duration_s: float | None = None) -> None:
+    del task, duration_s  # the command carries the emulated duration (dispatch computes it)
+    dispatch()
+
+  def close(self) -> None:
+    pass
+
+
+class RemoteStages:
+  """The driver's side of its VW's stage ranks: their executors, the version-change stream, wave deltas.
+
+  Args:
+    comm: the MPI communicator.
+    vw_id: the VW.
+    link: this rank's :class:`StageLink` (it knows which stages are local).
+    layer_offsets: the flat layout's ``[num_layers + 1]`` offsets.
+    partition: per stage, its layer range.
+  """
+
+  def __init__(self, comm, vw_id: int, link: StageLink, layer_offsets: Sequence[int],
+               partition: Sequence[Sequence[int]]):
+    self.comm = comm
+    self.vw_id = vw_id
+    self.link = link
+    self.rank = comm.Get_rank()
+    self.stage_ranks = link.stage_ranks
+    self.followers = sorted(set(self.stage_ranks) - {self.rank})
+    self.stages_of = {r: [s for s, x in enumerate(self.stage_ranks) if x == r] for r in self.followers}
+    self.ranges = [(int(layer_offsets[a]), int(layer_offsets[b])) for a, b in partition]
+    self._sends: list = []
+    self._done: queue.SimpleQueue | None = None
+    self._t0 = 0.0
+    self._stop = threading.Event()
+    self._listener: threading.Thread | None = None
+    self._reports: dict[int, collections.deque] = {}
+    self.num_reports = 0
+
+  def is_local(self, stage: int) -> bool:
+    return self.link.is_local(stage)
+
+  def executor(self, stage: int) -> RemoteStageExecutor:
+    return RemoteStageExecutor(stage)
+
+  # -- the control stream
+  def _control(self, rank: int, kind: Kind, payload: np.ndarray | None = None, **fields: int) -> None:
+    size = 0 if payload is None else int(payload.size)
+    header = make_header(kind, self.vw_id, size=size, **fields)
+    self._sends.append((self.comm.Isend(header, dest=rank, tag=TAG_CONTROL), header))
+    if size:
+      payload = np.ascontiguousarray(payload)
+      self._sends.append((self.comm.Isend(payload, dest=rank, tag=TAG_CONTROL), payload))
+    self._sends = [(r, b) for r, b in self._sends if not r.Test()]  # progresses them now
+
+  def begin_run(self, done: queue.SimpleQueue, t0: float, start_unix_s: float, num_minibatches: int) -> None:
+    """Tells every stage rank the run's start (their executors share the driver's clock) and starts listening for
+    their completions, posted on ``done``."""
+    if self._listener is not None:
+      raise RuntimeError("stage ranks run one VirtualWorker.run per job")
+    self._done, self._t0 = done, t0
+    for r in self.followers:
+      self._control(r, Kind.START, np.array([start_unix_s], np.float64), minibatch=num_minibatches)
+      self._reports[r] = collections.deque(
+          _Posted(self.comm, r, TAG_REPORT, i, (REPORT_SIZE,), np.float64) for i in range(RECEIVES_AHEAD))
+    self._listener = threading.Thread(target=self._listen, name=f"vw{self.vw_id}-stage-reports", daemon=True)
+    self._listener.start()
+
+  def on_inject(self, minibatch: int, version_id: int, labels: np.ndarray) -> None:
+    last = self.stage_ranks[-1]
+    for r in self.followers:
+      self._control(r, Kind.INJECT, np.asarray(labels, np.int32) if r == last else None, minibatch=minibatch,
+                    version=version_id)
+
+  def start_task(self, task: Task, version_id: int, duration_s: float | None) -> None:
+    ns = -1 if duration_s is None else int(round(duration_s * 1e9))
+    self._control(self.stage_ranks[task.stage_id], Kind.TASK, minibatch=task.minibatch_id, stage=task.stage_id,
+                  version=version_id, arg0=TASK_CODES[task.kind], arg1=ns)
+
+  def on_update(self, minibatch: int, version_id: int) -> None:
+    for r in self.followers:
+      self._control(r, Kind.UPDATE, minibatch=minibatch, version=version_id)
+
+  def on_pull(self, version_id: int, flat: np.ndarray, own_waves: Sequence[np.ndarray]) -> None:
+    """Sends every stage rank its stages' slice of ``flat`` plus ``own_waves`` (added in order, as the driver adds
+    them to its own stages) as version ``version_id``."""
+    for r in self.followers:
+      parts = []
+      for s in self.stages_of[r]:
+        a, b = self.ranges[s]
+        part = np.array(flat[a:b], np.float32, copy=True)
+        for wave in own_waves:
+          part += wave[a:b]
+        parts.append(part)
+      self._control(r, Kind.PULL, np.concatenate(parts) if parts else np.zeros(0, np.float32), version=version_id)
+
+  def wave_deltas(self, wave: int) -> dict[int, np.ndarray]:
+    """Ends wave ``wave`` on every stage rank and returns each remote stage's flat wave delta."""
+    posted = {}
+    for r in self.followers:
+      self._control(r, Kind.END_WAVE, minibatch=wave)
+      size = sum(self.ranges[s][1] - self.ranges[s][0] for s in self.stages_of[r])
+      posted[r] = _Posted(self.comm, r, TAG_REPLY, wave, (size,), np.float32)
+    out = {}
+    for r, p in posted.items():
+      _wait([p.header_request])
+      check_header(p.header, source=r, dest=self.rank, kinds=(Kind.WAVE_DELTA,), vw=self.vw_id, minibatch=wave,
+                   size=p.payload.size)
+      _wait([p.payload_request])
+      pos = 0
+      for s in self.stages_of[r]:
+        n = self.ranges[s][1] - self.ranges[s][0]
+        out[s] = p.payload[pos:pos + n]
+        pos += n
+    return out
+
+  def stop(self) -> dict[int, dict]:
+    """Stops every stage rank; returns each one's final report (rank -> its JSON)."""
+    for r in self.followers:
+      self._control(r, Kind.STOP)
+    reports = {}
+    for r in self.followers:
+      header = np.empty(HEADER_SIZE, np.int64)
+      _wait([self.comm.Irecv(header, source=r, tag=TAG_REPLY)])
+      check_header(header, source=r, dest=self.rank, kinds=(Kind.STOPPED,), vw=self.vw_id)
+      payload = np.empty(int(header[6]), np.uint8)
+      _wait([self.comm.Irecv(payload, source=r, tag=TAG_REPLY)])
+      reports[r] = json.loads(payload.tobytes().decode())
+    self._stop.set()
+    if self._listener is not None:
+      self._listener.join()
+    for posted in self._reports.values():
+      for p in posted:
+        for request in (p.header_request, p.payload_request):
+          request.Cancel()
+          request.Wait()
+    _wait([r for r, _ in self._sends])
+    self._sends = []
+    self.link.close()
+    return reports
+
+  def _listen(self) -> None:
+    """The listener thread: each stage rank's completion reports, in its order, posted on the run's queue."""
+    fine_timer_slack()
+    pause = POLL_MIN_S
+    try:
+      while not self._stop.is_set():
+        got = False
+        for r, posted in self._reports.items():
+          while posted and posted[0].header_request.Test():
+            p = posted.popleft()
+            check_header(p.header, source=r, dest=self.rank, kinds=(Kind.REPORT,), vw=self.vw_id, size=REPORT_SIZE)
+            _wait([p.payload_request])
+            posted.append(_Posted(self.comm, r, TAG_REPORT, p.index + RECEIVES_AHEAD, (REPORT_SIZE,), np.float64))
+            _, _, _, minibatch, stage, _, _, code, _ = (int(x) for x in p.header)
+            start, end, overrun, dispatch, submit, device_end, loss = (float(x) for x in p.payload)
+            self._done.put(Completion(Task(stage, TASK_KINDS[code], minibatch), start, end, overrun,
+                                      dispatch_s=dispatch, submit_s=submit, device_end_s=device_end,
+                                      loss=None if np.isnan(loss) else loss))
+            self.num_reports += 1
+            got = True
+        if got:
+          pause = POLL_MIN_S
+        else:
+          time.sleep(pause)
+          pause = min(2 * pause, POLL_MAX_S)
+    except BaseException as e:  # pylint: disable=broad-except
+      # the scheduler re-raises it (as a failed task of stage -1)
+      self._done.put(Completion(Task(-1, TaskKind.FORWARD, -1), 0.0, 0.0, error=e))
+
+
+# ---------------------------------------------------------------------------------------------- a stage rank's side
+class StageRankServer:
+  """A stage rank: runs its stages' tasks as the driver commands and applies the driver's version changes in order.
+
+  Args:
+    comm: the MPI communicator.
+    vw: a :class:`hetpipe_jax.runtime.virtual_worker.VirtualWorker` whose ``link`` makes only this rank's stages
+      local (its actions run them: dispatch, the update, the rebase).
+    driver_rank: the VW's driver.
+    labels_template: an example of one minibatch's labels (shape and dtype; used on the last stage's rank).
+  """
+
+  def __init__(self, comm, vw: Any, driver_rank: int, labels_template: np.ndarray):
+    self.comm = comm
+    self.vw = vw
+    self.vw_id = vw.vw_id
+    self.rank = comm.Get_rank()
+    self.driver = driver_rank
+    self.local = list(vw.local_stages)
+    self.holds_last = len(vw.stages) - 1 in self.local
+    self.labels_template = np.asarray(labels_template)
+    self.store = VersionStore(vw.version)
+    self.announced = vw.version.version_id  # the version the stream has declared so far
+    self.inflight: dict[int, Any] = {}  # minibatch -> InFlightMinibatch
+    self.versions: dict[int, int] = {}  # minibatch -> its version id
+    self.events: collections.deque = collections.deque()  # version changes and wave ends, applied in order
+    self.executors: dict[int, StageExecutor] = {}
+    self.errors: queue.SimpleQueue = queue.SimpleQueue()  # an executor's failure, raised by the main loop
+    self._lock = threading.Lock()  # sends and counts (the executors report their own completions)
+    self._sends: list = []
+    self.num_submitted = self.num_reported = 0
+    self.stopping = False
+
+  def _send(self, kind: Kind, tag: int, payload: np.ndarray | None = None, **fields: int) -> None:
+    size = 0 if payload is None else int(payload.size)
+    header = make_header(kind, self.vw_id, size=size, **fields)
+    with self._lock:
+      self._sends.append((self.comm.Isend(header, dest=self.driver, tag=tag), header))
+      if size:
+        payload = np.ascontiguousarray(payload)
+        self._sends.append((self.comm.Isend(payload, dest=self.driver, tag=tag), payload))
+      # test at once: MPI progresses the sends now, not when the main loop next polls
+      self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+
+  def put(self, c: Completion) -> None:
+    """An executor's completion (called on its thread: the report leaves at once, without waking the main loop)."""
+    if c.error is not None:
+      self.errors.put(c.error)
+      return
+    self._report(c)
+
+  def serve(self) -> dict:
+    """Runs until the driver's STOP; returns this rank's final report (also sent to the driver)."""
+    control = collections.deque()  # received control messages: (header, payload request or None, payload)
+    pending = self._post_header()
+    fine_timer_slack()
+    pause = POLL_MIN_S
+    try:
+      while not (self.stopping and not control and not self.events and self.num_reported == self.num_submitted):
+        progressed = False
+        while pending[0].Test():  # control headers, in order; a payload's receive is posted before the next header's
+          header = pending[1]
+          kind = check_header(header, source=self.driver, dest=self.rank, kinds=CONTROL_KINDS, vw=self.vw_id)
+          size = int(header[6])
+          request = payload = None
+          if size:
+            payload = self._payload_buffer(kind, size)
+            request = self.comm.Irecv(payload, source=self.driver, tag=TAG_CONTROL)
+          control.append((kind, header, request, payload))
+          pending = self._post_header()
+          progressed = True
+        while control:
+          kind, header, request, payload = control[0]
+          if kind is not Kind.PULL and request is not None and not request.Test():
+            break  # a small payload (labels, the start) still arriving
+          control.popleft()
+          self._on_control(kind, header, request, payload)
+          progressed = True
+        while self.events and self._apply(self.events[0]):
+          self.events.popleft()
+          progressed = True
+        if not self.errors.empty():
+          raise self.errors.get()
+        if progressed:
+          pause = POLL_MIN_S
+        else:
+          time.sleep(pause)
+          pause = min(2 * pause, POLL_MAX_S)
+    except BaseException as e:
+      self.store.fail(e)
+      raise
+    finally:
+      for ex in self.executors.values():
+        ex.close()
+      gc.unfreeze()
+    pending[0].Cancel()
+    pending[0].Wait()
+    report = {"rank": self.rank, "stages": self.local,
+              "trace_counts": {str(s): dict(self.vw.stages[s].trace_counts) for s in self.local},
+              "version_waits": self.store.num_waits, "version_wait_s": self.store.wait_s,
+              "tasks": self.num_reported}
+    self._send(Kind.STOPPED, TAG_REPLY, np.frombuffer(json.dumps(report).encode(), np.uint8).copy())
+    _wait([r for r, _ in self._sends])
+    self.vw.link.close()
+    return report
+
+  def _post_header(self) -> tuple:
+    header = np.empty(HEADER_SIZE, np.int64)
+    return self.comm.Irecv(header, source=self.driver, tag=TAG_CONTROL), header
+
+  def _payload_buffer(self, kind: Kind, size: int) -> np.ndarray:
+    if kind is Kind.START:
+      return np.empty(size, np.float64)
+    if kind is Kind.INJECT:
+      if not self.holds_last or size != self.labels_template.size:
+        raise ProtocolError(f"rank {self.rank} (stages {self.local}) received labels of {size} elements from rank "
+                            f"{self.driver}; expected {self.labels_template.size if self.holds_last else 'none'}")
+      return np.empty(size, np.int32)
+    if kind is Kind.PULL:
+      return np.empty(size, np.float32)
+    raise ProtocolError(f"rank {self.rank} received a {kind.name} with a payload of {size} from rank {self.driver}")
+
+  def _on_control(self, kind: Kind, header: np.ndarray, request, payload) -> None:
+    _, _, _, minibatch, stage, version, size, arg0, arg1 = (int(x) for x in header)
+    if kind is Kind.START:
+      start_unix_s = float(payload[0])
+      t0 = time.perf_counter() - (time.time() - start_unix_s)  # the driver's run clock
+      gc.freeze()
+      self.executors = {s: StageExecutor(s, self, t0) for s in self.local}  # completions: :meth:`put`
+    elif kind is Kind.INJECT:
+      if version != self.announced:
+        raise ProtocolError(f"rank {self.rank}: minibatch {minibatch} injected at version {version} by rank "
+                            f"{self.driver}, but its version stream is at {self.announced}")
+      from hetpipe_jax.runtime.virtual_worker import InFlightMinibatch  # pylint: disable=g-import-not-at-top
+      labels = None
+      if self.holds_last:
+        labels = jax.device_put(payload.reshape(self.labels_template.shape).astype(self.labels_template.dtype),
+                                self.vw.stages[-1].device)
+      self.inflight[minibatch] = InFlightMinibatch(None, None, labels, {}, {}, {}, {})
+      self.versions[minibatch] = version
+    elif kind is Kind.TASK:
+      if minibatch not in self.inflight or version != self.versions[minibatch] or stage not in self.executors:
+        raise ProtocolError(f"rank {self.rank} (stages {self.local}) got task {stage}{TASK_KINDS[arg0].value}"
+                            f"{minibatch} at version {version} from rank {self.driver}; minibatch known: "
+                            f"{minibatch in self.inflight}, at version {self.versions.get(minibatch)}")
+      task = Task(stage, TASK_KINDS[arg0], minibatch)
+      mb = self.inflight[minibatch]
+      self.executors[stage].submit(task, functools.partial(self._run_task, task, mb, version),
+                                   None if arg1 < 0 else arg1 / 1e9)
+      self.num_submitted += 1
+    elif kind in (Kind.UPDATE, Kind.PULL):
+      if version != self.announced + 1:
+        raise ProtocolError(f"rank {self.rank}: {kind.name} to version {version} from rank {self.driver}, but the "
+                            f"stream's last version is {self.announced}")
+      self.announced = version
+      self.events.append((kind, minibatch, version, request, payload))
+    elif kind is Kind.END_WAVE:
+      self.events.append((kind, minibatch, version, None, None))
+    else:  # STOP
+      self.stopping = True
+
+  def _run_task(self, task: Task, mb: Any, version_id: int):
+    """On the stage's executor thread: waits for the minibatch's version on this rank, then runs the task."""
+    mb.version = self.store.get(version_id)
+    return self.vw.dispatch(task, mb)
+
+  def _apply(self, event: tuple) -> bool:
+    """Applies the oldest version change; False when it cannot be applied yet (its payload still arriving)."""
+    kind, minibatch, version, request, payload = event
+    if kind is Kind.UPDATE:
+      mb = self.inflight[minibatch]
+      if any(s not in mb.grads for s in self.local):
+        return False  # the backward's parameter gradients (kept before its input gradient left) not there yet
+      self.vw.apply_update(mb)
+      del self.inflight[minibatch], self.versions[minibatch]
+    elif kind is Kind.PULL:
+      if not request.Test():
+        return False
+      self.vw.install_rebased(payload)
+    else:  # END_WAVE
+      self._send(Kind.WAVE_DELTA, TAG_REPLY, self.vw.take_wave_delta(), minibatch=minibatch)
+      return True
+    if self.vw.version.version_id != version:
+      raise ProtocolError(f"rank {self.rank}: applying {kind.name} made version {self.vw.version.version_id}, the "
+                          f"driver (rank {self.driver}) made {version}")
+    self.store.install(self.vw.version)
+    self.store.keep_only(set(self.versions.values()))
+    return True
+
+  def _report(self, c: Completion) -> None:
+    loss = float("nan")
+    if c.task.kind is TaskKind.FORWARD_BACKWARD:
+      loss = float(jax.device_get(self.inflight[c.task.minibatch_id].loss))
+    payload = np.array([c.start_s, c.end_s, c.overrun_s, c.dispatch_s, c.submit_s, c.device_end_s, loss], np.float64)
+    self._send(Kind.REPORT, TAG_REPORT, payload, minibatch=c.task.minibatch_id, stage=c.task.stage_id,
+               arg0=TASK_CODES[c.task.kind])
+    with self._lock:
+      self.num_reported += 1

@@ -1,0 +1,289 @@
+"""Stage ranks without mpiexec: the rank layout and settings, the header check, the version wait, and a VW whose
+stages run on separate (in-process, threaded) ranks through the real protocol, checked by the replay oracle and
+against the same VW in one process."""
+
+import dataclasses
+import re
+import threading
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from hetpipe_jax import models
+from hetpipe_jax.data import fashion_mnist, sharding
+from hetpipe_jax.jobs import job_config
+from hetpipe_jax.planning import rank_map
+from hetpipe_jax.ps import param_server
+from hetpipe_jax.rules.schedule import Task, TaskKind
+from hetpipe_jax.runtime import stage_ranks
+from hetpipe_jax.runtime import stages as stages_lib
+from hetpipe_jax.runtime import virtual_worker
+from hetpipe_jax.runtime.param_layout import ParamLayout
+from hetpipe_jax.runtime.stage_executor import Completion
+from tests import replay
+from tests.fake_mpi import FakeWorld
+from tests.pipeline_util import LaggingPeerClient, build_vw
+
+THREE_STAGES = [[0, 2], [2, 3], [3, 4]]
+
+
+def _config(**overrides):
+  from experiments.configs import tiny
+  c = tiny.get_config()
+  for k, v in overrides.items():
+    setattr(c, k, v)
+  return c
+
+
+def _settings(**overrides):
+  c = _config(**overrides)
+  s = job_config.with_ps_shards(c, job_config.resolve_settings(c))
+  return job_config.with_stage_ranks(c, s)
+
+
+# ------------------------------------------------------------------------------------------------ layout, settings
+def test_stage_groups_and_the_rank_layout():
+  assert rank_map.stage_groups(["a", "b", "a"], "gpu") == ((0,), (1,), (2,))
+  assert rank_map.stage_groups(["a", "a", "b", "b"], "node") == ((0, 1), (2, 3))
+  assert rank_map.stage_groups(["a", "b", "a"], "node") == ((0, 2), (1,))
+  groups = [((0,), (1,), (2,)), ((0, 1), (2,))]
+  # shards 0-1, drivers 2-3 (each VW's group 0), then VW 0's further groups, then VW 1's
+  assert rank_map.stage_rank_layout(2, groups) == [(2, 0, (0,)), (3, 1, (0, 1)), (4, 0, (1,)), (5, 0, (2,)),
+                                                   (6, 1, (2,))]
+  assert rank_map.stage_ranks_of_vw(2, groups, 0) == [2, 4, 5]
+  assert rank_map.stage_ranks_of_vw(2, groups, 1) == [3, 3, 6]
+  with pytest.raises(rank_map.LaunchError, match="grouping 'rack'"):
+    rank_map.stage_groups(["a"], "rack")
+
+
+def test_stage_rank_settings_world_size_and_refusals():
+  s = _settings(num_stages=3, num_ps_shards=2, stage_ranks=True, checkpoint_every_waves=0)
+  assert s.stage_groups == (((0,), (1,), (2,)),) * 2
+  assert s.num_stage_ranks == 4 and s.world_size == 8  # 2 shards + 2 drivers + 4 stage ranks
+  with pytest.raises(job_config.ConfigError, match="MPI world size is 6 .* ranks 4..7 = the VWs' further stages"):
+    job_config.check_world_size(s, 6)
+  off = _settings(num_stages=3, num_ps_shards=2, checkpoint_every_waves=0)
+  assert off.stage_groups == () and off.world_size == 4
+  # "node" grouping without a plan: every stage on one node, so no stage ranks
+  assert _settings(num_stages=3, stage_ranks=True, stage_rank_grouping="node",
+                   checkpoint_every_waves=0).world_size == 3
+  with pytest.raises(job_config.ConfigError, match="config.checkpoint_every_waves=100 with config.stage_ranks=True"):
+    _settings(stage_ranks=True)
+  with pytest.raises(job_config.ConfigError, match="config.stage_ranks=True runs HetPipe's pipeline"):
+    _settings(stage_ranks=True, method="gpipe", checkpoint_every_waves=0)
+  with pytest.raises(job_config.ConfigError, match="config.stage_rank_grouping='rack'"):
+    _settings(stage_rank_grouping="rack")
+  c = _config(stage_ranks=True, checkpoint_every_waves=0)
+  with pytest.raises(job_config.ConfigError, match="--resume with config.stage_ranks=True"):
+    job_config.with_stage_ranks(c, job_config.resolve_settings(c), resume=True)
+
+
+# ------------------------------------------------------------------------------------------------ the header
+def test_a_header_that_does_not_match_is_an_error_naming_both_ranks():
+  h = stage_ranks.make_header(stage_ranks.Kind.ACTIVATION, 1, minibatch=5, stage=0, version=7, size=64)
+  ok = dict(source=2, dest=6, kinds=(stage_ranks.Kind.ACTIVATION,), vw=1, minibatch=5, stage=0, version=7, size=64)
+  assert stage_ranks.check_header(h, **ok) is stage_ranks.Kind.ACTIVATION
+  for field, value, words in (("version", 8, "version 7 (expected 8)"), ("size", 32, "size 64 (expected 32)"),
+                              ("minibatch", 4, "minibatch 5 (expected 4)"), ("vw", 0, "vw 1 (expected 0)"),
+                              ("stage", 1, "stage 0 (expected 1)")):
+    with pytest.raises(stage_ranks.ProtocolError, match=rf"rank 6 received from rank 2 a ACTIVATION header that "
+                                                        rf"does not match: {re.escape(words)}"):
+      stage_ranks.check_header(h, **{**ok, field: value})
+  with pytest.raises(stage_ranks.ProtocolError, match=r"rank 6 received from rank 2 a ACTIVATION header that does "
+                                                      r"not match: kind ACTIVATION \(expected GRADIENT\)"):
+    stage_ranks.check_header(h, **{**ok, "kinds": (stage_ranks.Kind.GRADIENT,)})
+  bad = h.copy()
+  bad[0] = 1234
+  with pytest.raises(stage_ranks.ProtocolError, match="rank 6 received from rank 2 a message with bad magic"):
+    stage_ranks.check_header(bad, **ok)
+
+
+
+@pytest.mark.parametrize("field, value, words", [(5, 99, "version 99 (expected 3)"), (1, 2, "kind GRADIENT"),
+                                                 (6, 7, "size 7 (expected 64)")])
+def test_a_link_refuses_an_activation_whose_header_does_not_match(field, value, words):
+  """Stage 0 on rank 1 sends minibatch 0's activation to stage 1 on rank 2; a header altered in flight (weight
+  version, kind, size) is refused by the receiving stage with both ranks named."""
+  world = FakeWorld()
+  boundaries = [((4, 3), np.dtype(np.float32)), ((4, 16), np.dtype(np.float32))]
+  sender = stage_ranks.StageLink(world.comm(1), 0, [1, 2], boundaries, 4, ahead=2)
+  receiver = stage_ranks.StageLink(world.comm(2), 0, [1, 2], boundaries, 4, ahead=2)
+
+  def tamper(src, dst, tag, data):
+    if data.dtype == np.int64 and data.size == stage_ranks.HEADER_SIZE:
+      data[field] = value
+    return data
+
+  world.tamper = tamper
+  sender.send_activation(0, 0, 3, np.ones((4, 16), np.float32)).block_until_ready()
+  with pytest.raises(stage_ranks.ProtocolError, match=rf"rank 2 received from rank 1 .*{re.escape(words)}"):
+    receiver.recv_activation(1, 0, 3)
+  world.tamper = None  # an unaltered message goes through
+  sender.send_activation(0, 1, 3, np.full((4, 16), 2.0, np.float32)).block_until_ready()
+  np.testing.assert_array_equal(receiver.recv_activation(1, 1, 3), np.full((4, 16), 2.0, np.float32))
+
+
+# ------------------------------------------------------------------------------------------------ the version wait
+def test_a_task_waits_until_its_version_has_been_applied():
+  """A stage rank's executor asks for version 2 while the rank holds only version 1 (its weights still arriving):
+  it waits, and runs on version 2's weights once they are installed, never on version 1's."""
+  v = virtual_worker.WeightVersion(("w1",), 1, (0,), 1)
+  store = stage_ranks.VersionStore(v)
+  got = []
+  t = threading.Thread(target=lambda: got.append(store.get(2).params))
+  t.start()
+  time.sleep(0.3)
+  assert not got and t.is_alive()  # still waiting
+  store.install(dataclasses.replace(v, params=("w2",), version_id=2))
+  t.join(5)
+  assert got == [("w2",)] and store.num_waits == 1 and store.wait_s >= 0.25
+  assert store.get(1).params == ("w1",)
+  store.keep_only({2})
+  with pytest.raises(stage_ranks.ProtocolError, match="weight version 1 was dropped"):
+    store.get(1)
+
+
+# ------------------------------------------------------------------------------------------------ a linked VW
+def _linked_vw(data_dir, *, ranks, num_inflight, staleness_bound, tx, client, num_vws, batch_size=16, num_mb):
+  """VW 0 with its stages on ``ranks`` (threads of this process over :class:`FakeWorld`): ``(driver VirtualWorker,
+  stage-rank servers, source, params0)``."""
+  spec = models.get_model("mlp_tiny")
+  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
+  layout = ParamLayout.from_layer_params(params0)
+  dataset = fashion_mnist.load_fashion_mnist(data_dir, expected_counts=None)
+  source = sharding.ShardedMinibatches(dataset, num_vws, 0, batch_size, 0)
+  world = FakeWorld()
+  devices = jax.devices()[:len(THREE_STAGES)]
+  boundaries = stage_ranks.stage_boundaries(spec, THREE_STAGES, batch_size)
+
+  def make(rank):
+    comm = world.comm(rank)
+    link = stage_ranks.StageLink(comm, 0, ranks, boundaries, num_mb, ahead=num_inflight + 1)
+    driver = rank == ranks[0]
+    remote = stage_ranks.RemoteStages(comm, 0, link, layout.layer_offsets, THREE_STAGES) if driver else None
+    stages = stages_lib.build_stages(spec, THREE_STAGES, devices, tx)
+    return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, num_inflight, staleness_bound,
+                                        client if driver else None, source.get if driver else None,
+                                        num_virtual_workers=num_vws, link=link, remote=remote)
+
+  driver = make(ranks[0])
+  servers = [stage_ranks.StageRankServer(world.comm(r), make(r), ranks[0], source.get(0)[1])
+             for r in sorted(set(ranks) - {ranks[0]})]
+  return driver, servers, source, params0, world
+
+
+def _run_linked(driver, servers, num_mb):
+  errors, reports = [], []
+
+  def serve(server):
+    try:
+      server.serve()
+    except BaseException as e:  # pylint: disable=broad-except
+      errors.append(e)
+      # under MPI a failing rank aborts the world; here the driver's run gets the error as a failed task
+      while driver.remote._done is None:  # pylint: disable=protected-access
+        time.sleep(0.01)
+      driver.remote._done.put(Completion(Task(-1, TaskKind.FORWARD, -1), 0.0, 0.0, error=e))  # pylint: disable=protected-access
+
+  threads = [threading.Thread(target=serve, args=(s,), daemon=True) for s in servers]
+  for t in threads:
+    t.start()
+  driver.run(num_mb)
+  reports.append(driver.remote.stop())
+  for t in threads:
+    t.join(30)
+  assert not errors, errors
+  return reports[0]
+
+
+def _layer_params(driver, servers):
+  """The VW's current per-layer weights, each stage's from the rank that holds it."""
+  out = []
+  for s in range(len(THREE_STAGES)):
+    holder = driver if s in driver.local_stages else next(x.vw for x in servers if s in x.local)
+    out.extend(jax.device_get(holder.version.params[s]))
+  return out
+
+
+@pytest.mark.parametrize("ranks", [[1, 2, 3], [1, 2, 2], [1, 1, 2]])
+def test_stage_ranks_equal_the_replay_of_recorded_versions_with_lagging_pulls(synthetic_data_dir, ranks):
+  """VW 0 (Nm = 2, D = 1, clock-aligned PS) beside a scripted VW 1 one wave behind, its 3 stages on 3 ranks (or 2:
+  stages 1-2 sharing one, or 0-1 on the driver): pulls lack VW 0's last pushed wave, which every rank must re-add
+  to its stages. The VW's final weights (each stage from its rank) and the final global weights equal the
+  sequential replay of the records; every stage rank ran its tasks; the stage ranks' versions are the driver's."""
+  nm, num_waves = 2, 5
+  n = nm * num_waves
+  tx = optax.sgd(0.05, momentum=0.9)
+  spec = models.get_model("mlp_tiny")
+  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
+  server = param_server.ParameterServer(ParamLayout.from_layer_params(params0).flatten(params0), 2, "clock_aligned")
+  rng = np.random.default_rng(7)
+  peer = [(0.01 * rng.standard_normal(server.weights.size)).astype(np.float32) for _ in range(num_waves)]
+  client = LaggingPeerClient(server, 0, peer_waves=peer, lag=1)
+  driver, servers, source, params0, world = _linked_vw(synthetic_data_dir, ranks=ranks, num_inflight=nm,
+                                                       staleness_bound=1, tx=tx, client=client, num_vws=2,
+                                                       num_mb=n)
+  reports = _run_linked(driver, servers, n)
+  assert any(pushed > vc[0] for vc, pushed in client.pulls), client.pulls  # the case under test happened
+  remote = [s for s in range(3) if ranks[s] != ranks[0]]
+  assert sum(r["tasks"] for r in reports.values()) == sum(n if s == 2 else 2 * n for s in remote)
+  for x in servers:
+    assert x.vw.version.version_id == driver.version.version_id  # the same changes, in the same order
+    assert len(x.store) <= 2  # only versions an in-flight minibatch holds, and the latest
+  # activations / gradients went rank to rank, never through the driver for stages it does not hold
+  data = {(src, dst) for (src, dst, tag) in world.sent if tag >= stage_ranks.TAG_DATA}
+  assert data == {(ranks[s], ranks[s + 1]) for s in range(2) if ranks[s] != ranks[s + 1]} | \
+      {(ranks[s + 1], ranks[s]) for s in range(2) if ranks[s] != ranks[s + 1]}
+  records = [dataclasses.asdict(r) for r in driver.records]
+  result = replay.replay(records, spec, params0, tx, [source], nm, fixed_waves=[peer], applied_order=server.state.applied)
+  layout = driver.layout
+  final_local = result.local_weights(0, driver.version.vector_clock, driver.version.local_updates)
+  np.testing.assert_allclose(layout.flatten(_layer_params(driver, servers)), final_local, rtol=1e-5, atol=1e-6)
+  client.finish()
+  np.testing.assert_allclose(server.weights, result.final_global_weights(server.state.applied), rtol=1e-5, atol=1e-6)
+
+
+def test_stage_ranks_train_exactly_as_one_process(synthetic_data_dir):
+  """Nm = 1, D = 0, one VW: the schedule of versions is fixed, so the VW on 3 stage ranks and the same VW in one
+  process push the same wave updates bit for bit (the same records, the same final global weights)."""
+  nm, n = 1, 6
+  tx = optax.sgd(0.05, momentum=0.9)
+  one, _, params0, _, server_one = build_vw(synthetic_data_dir, partition=THREE_STAGES, num_inflight=nm,
+                                            staleness_bound=0, optimizer=tx, batch_size=16)
+  one.run(n)
+  layout = ParamLayout.from_layer_params(params0)
+  server = param_server.ParameterServer(layout.flatten(params0), 1, "on_receipt")
+  driver, servers, _, _, _ = _linked_vw(synthetic_data_dir, ranks=[1, 2, 3], num_inflight=nm, staleness_bound=0,
+                                        tx=tx, client=param_server.LocalPSClient(server, 0), num_vws=1, num_mb=n)
+  _run_linked(driver, servers, n)
+  fields = ("minibatch_id", "wave_id", "local_clock_at_injection", "version_local_updates", "version_global_clock",
+            "version_vector_clock")
+  assert [[getattr(r, f) for f in fields] for r in driver.records] == [[getattr(r, f) for f in fields]
+                                                                        for r in one.records]
+  np.testing.assert_allclose([r.loss for r in driver.records], [r.loss for r in one.records], rtol=1e-6)
+  np.testing.assert_array_equal(server.weights, server_one.weights)
+  np.testing.assert_array_equal(layout.flatten(_layer_params(driver, servers)), layout.flatten(one.layer_params()))
+
+
+def test_a_remote_stage_task_is_a_command_with_its_version(synthetic_data_dir):
+  """The driver decides: a remote stage's task reaches its rank as TASK (stage, kind, minibatch, version, emulated
+  nanoseconds) on the control stream, after the minibatch's INJECT."""
+  world = FakeWorld()
+  link = stage_ranks.StageLink(world.comm(1), 0, [1, 2], [None, ((2, 3), np.dtype(np.float32))], 4, ahead=2)
+  remote = stage_ranks.RemoteStages(world.comm(1), 0, link, [0, 3, 6], [[0, 1], [1, 2]])
+  remote.on_inject(3, 7, np.arange(2, dtype=np.int32))
+  remote.start_task(Task(1, TaskKind.FORWARD_BACKWARD, 3), 7, 0.025)
+  got = []
+  for _ in range(3):
+    buf = np.empty(stage_ranks.HEADER_SIZE if len(got) != 1 else 2, np.int64 if len(got) != 1 else np.int32)
+    req = world.comm(2).Irecv(buf, source=1, tag=stage_ranks.TAG_CONTROL)
+    assert req.Test()
+    got.append(buf)
+  assert stage_ranks.check_header(got[0], source=1, dest=2, kinds=(stage_ranks.Kind.INJECT,), vw=0, minibatch=3,
+                                  version=7, size=2)
+  np.testing.assert_array_equal(got[1], [0, 1])  # the labels, to the last stage's rank
+  stage_ranks.check_header(got[2], source=1, dest=2, kinds=(stage_ranks.Kind.TASK,), vw=0, minibatch=3, stage=1,
+                           version=7, arg0=stage_ranks.TASK_CODES[TaskKind.FORWARD_BACKWARD], arg1=25_000_000)
