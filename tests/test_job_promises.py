@@ -69,6 +69,32 @@ def test_learning_rate_schedule_follows_its_closed_form(optimizer, schedule):
     assert got[n - 1] > 0 and abs(got[n]) < 1e-8 and abs(got[n + 1]) < 1e-8
 
 
+def test_adam_betas_and_gradient_clipping_follow_their_closed_form():
+  """``adam_b1`` / ``adam_b2`` reach optax.adam: for gradients g_k the update is ``-lr * m_k / (sqrt(v_k) + eps)``
+  with bias-corrected moments of decay b1, b2 (Kingma & Ba, Alg. 1); ``grad_clip_norm`` first scales a gradient of
+  larger global norm down to that norm."""
+  lr, b1, b2, eps = 0.1, 0.5, 0.99, 1e-8
+  grads = [3.0, -1.0, 2.0, 0.5]
+  tx = mpi_job.make_optimizer(_config(learning_rate=lr, lr_schedule="constant", adam_b1=b1, adam_b2=b2), 10)
+  params = {"w": jnp.zeros((), jnp.float32)}
+  state = tx.init(params)
+  m = v = 0.0
+  for k, g in enumerate(grads, start=1):
+    updates, state = tx.update({"w": jnp.asarray(g, jnp.float32)}, state, params)
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    want = -lr * (m / (1 - b1 ** k)) / (math.sqrt(v / (1 - b2 ** k)) + eps)
+    assert float(updates["w"]) == pytest.approx(want, rel=1e-5)
+  # Clipping to global norm 1 over two leaves: g = (3, 4) has norm 5, so SGD's update is -lr * (0.6, 0.8); a gradient
+  # already inside the norm passes unchanged.
+  tx = mpi_job.make_optimizer(_config(optimizer="sgd", learning_rate=lr, lr_schedule="constant",
+                                      grad_clip_norm=1.0), 10)
+  params = {"a": jnp.zeros(()), "b": jnp.zeros(())}
+  state = tx.init(params)
+  for g, want in (((3.0, 4.0), (0.06, 0.08)), ((0.3, 0.4), (0.03, 0.04))):
+    updates, state = tx.update({"a": jnp.asarray(g[0]), "b": jnp.asarray(g[1])}, state, params)
+    np.testing.assert_allclose([-float(updates["a"]), -float(updates["b"])], want, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- run length and evaluation cadence
 
 # (num_train, num_vws, batch_size, Nm, num_epochs, num_minibatches) -> minibatches per VW, worked by hand:

@@ -183,6 +183,15 @@ def _check_scalars(config: Any) -> None:
   if warmup < 0 or (warmup > 0) != (config.lr_schedule == "warmup_cosine"):
     raise ConfigError(f"config.warmup_minibatches={warmup} is used only by config.lr_schedule='warmup_cosine', "
                       "which needs it > 0: set both, or warmup_minibatches=0")
+  for name in ("adam_b1", "adam_b2"):
+    beta = config.get(name, 0.9)
+    if not 0 <= beta < 1:
+      raise ConfigError(f"config.{name}={beta} must be in [0, 1) (Adam's decay rate of the gradient's "
+                        f"{'mean' if name == 'adam_b1' else 'second moment'})")
+    if beta != {"adam_b1": 0.9, "adam_b2": 0.999}[name] and config.optimizer != "adam":
+      raise ConfigError(f"config.{name}={beta} is an Adam setting; config.optimizer={config.optimizer!r}")
+  if not config.get("grad_clip_norm", 0.0) >= 0:
+    raise ConfigError(f"config.grad_clip_norm={config.get('grad_clip_norm')} must be >= 0 (0: no clipping)")
   if not config.learning_rate > 0:
     raise ConfigError(f"config.learning_rate={config.learning_rate} must be > 0")
   if config.checkpoint_every_waves < 0:

@@ -36,17 +36,22 @@ from hetpipe_jax.runtime.param_layout import ParamLayout
 
 def make_optimizer(config: Any, num_minibatches: int) -> optax.GradientTransformation:
   """The optax optimizer each VW applies to its own minibatches (``config.lr_schedule``: constant, cosine, or
-  warmup_cosine: linear from 0 over ``config.warmup_minibatches``, then cosine to 0 at ``num_minibatches``)."""
+  warmup_cosine: linear from 0 over ``config.warmup_minibatches``, then cosine to 0 at ``num_minibatches``; Adam's
+  ``config.adam_b1`` / ``adam_b2``; ``config.grad_clip_norm`` > 0 first clips each minibatch's gradient to that global
+  norm)."""
   lr = config.learning_rate
   if config.lr_schedule == "cosine":
     lr = optax.cosine_decay_schedule(config.learning_rate, num_minibatches)
   if config.lr_schedule == "warmup_cosine":
     lr = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup_minibatches, num_minibatches)
   if config.optimizer == "adam":
-    return optax.adam(lr)
-  if config.optimizer == "momentum":
-    return optax.sgd(lr, momentum=config.momentum)
-  return optax.sgd(lr)
+    tx = optax.adam(lr, b1=config.get("adam_b1", 0.9), b2=config.get("adam_b2", 0.999))
+  elif config.optimizer == "momentum":
+    tx = optax.sgd(lr, momentum=config.momentum)
+  else:
+    tx = optax.sgd(lr)
+  clip = config.get("grad_clip_norm", 0.0)
+  return optax.chain(optax.clip_by_global_norm(clip), tx) if clip > 0 else tx
 
 
 def minibatches_per_wave(settings: JobSettings) -> int:
