@@ -17,19 +17,22 @@ from hetpipe_jax.runtime.param_layout import ParamLayout
 
 def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_bound=0, optimizer=None,
              batch_size=16, seed=0, pull_every_wave=True, num_vws=1, vw_id=0, server=None, client_factory=None,
-             ps_apply="on_receipt", dataset=None, method="hetpipe", vertical_sync=False, max_held=None):
+             ps_apply="on_receipt", dataset=None, method="hetpipe", vertical_sync=False, max_held=None, stages=None):
   """Returns ``(vw, source, initial per-layer params, optimizer, server)`` for an in-process VW.
 
   ``dataset``: an already loaded dataset (e.g. text windows for a GPT) instead of Fashion-MNIST from ``data_dir``.
 
   ``client_factory(server, vw_id)`` builds the VW's PS client (default :class:`param_server.LocalPSClient`).
+
+  ``stages``: an earlier VW's stages (same model, partition and optimizer) to reuse their compiled functions.
   """
   spec = models.get_model(model)
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(seed)))
   layout = ParamLayout.from_layer_params(params0)
   tx = optimizer or optax.adam(1e-2)
   devices = jax.devices()[:len(partition)]
-  stages = stages_lib.build_stages(spec, partition, devices, tx)
+  if stages is None:
+    stages = stages_lib.build_stages(spec, partition, devices, tx)
   if dataset is None:
     dataset = fashion_mnist.load_fashion_mnist(data_dir, expected_counts=None)
   source = sharding.ShardedMinibatches(dataset, num_vws, vw_id, batch_size, seed)

@@ -15,6 +15,7 @@ from tests.pipeline_util import build_vw
 
 TWO_STAGES = [(0, 2), (2, 4)]
 THREE_STAGES = [(0, 1), (1, 3), (3, 4)]
+FOUR_STAGES = [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
 def test_tasks_made_ready_start_before_the_minibatch_updates(synthetic_data_dir, monkeypatch):
@@ -68,9 +69,42 @@ def test_completion_log_and_task_log_follow_the_emulated_devices(synthetic_data_
   for s in (0, 1):  # one in-order device per stage: back to back at most, never overlapping
     spans = [(c.start_s, c.device_end_s) for c, _, _ in log if c.task.stage_id == s]
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-  assert any(woke for _, _, woke in log)  # the scheduler blocked on the queue and was woken by completions
+  # Every stage is local: a task that does not end its minibatch is booked on its executor's thread (it never wakes
+  # the scheduler thread); a minibatch's last task goes to the scheduler, which blocked on the queue in between.
+  assert not any(woke for c, _, woke in log if not schedule.completes_minibatch(c.task))
+  assert any(woke for c, _, woke in log if schedule.completes_minibatch(c.task))
   record_ends = [r.complete_time_s for r in vw.records]
   assert record_ends == [c.end_s for c, _, _ in log if schedule.completes_minibatch(c.task)]
+
+
+def test_a_hop_between_stages_does_not_wait_for_the_scheduler_thread(synthetic_data_dir):
+  """A local stage's completion is booked on its executor's thread, which starts the tasks it made ready: while the
+  scheduler thread is busy (here: slow minibatch updates), tasks still move from stage to stage."""
+  warm, *_ = build_vw(synthetic_data_dir, partition=FOUR_STAGES, num_inflight=4)
+  warm.run(4)  # compiles every stage function: the run below has 2 ms tasks throughout
+  vw, *_ = build_vw(synthetic_data_dir, partition=FOUR_STAGES, num_inflight=4, stages=warm.stages)
+  vw.task_time_s = lambda task: 0.002
+  update = vw.complete_minibatch
+  busy = []
+
+  def slow_update(mb, now):  # the first update is slow: the other minibatches in flight have hops left to make
+    t = time.perf_counter()
+    if not busy:
+      time.sleep(0.05)
+    update(mb, now)
+    busy.append((now, t, time.perf_counter()))
+
+  vw.complete_minibatch = slow_update
+  log = []
+  vw.run(8, completion_log=log)
+  # perf_counter - run time: each update starts after its minibatch's end (``now``), so the smallest difference
+  # is the run's origin plus at most the quickest pick-up (well under the 1 ms margin below).
+  origin = min(t - now for now, t, _ in busy)
+  _, t, end = busy[0]
+  window = (t - origin + 0.001, end - origin - 0.005)  # the first update's sleep, in run time
+  inside = [c.task for c, _, _ in log if window[0] < c.submit_s < window[1]]
+  # The three minibatches behind the first drain through stages 2, 1, 0 meanwhile (scheduler-driven hops: none).
+  assert len(inside) >= 3, (inside, window)
 
 
 def test_run_keeps_older_objects_out_of_garbage_collections(synthetic_data_dir):

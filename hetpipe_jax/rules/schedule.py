@@ -213,6 +213,18 @@ class PipelineRules:
         return i
     return None
 
+  def peek_ready(self, stage_id: int) -> Task | None:
+    """The task :meth:`pop_ready` would start now on ``stage_id``, without starting it; None when nothing may
+    start. (The runtime looks before it starts: a minibatch's first task is ready once it is injected, but its data
+    may still be on its way to the stage.)"""
+    if self.order is not None:
+      return self._ready_set[stage_id].get(self._expected_key[stage_id])
+    if self.max_held is None:
+      queue = self._ready[stage_id]
+      return queue[0] if queue else None
+    i = self._startable(stage_id)
+    return None if i is None else self._ready[stage_id][i]
+
   def pop_ready(self, stage_id: int) -> Task | None:
     """Starts the next task of ``stage_id`` (FIFO head, or the next of its static order if it is ready), checking
     rules 1–2; None when nothing may start."""

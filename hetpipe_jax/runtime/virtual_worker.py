@@ -52,6 +52,7 @@ import dataclasses
 import functools
 import gc
 import queue
+import threading
 import time
 from typing import Any, Callable, Protocol, Sequence
 
@@ -354,7 +355,10 @@ class VirtualWorker:
                                    methods.stage_order(self.method, num_stages, self.num_inflight, num_minibatches),
                                    max_held=self.max_held)
     inflight: dict[int, InFlightMinibatch] = {}
-    done: queue.SimpleQueue = queue.SimpleQueue()
+    done: queue.SimpleQueue = queue.SimpleQueue()  # to this thread: minibatch ends, remote completions, errors
+    # The rules, ``inflight`` and ``num_running`` are shared by this thread and the local stages' executors, which
+    # book their own completions (see ``_BookingQueue``): every access to them holds this lock.
+    lock = threading.Lock()
     stats = self.stats
     # The objects that exist before the run (modules, compiled functions, data: over 100,000) stay out of the
     # collections during it: a full collection over them holds the GIL, so it stops every stage thread, for
@@ -364,26 +368,79 @@ class VirtualWorker:
     stats.start_unix_s = time.time()
     if self.remote is not None:  # stage ranks: they start their executors on the same clock
       self.remote.begin_run(done, t0, stats.start_unix_s, num_minibatches)
-    executors = [StageExecutor(s, done, t0) if self.remote is None or s in self.local_stages
-                 else self.remote.executor(s) for s in range(num_stages)]
     num_running = 0
+    num_finished = 0  # minibatches whose completion this thread has processed (update, wave end)
     first = None
     wait_since = idle_since = None
 
     def submit_ready() -> None:
-      """Hands every ready task to its stage's executor, FIFO per stage."""
+      """Hands every ready task to its stage's executor, FIFO per stage (caller holds ``lock``). A stage stops at a
+      task whose minibatch is injected but not yet placed on the devices (this thread is still reading it)."""
       nonlocal num_running
       for s in range(num_stages):
-        while rules.has_ready(s):
-          task = rules.pop_ready(s)
-          mb = inflight[task.minibatch_id]
+        while True:
+          task = rules.peek_ready(s)
+          if task is None:
+            break
+          mb = inflight.get(task.minibatch_id)
+          if mb is None:
+            break
+          rules.pop_ready(s)
           duration = self.task_time_s(task) if self.task_time_s is not None else None
           executors[s].submit(task, functools.partial(self.dispatch, task, mb), duration)
           num_running += 1
 
+    def book(c, woke: bool) -> bool:
+      """Books completion ``c`` in the rules, logs and stats (caller holds ``lock``); True when it completes its
+      minibatch (this thread then applies the update)."""
+      nonlocal num_running
+      if completion_log is not None:
+        completion_log.append((c, time.perf_counter() - t0, woke))
+      num_running -= 1
+      if c.loss is not None:  # a remote last stage's loss, reported with its FB task
+        inflight[c.task.minibatch_id].loss = c.loss
+      self.task_log.append((str(c.task), c.start_s, c.device_end_s))
+      if c.overrun_s > OVERRUN_TOLERANCE_S:
+        stats.num_overruns += 1
+        stats.overrun_s += c.overrun_s
+      rules.complete(c.task)
+      stats.num_tasks += 1
+      stats.dispatch_s += c.dispatch_s
+      return schedule.completes_minibatch(c.task)
+
+    # Per stage, its completions posted to this thread and not yet booked: a stage's completions are booked in its
+    # order, so while one waits here the stage's later ones follow it.
+    routed = [0] * num_stages
+
+    class _BookingQueue:
+      """Where the local stages' executors post completions: a task that does not complete its minibatch is booked
+      on the executor's own thread, which then starts the tasks it made ready, so a cross-stage hop wakes one thread
+      (the next stage's executor), not two (this scheduler thread, then the executor). A minibatch's last task
+      goes to ``done``: this thread books it and applies the update together, so the rules never count a minibatch
+      complete before its update is in the weights that new minibatches start on (the local staleness rule); the
+      stage's next completions follow it there until it is booked."""
+
+      @staticmethod
+      def put(c) -> None:
+        if c.error is None:
+          try:
+            with lock:
+              s = c.task.stage_id
+              if not routed[s] and not schedule.completes_minibatch(c.task):
+                book(c, False)
+                submit_ready()
+                return
+              routed[s] += 1
+          except BaseException as e:  # a broken rule: reported to the scheduler thread, which re-raises it
+            c = dataclasses.replace(c, error=e)
+        done.put(c)
+
+    executors = [StageExecutor(s, _BookingQueue, t0) if self.remote is None or s in self.local_stages
+                 else self.remote.executor(s) for s in range(num_stages)]
+
     try:
       with jax.transfer_guard("disallow"):
-        while rules.num_completed < num_minibatches:
+        while num_finished < num_minibatches:
           loop_start = time.perf_counter()
           # 1. PS replies (no PS under all-reduce BSP).
           reply = self.ps.poll_pull() if self.ps is not None else None
@@ -392,8 +449,10 @@ class VirtualWorker:
             self.sync.on_pull_reply(wsp.global_clock_of(reply[0]))
             self.install_pull(*reply)
             stats.sync_s += time.perf_counter() - t
-          # 2. Completions (each stage reports in its own order; the queue keeps completion order).
+          # 2. Completions posted here: minibatch ends, remote stages' completions (each stage reports in its own
+          # order; the queue keeps completion order).
           finished = []
+          taken = False
           while True:
             woke = first is not None
             if woke:
@@ -403,38 +462,37 @@ class VirtualWorker:
                 c = done.get_nowait()
               except queue.Empty:
                 break
-            if completion_log is not None:
-              completion_log.append((c, time.perf_counter() - t0, woke))
-            num_running -= 1
             if c.error is not None:
               raise c.error
-            if c.loss is not None:  # a remote last stage's loss, reported with its FB task
-              inflight[c.task.minibatch_id].loss = c.loss
-            self.task_log.append((str(c.task), c.start_s, c.device_end_s))
-            if c.overrun_s > OVERRUN_TOLERANCE_S:
-              stats.num_overruns += 1
-              stats.overrun_s += c.overrun_s
-            rules.complete(c.task)
-            stats.num_tasks += 1
-            stats.dispatch_s += c.dispatch_s
-            if schedule.completes_minibatch(c.task):
-              finished.append(c)
+            with lock:
+              if routed[c.task.stage_id]:  # a local stage's (remote stages' completions all come this way)
+                routed[c.task.stage_id] -= 1
+              if book(c, woke):
+                finished.append(c)
+            taken = True
           # 3. The tasks those completions made ready start now, before the updates below.
-          submit_ready()
+          if taken:
+            with lock:
+              submit_ready()
           # 4. Completed minibatches: every stage's update (a new weight version), wave ends and their pulls.
           if finished:
             t = time.perf_counter()
             for c in finished:
               p = c.task.minibatch_id
-              self.complete_minibatch(inflight.pop(p), c.end_s)
+              with lock:
+                mb = inflight.pop(p)
+              self.complete_minibatch(mb, c.end_s)
+              num_finished += 1
               wave, pull = self.sync.on_minibatch_complete(p)
               if wave is not None and self.end_wave(wave):
                 self.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied
               if pull is not None:
                 self.ps.request_pull(pull)
             stats.update_s += time.perf_counter() - t
-          # 5. Injection under the local rule and WSP (on the weights that include every completed minibatch).
-          injected, pull, waiting = wsp.injection_step(rules, self.sync, num_minibatches)
+          # 5. Injection under the local rule and WSP (on the weights that include every completed minibatch); each
+          # minibatch's first task starts as soon as its data is placed, before the next one is read.
+          with lock:
+            injected, pull, waiting = wsp.injection_step(rules, self.sync, num_minibatches)
           if pull is not None:
             self.ps.request_pull(pull)
           if waiting:
@@ -443,14 +501,15 @@ class VirtualWorker:
           elif injected and wait_since is not None:
             stats.wait_s += time.perf_counter() - wait_since
             wait_since = None
-          if injected:
-            for p in injected:
-              t = time.perf_counter()
-              inflight[p] = self.inject(p, t - t0)
-              stats.inject_s += time.perf_counter() - t
-            submit_ready()
+          for p in injected:
+            t = time.perf_counter()
+            mb = self.inject(p, t - t0)
+            stats.inject_s += time.perf_counter() - t
+            with lock:
+              inflight[p] = mb
+              submit_ready()
           stats.max_concurrent_tasks = max(stats.max_concurrent_tasks, num_running)
-          # 6. Idle accounting, then block until a task completes (or time out to poll the PS).
+          # 6. Idle accounting, then block until a minibatch completes (or time out to poll the PS).
           if not num_running:
             if idle_since is None:
               idle_since = time.perf_counter()
@@ -458,7 +517,7 @@ class VirtualWorker:
             stats.idle_s += time.perf_counter() - idle_since
             idle_since = None
           stats.host_busy_s += time.perf_counter() - loop_start
-          if rules.num_completed < num_minibatches:
+          if num_finished < num_minibatches:
             try:
               first = done.get(timeout=self.poll_interval_s)  # processed first in the next iteration
             except queue.Empty:
