@@ -50,6 +50,8 @@ class Stage:
   forward_backward: Any = None
   update: Any = None
   add: Any = None
+  ravel: Any = None
+  apply_mean: Any = None
   trace_counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
@@ -134,8 +136,32 @@ def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformat
     counts["add"] += 1
     return jax.tree.map(jnp.add, a, b)
 
+  def ravel(tree):
+    """A params-shaped tree → float32 ``[n]``, its leaves in ``jax.tree`` order (the stage's slice of
+    :class:`~hetpipe_jax.runtime.param_layout.ParamLayout`'s flat layout)."""
+    counts["ravel"] += 1
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+      return jnp.zeros((0,), jnp.float32)
+    return jnp.concatenate([jnp.ravel(leaf).astype(jnp.float32) for leaf in leaves])
+
+  def apply_mean(params, opt_state, flat_sum, count):
+    """One optimizer step with the mean gradient ``flat_sum / count`` (float32 ``[n]`` in :func:`ravel`'s order,
+    summed over ``count`` micro-batches); returns ``(new_params, new_opt_state)``. The flush methods' step."""
+    counts["apply_mean"] += 1
+    mean = flat_sum / count
+    leaves, treedef = jax.tree.flatten(params)
+    grads, pos = [], 0
+    for leaf in leaves:
+      grads.append(mean[pos:pos + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
+      pos += leaf.size
+    delta, opt_state = optimizer.update(jax.tree.unflatten(treedef, grads), opt_state, params)
+    return optax.apply_updates(params, delta), opt_state
+
   st.forward = jax.jit(forward)
   st.backward = jax.jit(backward)
   st.forward_backward = jax.jit(forward_backward)
   st.update = jax.jit(update)
   st.add = jax.jit(add)
+  st.ravel = jax.jit(ravel)
+  st.apply_mean = jax.jit(apply_mean)

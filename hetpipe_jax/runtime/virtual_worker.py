@@ -258,6 +258,9 @@ class VirtualWorker:
     # Compile the update and the rebase now, not at the first completion / pull (a stall inside wave 1).
     jax.block_until_ready([(st.update(p, o, z, z), st.add(p, z))
                            for st, p, o, z in zip(self.stages, params, self.opt_states, self._zeros) if p is not None])
+    if self.method.is_flush:  # ... and the flush step's ravel and mean update
+      jax.block_until_ready([st.apply_mean(p, o, st.ravel(z), jax.device_put(np.float32(1), st.device))
+                             for st, p, o, z in zip(self.stages, params, self.opt_states, self._zeros)])
     self.version = WeightVersion(params, 0, (0,) * num_virtual_workers, 0)
     self.wave_delta = list(self._zeros)
     self.grad_acc = list(self._zeros)  # flush methods: the step's accumulated gradients per stage
@@ -269,6 +272,8 @@ class VirtualWorker:
     self.task_log: list[tuple[str, float, float]] = []
     self.stats = VWStats()
     self._wave_losses: list = []  # (record, loss array) of the current wave
+    self._prefetched: dict[int, tuple] = {}  # minibatch -> its data, read ahead of its injection (prefetch)
+    self._divisors: tuple = (0, None)  # flush methods: (micro-batches per reduced step, that count on each stage)
 
   def _init_stage_state(self, updates: list[int] | None = None) -> None:
     """PipeDream: per-stage latest weights, own-update counts, per-wave deltas, version history and locks."""
@@ -364,6 +369,7 @@ class VirtualWorker:
     # collections during it: a full collection over them holds the GIL, so it stops every stage thread, for
     # 0.1-0.3 s on this machine (scripts/bench_runtime.py reports the collections during its runs).
     gc.freeze()
+    self._prefetched.clear()  # minibatch ids are the run's (a segment's run starts at 0 again)
     t0 = time.perf_counter()
     stats.start_unix_s = time.time()
     if self.remote is not None:  # stage ranks: they start their executors on the same clock
@@ -516,6 +522,11 @@ class VirtualWorker:
           elif idle_since is not None:
             stats.idle_s += time.perf_counter() - idle_since
             idle_since = None
+          # 7. Read the next minibatch ahead while waiting (off the path from a completion to the next injection).
+          if rules.num_injected < num_minibatches:
+            t = time.perf_counter()
+            self.prefetch(rules.num_injected)
+            stats.inject_s += time.perf_counter() - t
           stats.host_busy_s += time.perf_counter() - loop_start
           if num_finished < num_minibatches:
             try:
@@ -533,10 +544,26 @@ class VirtualWorker:
     return stats
 
   # ---------------------------------------------------------------- tasks
+  def prefetch(self, p: int) -> None:
+    """Reads minibatch ``p`` and places it on its stages' devices ahead of its injection (the scheduler does so
+    for the next minibatch while it waits, so a new minibatch's first task is not held up by reading it)."""
+    if p not in self._prefetched:
+      self._prefetched[p] = self._load(p)
+
+  def _load(self, p: int):
+    """Minibatch ``p``: ``(host labels, images on stage 0's device, labels on the last stage's device or None)``."""
+    images, labels = self.get_minibatch(p)
+    x = jax.device_put(images, self.stages[0].device)
+    if self.remote is None or len(self.stages) - 1 in self.local_stages:
+      y = jax.device_put(labels, self.stages[-1].device)
+    else:
+      y = None
+    return labels, x, y
+
   def inject(self, p: int, now: float) -> "InFlightMinibatch":
     """Starts minibatch ``p`` on the current weight version; ``now`` is its injection time in seconds."""
-    images, labels = self.get_minibatch(p)
-    first, last = self.stages[0], self.stages[-1]
+    loaded = self._prefetched.pop(p, None)
+    labels, x, y = loaded if loaded is not None else self._load(p)
     v = self.version
     fields = (self.vw_id, p, wsp.wave_of(p, self.num_inflight), self.sync.local_clock, v.version_id,
               v.local_updates, v.global_clock, v.vector_clock, now)
@@ -548,11 +575,6 @@ class VirtualWorker:
     if self.method.update == "stage":
       rec.stage_versions = [-1] * len(self.stages)
     self.records.append(rec)
-    x = jax.device_put(images, first.device)
-    if self.remote is None or len(self.stages) - 1 in self.local_stages:
-      y = jax.device_put(labels, last.device)
-    else:
-      y = None
     if self.remote is not None:  # every stage rank learns p's version; the last stage's rank gets the labels
       self.remote.on_inject(p, v.version_id, labels)
     return InFlightMinibatch(v, x, y, {0: x}, {}, {}, {}, record=rec)
@@ -578,7 +600,7 @@ class VirtualWorker:
     if task.kind is TaskKind.FORWARD_BACKWARD:
       loss, gp, gx = st.forward_backward(params, mb.activations.pop(s), mb.labels)
       mb.loss = loss
-      mb.grads[s] = gp
+      self._keep_grads(s, mb, gp)
       if s == 0:
         return loss
       g = jax.device_put(gx, self.stages[s - 1].device)
@@ -586,13 +608,22 @@ class VirtualWorker:
       return g
     grad_out = mb.grad_in.pop(s)
     gp, gx = st.backward(mb.residuals.pop(s), grad_out)
-    mb.grads[s] = gp
+    self._keep_grads(s, mb, gp)
     if s == 0:
-      leaves = jax.tree.leaves(gp)
+      leaves = jax.tree.leaves(self.grad_acc[0] if self.method.is_flush else gp)
       return leaves[0] if leaves else grad_out  # a parameter-free stage 0 has nothing left to compute
     g = jax.device_put(gx, self.stages[s - 1].device)
     mb.grad_in[s - 1] = g
     return g
+
+  def _keep_grads(self, s: int, mb: InFlightMinibatch, grads) -> None:
+    """A backward's parameter gradients: kept for the minibatch's update, or (flush methods) added to the step's
+    accumulator right away, on the stage's executor thread (the only writer of ``grad_acc[s]`` during a step; the
+    stage's backwards run in micro-batch order, so the sum is the same as adding them at each completion)."""
+    if self.method.is_flush:
+      self.grad_acc[s] = self.stages[s].add(self.grad_acc[s], grads)
+    else:
+      mb.grads[s] = grads
 
   def _dispatch_linked(self, task: Task, mb: InFlightMinibatch):
     """:meth:`dispatch` with stage ranks: a remote stage's task is a command to its rank (the driver's remote
@@ -678,12 +709,12 @@ class VirtualWorker:
     """Applies minibatch p's update on every stage (a new weight version) and adds it to the wave's delta.
 
     An action: the driver then advances ``sync`` (``on_minibatch_complete``) and, at a wave end, calls
-    :meth:`end_wave`. Flush methods: adds the micro-batch's gradients to the step's accumulator instead.
+    :meth:`end_wave`. Flush methods: records the micro-batch's completion only (its backwards added its gradients
+    to the step's accumulator, :meth:`_keep_grads`).
     """
     if self.method.is_flush or self.method.update == "stage":
-      if self.method.is_flush:
-        self.grad_acc = [st.add(a, mb.grads[s]) for s, (st, a) in enumerate(zip(self.stages, self.grad_acc))]
-      else:  # PipeDream: every stage already applied its own update; the VW's version counts completions
+      # Flush methods: the stages' backwards already added the gradients to grad_acc (_keep_grads).
+      if not self.method.is_flush:  # PipeDream: every stage already applied its own update; the version counts it
         self.version = self._new_version(self.version.params, local_updates=self.version.local_updates + 1)
         if self.vertical_sync:
           self._prune_history()
@@ -835,11 +866,10 @@ class VirtualWorker:
   def _reduce_step(self, step: int) -> bool:
     """Flush methods: the step's gradients and loss sum, as one buffer, to the reducer; applies a returned sum."""
     loss_sum = self._read_losses()
-    host = jax.device_get(self.grad_acc)
+    flats = jax.device_get([st.ravel(acc) for st, acc in zip(self.stages, self.grad_acc)])
     buf = np.empty(self.layout.num_params + 1, np.float32)
     pos = 0
-    for h, st in zip(host, self.stages):
-      flat = self.layout.flatten(h, st.layer_range[0])
+    for flat in flats:
       buf[pos:pos + flat.size] = flat
       pos += flat.size
     buf[-1] = loss_sum
@@ -864,15 +894,21 @@ class VirtualWorker:
       FloatingPointError: the reduced gradients hold NaN or Inf (some VW diverged).
     """
     count = self.num_virtual_workers * self.num_inflight
-    mean = np.asarray(summed[:-1], np.float32) / np.float32(count)
-    if not np.isfinite(mean).all():
+    grads = np.asarray(summed[:-1], np.float32)
+    if not np.isfinite(grads).all():  # the mean (sum / count, count >= 1) is finite exactly when the sum is
       raise FloatingPointError(f"[VW {self.vw_id}] the all-reduced gradients of step {step} hold NaN/Inf: training "
                                "diverged; lower config.learning_rate")
+    offsets = self.layout.layer_offsets
+    if self._divisors[0] != count:
+      self._divisors = (count, jax.device_put([np.float32(count)] * len(self.stages),
+                                              [st.device for st in self.stages]))
+    # One contiguous copy per stage (a device array may alias its numpy source on the CPU backend), placed in one
+    # call; each stage divides by the count and unflattens on its device.
+    slices = jax.device_put([np.array(grads[offsets[st.layer_range[0]]:offsets[st.layer_range[1]]])
+                             for st in self.stages], [st.device for st in self.stages])
     params, states = [], []
-    for s, st in enumerate(self.stages):
-      start, end = st.layer_range
-      g = jax.device_put(self.layout.unflatten(mean, start, end), st.device)
-      p, o, _ = st.update(self.version.params[s], self.opt_states[s], g, self._zeros[s])
+    for s, (st, g, d) in enumerate(zip(self.stages, slices, self._divisors[1])):
+      p, o = st.apply_mean(self.version.params[s], self.opt_states[s], g, d)
       params.append(p)
       states.append(o)
     self.opt_states = states
