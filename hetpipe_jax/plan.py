@@ -8,6 +8,8 @@ Prints a table and writes a versioned plan JSON that ``hetpipe_jax.train --plan=
 
 from __future__ import annotations
 
+import sys
+
 from absl import app
 from absl import flags
 
@@ -15,6 +17,7 @@ from hetpipe_jax import profiles
 from hetpipe_jax.planning import allocator
 from hetpipe_jax.planning import cluster as cluster_lib
 from hetpipe_jax.planning import cost_model
+from hetpipe_jax.planning import partitioner
 from hetpipe_jax.planning import plan_format
 from hetpipe_jax.planning import planner
 from hetpipe_jax.planning import profile_format
@@ -67,7 +70,13 @@ def main(argv):
                                  method=_METHOD.value, num_inflight=_NUM_INFLIGHT.value, remat=_REMAT.value,
                                  max_vw_gpus=_MAX_VW_GPUS.value,
                                  cost=cost_model.CostModelConfig(inflight_memory=_INFLIGHT_MEMORY.value))
-  plan = planner.make_plan(cluster, profile, config)
+  try:
+    plan = planner.make_plan(cluster, profile, config)
+  except (allocator.AllocationError, partitioner.InfeasiblePartitionError) as e:
+    # No plan for these settings (a model too large for some VW's GPUs, ...): one line, exit 2, no traceback.
+    print(f"error: no plan for --cluster={_CLUSTER.value} --model={_MODEL.value} --batch_size={_BATCH.value} "
+          f"--policy={_POLICY.value} --num_vws={_NUM_VWS.value}: {e}", file=sys.stderr)
+    sys.exit(2)
   print(planner.format_table(plan))
   if _OUTPUT.value:
     plan_format.write_plan(plan, _OUTPUT.value)

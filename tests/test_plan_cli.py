@@ -84,6 +84,19 @@ def test_unknown_model():
   assert r.returncode != 0 and "unknown model 'alexnet_imagenet'" in r.stderr
 
 
+def test_a_model_no_allocation_fits_is_one_error_line(tmp_path):
+  """GPT-2 large at batch 2 fits no HD virtual worker of the paper's cluster (its TITAN V / P4000 VWs): the planner
+  says so in one line naming the settings and the overflowing stages, exit 2, no traceback, no plan written."""
+  out = tmp_path / "plan.json"
+  r = run_plan("--cluster=hetpipe_paper", "--model=gpt2_large", "--batch_size=2", "--policy=HD", "--num_vws=4",
+               f"--output={out}")
+  assert r.returncode == 2, r.stderr
+  lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+  assert len(lines) == 1 and "--model=gpt2_large" in lines[0] and "fits no partition" in lines[0]
+  assert "GiB usable" in lines[0] and "Traceback" not in r.stderr
+  assert not out.exists()
+
+
 def test_unknown_cluster():
   r = run_plan("--cluster=moon_base", "--model=vgg19_imagenet")
   assert r.returncode != 0 and "unknown cluster 'moon_base'" in r.stderr
