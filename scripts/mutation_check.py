@@ -352,13 +352,18 @@ MUTATIONS = (
              ("tests/test_stage_executor.py",),
              "an emulated task starts when the executor thread picks it up, not on the emulated device's timeline"),
     Mutation("runtime_hands_off_after_updates", "hetpipe_jax/runtime/virtual_worker.py",
-             "          submit_ready()\n"
+             "          if taken:\n"
+             "            with lock:\n"
+             "              submit_ready()\n"
              "          # 4. Completed minibatches: every stage's update (a new weight version), wave ends and their pulls.\n"
              "          if finished:\n"
              "            t = time.perf_counter()\n"
              "            for c in finished:\n"
              "              p = c.task.minibatch_id\n"
-             "              self.complete_minibatch(inflight.pop(p), c.end_s)\n"
+             "              with lock:\n"
+             "                mb = inflight.pop(p)\n"
+             "              self.complete_minibatch(mb, c.end_s)\n"
+             "              num_finished += 1\n"
              "              wave, pull = self.sync.on_minibatch_complete(p)\n"
              "              if wave is not None and self.end_wave(wave):\n"
              "                self.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied\n"
@@ -370,16 +375,38 @@ MUTATIONS = (
              "            t = time.perf_counter()\n"
              "            for c in finished:\n"
              "              p = c.task.minibatch_id\n"
-             "              self.complete_minibatch(inflight.pop(p), c.end_s)\n"
+             "              with lock:\n"
+             "                mb = inflight.pop(p)\n"
+             "              self.complete_minibatch(mb, c.end_s)\n"
+             "              num_finished += 1\n"
              "              wave, pull = self.sync.on_minibatch_complete(p)\n"
              "              if wave is not None and self.end_wave(wave):\n"
              "                self.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied\n"
              "              if pull is not None:\n"
              "                self.ps.request_pull(pull)\n"
              "            stats.update_s += time.perf_counter() - t\n"
-             "          submit_ready()\n",
-             ("tests/test_runtime_host_path.py",),
-             "tasks made ready by a completion wait until the completed minibatches' updates are applied"),
+             "          if taken:\n"
+             "            with lock:\n"
+             "              submit_ready()\n",
+             ("tests/test_runtime_host_path.py::test_tasks_made_ready_start_before_the_minibatch_updates",),
+             "tasks made ready by a completion the scheduler thread books wait until the completed minibatches' "
+             "updates are applied"),
+    Mutation("flush_accumulator_keeps_last_microbatch", "hetpipe_jax/runtime/virtual_worker.py",
+             "      self.grad_acc[s] = self.stages[s].add(self.grad_acc[s], grads)\n",
+             "      self.grad_acc[s] = grads\n",
+             ("tests/test_methods_runtime.py::test_flush_methods_in_one_vw_equal_single_device_training",),
+             "a flush method's step keeps only each stage's last micro-batch gradients, not their sum"),
+    Mutation("stage_completions_booked_out_of_order", "hetpipe_jax/runtime/virtual_worker.py",
+             "              if not routed[s] and not schedule.completes_minibatch(c.task):\n",
+             "              if not schedule.completes_minibatch(c.task):\n",
+             ("tests/test_pipeline.py::test_oracle2_replay_of_recorded_versions",),
+             "a stage's completion is booked on its executor while the stage's earlier one waits for the scheduler "
+             "thread (booked out of the stage's order)"),
+    Mutation("every_hop_through_the_scheduler", "hetpipe_jax/runtime/virtual_worker.py",
+             "        if c.error is None:\n          try:\n            with lock:\n              s = c.task.stage_id\n",
+             "        if False:\n          try:\n            with lock:\n              s = c.task.stage_id\n",
+             ("tests/test_runtime_host_path.py::test_a_hop_between_stages_does_not_wait_for_the_scheduler_thread",),
+             "every completion goes through the scheduler thread (two wake-ups per cross-stage hop)"),
     Mutation("sharded_pull_ignores_shard_clocks", "hetpipe_jax/runtime/virtual_worker.py",
              "      for c in wsp.own_waves_after_pull(keep, vc[self.vw_id]):",
              "      for c in wsp.own_waves_after_pull(keep, vector_clock[self.vw_id]):",

@@ -3,6 +3,7 @@ benchmark's instrumentation) and the task log follow each stage's emulated devic
 collections during a run leave older objects alone."""
 
 import gc
+import threading
 import time
 
 import pytest
@@ -19,8 +20,12 @@ FOUR_STAGES = [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
 def test_tasks_made_ready_start_before_the_minibatch_updates(synthetic_data_dir, monkeypatch):
-  """When a completion makes a task ready, the task goes to its stage before the scheduler applies a minibatch's
-  updates (inline compute on the CPU backend), even when both completions were taken off the queue together."""
+  """When a completion the scheduler thread books makes a task ready, the task goes to its stage before the
+  scheduler applies a minibatch's updates (inline compute on the CPU backend), even when both completions were taken
+  off the queue together. Stage 0 is the slowest (emulated 6 ms tasks), so forwards queue behind its minibatch-ending
+  backwards, and the scheduler thread is slow to come back (each PS poll takes 8 ms): such a forward's completion
+  follows the backward's to the scheduler thread (a stage's completions are booked in order), which books both and
+  must start the forward's successor before it applies the update."""
   submitted = set()
 
   class RecordingExecutor(StageExecutor):
@@ -28,23 +33,44 @@ def test_tasks_made_ready_start_before_the_minibatch_updates(synthetic_data_dir,
       submitted.add(task)
       super().submit(task, dispatch, duration_s)
 
+  class BookingLog(list):  # whether the scheduler (main) thread booked each task
+    def __init__(self):
+      super().__init__()
+      self.on_scheduler = []
+
+    def append(self, item):
+      self.on_scheduler.append(threading.current_thread() is threading.main_thread())
+      super().append(item)
+
   monkeypatch.setattr(virtual_worker, "StageExecutor", RecordingExecutor)
   vw, *_ = build_vw(synthetic_data_dir, partition=THREE_STAGES, num_inflight=4)
+  vw.task_time_s = lambda task: 0.006 if task.stage_id == 0 else 0.001
+  vw.task_log = log = BookingLog()
+  poll = vw.ps.poll_pull
+
+  def slow_poll():
+    time.sleep(0.008)
+    return poll()
+
+  vw.ps.poll_pull = slow_poll
   update = vw.complete_minibatch
   late, updates = [], 0
 
-  def slow_update(mb, now):
+  def checked_update(mb, now):
     nonlocal updates
     updates += 1
-    received = [Task.parse(text) for text, _, _ in vw.task_log]
-    late.extend(succ for task in received for succ in schedule.successors(task, 3) if succ not in submitted)
-    time.sleep(0.02)  # a slow update: completions queue up meanwhile and are taken off together afterwards
+    # Tasks this thread booked: it started their successors itself, before coming here.
+    booked_here = [Task.parse(text) for (text, _, _), main in zip(list(log), list(log.on_scheduler)) if main]
+    late.extend(succ for task in booked_here for succ in schedule.successors(task, 3) if succ not in submitted)
     update(mb, now)
 
-  vw.complete_minibatch = slow_update
+  vw.complete_minibatch = checked_update
   vw.run(16)
   assert updates == 16
   assert not late, late
+  # The case above happened: tasks that do not end a minibatch were booked by the scheduler thread.
+  routed = [Task.parse(text) for (text, _, _), main in zip(log, log.on_scheduler) if main]
+  assert any(not schedule.completes_minibatch(t) for t in routed), routed
 
 
 def test_completion_log_and_task_log_follow_the_emulated_devices(synthetic_data_dir):
