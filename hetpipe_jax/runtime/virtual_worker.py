@@ -139,6 +139,7 @@ class VWStats:
   sync_s: float = 0.0  # ... of which installing pulled global weights
   inject_s: float = 0.0  # ... of which reading minibatches and placing them on stage devices
   dispatch_s: float = 0.0  # stage executors' time inside task dispatch calls
+  executor_book_s: float = 0.0  # stage executors' time booking their completions and starting what they made ready
   num_overruns: int = 0  # emulated tasks whose real work outlasted their target duration
   overrun_s: float = 0.0
 
@@ -433,8 +434,10 @@ class VirtualWorker:
             with lock:
               s = c.task.stage_id
               if not routed[s] and not schedule.completes_minibatch(c.task):
+                t = time.perf_counter()
                 book(c, False)
                 submit_ready()
+                stats.executor_book_s += time.perf_counter() - t
                 return
               routed[s] += 1
           except BaseException as e:  # a broken rule: reported to the scheduler thread, which re-raises it
