@@ -33,7 +33,7 @@ class TaskKind(enum.Enum):
   FORWARD_BACKWARD = "FB"
 
 
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True, init=False, slots=True)
 class Task:
   """One unit of work on one stage: a forward, a backward, or (last stage) forward+backward of one minibatch."""
 
@@ -42,12 +42,12 @@ class Task:
   minibatch_id: int
 
   def __init__(self, stage_id: int, kind: TaskKind, minibatch_id: int):
-    # The dataclass's generated frozen __init__ sets each field through object.__setattr__; writing the instance
-    # dict directly is the same result at half the cost (the engine creates one Task per task it simulates).
-    fields = self.__dict__
-    fields["stage_id"] = stage_id
-    fields["kind"] = kind
-    fields["minibatch_id"] = minibatch_id
+    # The generated frozen __init__ sets each field through object.__setattr__; the slots' own setters are the same
+    # result at a fraction of the cost (the engine creates one Task per task it simulates), and slots make reading
+    # a field cheap.
+    _set_stage_id(self, stage_id)
+    _set_kind(self, kind)
+    _set_minibatch_id(self, minibatch_id)
 
   def __str__(self) -> str:
     return f"{self.stage_id}{self.kind.value}{self.minibatch_id}"
@@ -65,6 +65,7 @@ class Task:
     return Task(int(m.group(1)), TaskKind(m.group(2)), int(m.group(3)))
 
 
+_set_stage_id, _set_kind, _set_minibatch_id = Task.stage_id.__set__, Task.kind.__set__, Task.minibatch_id.__set__
 _FORWARD = TaskKind.FORWARD
 _BACKWARD = TaskKind.BACKWARD
 _FORWARD_BACKWARD = TaskKind.FORWARD_BACKWARD
