@@ -73,8 +73,7 @@ _FORWARD_BACKWARD = TaskKind.FORWARD_BACKWARD
 
 def first_task(num_stages: int, minibatch_id: int) -> Task:
   """The task that injects ``minibatch_id`` into stage 0 (``FB`` when the pipeline has one stage)."""
-  kind = TaskKind.FORWARD_BACKWARD if num_stages == 1 else TaskKind.FORWARD
-  return Task(0, kind, minibatch_id)
+  return Task(0, _FORWARD_BACKWARD if num_stages == 1 else _FORWARD, minibatch_id)
 
 
 def successors(task: Task, num_stages: int) -> list[Task]:

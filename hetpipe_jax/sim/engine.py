@@ -316,6 +316,9 @@ class Engine:
     self.hooks = {name: getattr(hooks, name, None) for name in _HOOK_NAMES}
     self._on_task_start = self.hooks["on_task_start"]
     self._on_inject = self.hooks["on_inject"]
+    self._on_minibatch_complete = self.hooks["on_minibatch_complete"]
+    self._on_wave_end = self.hooks["on_wave_end"]
+    self._records = config.records
     # Per-task jitter (EngineConfig.task_time_cv): log-normal factor with mean 1 and that coefficient of variation.
     self._jitter = None
     if config.task_time_cv > 0:
@@ -398,7 +401,7 @@ class Engine:
       return
     if vw.wait_since is not None:
       vw.wait_s += t - vw.wait_since
-      if self.config.records:
+      if self._records:
         self._ps_waits.append((vw.vw_id, vw.wait_since, t))
       vw.wait_since = None
     if vw.active == 0 and vw.idle_since is not None:
@@ -406,7 +409,7 @@ class Engine:
       vw.idle_since = None
     vw.active += len(injected)
     on_inject = self._on_inject
-    if self.config.records:
+    if self._records:
       rules, sync = vw.rules, vw.sync
       for p in injected:
         vw.records[p] = MinibatchRecord(vw.vw_id, p, wsp.wave_of(p, rules.num_inflight), sync.local_clock,
@@ -468,21 +471,21 @@ class Engine:
   def _complete_minibatch(self, vw: _VW, p: int, t: float) -> None:
     vw.completions.append(t)
     vw.version_id += 1
-    if self.config.records:
+    if self._records:
       vw.records[p].complete_time_s = t
-    hook = self.hooks["on_minibatch_complete"]
+    hook = self._on_minibatch_complete
     if hook is not None:
       hook(vw.vw_id, p, t)
     wave, pull = vw.sync.on_minibatch_complete(p)
     if wave is not None and self.reducer is not None:
-      hook = self.hooks["on_wave_end"]
+      hook = self._on_wave_end
       if hook is not None:
         hook(vw.vw_id, wave, t)
       self._enter_allreduce(vw, wave, t)
       self._advance_clock(wave, t)
       return
     if wave is not None:
-      hook = self.hooks["on_wave_end"]
+      hook = self._on_wave_end
       if hook is not None:
         hook(vw.vw_id, wave, t)
       vw.num_pushes += 1
@@ -572,7 +575,7 @@ class Engine:
               q.append(rules.pop_ready(cs))
           start_ready(vw, t, changed)
           continue
-        if len(new) == 1 and rules.num_completed == num_completed:  # the output moves on
+        if new and rules.num_completed == num_completed:  # the output moves on (a task has at most one successor)
           ns = new[0].stage_id
           successor = vw.gpus[ns]
           nt = rules.pop_ready(ns)  # its only ready task (every other one was dispatched)
