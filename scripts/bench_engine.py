@@ -9,6 +9,11 @@ drawn uniformly in [50, 200] ms, i.e. speed ratios up to 4x; 2 ms sends, 40 ms p
 targets are checked on) and ``cpu_s`` (this process's CPU time, less sensitive to other work on the machine); the
 machine's load average is printed before and after. ``--quick`` (CI smoke, seconds): the same two kinds of case,
 small (20 waves; 16 synthetic VWs x 10 waves), one run, no targets.
+
+``--compare_with=DIR`` (another checkout of the repository, e.g. ``git worktree add /tmp/base <commit>`` with its
+``.venv``): ``--repeats`` rounds, each one run of DIR's ``scripts/bench_engine.py --repeats=1`` and one of this
+checkout's, alternating (so both see the same machine load), in fresh processes; prints both versions' medians per
+case and the ratio this / DIR of ``wall_s`` and ``cpu_s`` (below 1: this checkout is faster).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -35,6 +41,8 @@ from hetpipe_jax.sim import task_times  # pylint: disable=wrong-import-position
 
 _QUICK = flags.DEFINE_bool("quick", False, "Small cases, one run, no targets (a seconds-long smoke run).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Runs per case (the median is reported); --quick runs each once.")
+_COMPARE_WITH = flags.DEFINE_string("compare_with", None, "Another checkout of the repository: run its benchmark "
+                                    "and this one alternately, --repeats rounds, and print the ratio (docstring).")
 
 
 def case(name, times, config, target_s, repeats):
@@ -57,8 +65,51 @@ def case(name, times, config, target_s, repeats):
           "simulated_makespan_s": round(report.makespan_s, 3), "max_clock_distance": report.max_clock_distance}
 
 
+def _run_checkout(root: str, quick: bool) -> dict:
+  """One run of ``root``'s ``scripts/bench_engine.py --repeats=1`` in a fresh process; its JSON."""
+  python = os.path.join(root, ".venv", "bin", "python")
+  cmd = [python if os.path.exists(python) else sys.executable, os.path.join(root, "scripts", "bench_engine.py"),
+         "--repeats=1"] + (["--quick"] if quick else [])
+  proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=False)
+  if proc.returncode != 0:
+    raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+  return json.loads(proc.stdout)
+
+
+def compare(other: str, quick: bool, repeats: int) -> dict:
+  """This checkout vs ``other``, alternating runs in fresh processes (module docstring)."""
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  runs = {"other": [], "this": []}
+  load_before = os.getloadavg()
+  for _ in range(repeats):
+    runs["other"].append(_run_checkout(other, quick))
+    runs["this"].append(_run_checkout(here, quick))
+  cases = []
+  for i, case_this in enumerate(runs["this"][0]["cases"]):
+    row = {"case": case_this["case"]}
+    for who in ("other", "this"):
+      for key in ("wall_s", "cpu_s"):
+        row[f"{key}_{who}"] = round(statistics.median(r["cases"][i][key] for r in runs[who]), 3)
+      row[f"wall_s_each_{who}"] = [r["cases"][i]["wall_s"] for r in runs[who]]
+    for key in ("wall_s", "cpu_s"):
+      row[f"{key}_ratio_this_over_other"] = round(row[f"{key}_this"] / row[f"{key}_other"], 3)
+    row["target_s"] = None if quick else case_this["target_s"]
+    row["meets_target_this"] = None if quick else row["wall_s_this"] <= case_this["target_s"]
+    same = all(r["cases"][i][k] == case_this[k] for r in runs["other"] + runs["this"]
+               for k in ("num_events", "simulated_makespan_s"))
+    row["same_results"] = same  # event count and simulated makespan agree between the versions
+    cases.append(row)
+  return {"machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                      "load_average_before": [round(x, 2) for x in load_before],
+                      "load_average_after": [round(x, 2) for x in os.getloadavg()]},
+          "this": here, "other": os.path.abspath(other), "quick": quick, "rounds": repeats, "cases": cases}
+
+
 def main(argv):
   del argv
+  if _COMPARE_WITH.value:
+    print(json.dumps(compare(_COMPARE_WITH.value, _QUICK.value, 1 if _QUICK.value else _REPEATS.value), indent=1))
+    return
   quick = _QUICK.value
   repeats = 1 if quick else _REPEATS.value
   load_before = os.getloadavg()

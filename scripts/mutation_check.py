@@ -283,8 +283,8 @@ MUTATIONS = (
              "a stage's time leaves out receiving its input activation"),
     # ---- engine
     Mutation("engine_backward_takes_forward_time", "hetpipe_jax/sim/engine.py",
-             "          d, leg = vw.dur_bwd[s], vw.leg_bwd[s]",
-             "          d, leg = vw.dur_fwd[s], vw.leg_bwd[s]",
+             "      d, leg = gpu.dur_bwd, gpu.leg_bwd",
+             "      d, leg = gpu.dur_fwd, gpu.leg_bwd",
              ("tests/test_engine.py",), "backward tasks last as long as forward tasks"),
     # ---- data
     Mutation("sharding_overlapping_shards", "hetpipe_jax/data/sharding.py",
@@ -496,8 +496,8 @@ MUTATIONS = (
              ("tests/test_paper_experiments.py::test_compare_with_nm_by_engine_is_never_slower_than_the_planners_nm",),
              "compare --num_inflight_by_engine silently keeps the planner's closed-form Nm"),
     Mutation("jitter_also_on_sends", "hetpipe_jax/sim/engine.py",
-             "          d += (vw.comp_bwd[s] if task.kind is _BACKWARD else vw.comp_fwd[s]) * (draw(mu, sigma) - 1.0)",
-             "          d *= draw(mu, sigma)",
+             "      d += (gpu.comp_bwd if task.kind is _BACKWARD else gpu.comp_fwd) * (draw(mu, sigma) - 1.0)",
+             "      d *= draw(mu, sigma)",
              ("tests/test_engine_jitter.py",), "the task-time jitter also stretches the output's send"),
     Mutation("jitter_mean_not_one", "hetpipe_jax/sim/engine.py",
              "      self._jitter = (random.Random(config.jitter_seed).lognormvariate, -0.5 * sigma * sigma, sigma)",

@@ -33,7 +33,7 @@ class TaskKind(enum.Enum):
   FORWARD_BACKWARD = "FB"
 
 
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True, init=False, slots=True)
 class Task:
   """One unit of work on one stage: a forward, a backward, or (last stage) forward+backward of one minibatch."""
 
@@ -42,12 +42,12 @@ class Task:
   minibatch_id: int
 
   def __init__(self, stage_id: int, kind: TaskKind, minibatch_id: int):
-    # The dataclass's generated frozen __init__ sets each field through object.__setattr__; writing the instance
-    # dict directly is the same result at half the cost (the engine creates one Task per task it simulates).
-    fields = self.__dict__
-    fields["stage_id"] = stage_id
-    fields["kind"] = kind
-    fields["minibatch_id"] = minibatch_id
+    # The generated frozen __init__ sets each field through object.__setattr__; the slots' own setters are the same
+    # result at a fraction of the cost (the engine creates one Task per task it simulates), and slots make reading
+    # a field cheap.
+    _set_stage_id(self, stage_id)
+    _set_kind(self, kind)
+    _set_minibatch_id(self, minibatch_id)
 
   def __str__(self) -> str:
     return f"{self.stage_id}{self.kind.value}{self.minibatch_id}"
@@ -65,6 +65,7 @@ class Task:
     return Task(int(m.group(1)), TaskKind(m.group(2)), int(m.group(3)))
 
 
+_set_stage_id, _set_kind, _set_minibatch_id = Task.stage_id.__set__, Task.kind.__set__, Task.minibatch_id.__set__
 _FORWARD = TaskKind.FORWARD
 _BACKWARD = TaskKind.BACKWARD
 _FORWARD_BACKWARD = TaskKind.FORWARD_BACKWARD
@@ -72,8 +73,7 @@ _FORWARD_BACKWARD = TaskKind.FORWARD_BACKWARD
 
 def first_task(num_stages: int, minibatch_id: int) -> Task:
   """The task that injects ``minibatch_id`` into stage 0 (``FB`` when the pipeline has one stage)."""
-  kind = TaskKind.FORWARD_BACKWARD if num_stages == 1 else TaskKind.FORWARD
-  return Task(0, kind, minibatch_id)
+  return Task(0, _FORWARD_BACKWARD if num_stages == 1 else _FORWARD, minibatch_id)
 
 
 def successors(task: Task, num_stages: int) -> list[Task]:
@@ -89,6 +89,24 @@ def successors(task: Task, num_stages: int) -> list[Task]:
 def completes_minibatch(task: Task) -> bool:
   """True for the task whose completion completes its minibatch (backward on stage 0)."""
   return task.stage_id == 0 and task.kind is not _FORWARD
+
+
+def _transition(stage_id: int, kind: TaskKind, num_stages: int) -> tuple[bool, int | None, TaskKind | None]:
+  """What completing a ``kind`` task on ``stage_id`` does, from :func:`completes_minibatch` and :func:`successors`
+  (neither depends on the minibatch): ``(completes its minibatch, successor's stage, successor's kind)``, the
+  successor's fields None when it has none. :class:`PipelineRules` keeps one per stage and kind, so that
+  ``complete`` asks these rules once per run, not once per task.
+
+  Raises:
+    ValueError: the task has more than one successor (a pipeline's tasks form a chain).
+  """
+  task = Task(stage_id, kind, 0)
+  new = successors(task, num_stages)
+  if len(new) > 1:
+    raise ValueError(f"{task} has {len(new)} successors; a pipeline task has at most one")
+  if not new:
+    return completes_minibatch(task), None, None
+  return completes_minibatch(task), new[0].stage_id, new[0].kind
 
 
 def _key(task: Task | None):
@@ -158,6 +176,11 @@ class PipelineRules:
     self.peak_held = [0] * num_stages
     self.max_held = check_max_held(max_held, num_stages, order)
     self.order = order
+    self._fifo = order is None and self.max_held is None  # HetPipe's rule 3 without memory caps
+    # Per stage, per kind: what completing such a task does (_transition).
+    self._after_forward = [_transition(s, _FORWARD, num_stages) for s in range(num_stages)]
+    self._after_backward = [_transition(s, _BACKWARD, num_stages) for s in range(num_stages)]
+    self._after_forward_backward = [_transition(s, _FORWARD_BACKWARD, num_stages) for s in range(num_stages)]
     if order is not None:
       if order.num_stages != num_stages:
         raise ValueError(f"the stage order has {order.num_stages} stages, the pipeline {num_stages}")
@@ -228,18 +251,18 @@ class PipelineRules:
   def pop_ready(self, stage_id: int) -> Task | None:
     """Starts the next task of ``stage_id`` (FIFO head, or the next of its static order if it is ready), checking
     rules 1–2; None when nothing may start."""
-    if self.order is not None:
+    if self._fifo:
+      queue = self._ready[stage_id]
+      if not queue:
+        return None
+      task = queue.popleft()
+    elif self.order is not None:
       task = self._ready_set[stage_id].pop(self._expected_key[stage_id], None)
       if task is None:
         return None
       self._position[stage_id] += 1
       nxt = self._expected[stage_id] = self.order.task(stage_id, self._position[stage_id])
       self._expected_key[stage_id] = _key(nxt)
-    elif self.max_held is None:
-      queue = self._ready[stage_id]
-      if not queue:
-        return None
-      task = queue.popleft()
     else:
       i = self._startable(stage_id)
       if i is None:
@@ -268,27 +291,33 @@ class PipelineRules:
 
   def complete(self, task: Task) -> list[Task]:
     """Marks a started task done; returns the tasks it made ready (already enqueued, FIFO)."""
-    running = self._running[task.stage_id]
+    stage_id = task.stage_id
+    running = self._running[stage_id]
     if not running or (running[0] is not task and running[0] != task):
       head = running[0] if running else None
       raise AssertionError(f"task {task} completed but the oldest running task on its stage is {head} (a stage "
                            "completes its tasks in the order they started)")
     running.popleft()
-    if task.kind is _BACKWARD:
-      self._held[task.stage_id] -= 1
-    if completes_minibatch(task):
+    kind = task.kind
+    if kind is _BACKWARD:
+      self._held[stage_id] -= 1
+      completes, next_stage, next_kind = self._after_backward[stage_id]
+    elif kind is _FORWARD:
+      completes, next_stage, next_kind = self._after_forward[stage_id]
+    else:
+      completes, next_stage, next_kind = self._after_forward_backward[stage_id]
+    if completes:  # completes_minibatch(task)
       if task.minibatch_id != self.num_completed:
         raise AssertionError(f"minibatch {task.minibatch_id} completed out of order (expected {self.num_completed})")
       self.num_completed += 1
-    new = successors(task, self.num_stages)
+    if next_stage is None:  # successors(task) is empty
+      return []
+    t = Task(next_stage, next_kind, task.minibatch_id)  # successors(task)
     if self.order is not None:
-      for t in new:
-        self._ready_set[t.stage_id][_key(t)] = t
-      return new
-    ready = self._ready
-    for t in new:
-      ready[t.stage_id].append(t)
-    return new
+      self._ready_set[next_stage][_key(t)] = t
+    else:
+      self._ready[next_stage].append(t)
+    return [t]
 
   def idle(self) -> bool:
     """True when no task is running or ready."""

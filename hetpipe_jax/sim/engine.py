@@ -57,9 +57,11 @@ it, a transfer's NIC legs are booked when it is sent.
 
 Speed (timing-only mode, ``records=False``): an event does only the work its outcome needs. It examines only the
 stages whose device or queue it changed (``_start_ready``), looks for pending pulls to answer only after a push that
-advanced the global clock, and builds a reply's O(N) vector clock only when records or pull hooks read it. That is
-about 2-3 µs per event on a 2-core machine (``scripts/bench_engine.py``); ``scripts/engine_fingerprint.py`` checks
-that a speed-up leaves every result bit-identical.
+advanced the global clock, and builds a reply's O(N) vector clock only when records or pull hooks read it. A task's
+end whose output moves on (most events) completes it in the rules, dispatches its successor and starts at most two
+tasks (``_start``: durations read off the device), with no per-event dicts, closures or scans. That is about 2.3 µs
+per event on a 2-core machine (``scripts/bench_engine.py``, 1,024 GPUs x 1,000 waves in ~18 s; WORKSPACE.md "Engine
+speed"); ``scripts/engine_fingerprint.py`` checks that a speed-up leaves every result bit-identical.
 
 Hooks (``hooks`` argument; any object, each method optional) are called in event order: events run in order of
 virtual time, ties in the order they were created. Within one event:
@@ -167,9 +169,11 @@ class EngineConfig:
 
 
 class _GPU:
-  """One stage's device: its queue of dispatched tasks, the task it runs, and its accounting."""
+  """One stage's device: its queue of dispatched tasks, the task it runs, its accounting, and its task times (kept
+  here so that starting a task reads them off the device, not the VW's per-stage lists)."""
 
-  __slots__ = ("stage_id", "queue", "task", "started", "busy_s", "num_tasks")
+  __slots__ = ("stage_id", "queue", "task", "started", "busy_s", "num_tasks", "dur_fwd", "dur_bwd", "leg_fwd",
+               "leg_bwd", "comp_fwd", "comp_bwd")
 
   def __init__(self, stage_id: int):
     self.stage_id = stage_id
@@ -178,16 +182,19 @@ class _GPU:
     self.started = 0.0
     self.busy_s = 0.0
     self.num_tasks = 0
+    # Set by _VW: the duration of the stage's forward (FB) / backward task, its inter-node output send (or None),
+    # and the compute part that EngineConfig.task_time_cv jitters.
+    self.dur_fwd = self.dur_bwd = self.comp_fwd = self.comp_bwd = 0.0
+    self.leg_fwd = self.leg_bwd = None
 
 
 class _VW:
   """One virtual worker's engine state (rules + devices + accounting)."""
 
-  __slots__ = ("vw_id", "times", "rules", "sync", "num_stages", "total", "dur_fwd", "dur_bwd", "leg_fwd", "leg_bwd",
-               "gpus", "active",
+  __slots__ = ("vw_id", "times", "rules", "sync", "num_stages", "total", "gpus", "active",
                "idle_since", "idle_s", "wait_since", "wait_s", "completions", "version_id", "num_pushes", "num_pulls",
                "last_push_arrival", "records", "vector_clock", "fifo", "reduce_entered", "leg_pushes_sent",
-               "leg_pushes_arrived", "deferred_pulls", "comp_fwd", "comp_bwd")
+               "leg_pushes_arrived", "deferred_pulls")
 
   def __init__(self, vw_id: int, times: VWTaskTimes, config: EngineConfig, sync: wsp.VWSyncState | None,
                num_vws: int):
@@ -209,25 +216,22 @@ class _VW:
         sync = wsp.VWSyncState(config.num_inflight, config.staleness_bound, config.pull_every_wave)
     self.sync = sync
     self.num_stages = s_count
-    # Per stage: duration of its forward (FB on the last stage) and of its backward task.
+    # Per stage (on its device): duration of its forward (FB on the last stage) and of its backward task.
     last = s_count - 1
-    self.dur_fwd = [times.task_duration_s(Task(s, TaskKind.FORWARD if s < last else TaskKind.FORWARD_BACKWARD, 0))
-                    for s in range(s_count)]
-    self.dur_bwd = [times.task_duration_s(Task(s, TaskKind.BACKWARD, 0)) if s < last else 0.0
-                    for s in range(s_count)]
-    # Their compute parts (what EngineConfig.task_time_cv jitters).
-    self.comp_fwd = [*times.forward_s, times.forward_backward_s]
-    self.comp_bwd = [*times.backward_s, 0.0]
+    self.gpus = gpus = [_GPU(s) for s in range(s_count)]
+    for s, gpu in enumerate(gpus):
+      gpu.dur_fwd = times.task_duration_s(Task(s, TaskKind.FORWARD if s < last else TaskKind.FORWARD_BACKWARD, 0))
+      gpu.dur_bwd = times.task_duration_s(Task(s, TaskKind.BACKWARD, 0)) if s < last else 0.0
+      # Their compute parts (what EngineConfig.task_time_cv jitters).
+      gpu.comp_fwd = times.forward_backward_s if s == last else times.forward_s[s]
+      gpu.comp_bwd = times.backward_s[s] if s < last else 0.0
     # Shared NICs: per stage, the inter-node send ending its forward (FB) / backward task, else None. Such a task
     # computes for its duration minus the send, then the send waits for the NICs (network rule).
-    self.leg_fwd: list[network.Leg | None] = [None] * s_count
-    self.leg_bwd: list[network.Leg | None] = [None] * s_count
     if config.shared_nic:
       for s in range(s_count):
-        self.leg_fwd[s] = times.output_leg(Task(s, TaskKind.FORWARD if s < last else TaskKind.FORWARD_BACKWARD, 0))
+        gpus[s].leg_fwd = times.output_leg(Task(s, TaskKind.FORWARD if s < last else TaskKind.FORWARD_BACKWARD, 0))
         if s < last:
-          self.leg_bwd[s] = times.output_leg(Task(s, TaskKind.BACKWARD, 0))
-    self.gpus = [_GPU(s) for s in range(s_count)]
+          gpus[s].leg_bwd = times.output_leg(Task(s, TaskKind.BACKWARD, 0))
     self.active = 0  # tasks ready or running
     self.idle_since: float | None = 0.0
     self.idle_s = 0.0
@@ -314,6 +318,9 @@ class Engine:
     self.hooks = {name: getattr(hooks, name, None) for name in _HOOK_NAMES}
     self._on_task_start = self.hooks["on_task_start"]
     self._on_inject = self.hooks["on_inject"]
+    self._on_minibatch_complete = self.hooks["on_minibatch_complete"]
+    self._on_wave_end = self.hooks["on_wave_end"]
+    self._records = config.records
     # Per-task jitter (EngineConfig.task_time_cv): log-normal factor with mean 1 and that coefficient of variation.
     self._jitter = None
     if config.task_time_cv > 0:
@@ -325,6 +332,7 @@ class Engine:
                            or self.hooks["on_pull_reply"] is not None)
     self._heap: list = []
     self._seq = itertools.count(1)  # creation order of events: breaks ties in time
+    self._next_seq = self._seq.__next__
     self._ps_link_free = 0.0
     self._task_events: list = []
     self._ps_waits: list[tuple[int, float, float]] = []
@@ -337,7 +345,7 @@ class Engine:
 
   # ------------------------------------------------------------------ scheduling helpers
   def _push_event(self, t: float, code: int, vw_id: int, arg) -> None:
-    _heappush(self._heap, (t, next(self._seq), code, vw_id, arg))
+    _heappush(self._heap, (t, self._next_seq(), code, vw_id, arg))
 
   def _ps_transfer_arrival(self, t: float, duration: float, legs) -> float:
     """When a push (pull reply) of ``duration`` seconds sent at ``t`` arrives: through the shared PS link
@@ -395,7 +403,7 @@ class Engine:
       return
     if vw.wait_since is not None:
       vw.wait_s += t - vw.wait_since
-      if self.config.records:
+      if self._records:
         self._ps_waits.append((vw.vw_id, vw.wait_since, t))
       vw.wait_since = None
     if vw.active == 0 and vw.idle_since is not None:
@@ -403,7 +411,7 @@ class Engine:
       vw.idle_since = None
     vw.active += len(injected)
     on_inject = self._on_inject
-    if self.config.records:
+    if self._records:
       rules, sync = vw.rules, vw.sync
       for p in injected:
         vw.records[p] = MinibatchRecord(vw.vw_id, p, wsp.wave_of(p, rules.num_inflight), sync.local_clock,
@@ -437,45 +445,49 @@ class Engine:
     injections), so starting those in stage order is starting every stage in stage order.
     """
     gpus = vw.gpus
-    on_task_start = self._on_task_start
+    start = self._start
     for s in stages:
       gpu = gpus[s]
-      q = gpu.queue
-      if gpu.task is None and q:
-        task = gpu.task = q.popleft()
-        gpu.started = t
-        if task.kind is _BACKWARD:
-          d, leg = vw.dur_bwd[s], vw.leg_bwd[s]
-        else:
-          d, leg = vw.dur_fwd[s], vw.leg_fwd[s]
-        if self._jitter is not None:  # the compute part only: sends keep their times
-          draw, mu, sigma = self._jitter
-          d += (vw.comp_bwd[s] if task.kind is _BACKWARD else vw.comp_fwd[s]) * (draw(mu, sigma) - 1.0)
-        if leg is None:
-          _heappush(self._heap, (t + d, next(self._seq), _TASK_END, vw.vw_id, gpu))
-        else:  # compute, then the output's inter-node send through the NICs (a _SEND event)
-          _heappush(self._heap, (t + (d - leg.seconds), next(self._seq), _SEND, vw.vw_id, gpu))
-        if on_task_start is not None:
-          on_task_start(vw.vw_id, task, t)
+      if gpu.task is None and gpu.queue:
+        start(vw.vw_id, gpu, gpu.queue.popleft(), t)
+
+  def _start(self, v: int, gpu: _GPU, task: Task, t: float) -> None:
+    """Starts ``task`` on VW ``v``'s free device ``gpu`` at ``t``: its end (or, with an inter-node output, its
+    send) becomes an event."""
+    gpu.task = task
+    gpu.started = t
+    if task.kind is _BACKWARD:
+      d, leg = gpu.dur_bwd, gpu.leg_bwd
+    else:
+      d, leg = gpu.dur_fwd, gpu.leg_fwd
+    if self._jitter is not None:  # the compute part only: sends keep their times
+      draw, mu, sigma = self._jitter
+      d += (gpu.comp_bwd if task.kind is _BACKWARD else gpu.comp_fwd) * (draw(mu, sigma) - 1.0)
+    if leg is None:
+      _heappush(self._heap, (t + d, self._next_seq(), _TASK_END, v, gpu))
+    else:  # compute, then the output's inter-node send through the NICs (a _SEND event)
+      _heappush(self._heap, (t + (d - leg.seconds), self._next_seq(), _SEND, v, gpu))
+    if self._on_task_start is not None:
+      self._on_task_start(v, task, t)
 
   def _complete_minibatch(self, vw: _VW, p: int, t: float) -> None:
     vw.completions.append(t)
     vw.version_id += 1
-    if self.config.records:
+    if self._records:
       vw.records[p].complete_time_s = t
-    hook = self.hooks["on_minibatch_complete"]
+    hook = self._on_minibatch_complete
     if hook is not None:
       hook(vw.vw_id, p, t)
     wave, pull = vw.sync.on_minibatch_complete(p)
     if wave is not None and self.reducer is not None:
-      hook = self.hooks["on_wave_end"]
+      hook = self._on_wave_end
       if hook is not None:
         hook(vw.vw_id, wave, t)
       self._enter_allreduce(vw, wave, t)
       self._advance_clock(wave, t)
       return
     if wave is not None:
-      hook = self.hooks["on_wave_end"]
+      hook = self._on_wave_end
       if hook is not None:
         hook(vw.vw_id, wave, t)
       vw.num_pushes += 1
@@ -530,7 +542,7 @@ class Engine:
     heap, vws, records, ps = self._heap, self.vws, self.config.records, self.ps
     task_events = self._task_events
     heappop = heapq.heappop
-    start_ready = self._start_ready
+    start_ready, start_task, next_seq = self._start_ready, self._start, self._next_seq
     vector_clocks = self._vector_clocks
     while heap:
       t, _, code, v, arg = heappop(heap)
@@ -565,13 +577,22 @@ class Engine:
               q.append(rules.pop_ready(cs))
           start_ready(vw, t, changed)
           continue
-        if len(new) == 1 and rules.num_completed == num_completed:  # the output moves on
+        if new and rules.num_completed == num_completed:  # the output moves on (a task has at most one successor)
           ns = new[0].stage_id
           successor = vw.gpus[ns]
-          successor.queue.append(rules.pop_ready(ns))
-          if successor.task is None or gpu.queue:  # else both devices stay as they are (busy; idle, nothing queued)
-            s = gpu.stage_id
-            start_ready(vw, t, (s, ns) if s < ns else (ns, s))
+          nt = rules.pop_ready(ns)  # its only ready task (every other one was dispatched)
+          q = gpu.queue
+          if successor.task is not None:  # busy: the task waits in its queue; this device starts its queue's head
+            successor.queue.append(nt)
+            if q:
+              start_task(v, gpu, q.popleft(), t)
+          elif q and gpu.stage_id < ns:  # both start, in stage order (a free device's queue is empty)
+            start_task(v, gpu, q.popleft(), t)
+            start_task(v, successor, nt, t)
+          else:
+            start_task(v, successor, nt, t)
+            if q:
+              start_task(v, gpu, q.popleft(), t)
           continue
         vw.active += len(new) - 1
         if rules.num_completed != num_completed:  # the task completed its minibatch (schedule.completes_minibatch)
@@ -586,15 +607,15 @@ class Engine:
           start_ready(vw, t, _STAGE_0)
       elif code == _SEND:  # a task's compute ended; its output's inter-node send goes through the NICs
         gpu = arg
-        leg = vw.leg_bwd[gpu.stage_id] if gpu.task.kind is _BACKWARD else vw.leg_fwd[gpu.stage_id]
-        _heappush(heap, (self.nic.leg_end(t, leg), next(self._seq), _TASK_END, v, gpu))
+        leg = gpu.leg_bwd if gpu.task.kind is _BACKWARD else gpu.leg_fwd
+        _heappush(heap, (self.nic.leg_end(t, leg), next_seq(), _TASK_END, v, gpu))
       elif code == _LEG:  # leg i of a PS transfer is ready at t: through the NICs, then the next leg or arrival
         legs, i, final, final_arg = arg
         end = self.nic.leg_end(t, legs[i])
         if i + 1 < len(legs):
-          _heappush(heap, (end, next(self._seq), _LEG, v, (legs, i + 1, final, final_arg)))
+          _heappush(heap, (end, next_seq(), _LEG, v, (legs, i + 1, final, final_arg)))
         else:
-          _heappush(heap, (end, next(self._seq), final, v, final_arg))
+          _heappush(heap, (end, next_seq(), final, v, final_arg))
       elif code == _PUSH_ARRIVAL:
         hook = self.hooks["on_push"]
         if hook is not None:
@@ -645,7 +666,7 @@ class Engine:
         raise RuntimeError(f"[VW {vw.vw_id}] stalled after {vw.rules.num_completed}/{vw.total} minibatches: local "
                            f"clock {vw.sync.local_clock}, weights global clock {vw.sync.weights_global_clock}, "
                            f"PS global clock {self.ps.global_clock}, pending pulls {self.ps.pending_pulls}")
-    num_events = next(self._seq) - 1  # every event created was processed
+    num_events = next_seq() - 1  # every event created was processed
     return self._report(num_events, time.perf_counter() - wall0)
 
   def _report(self, num_events: int, wall_s: float) -> EngineReport:

@@ -96,10 +96,14 @@ class VWTaskTimes:
     for name in ("forward_s", "backward_s", "send_activation_s", "send_gradient_s"):
       object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
       _check_durations(name, getattr(self, name), n)
+    # Plain Python floats (a numpy scalar given here would make every simulated time a numpy scalar: the same
+    # values, several times slower to add and compare in the engine).
     for name in ("forward_backward_s", "push_s", "pull_s", "allreduce_s"):
       _check_durations(name, [getattr(self, name)], 1)
+      object.__setattr__(self, name, float(getattr(self, name)))
     if self.allreduce_shared_nic_s is not None:
       _check_durations("allreduce_shared_nic_s", [self.allreduce_shared_nic_s], 1)
+      object.__setattr__(self, "allreduce_shared_nic_s", float(self.allreduce_shared_nic_s))
     if self.stage_nodes is not None:
       object.__setattr__(self, "stage_nodes", tuple(self.stage_nodes))
       if len(self.stage_nodes) != n + 1:
@@ -109,8 +113,9 @@ class VWTaskTimes:
       if legs is None:
         continue
       legs = tuple(Leg(*leg) for leg in legs)
-      object.__setattr__(self, name, legs)
       _check_durations(name, [leg.seconds for leg in legs], len(legs))
+      legs = tuple(Leg(leg.src, leg.dst, float(leg.seconds)) for leg in legs)
+      object.__setattr__(self, name, legs)
       if not math.isclose(sum(leg.seconds for leg in legs), total, rel_tol=1e-9, abs_tol=1e-12):
         raise ValueError(f"{name} sum to {sum(leg.seconds for leg in legs)} s, not {name[:4]}_s = {total} s")
 
