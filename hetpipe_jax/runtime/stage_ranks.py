@@ -449,43 +449,30 @@ class RemoteStages:
     for r in self.followers:
       self._control(r, Kind.UPDATE, minibatch=minibatch, version=version_id)
 
-  def on_pull(self, version_id: int, flat: np.ndarray, own_waves: Sequence[np.ndarray]) -> None:
-    """Sends every stage rank its stages' slice of ``flat`` plus ``own_waves`` (added in order, as the driver adds
-    them to its own stages) as version ``version_id``."""
-    for r in self.followers:
-      parts = []
-      for s in self.stages_of[r]:
-        a, b = self.ranges[s]
-        part = np.array(flat[a:b], np.float32, copy=True)
-        for wave in own_waves:
-          part += wave[a:b]
-        parts.append(part)
-      self._control(r, Kind.PULL, np.concatenate(parts) if parts else np.zeros(0, np.float32), version=version_id)
+  def on_pull(self, version_id: int, own_applied: Sequence[int]) -> None:
+    """Tells every stage rank to install the next pull (the one the driver installs now) as version ``version_id``.
 
-  def wave_deltas(self, wave: int) -> dict[int, np.ndarray]:
-    """Ends wave ``wave`` on every stage rank and returns each remote stage's flat wave delta."""
-    posted = {}
+    The ranks received their parts of it from the shards themselves (:class:`~hetpipe_jax.ps.transport.
+    StageRankPSClient`); the command carries, per shard, how many of the VW's own waves its slice holds (the driver's
+    copy of the shards' vector clocks), which each rank checks against the replies it holds before rebasing.
+    """
+    payload = np.asarray(own_applied, np.int64)
+    for r in self.followers:
+      self._control(r, Kind.PULL, payload, version=version_id)
+
+  def end_wave(self, wave: int) -> None:
+    """Ends wave ``wave`` on every stage rank: each pushes its stages' wave delta to their shards itself."""
     for r in self.followers:
       self._control(r, Kind.END_WAVE, minibatch=wave)
-      size = sum(self.ranges[s][1] - self.ranges[s][0] for s in self.stages_of[r])
-      posted[r] = _Posted(self.comm, r, TAG_REPLY, wave, (size,), np.float32)
-    out = {}
-    for r, p in posted.items():
-      _wait([p.header_request])
-      check_header(p.header, source=r, dest=self.rank, kinds=(Kind.WAVE_DELTA,), vw=self.vw_id, minibatch=wave,
-                   size=p.payload.size)
-      _wait([p.payload_request])
-      pos = 0
-      for s in self.stages_of[r]:
-        n = self.ranges[s][1] - self.ranges[s][0]
-        out[s] = p.payload[pos:pos + n]
-        pos += n
-    return out
 
-  def stop(self) -> dict[int, dict]:
-    """Stops every stage rank; returns each one's final report (rank -> its JSON)."""
+  def stop(self, num_pulls: int = 0) -> dict[int, dict]:
+    """Stops every stage rank; returns each one's final report (rank -> its JSON).
+
+    Args:
+      num_pulls: pulls the driver requested in the run (each rank takes the replies of those it never installed).
+    """
     for r in self.followers:
-      self._control(r, Kind.STOP)
+      self._control(r, Kind.STOP, arg0=num_pulls)
     reports = {}
     for r in self.followers:
       header = np.empty(HEADER_SIZE, np.int64)
@@ -547,10 +534,18 @@ class StageRankServer:
       local (its actions run them: dispatch, the update, the rebase).
     driver_rank: the VW's driver.
     labels_template: an example of one minibatch's labels (shape and dtype; used on the last stage's rank).
+    ps: this rank's :class:`hetpipe_jax.ps.transport.StageRankPSClient` (or an object with its ``push``,
+      ``poll_pull`` and ``finish``): its parts of every wave to their shards, its parts of every pull from them.
+    shard_index: per PS shard, its flat element indices (:attr:`hetpipe_jax.ps.shards.ShardLayout.index`).
   """
 
-  def __init__(self, comm, vw: Any, driver_rank: int, labels_template: np.ndarray):
+  def __init__(self, comm, vw: Any, driver_rank: int, labels_template: np.ndarray, ps: Any, shard_index: Sequence):
     self.comm = comm
+    self.ps = ps
+    self.shard_index = list(shard_index)
+    self.own_flat: dict[int, np.ndarray] = {}  # wave -> this rank's pushed update (float32 [num_params])
+    self.pull_reply = None  # the next pull's parts, once every shard's arrived
+    self.num_pulls = 0  # pulls the driver requested (its STOP)
     self.vw = vw
     self.vw_id = vw.vw_id
     self.rank = comm.Get_rank()
@@ -634,6 +629,7 @@ class StageRankServer:
       gc.unfreeze()
     pending[0].Cancel()
     pending[0].Wait()
+    self.ps.finish(self.num_pulls)
     report = {"rank": self.rank, "stages": self.local,
               "trace_counts": {str(s): dict(self.vw.stages[s].trace_counts) for s in self.local},
               "version_waits": self.store.num_waits, "version_wait_s": self.store.wait_s,
@@ -656,7 +652,10 @@ class StageRankServer:
                             f"{self.driver}; expected {self.labels_template.size if self.holds_last else 'none'}")
       return np.empty(size, np.int32)
     if kind is Kind.PULL:
-      return np.empty(size, np.float32)
+      if size != len(self.shard_index):
+        raise ProtocolError(f"rank {self.rank} received a PULL naming {size} shards from rank {self.driver}; there "
+                            f"are {len(self.shard_index)}")
+      return np.empty(size, np.int64)
     raise ProtocolError(f"rank {self.rank} received a {kind.name} with a payload of {size} from rank {self.driver}")
 
   def _on_control(self, kind: Kind, header: np.ndarray, request, payload) -> None:
@@ -697,6 +696,7 @@ class StageRankServer:
       self.events.append((kind, minibatch, version, None, None))
     else:  # STOP
       self.stopping = True
+      self.num_pulls = arg0
 
   def _run_task(self, task: Task, mb: Any, version_id: int):
     """On the stage's executor thread: waits for the minibatch's version on this rank, then runs the task."""
@@ -713,11 +713,17 @@ class StageRankServer:
       self.vw.apply_update(mb)
       del self.inflight[minibatch], self.versions[minibatch]
     elif kind is Kind.PULL:
-      if not request.Test():
-        return False
-      self.vw.install_rebased(payload)
-    else:  # END_WAVE
-      self._send(Kind.WAVE_DELTA, TAG_REPLY, self.vw.take_wave_delta(), minibatch=minibatch)
+      if self.pull_reply is None:
+        self.pull_reply = self.ps.poll_pull()
+      if self.pull_reply is None or not request.Test():
+        return False  # a shard's part, or the driver's command, still arriving
+      self._install_pull(self.pull_reply, payload)
+      self.pull_reply = None
+    else:  # END_WAVE: this rank's part of the wave, straight to its shards
+      flat = np.zeros(self.vw.layout.num_params, np.float32)
+      flat[self._local_index()] = self.vw.take_wave_delta()
+      self.own_flat[minibatch] = flat
+      self.ps.push(minibatch, flat)
       return True
     if self.vw.version.version_id != version:
       raise ProtocolError(f"rank {self.rank}: applying {kind.name} made version {self.vw.version.version_id}, the "
@@ -725,6 +731,26 @@ class StageRankServer:
     self.store.install(self.vw.version)
     self.store.keep_only(set(self.versions.values()))
     return True
+
+  def _local_index(self) -> np.ndarray:
+    """This rank's flat elements, in its stages' order (the order of :meth:`VirtualWorker.take_wave_delta`)."""
+    offsets = self.vw.layout.layer_offsets
+    return np.concatenate([np.arange(offsets[self.vw.stages[s].layer_range[0]],
+                                     offsets[self.vw.stages[s].layer_range[1]]) for s in self.local]
+                          or [np.zeros(0, np.int64)])
+
+  def _install_pull(self, reply: tuple, own_applied: np.ndarray) -> None:
+    """Rebases this rank's stages on its parts of the pull the driver installs now (the same own-wave rule as the
+    driver's, :func:`hetpipe_jax.runtime.virtual_worker.rebase_on_shards`), then adds the partial wave."""
+    from hetpipe_jax.runtime.virtual_worker import rebase_on_shards  # pylint: disable=g-import-not-at-top
+    clocks, flat = reply
+    for shard, vc in clocks.items():
+      if vc[self.vw_id] != int(own_applied[shard]):
+        raise ProtocolError(f"rank {self.rank}: shard {shard}'s reply holds {vc[self.vw_id]} of VW {self.vw_id}'s "
+                            f"waves, but the pull the driver (rank {self.driver}) installs holds "
+                            f"{int(own_applied[shard])}")
+    local, self.own_flat = rebase_on_shards(flat, self.own_flat, [int(c) for c in own_applied], self.shard_index)
+    self.vw.install_rebased(local[self._local_index()])
 
   def _report(self, c: Completion) -> None:
     loss = float("nan")
