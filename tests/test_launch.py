@@ -184,3 +184,37 @@ def test_launch_runs_4_node_ed_and_hd_plans_with_stage_ranks_and_sharded_ps(tmp_
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert (workdir / "ranks.hosts").read_text() == "localhost:1\n" * ranks
   _check_stage_rank_run(workdir, plan_path, grouping, mb)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("placement", ["local", "default"])
+def test_stage_ranks_move_ps_bytes_between_their_own_nodes_and_shards(tmp_path, synthetic_data_dir, placement):
+  """Stage ranks push and pull their own layers' parts straight to and from the shards (HetPipe §8.1), so the bytes
+  the transport counts per rank pair, mapped to the plan's nodes, are the planner's: the two-node ED plan with
+  ``local`` placement moves no PS byte between nodes (each stage rank talks only to its own node's shard), with
+  ``default`` placement the cross-node bytes per wave equal planning/ps_placement's prediction within 1%; each
+  shard applied every wave once (a wave counted once all its parts arrived)."""
+  workdir = tmp_path / "run"
+  proc = _launch(f"--plan={ED_LOCAL}", "--config=experiments/configs/tiny.py", f"--workdir={workdir}",
+                 "--stage_ranks", "--", f"--config.data_dir={synthetic_data_dir}", "--config.check_counts=False",
+                 "--config.progress=False", "--config.num_minibatches=8", "--config.checkpoint_every_waves=0",
+                 f"--config.ps_placement={placement}", timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["stage_rank_of_stage"] == [[2, 4], [3, 5]] and summary["ps_placement"] == placement
+  ps_bytes = summary["ps_bytes"]
+  assert ps_bytes["attribution"] == "ranks"
+  nodes = ps_bytes["rank_nodes"]
+  assert nodes["0"] != nodes["1"] and nodes["2"] == nodes["3"] == nodes["0"] and nodes["4"] == nodes["5"] == nodes["1"]
+  pairs = ps_bytes["by_rank_pair"]
+  assert all(pairs.get(f"{r}->{s}", 0) > 0 for r in (4, 5) for s in ((1,) if placement == "local" else (0, 1)))
+  assert summary["applied_waves_in_order_per_shard"] == [True, True]
+  assert summary["applied_waves_count_per_shard"] == [8, 8]  # 2 VWs x 4 waves on each shard
+  if placement == "local":
+    assert ps_bytes["predicted_crossing_nodes_per_wave"] == 0
+    assert ps_bytes["crossing_nodes"] == 0 and not ps_bytes["crossing_nodes_by_rank_pair"]
+    assert all(pairs.get(f"{r}->0", 0) == 0 for r in (4, 5))  # stage 1's layers never reach node 0's shard
+  else:
+    predicted = ps_bytes["predicted_crossing_nodes_per_wave"]
+    assert predicted > 0 and ps_bytes["crossing_nodes"] > 0
+    assert ps_bytes["crossing_nodes_per_wave"] == pytest.approx(predicted, rel=0.01)
