@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import time
 from typing import Any
@@ -157,7 +158,10 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   settings = with_ps_shards(config, settings)  # sharded PS: ranks 0..S-1 (bad settings fail here, on every rank)
   settings = with_stage_ranks(config, settings, resume)  # stage ranks: ranks S+N.. (after the VWs' drivers)
   rank, world = comm.Get_rank(), comm.Get_size()
-  spec, partitions = prepare(config, settings, world)
+  restricted = _rank_devices(config, comm)
+  # a rank restricted to its GPUs sees only those: its stages' devices are checked in _stage_devices
+  spec, partitions = prepare(config, settings, world,
+                             check_local_devices=restricted is None or restricted.applied != "CUDA_VISIBLE_DEVICES")
   emulated = emulated_task_times(config, settings)  # bad emulation settings fail here, on every rank
   dataset = load_data(config, spec)
   num_mb = minibatches_per_vw(config, settings, dataset.num_train)
@@ -212,11 +216,44 @@ def _stage_link(config, settings, spec, partition, vw_id, num_mb, comm):
                                num_mb, ahead=settings.num_inflight + 1)
 
 
-def _stage_devices(settings, vw_id: int, link) -> list:
-  """Per stage, its local device (stage ranks: a stage on another rank gets a placeholder, never used)."""
+def _rank_devices(config, comm):
+  """This rank's GPU restriction from the launcher (:mod:`hetpipe_jax.rank_devices`; applied by ``train`` before
+  jax started), or None."""
+  from hetpipe_jax import rank_devices
+  return rank_devices.apply(comm.Get_rank(), comm.Get_size(), config.platform, environ=dict(os.environ))
+
+
+def _rank_device_fields(config, comm) -> dict:
+  """What config.json records about the ranks' visible GPUs (per rank its plan GPU ids, and how they were applied)."""
+  restricted = _rank_devices(config, comm)
+  if restricted is None:
+    return {"rank_visible_devices": None, "rank_devices_applied": "none (no HETPIPE_RANK_DEVICES)"}
+  return {"rank_visible_devices": [list(ids) for ids in restricted.table],
+          "rank_devices_applied": restricted.applied}
+
+
+def _stage_devices(settings, vw_id: int, link, config=None, comm=None) -> list:
+  """Per stage, its local device (stage ranks: a stage on another rank gets a placeholder, never used).
+
+  Raises:
+    ConfigError: a rank restricted to its GPUs (``HETPIPE_RANK_DEVICES``) lacks one of its stages' GPUs.
+  """
   local = jax.local_devices()
-  return [local[d] if link is None or link.is_local(s) else local[0]
-          for s, d in enumerate(settings.vws[vw_id].devices)]
+  restricted = _rank_devices(config, comm) if comm is not None else None
+  out = []
+  for s, d in enumerate(settings.vws[vw_id].devices):
+    if link is not None and not link.is_local(s):
+      out.append(local[0])
+      continue
+    if restricted is not None:
+      try:
+        d = restricted.local_index(d)
+      except ValueError as e:
+        raise ConfigError(f"VW {vw_id} stage {s}: {e}") from None
+    if d >= len(local):
+      raise ConfigError(f"VW {vw_id} stage {s} needs local device {d}; this rank sees {len(local)}")
+    out.append(local[d])
+  return out
 
 
 def vw_parts(settings: JobSettings, shards: ShardLayout, partitions, layer_offsets) -> list | None:
@@ -241,7 +278,7 @@ def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, part
   partition = partitions[vw_id]
   from hetpipe_jax.runtime.virtual_worker import VirtualWorker
   link = _stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
-  devices = _stage_devices(settings, vw_id, link)
+  devices = _stage_devices(settings, vw_id, link, config, comm)
   optimizer = make_optimizer(config, num_mb)
   stages = stages_lib.build_stages(spec, partition, devices, optimizer)
   vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, settings.num_inflight,
@@ -461,7 +498,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
     from hetpipe_jax.runtime.stage_ranks import RemoteStages
     link = _stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
     remote = RemoteStages(comm, vw_id, link, layout.layer_offsets, partition)
-  devices = _stage_devices(settings, vw_id, link)
+  devices = _stage_devices(settings, vw_id, link, config, comm)
   optimizer = make_optimizer(config, num_mb)
   stages = stages_lib.build_stages(spec, partition, devices, optimizer)
   source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
@@ -558,6 +595,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
   outputs = RunOutputs(workdir)
   config_json = resolved_config(config, settings, partitions, num_ps_shards=settings.num_ps_shards,
                                 ps_placement=settings.ps_placement, **_stage_rank_fields(settings),
+                                **_rank_device_fields(config, comm),
                                 **data_config_fields(spec, dataset))
   outputs.write_config(config_json)
   for note in settings.notes:
