@@ -155,7 +155,7 @@ class MPIPSClient:
     self.num_shards = 1 if shards is None else shards.num_shards
     self.first_vw_rank = first_vw_rank
     self.parts = parts
-    self.rank = comm.Get_rank()
+    self.rank = comm.Get_rank() if parts is not None else None
     self.num_pulls_requested = 0
     self._sends: list = []  # (request, buffer)
     self._pull_requests: dict[int, tuple] = {}  # shard -> (request, header) of an outstanding pull's reply
