@@ -19,6 +19,11 @@ OPTSTATE   VW → PS                 waves done         uint8: the VW's optimize
 
 A WEIGHTS reply is followed by a second payload on ``TAG_DATA``: the weights' vector clock (per VW, how many of its
 waves they hold; HetPipe §5 under ``ps_apply="on_receipt"``), whose minimum must equal the header's global clock.
+
+Stage ranks (:class:`hetpipe_jax.ps.shards.VWParts`): a VW's ranks each PUSH their part of a shard's slice (their
+stages' elements; the shard applies the wave once every part arrived), WEIGHTS go to each rank holding a part (its
+part) and to the driver (its part, possibly empty, with the vector clock); PULL, METRICS and DONE come from the
+driver only. Sizes are then the part's.
 """
 
 from __future__ import annotations

@@ -16,11 +16,18 @@ Runtime layer. The VW's driver rank (``S + v``, running its first stage group) k
   receiver checks the header (:func:`check_header`); one that does not match is a :class:`ProtocolError` naming both
   ranks.
 * **Version changes** reach every stage rank as one in-order stream from the driver (``INJECT`` p at version V,
-  ``UPDATE`` p → V+1, ``PULL`` → V+1 with the rank's slice of the rebased pulled weights, ``END_WAVE`` w, which the
-  rank answers with its stages' ``WAVE_DELTA``; the driver pushes to the PS as before). A stage rank applies them in
-  that order (:class:`StageRankServer`), so its stages hold the driver's versions, and a task waits until its
-  minibatch's version has been applied there (:class:`VersionStore`): one consistent weight version per minibatch on
-  every stage.
+  ``UPDATE`` p → V+1, ``PULL`` → V+1: install the next pull, ``END_WAVE`` w). A stage rank applies them in that order
+  (:class:`StageRankServer`), so its stages hold the driver's versions, and a task waits until its minibatch's
+  version has been applied there (:class:`VersionStore`): one consistent weight version per minibatch on every stage.
+* **The PS, directly.** At ``END_WAVE`` w a stage rank pushes its stages' part of the wave to the shards holding
+  those layers itself (:class:`hetpipe_jax.ps.transport.StageRankPSClient`, parts by
+  :class:`hetpipe_jax.ps.shards.VWParts`); a shard counts the VW's wave once every part arrived. The driver requests
+  every pull (when, and at which clock: the WSP rules); each shard answers every rank holding some of its elements
+  with its part and the driver with its part (possibly empty) and the shard's vector clock. The driver installs the
+  pull when its own replies are in and sends ``PULL`` with, per shard, the VW's entry of that shard's vector clock;
+  the rank takes the next reply from each of its shards (in request order), checks it holds the same entries, and
+  rebases its stages (:func:`hetpipe_jax.runtime.virtual_worker.rebase_on_shards`, the driver's rule) before it
+  installs the new version. No weight or delta of a stage rank's layers passes through the driver.
 
 A rank that dies ends the whole job: ``mpiexec`` (hydra) kills every rank when one exits abnormally, and an exception
 on any rank aborts the world (``python -m mpi4py``), the same machinery as for VW ranks.
@@ -36,11 +43,10 @@ START        driver → stage rank    float64 ``[run start, unix seconds]``; ``m
 INJECT       driver → stage rank    the labels (int32), to the rank of the last stage only
 TASK         driver → stage rank    none; ``arg0`` task kind, ``arg1`` emulated nanoseconds (-1: none)
 UPDATE       driver → stage rank    none: apply minibatch p's update; ``version`` = the new version
-PULL         driver → stage rank    float32 rebased weights of the rank's stages' layers; ``version`` = the new one
-END_WAVE     driver → stage rank    none; ``minibatch`` = the wave
-STOP         driver → stage rank    none
+PULL         driver → stage rank    int64 ``[S]``: per shard, the VW's entry of its vector clock; ``version`` = new
+END_WAVE     driver → stage rank    none; ``minibatch`` = the wave (the rank pushes its part to the shards)
+STOP         driver → stage rank    none; ``arg0`` = pulls the driver requested (the rank drains their replies)
 REPORT       stage rank → driver    float64 ``[start, end, overrun, dispatch, submit, device end, loss]``
-WAVE_DELTA   stage rank → driver    float32 the rank's stages' wave delta; ``minibatch`` = the wave
 STOPPED      stage rank → driver    uint8 JSON: its trace counts and version-wait statistics
 ===========  =====================  ===========================================================================
 """
@@ -68,7 +74,7 @@ HEADER_FIELDS = ("magic", "kind", "vw", "minibatch", "stage", "version", "size",
 HEADER_SIZE = len(HEADER_FIELDS)
 TAG_CONTROL = 40  # driver -> stage rank, in order
 TAG_REPORT = 41  # stage rank -> driver: task completions
-TAG_REPLY = 42  # stage rank -> driver: wave deltas, the final report
+TAG_REPLY = 42  # stage rank -> driver: the final report
 TAG_DATA = 100  # + 2 * receiving stage (+ 1 for gradients)
 REPORT_SIZE = 7
 RECEIVES_AHEAD = 4  # completion reports posted ahead per stage rank
@@ -90,7 +96,6 @@ class Kind(enum.IntEnum):
   END_WAVE = 8
   STOP = 9
   REPORT = 10
-  WAVE_DELTA = 11
   STOPPED = 12
 
 

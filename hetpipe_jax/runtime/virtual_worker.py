@@ -40,9 +40,10 @@ Stage ranks (``link`` / ``remote``, :mod:`hetpipe_jax.runtime.stage_ranks`): som
 ranks. The driver's object holds its local stages only (``local_stages``; the others' entries in versions, optimizer
 states and deltas are None) and still makes every decision in :meth:`run`: a remote stage's executor sends its rank
 "start task X at version V" (:meth:`dispatch` of a remote stage's task sends that command), and each action also
-sends the remote stages its version change (``remote``: inject, a minibatch's update, a pull's rebased weights, a
-wave end that returns their wave deltas). A stage rank holds the same object over its own stages and applies those
-changes in the same order (:class:`hetpipe_jax.runtime.stage_ranks.StageRankServer`). Between stages of different
+sends the remote stages its version change (``remote``: inject, a minibatch's update, the pull to install, a wave
+end). A stage rank holds the same object over its own stages and applies those changes in the same order
+(:class:`hetpipe_jax.runtime.stage_ranks.StageRankServer`), pushing its stages' parts of each wave to the PS shards
+and taking its parts of each pull from them itself; the driver pushes and pulls its own stages' parts only. Between stages of different
 ranks :meth:`dispatch` sends and receives activations and gradients through ``link``.
 """
 
