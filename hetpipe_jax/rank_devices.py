@@ -106,3 +106,21 @@ def apply(rank: int, world_size: int, platform: str,
       environ["JAX_PLATFORMS"] = "cpu"
     applied = "CUDA_VISIBLE_DEVICES"
   return RankDevices(tuple(table), gpus, applied)
+
+
+def check_covers(table: Sequence[Sequence[int]], needed: Sequence[Sequence[int]]) -> None:
+  """Checks that every rank's entry holds the GPUs its stages use (the same check on every rank: the table is the
+  job's).
+
+  Args:
+    table: per rank, its GPU ids (:func:`parse_table`).
+    needed: per rank, the plan GPUs of the stages it runs (none for a PS shard).
+
+  Raises:
+    RankDevicesError: a rank whose stages use a GPU its entry lacks.
+  """
+  for rank, (have, want) in enumerate(zip(table, needed)):
+    missing = [d for d in want if d not in have]
+    if missing:
+      raise RankDevicesError(f"{ENV}: rank {rank} runs stages on GPUs {list(want)} but may see only "
+                             f"{list(have) or 'none'} (its entry lacks {missing})")

@@ -158,7 +158,9 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   settings = with_ps_shards(config, settings)  # sharded PS: ranks 0..S-1 (bad settings fail here, on every rank)
   settings = with_stage_ranks(config, settings, resume)  # stage ranks: ranks S+N.. (after the VWs' drivers)
   rank, world = comm.Get_rank(), comm.Get_size()
-  restricted = _rank_devices(config, comm)
+  restricted = rank_devices_of(config, comm)
+  if restricted is not None and config.platform == "gpu":  # on CPU the table is only recorded
+    check_rank_devices(settings, restricted.table)
   # a rank restricted to its GPUs sees only those: its stages' devices are checked in _stage_devices
   spec, partitions = prepare(config, settings, world,
                              check_local_devices=restricted is None or restricted.applied != "CUDA_VISIBLE_DEVICES")
@@ -216,30 +218,50 @@ def _stage_link(config, settings, spec, partition, vw_id, num_mb, comm):
                                num_mb, ahead=settings.num_inflight + 1)
 
 
-def _rank_devices(config, comm):
+def rank_devices_of(config, comm):
   """This rank's GPU restriction from the launcher (:mod:`hetpipe_jax.rank_devices`; applied by ``train`` before
   jax started), or None."""
   from hetpipe_jax import rank_devices
   return rank_devices.apply(comm.Get_rank(), comm.Get_size(), config.platform, environ=dict(os.environ))
 
 
+def check_rank_devices(settings: JobSettings, table) -> None:
+  """Every rank's entry of the launcher's GPU table holds the plan GPUs of the stages it runs (ranks past the table
+  or the job's layout are left to the world-size check).
+
+  Raises:
+    ConfigError: a rank whose stages use a GPU its entry lacks (the message names ``HETPIPE_RANK_DEVICES``).
+  """
+  from hetpipe_jax import rank_devices
+  from hetpipe_jax.planning.rank_map import stage_rank_layout
+  needed = [()] * len(table)
+  groups = settings.stage_groups or [(tuple(range(len(v.devices))),) for v in settings.vws]
+  for r, v, stages in stage_rank_layout(settings.num_ps_shards if settings.uses_ps else 0, groups):
+    if r < len(needed):
+      needed[r] = tuple(settings.vws[v].devices[s] for s in stages)
+  try:
+    rank_devices.check_covers(table, needed)
+  except rank_devices.RankDevicesError as e:
+    raise ConfigError(str(e)) from None
+
+
 def _rank_device_fields(config, comm) -> dict:
   """What config.json records about the ranks' visible GPUs (per rank its plan GPU ids, and how they were applied)."""
-  restricted = _rank_devices(config, comm)
+  restricted = rank_devices_of(config, comm)
   if restricted is None:
     return {"rank_visible_devices": None, "rank_devices_applied": "none (no HETPIPE_RANK_DEVICES)"}
   return {"rank_visible_devices": [list(ids) for ids in restricted.table],
           "rank_devices_applied": restricted.applied}
 
 
-def _stage_devices(settings, vw_id: int, link, config=None, comm=None) -> list:
+def stage_devices(settings, vw_id: int, link, config=None, comm=None) -> list:
   """Per stage, its local device (stage ranks: a stage on another rank gets a placeholder, never used).
 
   Raises:
     ConfigError: a rank restricted to its GPUs (``HETPIPE_RANK_DEVICES``) lacks one of its stages' GPUs.
   """
   local = jax.local_devices()
-  restricted = _rank_devices(config, comm) if comm is not None else None
+  restricted = rank_devices_of(config, comm) if comm is not None else None
   out = []
   for s, d in enumerate(settings.vws[vw_id].devices):
     if link is not None and not link.is_local(s):
@@ -278,7 +300,7 @@ def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, part
   partition = partitions[vw_id]
   from hetpipe_jax.runtime.virtual_worker import VirtualWorker
   link = _stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
-  devices = _stage_devices(settings, vw_id, link, config, comm)
+  devices = stage_devices(settings, vw_id, link, config, comm)
   optimizer = make_optimizer(config, num_mb)
   stages = stages_lib.build_stages(spec, partition, devices, optimizer)
   vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, settings.num_inflight,
@@ -498,7 +520,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
     from hetpipe_jax.runtime.stage_ranks import RemoteStages
     link = _stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
     remote = RemoteStages(comm, vw_id, link, layout.layer_offsets, partition)
-  devices = _stage_devices(settings, vw_id, link, config, comm)
+  devices = stage_devices(settings, vw_id, link, config, comm)
   optimizer = make_optimizer(config, num_mb)
   stages = stages_lib.build_stages(spec, partition, devices, optimizer)
   source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
