@@ -192,7 +192,7 @@ def _linked_vw(data_dir, *, ranks, num_inflight, staleness_bound, tx, num_vws, p
     comm = world.comm(rank)
     link = stage_ranks.StageLink(comm, 0, ranks, boundaries, num_mb, ahead=num_inflight + 1)
     driver = rank == ranks[0]
-    remote = stage_ranks.RemoteStages(comm, 0, link, layout.layer_offsets, THREE_STAGES) if driver else None
+    remote = stage_ranks.RemoteStages(comm, 0, link) if driver else None
     stages = stages_lib.build_stages(spec, THREE_STAGES, devices, tx)
     return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, num_inflight, staleness_bound,
                                         client if driver else None, source.get if driver else None,
@@ -337,7 +337,7 @@ def test_a_remote_stage_task_is_a_command_with_its_version(synthetic_data_dir):
   nanoseconds) on the control stream, after the minibatch's INJECT."""
   world = FakeWorld()
   link = stage_ranks.StageLink(world.comm(1), 0, [1, 2], [None, ((2, 3), np.dtype(np.float32))], 4, ahead=2)
-  remote = stage_ranks.RemoteStages(world.comm(1), 0, link, [0, 3, 6], [[0, 1], [1, 2]])
+  remote = stage_ranks.RemoteStages(world.comm(1), 0, link)
   remote.on_inject(3, 7, np.arange(2, dtype=np.int32))
   remote.start_task(Task(1, TaskKind.FORWARD_BACKWARD, 3), 7, 0.025)
   got = []

@@ -519,7 +519,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
   if settings.stage_groups:  # stage ranks: this rank runs the VW's first stage group and drives the others
     from hetpipe_jax.runtime.stage_ranks import RemoteStages
     link = _stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
-    remote = RemoteStages(comm, vw_id, link, layout.layer_offsets, partition)
+    remote = RemoteStages(comm, vw_id, link)
   devices = stage_devices(settings, vw_id, link, config, comm)
   optimizer = make_optimizer(config, num_mb)
   stages = stages_lib.build_stages(spec, partition, devices, optimizer)

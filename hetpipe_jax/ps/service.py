@@ -124,17 +124,16 @@ class ParameterServerService:
         raise transport.ProtocolError(f"rank {src} sent {kind.name} for VW {vw}; only its driver (rank "
                                       f"{self.parts[vw].driver}) does")
       payload = transport.recv_payload(self.comm, src, kind, size) if kind is not Kind.PULL else None
-      if kind is Kind.PUSH and self.assembler is not None:
-        payload = self.assembler.add(vw, wave, src, payload)  # the whole wave once its last part arrived
-      if kind is Kind.PUSH and payload is None:
-        pass
-      elif kind is Kind.PUSH:
-        before = self.server.global_clock
-        self.server.push(vw, wave, payload)
-        self._serve_pulls(self.server.state.serve_pending_pulls())
-        if self.lead:
-          for clock in range(before + 1, self.server.global_clock + 1):
-            self._on_clock(self.clock_offset + clock)
+      if kind is Kind.PUSH:
+        if self.assembler is not None:  # stage ranks: the whole wave once its last part arrived, else None
+          payload = self.assembler.add(vw, wave, src, payload)
+        if payload is not None:
+          before = self.server.global_clock
+          self.server.push(vw, wave, payload)
+          self._serve_pulls(self.server.state.serve_pending_pulls())
+          if self.lead:
+            for clock in range(before + 1, self.server.global_clock + 1):
+              self._on_clock(self.clock_offset + clock)
       elif kind is Kind.METRICS:
         loss_sum, count, _ = payload
         self.minibatches_done[vw] += int(count)

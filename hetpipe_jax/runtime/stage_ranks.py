@@ -382,26 +382,22 @@ class RemoteStageExecutor:
 
 
 class RemoteStages:
-  """The driver's side of its VW's stage ranks: their executors, the version-change stream, wave deltas.
+  """The driver's side of its VW's stage ranks: their executors and the version-change stream (the ranks push and
+  pull their own parts at the PS).
 
   Args:
     comm: the MPI communicator.
     vw_id: the VW.
     link: this rank's :class:`StageLink` (it knows which stages are local).
-    layer_offsets: the flat layout's ``[num_layers + 1]`` offsets.
-    partition: per stage, its layer range.
   """
 
-  def __init__(self, comm, vw_id: int, link: StageLink, layer_offsets: Sequence[int],
-               partition: Sequence[Sequence[int]]):
+  def __init__(self, comm, vw_id: int, link: StageLink):
     self.comm = comm
     self.vw_id = vw_id
     self.link = link
     self.rank = comm.Get_rank()
     self.stage_ranks = link.stage_ranks
     self.followers = sorted(set(self.stage_ranks) - {self.rank})
-    self.stages_of = {r: [s for s, x in enumerate(self.stage_ranks) if x == r] for r in self.followers}
-    self.ranges = [(int(layer_offsets[a]), int(layer_offsets[b])) for a, b in partition]
     self._sends: list = []
     self._done: queue.SimpleQueue | None = None
     self._t0 = 0.0
