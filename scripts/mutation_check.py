@@ -447,7 +447,8 @@ MUTATIONS = (
               "tests/test_stage_ranks.py::test_stage_ranks_train_exactly_as_one_process"),
              "a shard counts (and applies) a VW's wave once its driver's part arrived, before the stage ranks' parts"),
     Mutation("stage_rank_pushes_to_the_wrong_shard", "hetpipe_jax/ps/transport.py",
-             "          dest=shard)\n",
+             "    isend(Kind.PUSH, wave_id, np.ascontiguousarray(values[index], np.float32), dest=shard)\n",
+             "    isend(Kind.PUSH, wave_id, np.ascontiguousarray(values[index], np.float32),\n"
              "          dest=(shard + 1) % parts.num_shards if rank != parts.driver else shard)\n",
              ("tests/test_launch.py::test_stage_ranks_move_ps_bytes_between_their_own_nodes_and_shards",),
              "a stage rank pushes its part of a wave to another shard than the one holding those layers"),

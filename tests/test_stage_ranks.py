@@ -200,10 +200,12 @@ def _linked_vw(data_dir, *, ranks, num_inflight, staleness_bound, tx, num_vws, p
 
   driver = make(ranks[0])
   client.vw = driver
-  servers = [stage_ranks.StageRankServer(world.comm(r), make(r), ranks[0], source.get(0)[1],
-                                         StageRankPSClient(world.comm(r), parts[0], layout.num_params, num_vws),
-                                         shard_layout.index)
-             for r in sorted(set(ranks) - {ranks[0]})]
+  servers = []
+  for r in sorted(set(ranks) - {ranks[0]}):
+    vw = make(r)
+    ps = StageRankPSClient(world.comm(r), parts[0], stage_ranks.StageRankServer.local_index_of(vw), num_vws)
+    servers.append(stage_ranks.StageRankServer(world.comm(r), vw, ranks[0], source.get(0)[1], ps,
+                                               shard_layout.index))
   job = {"server": server, "service": service, "client": client, "parts": parts, "world": world}
   return driver, servers, source, params0, world, job
 

@@ -308,7 +308,7 @@ def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, part
                      method=settings.method, link=link)
   source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
   ps = StageRankPSClient(comm, vw_parts(settings, shards, partitions, layout.layer_offsets)[vw_id],
-                         layout.num_params, settings.num_virtual_workers)
+                         StageRankServer.local_index_of(vw), settings.num_virtual_workers)
   server = StageRankServer(comm, vw, settings.num_ps_shards + vw_id, source.get(0)[1], ps, shards.index)
   logging.info("[VW %d] stage rank %d: stages %s on %s", vw_id, comm.Get_rank(), vw.local_stages,
                [str(devices[s]) for s in vw.local_stages])

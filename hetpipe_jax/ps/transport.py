@@ -298,7 +298,8 @@ class MPIPSClient:
       time.sleep(1e-4)
 
 
-def push_parts(isend: Callable, parts, rank: int, wave_id: int, flat_delta: np.ndarray) -> None:
+def push_parts(isend: Callable, parts, rank: int, wave_id: int, values: np.ndarray,
+               positions: dict[int, np.ndarray] | None = None) -> None:
   """Stage ranks: ``rank``'s part of wave ``wave_id`` to every shard it sends to (:meth:`VWParts.senders`).
 
   Args:
@@ -306,11 +307,13 @@ def push_parts(isend: Callable, parts, rank: int, wave_id: int, flat_delta: np.n
     parts: the VW's :class:`hetpipe_jax.ps.shards.VWParts`.
     rank: the sending rank.
     wave_id: the wave.
-    flat_delta: float32 ``[num_params]``: the wave's update, valid at least on ``rank``'s elements.
+    values: float32: the wave's update, ``[num_params]`` (valid at least on ``rank``'s elements) when ``positions``
+      is None, else ``rank``'s own elements only.
+    positions: per shard, the part's positions in ``values``; None: ``parts.flat_index``.
   """
   for shard in parts.shards_of(rank):
-    isend(Kind.PUSH, wave_id, np.ascontiguousarray(flat_delta[parts.flat_index[(rank, shard)]], np.float32),
-          dest=shard)
+    index = parts.flat_index[(rank, shard)] if positions is None else positions[shard]
+    isend(Kind.PUSH, wave_id, np.ascontiguousarray(values[index], np.float32), dest=shard)
 
 
 class StageRankPSClient:
@@ -319,23 +322,34 @@ class StageRankPSClient:
 
   The driver decides everything: it requests each pull (the shards answer every receiver) and later tells the rank,
   in its version stream, to install the next one; replies arrive in the order of the requests (one pull outstanding
-  per VW, MPI's order per source and tag), so the rank's k-th install takes every shard's k-th reply.
+  per VW, MPI's order per source and tag), so the rank's k-th install takes every shard's k-th reply. Values are the
+  rank's own elements only (``local_index``), never a whole-model vector.
 
   Args:
     comm: the MPI communicator.
     parts: the VW's :class:`hetpipe_jax.ps.shards.VWParts`.
-    num_params: the model's parameter count.
+    local_index: int64 ``[n]``: the flat indices of this rank's elements, ascending (its stages' layers in order).
     num_virtual_workers: N.
+
+  Raises:
+    ValueError: a part of this rank holds an element outside ``local_index``.
   """
 
-  def __init__(self, comm, parts, num_params: int, num_virtual_workers: int):
+  def __init__(self, comm, parts, local_index: np.ndarray, num_virtual_workers: int):
     self.comm = comm
     self.parts = parts
     self.vw_id = parts.vw_id
     self.rank = comm.Get_rank()
-    self.num_params = num_params
+    self.local_index = np.asarray(local_index, np.int64)
     self.num_virtual_workers = num_virtual_workers
     self.shards = parts.shards_of(self.rank)
+    self.positions = {}  # shard -> the part's positions among this rank's elements
+    for shard in self.shards:
+      idx = parts.flat_index[(self.rank, shard)]
+      pos = np.searchsorted(self.local_index, idx)
+      if idx.size and (pos.max() >= self.local_index.size or not np.array_equal(self.local_index[pos], idx)):
+        raise ValueError(f"rank {self.rank}'s part of shard {shard} holds elements it does not run")
+      self.positions[shard] = pos
     self.num_pulls_received = 0
     self._sends: list = []
     self._posted: dict[int, tuple] = {}  # shard -> (request, header) of the next reply
@@ -355,13 +369,13 @@ class StageRankPSClient:
       self._sends.append((self.comm.Isend(payload, dest=dest, tag=TAG_DATA), payload))
     self._sends = [(r, b) for r, b in self._sends if not r.Test()]
 
-  def push(self, wave_id: int, flat_delta: np.ndarray) -> None:
-    """Pushes this rank's part of wave ``wave_id`` (float32 ``[num_params]``, valid on its elements)."""
-    push_parts(self._isend, self.parts, self.rank, wave_id, flat_delta)
+  def push(self, wave_id: int, local_delta: np.ndarray) -> None:
+    """Pushes this rank's parts of wave ``wave_id`` (float32 ``[n]``: its elements, in ``local_index`` order)."""
+    push_parts(self._isend, self.parts, self.rank, wave_id, local_delta, self.positions)
 
   def poll_pull(self) -> tuple[dict[int, tuple[int, ...]], np.ndarray] | None:
-    """The next pull's reply once every shard's part arrived: ``({shard: its vector clock}, float32
-    [num_params])`` holding this rank's elements (zeros elsewhere); None while some part is missing.
+    """The next pull's reply once every shard's part arrived: ``({shard: its vector clock}, float32 [n])``, this
+    rank's elements in ``local_index`` order; None while some part is missing.
 
     Raises:
       ProtocolError: a malformed reply.
@@ -386,10 +400,10 @@ class StageRankPSClient:
     got, self._got = self._got, {}
     self._post()
     self.num_pulls_received += 1
-    flat = np.zeros(self.num_params, np.float32)
+    local = np.zeros(self.local_index.size, np.float32)
     for shard, (_, part) in got.items():
-      flat[self.parts.flat_index[(self.rank, shard)]] = part
-    return {shard: vc for shard, (vc, _) in got.items()}, flat
+      local[self.positions[shard]] = part
+    return {shard: vc for shard, (vc, _) in got.items()}, local
 
   def finish(self, num_pulls: int) -> None:
     """Drops the replies of pulls the driver requested but never installed (``num_pulls`` requested in all), cancels

@@ -536,15 +536,17 @@ class StageRankServer:
     driver_rank: the VW's driver.
     labels_template: an example of one minibatch's labels (shape and dtype; used on the last stage's rank).
     ps: this rank's :class:`hetpipe_jax.ps.transport.StageRankPSClient` (or an object with its ``push``,
-      ``poll_pull`` and ``finish``): its parts of every wave to their shards, its parts of every pull from them.
+      ``poll_pull`` and ``finish``) over :meth:`local_index_of` ``vw``: its parts of every wave to their shards, its
+      parts of every pull from them.
     shard_index: per PS shard, its flat element indices (:attr:`hetpipe_jax.ps.shards.ShardLayout.index`).
   """
 
   def __init__(self, comm, vw: Any, driver_rank: int, labels_template: np.ndarray, ps: Any, shard_index: Sequence):
     self.comm = comm
     self.ps = ps
-    self.shard_index = list(shard_index)
-    self.own_flat: dict[int, np.ndarray] = {}  # wave -> this rank's pushed update (float32 [num_params])
+    self.local_index = self.local_index_of(vw)
+    self.shard_index = [np.flatnonzero(np.isin(self.local_index, idx)) for idx in shard_index]  # local positions
+    self.own_flat: dict[int, np.ndarray] = {}  # wave -> this rank's pushed update (its elements)
     self.pull_reply = None  # the next pull's parts, once every shard's arrived
     self.num_pulls = 0  # pulls the driver requested (its STOP)
     self.vw = vw
@@ -721,10 +723,9 @@ class StageRankServer:
       self._install_pull(self.pull_reply, payload)
       self.pull_reply = None
     else:  # END_WAVE: this rank's part of the wave, straight to its shards
-      flat = np.zeros(self.vw.layout.num_params, np.float32)
-      flat[self._local_index()] = self.vw.take_wave_delta()
-      self.own_flat[minibatch] = flat
-      self.ps.push(minibatch, flat)
+      delta = self.vw.take_wave_delta()
+      self.own_flat[minibatch] = delta
+      self.ps.push(minibatch, delta)
       return True
     if self.vw.version.version_id != version:
       raise ProtocolError(f"rank {self.rank}: applying {kind.name} made version {self.vw.version.version_id}, the "
@@ -733,12 +734,13 @@ class StageRankServer:
     self.store.keep_only(set(self.versions.values()))
     return True
 
-  def _local_index(self) -> np.ndarray:
-    """This rank's flat elements, in its stages' order (the order of :meth:`VirtualWorker.take_wave_delta`)."""
-    offsets = self.vw.layout.layer_offsets
-    return np.concatenate([np.arange(offsets[self.vw.stages[s].layer_range[0]],
-                                     offsets[self.vw.stages[s].layer_range[1]]) for s in self.local]
-                          or [np.zeros(0, np.int64)])
+  @staticmethod
+  def local_index_of(vw: Any) -> np.ndarray:
+    """int64: the flat indices of ``vw``'s local stages' elements, ascending (the order of
+    :meth:`VirtualWorker.take_wave_delta` and :meth:`VirtualWorker.install_rebased`)."""
+    offsets = vw.layout.layer_offsets
+    return np.concatenate([np.arange(offsets[vw.stages[s].layer_range[0]], offsets[vw.stages[s].layer_range[1]],
+                                     dtype=np.int64) for s in vw.local_stages] or [np.zeros(0, np.int64)])
 
   def _install_pull(self, reply: tuple, own_applied: np.ndarray) -> None:
     """Rebases this rank's stages on its parts of the pull the driver installs now (the same own-wave rule as the
@@ -751,7 +753,7 @@ class StageRankServer:
                             f"waves, but the pull the driver (rank {self.driver}) installs holds "
                             f"{int(own_applied[shard])}")
     local, self.own_flat = rebase_on_shards(flat, self.own_flat, [int(c) for c in own_applied], self.shard_index)
-    self.vw.install_rebased(local[self._local_index()])
+    self.vw.install_rebased(local)
 
   def _report(self, c: Completion) -> None:
     loss = float("nan")

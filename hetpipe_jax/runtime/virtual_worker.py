@@ -82,13 +82,15 @@ def rebase_on_shards(flat: np.ndarray, own_flat: dict[int, np.ndarray], own_appl
   that shard's vector clock are added, in wave order, on that shard's elements.
 
   Args:
-    flat: the pulled weights, float32 ``[num_params]`` (only the caller's elements need be valid).
-    own_flat: wave -> the VW's own pushed update of that wave, float32 ``[num_params]``.
+    flat: the pulled weights, float32 ``[n]``: the whole model (``n = num_params``; only the caller's elements need
+      be valid) or a stage rank's own elements.
+    own_flat: wave -> the VW's own pushed update of that wave, float32 ``[n]`` (the same elements as ``flat``).
     own_applied: per shard, how many of the VW's own waves its slice of the pull holds.
-    shard_index: per shard, its flat element indices (:attr:`hetpipe_jax.ps.shards.ShardLayout.index`).
+    shard_index: per shard, the positions of its elements in ``flat`` (the whole model:
+      :attr:`hetpipe_jax.ps.shards.ShardLayout.index`).
 
   Returns:
-    ``(rebased float32 [num_params], the own waves still to keep: those some shard lacks)``.
+    ``(rebased float32 [n], the own waves still to keep: those some shard lacks)``.
   """
   keep = wsp.own_waves_after_pull(own_flat, min(own_applied))
   local = np.array(flat, np.float32, copy=True)
