@@ -9,7 +9,10 @@ machinefile: one ``host:1`` line per rank, in rank order) and runs
   mpiexec -f <workdir>/ranks.hosts -n <S+N> python -m mpi4py -m hetpipe_jax.train --config=... --workdir=...
       --config.plan=plan.json --config.num_ps_shards=S [extra args]
 
-(``--dry_run``: prints it and exits). ``--stage_ranks`` adds ``--config.stage_ranks=True`` (and the grouping): a VW's
+(``--dry_run``: prints it and exits). Each rank sees only its plan GPUs: the command passes the per-rank table
+``-genv HETPIPE_RANK_DEVICES '<ids>;<ids>;...'`` (a VW rank: its stages' node-local GPU indices; a shard: ``-``; also
+written to ``<workdir>/ranks.devices``), and ``hetpipe_jax.train`` sets ``CUDA_VISIBLE_DEVICES`` from it before jax
+starts (:mod:`hetpipe_jax.rank_devices`; on CPU nothing changes, config.json records the table). ``--stage_ranks`` adds ``--config.stage_ranks=True`` (and the grouping): a VW's
 stages run on separate ranks, each on its own node's host, so ED and HD VWs, which span nodes, map onto a real
 cluster (ranks ``S..S+N-1``: each VW's driver and first stage; then one rank per further stage, or per further node
 of the VW with ``--stage_rank_grouping=node``). The plan's node i runs on the hostfile's host i (MPICH syntax, ``host`` or
@@ -17,8 +20,8 @@ of the VW with ``--stage_rank_grouping=node``). The plan's node i runs on the ho
 a multi-node plan with CPU devices. Slurm equivalent (ranks placed by the same file, one host per line)::
 
   awk -F: '{print $1}' <workdir>/ranks.hosts > ranks.slurm
-  SLURM_HOSTFILE=ranks.slurm srun -n <ranks> --distribution=arbitrary --mpi=pmi2 \
-      python -m mpi4py -m hetpipe_jax.train ...   # the same arguments as the mpiexec command
+  SLURM_HOSTFILE=ranks.slurm HETPIPE_RANK_DEVICES='<the table>' srun -n <ranks> --distribution=arbitrary \
+      --mpi=pmi2 python -m mpi4py -m hetpipe_jax.train ...   # the same arguments as the mpiexec command
 
 Bad input (a missing plan or hostfile, too few hosts, a VW spread over several hosts without stage ranks) is one
 ``error:`` line and exit status 2 before anything starts.
@@ -34,6 +37,8 @@ import sys
 import time
 
 from absl import app, flags
+
+from hetpipe_jax import rank_devices
 
 _PLAN = flags.DEFINE_string("plan", None, "Plan JSON (python -m hetpipe_jax.plan).")
 _HOSTFILE = flags.DEFINE_string("hostfile", "", "MPICH hostfile (host[:slots] per line); '' = every node on "
@@ -78,13 +83,29 @@ def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_
   if not mpiexec:
     local = pathlib.Path(sys.executable).parent / "mpiexec"
     mpiexec = str(local) if local.exists() else "mpiexec"
-  argv = [mpiexec, "-f", str(pathlib.Path(workdir) / "ranks.hosts"), "-n", str(len(slots)), sys.executable, "-m",
+  argv = [mpiexec, "-f", str(pathlib.Path(workdir) / "ranks.hosts"), "-genv", rank_devices.ENV,
+          device_table(slots), "-n", str(len(slots)), sys.executable, "-m",
           "mpi4py", "-m", "hetpipe_jax.train", f"--config={config}", f"--workdir={workdir}",
           f"--config.plan={plan_path}", f"--config.num_ps_shards={shards}"]
   if stage_rank_grouping is not None:
     argv += ["--config.stage_ranks=True", f"--config.stage_rank_grouping={stage_rank_grouping}"]
   argv += extra
   return rank_map.format_table(slots), rank_map.machinefile(slots), argv
+
+
+def device_table(slots) -> str:
+  """Per rank, the plan GPUs it may see (:mod:`hetpipe_jax.rank_devices`: a VW rank its stages' node-local GPU
+  indices, a shard none), as ``HETPIPE_RANK_DEVICES``'s text.
+
+  Raises:
+    hetpipe_jax.planning.rank_map.LaunchError: a VW rank's stage has no GPU index in the plan.
+  """
+  from hetpipe_jax.planning import rank_map
+  for slot in slots:
+    if any(d < 0 for d in slot.devices):
+      raise rank_map.LaunchError(f"rank {slot.rank} ({slot.role}): the plan gives a stage no GPU index "
+                                 f"({list(slot.devices)}); re-plan it")
+  return rank_devices.format_table([tuple(dict.fromkeys(slot.devices)) for slot in slots])
 
 
 def main(argv) -> None:
@@ -100,11 +121,16 @@ def main(argv) -> None:
     sys.exit(2)
   print(table)
   print(f"machinefile {workdir}/ranks.hosts:\n" + "".join(f"  {line}\n" for line in hostlines.splitlines()), end="")
+  devices = command[command.index("-genv") + 2]
+  device_lines = "".join(f"{r} {ids}\n" for r, ids in enumerate(devices.split(";")))
+  print(f"visible GPUs per rank ({rank_devices.ENV}, also {workdir}/ranks.devices: rank, GPU ids or -):\n" +
+        "".join(f"  {line}\n" for line in device_lines.splitlines()), end="")
   print("command: " + " ".join(shlex.quote(a) for a in command), flush=True)
   if _DRY_RUN.value:
     return
   pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
   (pathlib.Path(workdir) / "ranks.hosts").write_text(hostlines)
+  (pathlib.Path(workdir) / "ranks.devices").write_text(device_lines)
   env = dict(os.environ)
   from hetpipe_jax.paths import REPO_ROOT
   env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(REPO_ROOT)

@@ -49,6 +49,7 @@ def main(argv) -> None:
   from hetpipe_jax.data.fashion_mnist import DataError
   from hetpipe_jax.jobs.job_config import ConfigError, resolve_settings
   from hetpipe_jax.ps.param_server import BadUpdateError
+  from hetpipe_jax import rank_devices
   comm = MPI.COMM_WORLD
   rank = comm.Get_rank()
   logging.set_verbosity(logging.INFO if rank == 0 else logging.WARNING)
@@ -57,6 +58,10 @@ def main(argv) -> None:
     config.plan = _PLAN.value
   try:
     settings = resolve_settings(config)  # the plan is read here, once, and passed on typed
+    try:  # the launcher's per-rank GPUs (HETPIPE_RANK_DEVICES), before jax starts a backend
+      rank_devices.apply(rank, comm.Get_size(), config.platform)
+    except rank_devices.RankDevicesError as e:
+      raise ConfigError(str(e)) from None
     _set_platform(config, settings)
     if _MODE.value == "virtual":
       if comm.Get_size() != 1:

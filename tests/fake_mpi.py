@@ -1,5 +1,6 @@
-"""An in-process stand-in for the mpi4py point-to-point calls the stage-rank protocol uses (``Isend``, ``Irecv``,
-``Test``, ``Wait``, ``Cancel``, ``Get_rank``), so a driver and its stage ranks can run as threads of one test.
+"""An in-process stand-in for the mpi4py point-to-point calls the stage-rank and PS protocols use (``Isend``,
+``Irecv``, ``Recv``, ``Iprobe``, ``Test``, ``Wait``, ``Cancel``, ``Get_rank``), so a driver, its stage ranks and the PS
+shards' service loops can run as threads of one test.
 
 MPI's matching rules are kept where the protocol relies on them: messages from one source to one destination on one
 tag are received in the order they were sent, by receives in the order they were posted; a message larger than the
@@ -94,3 +95,16 @@ class FakeComm:
       else:
         world.receives[key].append(request)
     return request
+
+  def Recv(self, buf, source, tag):  # noqa: N802
+    self.Irecv(buf, source, tag).Wait()
+
+  def Iprobe(self, source, tag, status=None):  # noqa: N802
+    """True when a message from ``source`` (``MPI.ANY_SOURCE``: any) on ``tag`` waits unmatched; sets its source."""
+    with self.world.lock:
+      for (src, dst, t), queued in self.world.messages.items():
+        if dst == self.rank and t == tag and queued and (source < 0 or src == source):
+          if status is not None:
+            status.Set_source(src)
+          return True
+    return False

@@ -98,6 +98,63 @@ def test_dry_run_with_stage_ranks(tmp_path):
   assert "VW 0 stages 2,3" in proc.stdout
 
 
+def test_dry_run_names_each_ranks_gpus(tmp_path):
+  """Each rank sees only its plan GPUs: the 4-node ED plan with stage ranks (2 VWs x 4 stages, one per node; VW v on
+  GPU v of every node) gives shards none, each stage rank its stage's node-local GPU, in the printed table and in
+  the command's -genv HETPIPE_RANK_DEVICES (which every rank reads before jax starts)."""
+  proc = _launch(f"--plan={ED4}", "--dry_run", "--stage_ranks", f"--workdir={tmp_path / 'run'}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  plan = plan_format.load_plan(ED4)
+  expected = [()] * 4 + [(plan.virtual_workers[v].devices[0],) for v in range(2)]
+  expected += [(plan.virtual_workers[v].devices[s],) for v in range(2) for s in range(1, 4)]
+  table = ";".join(",".join(map(str, ids)) or "-" for ids in expected)
+  assert table == "-;-;-;-;0;1;0;0;0;1;1;1"
+  command = next(line for line in proc.stdout.splitlines() if line.startswith("command: "))
+  assert f" -genv HETPIPE_RANK_DEVICES '{table}' " in command
+  lines = proc.stdout.split("visible GPUs per rank")[1].splitlines()[1:13]
+  assert [line.split() for line in lines] == [[str(r), entry] for r, entry in enumerate(table.split(";"))]
+
+
+def test_rank_devices_restrict_cuda_on_gpu_and_change_nothing_on_cpu():
+  """HETPIPE_RANK_DEVICES on a rank: GPU: CUDA_VISIBLE_DEVICES = its GPUs (a shard: none, on the host's CPU), a
+  stage's plan GPU becomes its place among them; CPU: the environment is untouched, the table still returned; a
+  malformed table or one of the wrong length is an error naming the variable."""
+  from hetpipe_jax import rank_devices
+  env = {"HETPIPE_RANK_DEVICES": "-;2,3;1"}
+  got = rank_devices.apply(1, 3, "gpu", env)
+  assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and got.gpus == (2, 3) and got.local_index(3) == 1
+  with pytest.raises(rank_devices.RankDevicesError, match="GPU 1 is not among"):
+    got.local_index(1)
+  env = {"HETPIPE_RANK_DEVICES": "-;2,3;1"}
+  rank_devices.apply(0, 3, "gpu", env)
+  assert env["CUDA_VISIBLE_DEVICES"] == "" and env["JAX_PLATFORMS"] == "cpu"
+  env = {"HETPIPE_RANK_DEVICES": "-;2,3;1"}
+  got = rank_devices.apply(2, 3, "cpu", env)
+  assert env == {"HETPIPE_RANK_DEVICES": "-;2,3;1"} and got.applied == "none (cpu)" and got.local_index(1) == 1
+  assert got.table == ((), (2, 3), (1,))
+  assert rank_devices.apply(0, 3, "gpu", {}) is None
+  with pytest.raises(rank_devices.RankDevicesError, match="HETPIPE_RANK_DEVICES.*3 ranks' entries; the job has 4"):
+    rank_devices.apply(0, 4, "gpu", {"HETPIPE_RANK_DEVICES": "-;2,3;1"})
+  with pytest.raises(rank_devices.RankDevicesError, match="rank 1's entry 'x'"):
+    rank_devices.parse_table("-;x")
+
+
+@pytest.mark.mpi
+def test_a_bad_rank_device_table_stops_every_rank(tmp_path, synthetic_data_dir):
+  """A HETPIPE_RANK_DEVICES that does not fit the job stops every rank before any work: one error line naming it,
+  non-zero exit, no hang."""
+  from tests.mpi_util import mpiexec
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(PYTHONPATH=str(REPO_ROOT), HETPIPE_RANK_DEVICES="-;0")
+  proc = subprocess.run([mpiexec(), "-n", "3", sys.executable, "-m", "mpi4py", "-m", "hetpipe_jax.train",
+                         "--config=experiments/configs/tiny.py", f"--workdir={tmp_path / 'run'}",
+                         f"--config.data_dir={synthetic_data_dir}", "--config.check_counts=False",
+                         "--config.progress=False"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode != 0
+  assert "error: HETPIPE_RANK_DEVICES='-;0' has 2 ranks' entries; the job has 3 ranks" in proc.stderr, proc.stderr
+
+
 def test_bad_hostfile_is_one_error_line(tmp_path):
   hosts = tmp_path / "hosts"
   hosts.write_text("h0\nh1\n")
@@ -184,3 +241,41 @@ def test_launch_runs_4_node_ed_and_hd_plans_with_stage_ranks_and_sharded_ps(tmp_
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert (workdir / "ranks.hosts").read_text() == "localhost:1\n" * ranks
   _check_stage_rank_run(workdir, plan_path, grouping, mb)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("placement", ["local", "default"])
+def test_stage_ranks_move_ps_bytes_between_their_own_nodes_and_shards(tmp_path, synthetic_data_dir, placement):
+  """Stage ranks push and pull their own layers' parts straight to and from the shards (HetPipe §8.1), so the bytes
+  the transport counts per rank pair, mapped to the plan's nodes, are the planner's: the two-node ED plan with
+  ``local`` placement moves no PS byte between nodes (each stage rank talks only to its own node's shard), with
+  ``default`` placement the cross-node bytes per wave equal planning/ps_placement's prediction within 1%; each
+  shard applied every wave once (a wave counted once all its parts arrived)."""
+  workdir = tmp_path / "run"
+  proc = _launch(f"--plan={ED_LOCAL}", "--config=experiments/configs/tiny.py", f"--workdir={workdir}",
+                 "--stage_ranks", "--", f"--config.data_dir={synthetic_data_dir}", "--config.check_counts=False",
+                 "--config.progress=False", "--config.num_minibatches=8", "--config.checkpoint_every_waves=0",
+                 f"--config.ps_placement={placement}", timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["stage_rank_of_stage"] == [[2, 4], [3, 5]] and summary["ps_placement"] == placement
+  config = json.loads((workdir / "config.json").read_text())  # each rank's GPUs: recorded, a no-op on CPU
+  assert config["rank_visible_devices"] == [[], [], [0], [1], [0], [1]]
+  assert config["rank_devices_applied"] == "none (cpu)"
+  assert (workdir / "ranks.devices").read_text() == "0 -\n1 -\n2 0\n3 1\n4 0\n5 1\n"
+  ps_bytes = summary["ps_bytes"]
+  assert ps_bytes["attribution"] == "ranks"
+  nodes = ps_bytes["rank_nodes"]
+  assert nodes["0"] != nodes["1"] and nodes["2"] == nodes["3"] == nodes["0"] and nodes["4"] == nodes["5"] == nodes["1"]
+  pairs = ps_bytes["by_rank_pair"]
+  assert all(pairs.get(f"{r}->{s}", 0) > 0 for r in (4, 5) for s in ((1,) if placement == "local" else (0, 1)))
+  assert summary["applied_waves_in_order_per_shard"] == [True, True]
+  assert summary["applied_waves_count_per_shard"] == [8, 8]  # 2 VWs x 4 waves on each shard
+  if placement == "local":
+    assert ps_bytes["predicted_crossing_nodes_per_wave"] == 0
+    assert ps_bytes["crossing_nodes"] == 0 and not ps_bytes["crossing_nodes_by_rank_pair"]
+    assert all(pairs.get(f"{r}->0", 0) == 0 for r in (4, 5))  # stage 1's layers never reach node 0's shard
+  else:
+    predicted = ps_bytes["predicted_crossing_nodes_per_wave"]
+    assert predicted > 0 and ps_bytes["crossing_nodes"] > 0
+    assert ps_bytes["crossing_nodes_per_wave"] == pytest.approx(predicted, rel=0.01)

@@ -14,7 +14,7 @@ import hetpipe_jax
 from hetpipe_jax.paths import REPO_ROOT
 
 PURE_PACKAGES = ("rules", "planning", "sim", "data")
-PURE_MODULES = ("hetpipe_jax.paths", "hetpipe_jax.jobs.job_config")
+PURE_MODULES = ("hetpipe_jax.paths", "hetpipe_jax.jobs.job_config", "hetpipe_jax.rank_devices")
 HEAVY = ["jax", "jaxlib", "flax", "optax", "mpi4py", "orbax"]
 
 

@@ -12,7 +12,7 @@ from hetpipe_jax import models
 from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs import checkpoint, job_config
 from hetpipe_jax.planning import plan_format, ps_placement
-from hetpipe_jax.ps.shards import ShardLayout
+from hetpipe_jax.ps.shards import ShardLayout, VWParts, WaveAssembler
 from tests.mpi_util import read_jsonl, run_job
 
 ED_DEFAULT = "experiments/plans/local_cpu_2node_mlp_tiny_ed_default.json"
@@ -305,3 +305,32 @@ def test_rank0_assembles_the_final_weights_from_every_shard():
                                       [(0, 1), (0, 0)])
   np.testing.assert_array_equal(flat, np.arange(1, 10, dtype=np.float32))
   assert logs == [[(0, 1), (0, 0)], [(0, 1), (0, 0)], [(0, 0), (0, 1)]]
+
+
+def test_stage_ranks_parts_and_a_wave_counted_once_all_parts_arrived():
+  """VWParts: each rank's part of a shard is its stages' elements of that shard's slice; a shard holding none of a
+  VW's elements still gets the wave from the driver (an empty part); the driver receives every shard's reply.
+  WaveAssembler: a wave is whole (and returned once, assembled in slice order) only when its last sender's part
+  arrived; a part from a rank that is not a sender, of the wrong size or sent twice is refused."""
+  # 3 layers of 2, 3 and 1 floats; shard 0 holds layers 0 and 2, shard 1 layer 1, shard 2 nothing
+  shards = ShardLayout.build([0, 2, 5, 6], [0, 1, 0], 3)
+  parts = VWParts.build(shards, 0, [7, 9, 9], [(0, 2), (2, 5), (5, 6)])  # stage 0 on the driver (7), 1-2 on rank 9
+  assert parts.senders(0) == [7, 9] and parts.senders(1) == [9] and parts.senders(2) == [7]
+  assert parts.receivers(1) == [7, 9] and parts.receivers(2) == [7]
+  assert parts.flat_index[(7, 0)].tolist() == [0, 1] and parts.flat_index[(9, 0)].tolist() == [5]
+  assert parts.shard_pos[(9, 0)].tolist() == [2] and parts.part_size(7, 1) == 0 and parts.part_size(7, 2) == 0
+  assert parts.shards_of(9) == [0, 1] and parts.shards_of(7) == [0, 2]
+  assembler = WaveAssembler([parts], 0, shards.size(0))
+  assert assembler.add(0, 0, 9, np.array([3.0], np.float32)) is None  # the driver's part still missing
+  assert assembler.incomplete() == [(0, 0)]
+  np.testing.assert_array_equal(assembler.add(0, 0, 7, np.array([1.0, 2.0], np.float32)), [1.0, 2.0, 3.0])
+  assert assembler.incomplete() == []
+  assert assembler.add(0, 1, 7, np.array([1.0, 2.0], np.float32)) is None
+  with pytest.raises(ValueError, match="rank 7 pushed its part of VW 0's wave 1 to shard 0 twice"):
+    assembler.add(0, 1, 7, np.array([1.0, 2.0], np.float32))
+  with pytest.raises(ValueError, match="rank 8 pushed VW 0's wave 1 to shard 0, whose senders for that VW are"):
+    assembler.add(0, 1, 8, np.array([1.0], np.float32))
+  with pytest.raises(ValueError, match="rank 9 pushed 2 floats of VW 0's wave 1 to shard 0; its part holds 1"):
+    assembler.add(0, 1, 9, np.array([1.0, 2.0], np.float32))
+  empty = WaveAssembler([parts], 2, shards.size(2))
+  assert empty.add(0, 0, 7, np.zeros(0, np.float32)).size == 0  # the driver alone: whole at once

@@ -17,6 +17,9 @@ from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs import job_config
 from hetpipe_jax.planning import rank_map
 from hetpipe_jax.ps import param_server
+from hetpipe_jax.ps.service import ParameterServerService
+from hetpipe_jax.ps.shards import ShardLayout, VWParts
+from hetpipe_jax.ps.transport import MPIPSClient, StageRankPSClient
 from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.runtime import stage_ranks
 from hetpipe_jax.runtime import stages as stages_lib
@@ -25,7 +28,7 @@ from hetpipe_jax.runtime.param_layout import ParamLayout
 from hetpipe_jax.runtime.stage_executor import Completion
 from tests import replay
 from tests.fake_mpi import FakeWorld
-from tests.pipeline_util import LaggingPeerClient, build_vw
+from tests.pipeline_util import build_vw
 
 THREE_STAGES = [[0, 2], [2, 3], [3, 4]]
 
@@ -147,9 +150,23 @@ def test_a_task_waits_until_its_version_has_been_applied():
 
 
 # ------------------------------------------------------------------------------------------------ a linked VW
-def _linked_vw(data_dir, *, ranks, num_inflight, staleness_bound, tx, client, num_vws, batch_size=16, num_mb):
-  """VW 0 with its stages on ``ranks`` (threads of this process over :class:`FakeWorld`): ``(driver VirtualWorker,
-  stage-rank servers, source, params0)``."""
+class _PullLog(MPIPSClient):
+  """The driver's client, logging per pull reply ``(vector clock, waves the VW had pushed when it took the reply)``."""
+
+  vw = None
+
+  def poll_pull(self):
+    reply = super().poll_pull()
+    if reply is not None:
+      self.pulls.append((reply[0], self.vw.stats.num_pushes))
+    return reply
+
+
+def _linked_vw(data_dir, *, ranks, num_inflight, staleness_bound, tx, num_vws, ps_apply, batch_size=16, num_mb,
+               peer_rank=None):
+  """VW 0 with its stages on ``ranks`` (threads of this process over :class:`FakeWorld`), the real PS service loop
+  on rank 0 (one shard) and, with ``num_vws = 2``, VW 1 on ``peer_rank`` (scripted by :func:`_run_linked`):
+  ``(driver VirtualWorker, stage-rank servers, source, params0, world, job)``."""
   spec = models.get_model("mlp_tiny")
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
   layout = ParamLayout.from_layer_params(params0)
@@ -158,25 +175,48 @@ def _linked_vw(data_dir, *, ranks, num_inflight, staleness_bound, tx, client, nu
   world = FakeWorld()
   devices = jax.devices()[:len(THREE_STAGES)]
   boundaries = stage_ranks.stage_boundaries(spec, THREE_STAGES, batch_size)
+  offsets = layout.layer_offsets
+  ranges = [(offsets[a], offsets[b]) for a, b in THREE_STAGES]
+  shard_layout = ShardLayout.single(layout.num_params, spec.num_layers)
+  parts = [VWParts.build(shard_layout, 0, ranks, ranges)]
+  if num_vws == 2:
+    parts.append(VWParts.build(shard_layout, 1, [peer_rank] * 3, ranges))
+  server = param_server.ParameterServer(layout.flatten(params0), num_vws, ps_apply)
+  service = ParameterServerService(world.comm(0), server, num_minibatches_per_vw=num_mb, num_inflight=num_inflight,
+                                   evaluate=None, eval_every_waves=0, log_every_waves=1,
+                                   log_metrics=lambda line: None, progress=False, first_vw_rank=1, parts=parts)
+  client = _PullLog(world.comm(ranks[0]), 0, layout.num_params, num_vws, parts=parts[0])
+  client.pulls = []
 
   def make(rank):
     comm = world.comm(rank)
     link = stage_ranks.StageLink(comm, 0, ranks, boundaries, num_mb, ahead=num_inflight + 1)
     driver = rank == ranks[0]
-    remote = stage_ranks.RemoteStages(comm, 0, link, layout.layer_offsets, THREE_STAGES) if driver else None
+    remote = stage_ranks.RemoteStages(comm, 0, link) if driver else None
     stages = stages_lib.build_stages(spec, THREE_STAGES, devices, tx)
     return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, num_inflight, staleness_bound,
                                         client if driver else None, source.get if driver else None,
                                         num_virtual_workers=num_vws, link=link, remote=remote)
 
   driver = make(ranks[0])
-  servers = [stage_ranks.StageRankServer(world.comm(r), make(r), ranks[0], source.get(0)[1])
-             for r in sorted(set(ranks) - {ranks[0]})]
-  return driver, servers, source, params0, world
+  client.vw = driver
+  servers = []
+  for r in sorted(set(ranks) - {ranks[0]}):
+    vw = make(r)
+    ps = StageRankPSClient(world.comm(r), parts[0], stage_ranks.StageRankServer.local_index_of(vw), num_vws)
+    servers.append(stage_ranks.StageRankServer(world.comm(r), vw, ranks[0], source.get(0)[1], ps,
+                                               shard_layout.index))
+  job = {"server": server, "service": service, "client": client, "parts": parts, "world": world}
+  return driver, servers, source, params0, world, job
 
 
-def _run_linked(driver, servers, num_mb):
+def _run_linked(driver, servers, num_mb, job, peer_waves=(), lag=1):
+  """Runs the driver, its stage ranks, the PS service and (with ``peer_waves``) VW 1, which pushes its wave
+  ``c - lag`` once VW 0's wave ``c`` is whole at the PS (all its parts arrived), so pulls lack VW 0's last waves."""
   errors, reports = [], []
+  nm = driver.num_inflight
+  num_waves = num_mb // nm
+  server = job["server"]
 
   def serve(server):
     try:
@@ -188,14 +228,33 @@ def _run_linked(driver, servers, num_mb):
         time.sleep(0.01)
       driver.remote._done.put(Completion(Task(-1, TaskKind.FORWARD, -1), 0.0, 0.0, error=e))  # pylint: disable=protected-access
 
+  def ps():
+    try:
+      job["service"].run()
+    except BaseException as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  def peer():
+    vw1 = MPIPSClient(job["world"].comm(job["parts"][1].driver), 1, server.weights.size, 2, parts=job["parts"][1])
+    for k, wave in enumerate(peer_waves):
+      while server.state.pushed_waves[0] < min(k + lag + 1, num_waves) and not errors:
+        time.sleep(1e-3)
+      vw1.push(k, wave, 0.0, nm)
+    vw1.finish(num_waves, {})
+
   threads = [threading.Thread(target=serve, args=(s,), daemon=True) for s in servers]
+  threads.append(threading.Thread(target=ps, daemon=True))
+  if peer_waves:
+    threads.append(threading.Thread(target=peer, daemon=True))
   for t in threads:
     t.start()
   driver.run(num_mb)
-  reports.append(driver.remote.stop())
+  reports.append(driver.remote.stop(job["client"].num_pulls_requested))
+  job["client"].finish(num_waves, {})
   for t in threads:
     t.join(30)
   assert not errors, errors
+  assert not any(t.is_alive() for t in threads)
   return reports[0]
 
 
@@ -208,63 +267,70 @@ def _layer_params(driver, servers):
   return out
 
 
-@pytest.mark.parametrize("ranks", [[1, 2, 3], [1, 2, 2], [1, 1, 2]])
+@pytest.mark.parametrize("ranks", [[1, 3, 4], [1, 3, 3], [1, 1, 3]])
 def test_stage_ranks_equal_the_replay_of_recorded_versions_with_lagging_pulls(synthetic_data_dir, ranks):
-  """VW 0 (Nm = 2, D = 1, clock-aligned PS) beside a scripted VW 1 one wave behind, its 3 stages on 3 ranks (or 2:
-  stages 1-2 sharing one, or 0-1 on the driver): pulls lack VW 0's last pushed wave, which every rank must re-add
-  to its stages. The VW's final weights (each stage from its rank) and the final global weights equal the
-  sequential replay of the records; every stage rank ran its tasks; the stage ranks' versions are the driver's."""
+  """VW 0 (Nm = 2, D = 1, clock-aligned PS) beside a scripted VW 1 (rank 2) one wave behind, its 3 stages on 3 ranks
+  (or 2: stages 1-2 sharing one, or 0-1 on the driver), through the real PS service loop: each stage rank pushes its
+  stages' part of every wave to the shard and takes its part of every pull from it; pulls lack VW 0's last pushed
+  wave, which every rank must re-add to its stages. The VW's final weights (each stage from its rank) and the final
+  global weights equal the sequential replay of the records; every stage rank ran its tasks; the stage ranks'
+  versions are the driver's; no wave delta and no pulled weight of a stage rank's layers passed through the
+  driver."""
   nm, num_waves = 2, 5
   n = nm * num_waves
   tx = optax.sgd(0.05, momentum=0.9)
-  spec = models.get_model("mlp_tiny")
-  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
-  server = param_server.ParameterServer(ParamLayout.from_layer_params(params0).flatten(params0), 2, "clock_aligned")
+  driver, servers, source, params0, world, job = _linked_vw(synthetic_data_dir, ranks=ranks, num_inflight=nm,
+                                                            staleness_bound=1, tx=tx, num_vws=2,
+                                                            ps_apply="clock_aligned", num_mb=n, peer_rank=2)
+  server, client = job["server"], job["client"]
   rng = np.random.default_rng(7)
   peer = [(0.01 * rng.standard_normal(server.weights.size)).astype(np.float32) for _ in range(num_waves)]
-  client = LaggingPeerClient(server, 0, peer_waves=peer, lag=1)
-  driver, servers, source, params0, world = _linked_vw(synthetic_data_dir, ranks=ranks, num_inflight=nm,
-                                                       staleness_bound=1, tx=tx, client=client, num_vws=2,
-                                                       num_mb=n)
-  reports = _run_linked(driver, servers, n)
+  reports = _run_linked(driver, servers, n, job, peer_waves=peer, lag=1)
   assert any(pushed > vc[0] for vc, pushed in client.pulls), client.pulls  # the case under test happened
   remote = [s for s in range(3) if ranks[s] != ranks[0]]
   assert sum(r["tasks"] for r in reports.values()) == sum(n if s == 2 else 2 * n for s in remote)
   for x in servers:
     assert x.vw.version.version_id == driver.version.version_id  # the same changes, in the same order
     assert len(x.store) <= 2  # only versions an in-flight minibatch holds, and the latest
+    assert world.sent[(x.rank, 0, 12)] == num_waves  # its wave parts, straight to the shard (PUSH payloads)
   # activations / gradients went rank to rank, never through the driver for stages it does not hold
   data = {(src, dst) for (src, dst, tag) in world.sent if tag >= stage_ranks.TAG_DATA}
   assert data == {(ranks[s], ranks[s + 1]) for s in range(2) if ranks[s] != ranks[s + 1]} | \
       {(ranks[s + 1], ranks[s]) for s in range(2) if ranks[s] != ranks[s + 1]}
+  assert not any(tag == stage_ranks.TAG_REPLY and src != ranks[0] and world.sent[(src, dst, tag)] > 2
+                 for (src, dst, tag) in world.sent)  # only the final report (header, payload) goes to the driver
   records = [dataclasses.asdict(r) for r in driver.records]
-  result = replay.replay(records, spec, params0, tx, [source], nm, fixed_waves=[peer], applied_order=server.state.applied)
+  result = replay.replay(records, spec_of(), params0, tx, [source], nm, fixed_waves=[peer],
+                         applied_order=server.state.applied)
   layout = driver.layout
   final_local = result.local_weights(0, driver.version.vector_clock, driver.version.local_updates)
   np.testing.assert_allclose(layout.flatten(_layer_params(driver, servers)), final_local, rtol=1e-5, atol=1e-6)
-  client.finish()
   np.testing.assert_allclose(server.weights, result.final_global_weights(server.state.applied), rtol=1e-5, atol=1e-6)
 
 
+def spec_of():
+  return models.get_model("mlp_tiny")
+
+
 def test_stage_ranks_train_exactly_as_one_process(synthetic_data_dir):
-  """Nm = 1, D = 0, one VW: the schedule of versions is fixed, so the VW on 3 stage ranks and the same VW in one
-  process push the same wave updates bit for bit (the same records, the same final global weights)."""
+  """Nm = 1, D = 0, one VW: the schedule of versions is fixed, so the VW on 3 stage ranks (each pushing and pulling
+  its own part at the PS service) and the same VW in one process push the same wave updates bit for bit (the same
+  records, the same final global weights)."""
   nm, n = 1, 6
   tx = optax.sgd(0.05, momentum=0.9)
   one, _, params0, _, server_one = build_vw(synthetic_data_dir, partition=THREE_STAGES, num_inflight=nm,
                                             staleness_bound=0, optimizer=tx, batch_size=16)
   one.run(n)
   layout = ParamLayout.from_layer_params(params0)
-  server = param_server.ParameterServer(layout.flatten(params0), 1, "on_receipt")
-  driver, servers, _, _, _ = _linked_vw(synthetic_data_dir, ranks=[1, 2, 3], num_inflight=nm, staleness_bound=0,
-                                        tx=tx, client=param_server.LocalPSClient(server, 0), num_vws=1, num_mb=n)
-  _run_linked(driver, servers, n)
+  driver, servers, _, _, _, job = _linked_vw(synthetic_data_dir, ranks=[1, 2, 3], num_inflight=nm,
+                                             staleness_bound=0, tx=tx, num_vws=1, ps_apply="on_receipt", num_mb=n)
+  _run_linked(driver, servers, n, job)
   fields = ("minibatch_id", "wave_id", "local_clock_at_injection", "version_local_updates", "version_global_clock",
             "version_vector_clock")
   assert [[getattr(r, f) for f in fields] for r in driver.records] == [[getattr(r, f) for f in fields]
                                                                         for r in one.records]
   np.testing.assert_allclose([r.loss for r in driver.records], [r.loss for r in one.records], rtol=1e-6)
-  np.testing.assert_array_equal(server.weights, server_one.weights)
+  np.testing.assert_array_equal(job["server"].weights, server_one.weights)
   np.testing.assert_array_equal(layout.flatten(_layer_params(driver, servers)), layout.flatten(one.layer_params()))
 
 
@@ -273,7 +339,7 @@ def test_a_remote_stage_task_is_a_command_with_its_version(synthetic_data_dir):
   nanoseconds) on the control stream, after the minibatch's INJECT."""
   world = FakeWorld()
   link = stage_ranks.StageLink(world.comm(1), 0, [1, 2], [None, ((2, 3), np.dtype(np.float32))], 4, ahead=2)
-  remote = stage_ranks.RemoteStages(world.comm(1), 0, link, [0, 3, 6], [[0, 1], [1, 2]])
+  remote = stage_ranks.RemoteStages(world.comm(1), 0, link)
   remote.on_inject(3, 7, np.arange(2, dtype=np.int32))
   remote.start_task(Task(1, TaskKind.FORWARD_BACKWARD, 3), 7, 0.025)
   got = []
@@ -287,3 +353,22 @@ def test_a_remote_stage_task_is_a_command_with_its_version(synthetic_data_dir):
   np.testing.assert_array_equal(got[1], [0, 1])  # the labels, to the last stage's rank
   stage_ranks.check_header(got[2], source=1, dest=2, kinds=(stage_ranks.Kind.TASK,), vw=0, minibatch=3, stage=1,
                            version=7, arg0=stage_ranks.TASK_CODES[TaskKind.FORWARD_BACKWARD], arg1=25_000_000)
+
+
+def test_a_gpu_rank_table_must_give_every_rank_its_stages_gpus():
+  """On GPU the launcher's table is checked against the job's layout on every rank before any work: the 4-node ED
+  plan with stage ranks (VW v on GPU v of every node) accepts the launcher's table and refuses one that gives a stage
+  rank another GPU, naming HETPIPE_RANK_DEVICES and the rank."""
+  from hetpipe_jax import launch, rank_devices
+  from hetpipe_jax.jobs import mpi_job
+  plan_path = "experiments/plans/local_cpu_4node_mlp_tiny_ed.json"
+  settings = _settings(plan=plan_path, platform="gpu", stage_ranks=True, checkpoint_every_waves=0)
+  _, _, argv = launch.build_command(plan_path, "", "experiments/configs/tiny.py", "/tmp/x", None, [],
+                                    stage_rank_grouping="gpu")
+  table = rank_devices.parse_table(argv[argv.index("-genv") + 2])
+  mpi_job.check_rank_devices(settings, table)  # the launcher's own table fits
+  bad = list(table)
+  bad[5] = (0,)  # VW 1's driver (stage 0 on GPU 1 of node 0) told to see GPU 0
+  with pytest.raises(job_config.ConfigError, match=r"HETPIPE_RANK_DEVICES: rank 5 runs stages on GPUs \[1\] but may "
+                     r"see only \[0\]"):
+    mpi_job.check_rank_devices(settings, bad)

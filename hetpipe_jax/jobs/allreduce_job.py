@@ -79,7 +79,12 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   if resume:
     raise ConfigError(f"--resume is not supported for config.method={settings.method!r} (all-reduce methods keep "
                       "only the final weights)")
-  spec, partitions = mpi_job.prepare(config, settings, world)
+  restricted = mpi_job.rank_devices_of(config, comm)
+  if restricted is not None and config.platform == "gpu":  # on CPU the table is only recorded
+    mpi_job.check_rank_devices(settings, restricted.table)
+  spec, partitions = mpi_job.prepare(
+      config, settings, world,
+      check_local_devices=restricted is None or restricted.applied != "CUDA_VISIBLE_DEVICES")
   emulated = emulated_task_times(config, settings)
   dataset = mpi_job.load_data(config, spec)
   steps = mpi_job.minibatches_per_vw(config, settings, dataset.num_train)
@@ -97,7 +102,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
 
   n, m = settings.num_virtual_workers, settings.num_inflight
   vw_id = rank
-  devices = [jax.local_devices()[d] for d in settings.vws[vw_id].devices]
+  devices = mpi_job.stage_devices(settings, vw_id, None, config, comm)
   optimizer = mpi_job.make_optimizer(config, steps)  # one optimizer step per training step
   stages = stages_lib.build_stages(spec, partitions[vw_id], devices, optimizer, remat=bool(config.remat))
   source = sharding.ShardedMinibatches(dataset, n, vw_id, config.batch_size, config.seed)

@@ -38,13 +38,26 @@ class ParameterServerService:
     lead: this is the lead shard (rank 0): it also takes metrics, reports, segments and optimizer states, evaluates
       and logs. A non-lead shard (sharded PS, HetPipe §8.1) only applies its slice of the pushes and answers pulls,
       until every VW sent DONE.
+    parts: stage ranks (:class:`hetpipe_jax.ps.shards.VWParts` per VW): a VW's wave reaches this shard as one part
+      from each of its senders and is pushed (applied, counted by the WSP state) once the last part arrived
+      (:class:`hetpipe_jax.ps.shards.WaveAssembler`); a pull's reply goes to each receiver as its part plus the
+      vector clock. PULL, METRICS and DONE come from the VW's driver. None: rank ``first_vw_rank + v`` is all of VW v.
+    shard: this shard's index (with ``parts``).
   """
 
   def __init__(self, comm, server: ParameterServer, *, num_minibatches_per_vw: int, num_inflight: int,
                evaluate: Callable[[np.ndarray], dict] | None, eval_every_waves: int, log_every_waves: int,
                log_metrics: Callable[[dict], None], progress: bool = True, first_vw_rank: int = 1,
-               lead: bool = True):
+               lead: bool = True, parts=None, shard: int = 0):
     self.comm = comm
+    self.parts = parts
+    self.shard = shard
+    self.assembler = None
+    self.vw_of_rank = None
+    if parts is not None:
+      from hetpipe_jax.ps.shards import WaveAssembler  # pylint: disable=g-import-not-at-top
+      self.assembler = WaveAssembler(parts, shard, server.weights.size)
+      self.vw_of_rank = {r: p.vw_id for p in parts for r in {r for r, _ in p.flat_index}}
     self.first_vw_rank = first_vw_rank
     self.lead = lead
     self.server = server
@@ -91,7 +104,9 @@ class ParameterServerService:
     self.server.wave_offset = self.clock_offset
     kinds = ((Kind.PUSH, Kind.METRICS, Kind.PULL, Kind.DONE, Kind.SEGMENT, Kind.OPTSTATE) if self.lead else
              (Kind.PUSH, Kind.PULL, Kind.DONE))
-    while len(self.reports) + len(self.segment_reports) < self.n or len(self.segment_opt) < self._opt_expected():
+    self.done_waves: dict[int, int] = {}  # VW -> waves it did (its DONE)
+    while (len(self.reports) + len(self.segment_reports) < self.n or len(self.segment_opt) < self._opt_expected()
+           or self._parts_outstanding()):
       if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=transport.TAG_HEADER, status=status):
         self.sends = [(r, b) for r, b in self.sends if not r.Test()]
         # Large replies (rendezvous protocol) progress only while this rank calls into MPI: poll faster until sent.
@@ -99,17 +114,26 @@ class ParameterServerService:
         continue
       src = status.Get_source()
       self.comm.Recv(header, source=src, tag=transport.TAG_HEADER)
-      kind = transport.check_header(header, src, num_params=self.server.weights.size, expect_kinds=kinds,
-                                    first_vw_rank=self.first_vw_rank)
       vw, wave, size = int(header[2]), int(header[3]), int(header[4])
+      num_params = self.server.weights.size
+      if self.parts is not None and 0 <= vw < len(self.parts):
+        num_params = self.parts[vw].part_size(src, self.shard)
+      kind = transport.check_header(header, src, num_params=num_params, expect_kinds=kinds,
+                                    first_vw_rank=self.first_vw_rank, vw_of_rank=self.vw_of_rank)
+      if self.parts is not None and kind is not Kind.PUSH and src != self.parts[vw].driver:
+        raise transport.ProtocolError(f"rank {src} sent {kind.name} for VW {vw}; only its driver (rank "
+                                      f"{self.parts[vw].driver}) does")
       payload = transport.recv_payload(self.comm, src, kind, size) if kind is not Kind.PULL else None
       if kind is Kind.PUSH:
-        before = self.server.global_clock
-        self.server.push(vw, wave, payload)
-        self._serve_pulls(self.server.state.serve_pending_pulls())
-        if self.lead:
-          for clock in range(before + 1, self.server.global_clock + 1):
-            self._on_clock(self.clock_offset + clock)
+        if self.assembler is not None:  # stage ranks: the whole wave once its last part arrived, else None
+          payload = self.assembler.add(vw, wave, src, payload)
+        if payload is not None:
+          before = self.server.global_clock
+          self.server.push(vw, wave, payload)
+          self._serve_pulls(self.server.state.serve_pending_pulls())
+          if self.lead:
+            for clock in range(before + 1, self.server.global_clock + 1):
+              self._on_clock(self.clock_offset + clock)
       elif kind is Kind.METRICS:
         loss_sum, count, _ = payload
         self.minibatches_done[vw] += int(count)
@@ -124,9 +148,17 @@ class ParameterServerService:
       elif kind is Kind.OPTSTATE:
         self.segment_opt[vw] = payload
       else:
+        self.done_waves[vw] = wave
         self.reports[vw] = json.loads(payload.tobytes().decode()) if payload.size else {}
         logging.info("[PS] VW %d done (%d waves)", vw, wave)
     self.flush_sends()
+
+  def _parts_outstanding(self) -> bool:
+    """Stage ranks: some VW's DONE arrived before the last parts of its waves (they come from other ranks)."""
+    if self.assembler is None:
+      return False
+    pushed = self.server.state.pushed_waves
+    return any(pushed[vw] < waves for vw, waves in self.done_waves.items())
 
   def _opt_expected(self) -> int:
     """Optimizer states expected this segment: one per VW when it ends in a checkpoint."""
@@ -152,12 +184,18 @@ class ParameterServerService:
     for vw in vw_ids:
       vector_clock, weights = self.server.snapshot()
       vc = np.array(vector_clock, np.int64)
-      header = transport.make_header(Kind.WEIGHTS, vw, self.server.global_clock, weights.size)
-      dest = vw + self.first_vw_rank
-      transport.PS_BYTES.add(dest, weights.nbytes)
-      self.sends.append((self.comm.Isend(header, dest=dest, tag=transport.TAG_HEADER), header))
-      self.sends.append((self.comm.Isend(weights, dest=dest, tag=transport.TAG_DATA), weights))
-      self.sends.append((self.comm.Isend(vc, dest=dest, tag=transport.TAG_DATA), vc))
+      if self.parts is None:
+        replies = [(vw + self.first_vw_rank, weights)]
+      else:  # stage ranks: each receiver its part (the driver also gets the vector clock when it holds none)
+        vw_parts = self.parts[vw]
+        replies = [(r, np.ascontiguousarray(weights[vw_parts.shard_pos[(r, self.shard)]]))
+                   for r in vw_parts.receivers(self.shard)]
+      for dest, part in replies:
+        header = transport.make_header(Kind.WEIGHTS, vw, self.server.global_clock, part.size)
+        transport.PS_BYTES.add(dest, part.nbytes)
+        self.sends.append((self.comm.Isend(header, dest=dest, tag=transport.TAG_HEADER), header))
+        self.sends.append((self.comm.Isend(part, dest=dest, tag=transport.TAG_DATA), part))
+        self.sends.append((self.comm.Isend(vc, dest=dest, tag=transport.TAG_DATA), vc))
 
   def _on_clock(self, clock: int) -> None:
     evaluated = False

@@ -96,3 +96,123 @@ class ShardLayout:
     """How many of shard ``shard``'s floats lie in flat elements ``[start, end)`` (a stage's layers)."""
     idx = self.index[shard]
     return int(np.count_nonzero((idx >= start) & (idx < end)))
+
+
+@dataclasses.dataclass(frozen=True)
+class VWParts:
+  """Stage ranks: which rank of one VW pushes, and receives pulled weights of, which part of each shard's slice.
+
+  A rank's part of shard ``s`` is the elements of ``s``'s slice that lie in its stages' layers, in flat (layer)
+  order. The rule, used by the stage ranks, the driver and the shards alike: shard ``s``'s **senders** are the
+  VW's ranks holding some of its elements, or the driver alone (with an empty part) when none does, so every shard
+  receives every wave of every VW; its **receivers** are the senders plus the driver (a pull's reply carries the
+  shard's vector clock, which the driver needs to decide and record).
+
+  Attributes:
+    vw_id: the VW.
+    driver: the VW's driver rank.
+    flat_index: ``{(rank, shard): int64 [part size]}``: the part's indices into the flat ``[num_params]`` vector.
+    shard_pos: ``{(rank, shard): int64 [part size]}``: the same elements' positions in the shard's slice.
+    num_shards: S.
+    shard_senders: per shard, its senders (rank order).
+  """
+
+  vw_id: int
+  driver: int
+  flat_index: dict
+  shard_pos: dict
+  num_shards: int
+  shard_senders: tuple[tuple[int, ...], ...]
+
+  @staticmethod
+  def build(shards: ShardLayout, vw_id: int, stage_ranks: Sequence[int],
+            stage_ranges: Sequence[tuple[int, int]]) -> "VWParts":
+    """The parts of VW ``vw_id`` whose stage ``k`` runs on ``stage_ranks[k]`` and holds the flat elements
+    ``stage_ranges[k] = (start, end)``; ``stage_ranks[0]`` is the driver.
+
+    Raises:
+      ValueError: ``stage_ranks`` and ``stage_ranges`` differ in length.
+    """
+    if len(stage_ranks) != len(stage_ranges):
+      raise ValueError(f"{len(stage_ranks)} stage ranks for {len(stage_ranges)} stages")
+    driver = int(stage_ranks[0])
+    flat_index, shard_pos, senders = {}, {}, []
+    for shard in range(shards.num_shards):
+      idx = shards.index[shard]
+      owner = np.full(idx.size, -1, np.int64)
+      for rank, (a, b) in zip(stage_ranks, stage_ranges):
+        owner[(idx >= a) & (idx < b)] = rank
+      ranks = sorted({int(r) for r in owner if r >= 0}) or [driver]
+      senders.append(tuple(ranks))
+      for rank in ranks:
+        pos = np.flatnonzero(owner == rank).astype(np.int64)
+        flat_index[(rank, shard)], shard_pos[(rank, shard)] = idx[pos], pos
+      if driver not in ranks:  # a receiver only: the shard's vector clock, no weights
+        flat_index[(driver, shard)] = shard_pos[(driver, shard)] = np.zeros(0, np.int64)
+    return VWParts(vw_id, driver, flat_index, shard_pos, shards.num_shards, tuple(senders))
+
+  def senders(self, shard: int) -> list[int]:
+    """The ranks that push their part of every wave to ``shard`` (rank order)."""
+    return list(self.shard_senders[shard])
+
+  def receivers(self, shard: int) -> list[int]:
+    """The ranks a pull's reply from ``shard`` goes to: its senders and the driver (rank order)."""
+    return sorted(set(self.senders(shard)) | {self.driver})
+
+  def shards_of(self, rank: int) -> list[int]:
+    """The shards ``rank`` pushes to (and receives pulled weights from, beside the driver's every shard)."""
+    return [s for s in range(self.num_shards) if rank in self.shard_senders[s]]
+
+  def part_size(self, rank: int, shard: int) -> int:
+    """Floats of ``shard``'s slice that ``rank`` pushes and receives (0: none)."""
+    idx = self.flat_index.get((rank, shard))
+    return 0 if idx is None else int(idx.size)
+
+
+class WaveAssembler:
+  """A shard's side of stage ranks' pushes: a VW's wave counts as pushed once every sender's part arrived.
+
+  Args:
+    parts: per VW, its :class:`VWParts`.
+    shard: this shard.
+    shard_size: floats of this shard's slice.
+  """
+
+  def __init__(self, parts: Sequence[VWParts], shard: int, shard_size: int):
+    self.parts = list(parts)
+    self.shard = shard
+    self.shard_size = shard_size
+    self._got: dict[tuple[int, int], dict[int, np.ndarray]] = {}  # (vw, wave) -> rank -> part
+
+  def add(self, vw_id: int, wave_id: int, rank: int, part: np.ndarray) -> np.ndarray | None:
+    """One sender's part of VW ``vw_id``'s wave ``wave_id``; returns the whole float32 ``[shard_size]`` update when
+    this was the last part missing, else None.
+
+    Raises:
+      ValueError: ``rank`` is not one of this shard's senders for the VW, sent this wave's part twice, or sent a
+        part of the wrong size.
+    """
+    vw_parts = self.parts[vw_id]
+    senders = vw_parts.senders(self.shard)
+    if rank not in senders:
+      raise ValueError(f"rank {rank} pushed VW {vw_id}'s wave {wave_id} to shard {self.shard}, whose senders for "
+                       f"that VW are ranks {senders}")
+    want = vw_parts.part_size(rank, self.shard)
+    if part.size != want:
+      raise ValueError(f"rank {rank} pushed {part.size} floats of VW {vw_id}'s wave {wave_id} to shard "
+                       f"{self.shard}; its part holds {want}")
+    got = self._got.setdefault((vw_id, wave_id), {})
+    if rank in got:
+      raise ValueError(f"rank {rank} pushed its part of VW {vw_id}'s wave {wave_id} to shard {self.shard} twice")
+    got[rank] = part
+    if len(got) < len(senders):
+      return None
+    del self._got[(vw_id, wave_id)]
+    full = np.empty(self.shard_size, np.float32)
+    for r, p in got.items():
+      full[vw_parts.shard_pos[(r, self.shard)]] = p
+    return full
+
+  def incomplete(self) -> list[tuple[int, int]]:
+    """``(vw, wave)`` of the waves with some part still missing."""
+    return sorted(self._got)

@@ -19,6 +19,11 @@ OPTSTATE   VW → PS                 waves done         uint8: the VW's optimize
 
 A WEIGHTS reply is followed by a second payload on ``TAG_DATA``: the weights' vector clock (per VW, how many of its
 waves they hold; HetPipe §5 under ``ps_apply="on_receipt"``), whose minimum must equal the header's global clock.
+
+Stage ranks (:class:`hetpipe_jax.ps.shards.VWParts`): a VW's ranks each PUSH their part of a shard's slice (their
+stages' elements; the shard applies the wave once every part arrived), WEIGHTS go to each rank holding a part (its
+part) and to the driver (its part, possibly empty, with the vector clock); PULL, METRICS and DONE come from the
+driver only. Sizes are then the part's.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import enum
 import json
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -55,7 +61,7 @@ def make_header(kind: Kind, vw_id: int, wave: int, size: int) -> np.ndarray:
 
 
 def check_header(header: np.ndarray, source_rank: int, *, num_params: int, expect_kinds: tuple[Kind, ...],
-                 first_vw_rank: int = 1) -> Kind:
+                 first_vw_rank: int = 1, vw_of_rank: dict[int, int] | None = None) -> Kind:
   """Validates a received header; returns its kind.
 
   Args:
@@ -64,6 +70,7 @@ def check_header(header: np.ndarray, source_rank: int, *, num_params: int, expec
     num_params: the float count PUSH and WEIGHTS must carry (a shard's slice under sharded PS).
     expect_kinds: the kinds the receiver accepts now.
     first_vw_rank: rank of VW 0 (= the number of PS shards; ranks below it are shards).
+    vw_of_rank: stage ranks: every VW rank's VW (drivers and stage ranks); None: rank r hosts VW r - first_vw_rank.
 
   Raises:
     ProtocolError: bad magic, unknown or unexpected kind, a VW id that does not match the sender's rank, a
@@ -78,7 +85,10 @@ def check_header(header: np.ndarray, source_rank: int, *, num_params: int, expec
     raise ProtocolError(f"message from rank {source_rank} has unknown kind {kind_value}") from None
   if kind not in expect_kinds:
     raise ProtocolError(f"rank {source_rank} sent {kind.name}, expected one of {[k.name for k in expect_kinds]}")
-  if source_rank >= first_vw_rank and vw_id != source_rank - first_vw_rank:
+  if vw_of_rank is not None:
+    if source_rank >= first_vw_rank and vw_of_rank.get(source_rank) != vw_id:
+      raise ProtocolError(f"rank {source_rank} claims to be VW {vw_id} (it serves VW {vw_of_rank.get(source_rank)})")
+  elif source_rank >= first_vw_rank and vw_id != source_rank - first_vw_rank:
     raise ProtocolError(f"rank {source_rank} claims to be VW {vw_id} (rank r hosts VW r-{first_vw_rank})")
   if wave < 0:
     raise ProtocolError(f"{kind.name} from rank {source_rank} has negative wave {wave}")
@@ -132,10 +142,14 @@ class MPIPSClient:
     num_virtual_workers: N.
     shards: which slice each shard holds; None: one PS on rank 0 holding everything.
     first_vw_rank: rank of VW 0 (= the number of PS shards).
+    parts: stage ranks (:class:`hetpipe_jax.ps.shards.VWParts` of this VW; this client is its driver's): a push
+      carries only the driver's part of each shard it sends to (the stage ranks push theirs,
+      :class:`StageRankPSClient`), and a pull's reply from each shard carries the driver's part (possibly empty)
+      and the shard's vector clock; the flat weights returned hold the driver's elements (zeros elsewhere).
   """
 
   def __init__(self, comm, vw_id: int, num_params: int, num_virtual_workers: int, shards=None,
-               first_vw_rank: int = 1):
+               first_vw_rank: int = 1, parts=None):
     from mpi4py import MPI  # runtime-only dependency
     self._mpi = MPI
     self.comm = comm
@@ -145,6 +159,9 @@ class MPIPSClient:
     self.shards = shards
     self.num_shards = 1 if shards is None else shards.num_shards
     self.first_vw_rank = first_vw_rank
+    self.parts = parts
+    self.rank = comm.Get_rank() if parts is not None else None
+    self.num_pulls_requested = 0
     self._sends: list = []  # (request, buffer)
     self._pull_requests: dict[int, tuple] = {}  # shard -> (request, header) of an outstanding pull's reply
     self._pull_parts: dict[int, tuple] = {}  # shard -> (vector clock, weights slice) received so far
@@ -169,11 +186,15 @@ class MPIPSClient:
     self._sends = [(r, b) for r, b in self._sends if not r.Test()]
 
   def _shard_size(self, shard: int) -> int:
+    if self.parts is not None:
+      return self.parts.part_size(self.rank, shard)
     return self.num_params if self.shards is None else self.shards.size(shard)
 
   def push(self, wave_id: int, flat_delta: np.ndarray, loss_sum: float, num_minibatches: int) -> None:
     flat_delta = flat_delta.astype(np.float32, copy=False)
-    for shard in range(self.num_shards):
+    if self.parts is not None:
+      push_parts(self._isend, self.parts, self.rank, wave_id, flat_delta)
+    for shard in range(self.num_shards if self.parts is None else 0):
       part = flat_delta if self.shards is None else self.shards.gather(flat_delta, shard)
       self._isend(Kind.PUSH, wave_id, part, dest=shard)
     metrics = np.array([loss_sum, num_minibatches, time.perf_counter() - self._t0], np.float64)
@@ -187,6 +208,7 @@ class MPIPSClient:
   def request_pull(self, required_clock: int) -> None:
     if self._pull_requests or self._pull_parts:
       raise RuntimeError("a pull is already outstanding")
+    self.num_pulls_requested += 1
     for shard in range(self.num_shards):
       self._isend(Kind.PULL, required_clock, dest=shard)
       self._expect_weights(shard)
@@ -213,11 +235,18 @@ class MPIPSClient:
     if self._pull_requests:
       return None
     parts, self._pull_parts = self._pull_parts, {}
-    if self.shards is None:
+    if self.parts is not None:  # stage ranks: the driver's elements; the stage ranks got theirs from the shards
+      flat = np.zeros(self.num_params, np.float32)
+      for shard, (_, part) in parts.items():
+        flat[self.parts.flat_index[(self.rank, shard)]] = part
+      if self.shards is None:
+        return parts[0][0], flat
+    elif self.shards is None:
       return parts[0]
-    flat = np.empty(self.num_params, np.float32)
-    for shard, (_, part) in parts.items():
-      self.shards.scatter(flat, shard, part)
+    else:
+      flat = np.empty(self.num_params, np.float32)
+      for shard, (_, part) in parts.items():
+        self.shards.scatter(flat, shard, part)
     per_shard = tuple(parts[s][0] for s in range(self.num_shards))
     vector_clock = tuple(min(vc[v] for vc in per_shard) for v in range(self.num_virtual_workers))
     return vector_clock, flat, per_shard
@@ -266,6 +295,128 @@ class MPIPSClient:
       if self._pull_requests and self.poll_pull() is not None:
         continue
       self._reap()
+      time.sleep(1e-4)
+
+
+def push_parts(isend: Callable, parts, rank: int, wave_id: int, values: np.ndarray,
+               positions: dict[int, np.ndarray] | None = None) -> None:
+  """Stage ranks: ``rank``'s part of wave ``wave_id`` to every shard it sends to (:meth:`VWParts.senders`).
+
+  Args:
+    isend: ``(kind, wave, payload, dest)`` that sends one message.
+    parts: the VW's :class:`hetpipe_jax.ps.shards.VWParts`.
+    rank: the sending rank.
+    wave_id: the wave.
+    values: float32: the wave's update, ``[num_params]`` (valid at least on ``rank``'s elements) when ``positions``
+      is None, else ``rank``'s own elements only.
+    positions: per shard, the part's positions in ``values``; None: ``parts.flat_index``.
+  """
+  for shard in parts.shards_of(rank):
+    index = parts.flat_index[(rank, shard)] if positions is None else positions[shard]
+    isend(Kind.PUSH, wave_id, np.ascontiguousarray(values[index], np.float32), dest=shard)
+
+
+class StageRankPSClient:
+  """A stage rank's side of the PS (stage ranks): pushes its parts of each wave to their shards and receives its
+  parts of every pull the driver requested, straight from the shards.
+
+  The driver decides everything: it requests each pull (the shards answer every receiver) and later tells the rank,
+  in its version stream, to install the next one; replies arrive in the order of the requests (one pull outstanding
+  per VW, MPI's order per source and tag), so the rank's k-th install takes every shard's k-th reply. Values are the
+  rank's own elements only (``local_index``), never a whole-model vector.
+
+  Args:
+    comm: the MPI communicator.
+    parts: the VW's :class:`hetpipe_jax.ps.shards.VWParts`.
+    local_index: int64 ``[n]``: the flat indices of this rank's elements, ascending (its stages' layers in order).
+    num_virtual_workers: N.
+
+  Raises:
+    ValueError: a part of this rank holds an element outside ``local_index``.
+  """
+
+  def __init__(self, comm, parts, local_index: np.ndarray, num_virtual_workers: int):
+    self.comm = comm
+    self.parts = parts
+    self.vw_id = parts.vw_id
+    self.rank = comm.Get_rank()
+    self.local_index = np.asarray(local_index, np.int64)
+    self.num_virtual_workers = num_virtual_workers
+    self.shards = parts.shards_of(self.rank)
+    self.positions = {}  # shard -> the part's positions among this rank's elements
+    for shard in self.shards:
+      idx = parts.flat_index[(self.rank, shard)]
+      pos = np.searchsorted(self.local_index, idx)
+      if idx.size and (pos.max() >= self.local_index.size or not np.array_equal(self.local_index[pos], idx)):
+        raise ValueError(f"rank {self.rank}'s part of shard {shard} holds elements it does not run")
+      self.positions[shard] = pos
+    self.num_pulls_received = 0
+    self._sends: list = []
+    self._posted: dict[int, tuple] = {}  # shard -> (request, header) of the next reply
+    self._got: dict[int, tuple] = {}  # shard -> (vector clock, part) of the next pull
+    self._post()
+
+  def _post(self) -> None:
+    for shard in self.shards:
+      header = np.empty(HEADER_SIZE, np.int64)
+      self._posted[shard] = (self.comm.Irecv(header, source=shard, tag=TAG_HEADER), header)
+
+  def _isend(self, kind: Kind, wave: int, payload: np.ndarray, dest: int) -> None:
+    header = make_header(kind, self.vw_id, wave, payload.size)
+    self._sends.append((self.comm.Isend(header, dest=dest, tag=TAG_HEADER), header))
+    if payload.size:
+      PS_BYTES.add(dest, payload.nbytes)
+      self._sends.append((self.comm.Isend(payload, dest=dest, tag=TAG_DATA), payload))
+    self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+
+  def push(self, wave_id: int, local_delta: np.ndarray) -> None:
+    """Pushes this rank's parts of wave ``wave_id`` (float32 ``[n]``: its elements, in ``local_index`` order)."""
+    push_parts(self._isend, self.parts, self.rank, wave_id, local_delta, self.positions)
+
+  def poll_pull(self) -> tuple[dict[int, tuple[int, ...]], np.ndarray] | None:
+    """The next pull's reply once every shard's part arrived: ``({shard: its vector clock}, float32 [n])``, this
+    rank's elements in ``local_index`` order; None while some part is missing.
+
+    Raises:
+      ProtocolError: a malformed reply.
+    """
+    self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+    for shard, (request, header) in list(self._posted.items()):
+      if shard in self._got or not request.Test():
+        continue
+      size = self.parts.part_size(self.rank, shard)
+      check_header(header, shard, num_params=size, expect_kinds=(Kind.WEIGHTS,),
+                   first_vw_rank=self.parts.num_shards)
+      if int(header[2]) != self.vw_id:
+        raise ProtocolError(f"WEIGHTS from rank {shard} for VW {int(header[2])} reached rank {self.rank} (VW "
+                            f"{self.vw_id})")
+      part = np.empty(size, np.float32)
+      self.comm.Recv(part, source=shard, tag=TAG_DATA)
+      vector_clock = np.empty(self.num_virtual_workers, np.int64)
+      self.comm.Recv(vector_clock, source=shard, tag=TAG_DATA)
+      self._got[shard] = (tuple(int(c) for c in vector_clock), part)
+    if len(self._got) < len(self.shards):
+      return None
+    got, self._got = self._got, {}
+    self._post()
+    self.num_pulls_received += 1
+    local = np.zeros(self.local_index.size, np.float32)
+    for shard, (_, part) in got.items():
+      local[self.positions[shard]] = part
+    return {shard: vc for shard, (vc, _) in got.items()}, local
+
+  def finish(self, num_pulls: int) -> None:
+    """Drops the replies of pulls the driver requested but never installed (``num_pulls`` requested in all), cancels
+    the receive posted for a further one and completes every send."""
+    while self.num_pulls_received < num_pulls:
+      if self.poll_pull() is None:
+        time.sleep(1e-4)
+    for request, _ in self._posted.values():
+      request.Cancel()
+      request.Wait()
+    self._posted = {}
+    while self._sends:
+      self._sends = [(r, b) for r, b in self._sends if not r.Test()]
       time.sleep(1e-4)
 
 

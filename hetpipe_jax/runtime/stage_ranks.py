@@ -16,11 +16,18 @@ Runtime layer. The VW's driver rank (``S + v``, running its first stage group) k
   receiver checks the header (:func:`check_header`); one that does not match is a :class:`ProtocolError` naming both
   ranks.
 * **Version changes** reach every stage rank as one in-order stream from the driver (``INJECT`` p at version V,
-  ``UPDATE`` p → V+1, ``PULL`` → V+1 with the rank's slice of the rebased pulled weights, ``END_WAVE`` w, which the
-  rank answers with its stages' ``WAVE_DELTA``; the driver pushes to the PS as before). A stage rank applies them in
-  that order (:class:`StageRankServer`), so its stages hold the driver's versions, and a task waits until its
-  minibatch's version has been applied there (:class:`VersionStore`): one consistent weight version per minibatch on
-  every stage.
+  ``UPDATE`` p → V+1, ``PULL`` → V+1: install the next pull, ``END_WAVE`` w). A stage rank applies them in that order
+  (:class:`StageRankServer`), so its stages hold the driver's versions, and a task waits until its minibatch's
+  version has been applied there (:class:`VersionStore`): one consistent weight version per minibatch on every stage.
+* **The PS, directly.** At ``END_WAVE`` w a stage rank pushes its stages' part of the wave to the shards holding
+  those layers itself (:class:`hetpipe_jax.ps.transport.StageRankPSClient`, parts by
+  :class:`hetpipe_jax.ps.shards.VWParts`); a shard counts the VW's wave once every part arrived. The driver requests
+  every pull (when, and at which clock: the WSP rules); each shard answers every rank holding some of its elements
+  with its part and the driver with its part (possibly empty) and the shard's vector clock. The driver installs the
+  pull when its own replies are in and sends ``PULL`` with, per shard, the VW's entry of that shard's vector clock;
+  the rank takes the next reply from each of its shards (in request order), checks it holds the same entries, and
+  rebases its stages (:func:`hetpipe_jax.runtime.virtual_worker.rebase_on_shards`, the driver's rule) before it
+  installs the new version. No weight or delta of a stage rank's layers passes through the driver.
 
 A rank that dies ends the whole job: ``mpiexec`` (hydra) kills every rank when one exits abnormally, and an exception
 on any rank aborts the world (``python -m mpi4py``), the same machinery as for VW ranks.
@@ -36,11 +43,10 @@ START        driver → stage rank    float64 ``[run start, unix seconds]``; ``m
 INJECT       driver → stage rank    the labels (int32), to the rank of the last stage only
 TASK         driver → stage rank    none; ``arg0`` task kind, ``arg1`` emulated nanoseconds (-1: none)
 UPDATE       driver → stage rank    none: apply minibatch p's update; ``version`` = the new version
-PULL         driver → stage rank    float32 rebased weights of the rank's stages' layers; ``version`` = the new one
-END_WAVE     driver → stage rank    none; ``minibatch`` = the wave
-STOP         driver → stage rank    none
+PULL         driver → stage rank    int64 ``[S]``: per shard, the VW's entry of its vector clock; ``version`` = new
+END_WAVE     driver → stage rank    none; ``minibatch`` = the wave (the rank pushes its part to the shards)
+STOP         driver → stage rank    none; ``arg0`` = pulls the driver requested (the rank drains their replies)
 REPORT       stage rank → driver    float64 ``[start, end, overrun, dispatch, submit, device end, loss]``
-WAVE_DELTA   stage rank → driver    float32 the rank's stages' wave delta; ``minibatch`` = the wave
 STOPPED      stage rank → driver    uint8 JSON: its trace counts and version-wait statistics
 ===========  =====================  ===========================================================================
 """
@@ -68,7 +74,7 @@ HEADER_FIELDS = ("magic", "kind", "vw", "minibatch", "stage", "version", "size",
 HEADER_SIZE = len(HEADER_FIELDS)
 TAG_CONTROL = 40  # driver -> stage rank, in order
 TAG_REPORT = 41  # stage rank -> driver: task completions
-TAG_REPLY = 42  # stage rank -> driver: wave deltas, the final report
+TAG_REPLY = 42  # stage rank -> driver: the final report
 TAG_DATA = 100  # + 2 * receiving stage (+ 1 for gradients)
 REPORT_SIZE = 7
 RECEIVES_AHEAD = 4  # completion reports posted ahead per stage rank
@@ -90,7 +96,6 @@ class Kind(enum.IntEnum):
   END_WAVE = 8
   STOP = 9
   REPORT = 10
-  WAVE_DELTA = 11
   STOPPED = 12
 
 
@@ -377,26 +382,22 @@ class RemoteStageExecutor:
 
 
 class RemoteStages:
-  """The driver's side of its VW's stage ranks: their executors, the version-change stream, wave deltas.
+  """The driver's side of its VW's stage ranks: their executors and the version-change stream (the ranks push and
+  pull their own parts at the PS).
 
   Args:
     comm: the MPI communicator.
     vw_id: the VW.
     link: this rank's :class:`StageLink` (it knows which stages are local).
-    layer_offsets: the flat layout's ``[num_layers + 1]`` offsets.
-    partition: per stage, its layer range.
   """
 
-  def __init__(self, comm, vw_id: int, link: StageLink, layer_offsets: Sequence[int],
-               partition: Sequence[Sequence[int]]):
+  def __init__(self, comm, vw_id: int, link: StageLink):
     self.comm = comm
     self.vw_id = vw_id
     self.link = link
     self.rank = comm.Get_rank()
     self.stage_ranks = link.stage_ranks
     self.followers = sorted(set(self.stage_ranks) - {self.rank})
-    self.stages_of = {r: [s for s, x in enumerate(self.stage_ranks) if x == r] for r in self.followers}
-    self.ranges = [(int(layer_offsets[a]), int(layer_offsets[b])) for a, b in partition]
     self._sends: list = []
     self._done: queue.SimpleQueue | None = None
     self._t0 = 0.0
@@ -449,43 +450,30 @@ class RemoteStages:
     for r in self.followers:
       self._control(r, Kind.UPDATE, minibatch=minibatch, version=version_id)
 
-  def on_pull(self, version_id: int, flat: np.ndarray, own_waves: Sequence[np.ndarray]) -> None:
-    """Sends every stage rank its stages' slice of ``flat`` plus ``own_waves`` (added in order, as the driver adds
-    them to its own stages) as version ``version_id``."""
-    for r in self.followers:
-      parts = []
-      for s in self.stages_of[r]:
-        a, b = self.ranges[s]
-        part = np.array(flat[a:b], np.float32, copy=True)
-        for wave in own_waves:
-          part += wave[a:b]
-        parts.append(part)
-      self._control(r, Kind.PULL, np.concatenate(parts) if parts else np.zeros(0, np.float32), version=version_id)
+  def on_pull(self, version_id: int, own_applied: Sequence[int]) -> None:
+    """Tells every stage rank to install the next pull (the one the driver installs now) as version ``version_id``.
 
-  def wave_deltas(self, wave: int) -> dict[int, np.ndarray]:
-    """Ends wave ``wave`` on every stage rank and returns each remote stage's flat wave delta."""
-    posted = {}
+    The ranks received their parts of it from the shards themselves (:class:`~hetpipe_jax.ps.transport.
+    StageRankPSClient`); the command carries, per shard, how many of the VW's own waves its slice holds (the driver's
+    copy of the shards' vector clocks), which each rank checks against the replies it holds before rebasing.
+    """
+    payload = np.asarray(own_applied, np.int64)
+    for r in self.followers:
+      self._control(r, Kind.PULL, payload, version=version_id)
+
+  def end_wave(self, wave: int) -> None:
+    """Ends wave ``wave`` on every stage rank: each pushes its stages' wave delta to their shards itself."""
     for r in self.followers:
       self._control(r, Kind.END_WAVE, minibatch=wave)
-      size = sum(self.ranges[s][1] - self.ranges[s][0] for s in self.stages_of[r])
-      posted[r] = _Posted(self.comm, r, TAG_REPLY, wave, (size,), np.float32)
-    out = {}
-    for r, p in posted.items():
-      _wait([p.header_request])
-      check_header(p.header, source=r, dest=self.rank, kinds=(Kind.WAVE_DELTA,), vw=self.vw_id, minibatch=wave,
-                   size=p.payload.size)
-      _wait([p.payload_request])
-      pos = 0
-      for s in self.stages_of[r]:
-        n = self.ranges[s][1] - self.ranges[s][0]
-        out[s] = p.payload[pos:pos + n]
-        pos += n
-    return out
 
-  def stop(self) -> dict[int, dict]:
-    """Stops every stage rank; returns each one's final report (rank -> its JSON)."""
+  def stop(self, num_pulls: int = 0) -> dict[int, dict]:
+    """Stops every stage rank; returns each one's final report (rank -> its JSON).
+
+    Args:
+      num_pulls: pulls the driver requested in the run (each rank takes the replies of those it never installed).
+    """
     for r in self.followers:
-      self._control(r, Kind.STOP)
+      self._control(r, Kind.STOP, arg0=num_pulls)
     reports = {}
     for r in self.followers:
       header = np.empty(HEADER_SIZE, np.int64)
@@ -547,10 +535,20 @@ class StageRankServer:
       local (its actions run them: dispatch, the update, the rebase).
     driver_rank: the VW's driver.
     labels_template: an example of one minibatch's labels (shape and dtype; used on the last stage's rank).
+    ps: this rank's :class:`hetpipe_jax.ps.transport.StageRankPSClient` (or an object with its ``push``,
+      ``poll_pull`` and ``finish``) over :meth:`local_index_of` ``vw``: its parts of every wave to their shards, its
+      parts of every pull from them.
+    shard_index: per PS shard, its flat element indices (:attr:`hetpipe_jax.ps.shards.ShardLayout.index`).
   """
 
-  def __init__(self, comm, vw: Any, driver_rank: int, labels_template: np.ndarray):
+  def __init__(self, comm, vw: Any, driver_rank: int, labels_template: np.ndarray, ps: Any, shard_index: Sequence):
     self.comm = comm
+    self.ps = ps
+    self.local_index = self.local_index_of(vw)
+    self.shard_index = [np.flatnonzero(np.isin(self.local_index, idx)) for idx in shard_index]  # local positions
+    self.own_flat: dict[int, np.ndarray] = {}  # wave -> this rank's pushed update (its elements)
+    self.pull_reply = None  # the next pull's parts, once every shard's arrived
+    self.num_pulls = 0  # pulls the driver requested (its STOP)
     self.vw = vw
     self.vw_id = vw.vw_id
     self.rank = comm.Get_rank()
@@ -634,6 +632,7 @@ class StageRankServer:
       gc.unfreeze()
     pending[0].Cancel()
     pending[0].Wait()
+    self.ps.finish(self.num_pulls)
     report = {"rank": self.rank, "stages": self.local,
               "trace_counts": {str(s): dict(self.vw.stages[s].trace_counts) for s in self.local},
               "version_waits": self.store.num_waits, "version_wait_s": self.store.wait_s,
@@ -656,7 +655,10 @@ class StageRankServer:
                             f"{self.driver}; expected {self.labels_template.size if self.holds_last else 'none'}")
       return np.empty(size, np.int32)
     if kind is Kind.PULL:
-      return np.empty(size, np.float32)
+      if size != len(self.shard_index):
+        raise ProtocolError(f"rank {self.rank} received a PULL naming {size} shards from rank {self.driver}; there "
+                            f"are {len(self.shard_index)}")
+      return np.empty(size, np.int64)
     raise ProtocolError(f"rank {self.rank} received a {kind.name} with a payload of {size} from rank {self.driver}")
 
   def _on_control(self, kind: Kind, header: np.ndarray, request, payload) -> None:
@@ -697,6 +699,7 @@ class StageRankServer:
       self.events.append((kind, minibatch, version, None, None))
     else:  # STOP
       self.stopping = True
+      self.num_pulls = arg0
 
   def _run_task(self, task: Task, mb: Any, version_id: int):
     """On the stage's executor thread: waits for the minibatch's version on this rank, then runs the task."""
@@ -713,11 +716,16 @@ class StageRankServer:
       self.vw.apply_update(mb)
       del self.inflight[minibatch], self.versions[minibatch]
     elif kind is Kind.PULL:
-      if not request.Test():
-        return False
-      self.vw.install_rebased(payload)
-    else:  # END_WAVE
-      self._send(Kind.WAVE_DELTA, TAG_REPLY, self.vw.take_wave_delta(), minibatch=minibatch)
+      if self.pull_reply is None:
+        self.pull_reply = self.ps.poll_pull()
+      if self.pull_reply is None or not request.Test():
+        return False  # a shard's part, or the driver's command, still arriving
+      self._install_pull(self.pull_reply, payload)
+      self.pull_reply = None
+    else:  # END_WAVE: this rank's part of the wave, straight to its shards
+      delta = self.vw.take_wave_delta()
+      self.own_flat[minibatch] = delta
+      self.ps.push(minibatch, delta)
       return True
     if self.vw.version.version_id != version:
       raise ProtocolError(f"rank {self.rank}: applying {kind.name} made version {self.vw.version.version_id}, the "
@@ -725,6 +733,27 @@ class StageRankServer:
     self.store.install(self.vw.version)
     self.store.keep_only(set(self.versions.values()))
     return True
+
+  @staticmethod
+  def local_index_of(vw: Any) -> np.ndarray:
+    """int64: the flat indices of ``vw``'s local stages' elements, ascending (the order of
+    :meth:`VirtualWorker.take_wave_delta` and :meth:`VirtualWorker.install_rebased`)."""
+    offsets = vw.layout.layer_offsets
+    return np.concatenate([np.arange(offsets[vw.stages[s].layer_range[0]], offsets[vw.stages[s].layer_range[1]],
+                                     dtype=np.int64) for s in vw.local_stages] or [np.zeros(0, np.int64)])
+
+  def _install_pull(self, reply: tuple, own_applied: np.ndarray) -> None:
+    """Rebases this rank's stages on its parts of the pull the driver installs now (the same own-wave rule as the
+    driver's, :func:`hetpipe_jax.runtime.virtual_worker.rebase_on_shards`), then adds the partial wave."""
+    from hetpipe_jax.runtime.virtual_worker import rebase_on_shards  # pylint: disable=g-import-not-at-top
+    clocks, flat = reply
+    for shard, vc in clocks.items():
+      if vc[self.vw_id] != int(own_applied[shard]):
+        raise ProtocolError(f"rank {self.rank}: shard {shard}'s reply holds {vc[self.vw_id]} of VW {self.vw_id}'s "
+                            f"waves, but the pull the driver (rank {self.driver}) installs holds "
+                            f"{int(own_applied[shard])}")
+    local, self.own_flat = rebase_on_shards(flat, self.own_flat, [int(c) for c in own_applied], self.shard_index)
+    self.vw.install_rebased(local)
 
   def _report(self, c: Completion) -> None:
     loss = float("nan")

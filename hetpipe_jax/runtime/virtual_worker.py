@@ -40,9 +40,10 @@ Stage ranks (``link`` / ``remote``, :mod:`hetpipe_jax.runtime.stage_ranks`): som
 ranks. The driver's object holds its local stages only (``local_stages``; the others' entries in versions, optimizer
 states and deltas are None) and still makes every decision in :meth:`run`: a remote stage's executor sends its rank
 "start task X at version V" (:meth:`dispatch` of a remote stage's task sends that command), and each action also
-sends the remote stages its version change (``remote``: inject, a minibatch's update, a pull's rebased weights, a
-wave end that returns their wave deltas). A stage rank holds the same object over its own stages and applies those
-changes in the same order (:class:`hetpipe_jax.runtime.stage_ranks.StageRankServer`). Between stages of different
+sends the remote stages its version change (``remote``: inject, a minibatch's update, the pull to install, a wave
+end). A stage rank holds the same object over its own stages and applies those changes in the same order
+(:class:`hetpipe_jax.runtime.stage_ranks.StageRankServer`), pushing its stages' parts of each wave to the PS shards
+and taking its parts of each pull from them itself; the driver pushes and pulls its own stages' parts only. Between stages of different
 ranks :meth:`dispatch` sends and receives activations and gradients through ``link``.
 """
 
@@ -71,6 +72,33 @@ from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.runtime.param_layout import ParamLayout
 from hetpipe_jax.runtime.stage_executor import OVERRUN_TOLERANCE_S, StageExecutor
 from hetpipe_jax.runtime.stages import Stage
+
+
+def rebase_on_shards(flat: np.ndarray, own_flat: dict[int, np.ndarray], own_applied: Sequence[int],
+                     shard_index: Sequence[np.ndarray]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+  """Pulled weights + the own pushed waves each shard's slice lacks (HetPipe §5; sharded PS, stage ranks).
+
+  The one rebase on host copies, used by a driver over sharded parameter servers and by every stage rank (on its
+  parts): per shard, the own waves :func:`hetpipe_jax.rules.wsp.own_waves_after_pull` keeps beyond the VW's entry of
+  that shard's vector clock are added, in wave order, on that shard's elements.
+
+  Args:
+    flat: the pulled weights, float32 ``[n]``: the whole model (``n = num_params``; only the caller's elements need
+      be valid) or a stage rank's own elements.
+    own_flat: wave -> the VW's own pushed update of that wave, float32 ``[n]`` (the same elements as ``flat``).
+    own_applied: per shard, how many of the VW's own waves its slice of the pull holds.
+    shard_index: per shard, the positions of its elements in ``flat`` (the whole model:
+      :attr:`hetpipe_jax.ps.shards.ShardLayout.index`).
+
+  Returns:
+    ``(rebased float32 [n], the own waves still to keep: those some shard lacks)``.
+  """
+  keep = wsp.own_waves_after_pull(own_flat, min(own_applied))
+  local = np.array(flat, np.float32, copy=True)
+  for index, applied in zip(shard_index, own_applied):
+    for c in wsp.own_waves_after_pull(keep, applied):  # this shard's slice lacks these own waves
+      local[index] += own_flat[c][index]
+  return local, {c: own_flat[c] for c in keep}
 
 
 def _host_copy(tree):
@@ -791,8 +819,9 @@ class VirtualWorker:
     if self.method.update == "stage":
       return self._push_stage_waves(wave_id)
     loss_sum = self._read_losses()
-    if self.remote is not None:
-      flat = self._linked_wave_flat(wave_id)
+    if self.remote is not None:  # the stage ranks push their own parts to the shards (stage_ranks module)
+      self.remote.end_wave(wave_id)
+      flat = self._linked_wave_flat()
     else:
       host = jax.device_get(self.wave_delta)
       flat = np.concatenate([self.layout.flatten(h, st.layer_range[0]) for h, st in zip(host, self.stages)])
@@ -806,18 +835,15 @@ class VirtualWorker:
     self.wave_delta = list(self._zeros)
     return False
 
-  def _linked_wave_flat(self, wave_id: int) -> np.ndarray:
-    """Stage ranks: the wave's flat delta, the local stages' and every stage rank's (each sends its stages')."""
+  def _linked_wave_flat(self) -> np.ndarray:
+    """Stage ranks: the local stages' wave delta in a float32 ``[num_params]`` vector (zeros elsewhere: the stage
+    ranks push their stages' parts themselves)."""
     offsets = self.layout.layer_offsets
-    flat = np.empty(self.layout.num_params, np.float32)
-    remote = self.remote.wave_deltas(wave_id)  # stage -> its flat delta
+    flat = np.zeros(self.layout.num_params, np.float32)
     host = jax.device_get([self.wave_delta[s] for s in self.local_stages])
     for s, h in zip(self.local_stages, host):
       start, end = self.stages[s].layer_range
       flat[offsets[start]:offsets[end]] = self.layout.flatten(h, start)
-    for s, part in remote.items():
-      start, end = self.stages[s].layer_range
-      flat[offsets[start]:offsets[end]] = part
     return flat
 
   def _read_losses(self) -> float:
@@ -958,23 +984,17 @@ class VirtualWorker:
         p = st.add(p, self.own_waves[c][s])
       params[s] = st.add(p, self.wave_delta[s])
     self.version = self._new_version(params, vector_clock=vector_clock)
-    if self.remote is not None:  # the stage ranks' stages: pulled + the same own waves, added in the same order
+    if self.remote is not None:  # the stage ranks rebase their stages on their parts of the same pull
       self.own_flat = {c: self.own_flat[c] for c in keep}
-      self.remote.on_pull(self.version.version_id, flat, [self.own_flat[c] for c in keep])
+      self.remote.on_pull(self.version.version_id, [vector_clock[self.vw_id]])
     logging.log_every_n_seconds(logging.INFO, "[VW %d] pulled global clock %d, vector clock %s (local clock %d)", 10,
                                 self.vw_id, self.version.global_clock, list(vector_clock), self.sync.local_clock)
 
   def _install_sharded_pull(self, vector_clock, flat, shard_vector_clocks) -> None:
     """:meth:`install_pull` for sharded parameter servers: per shard, pulled slice + own waves it lacks."""
-    # own waves some shard lacks (the element-wise minimum over shards is ``vector_clock``)
-    keep = wsp.own_waves_after_pull(self.own_waves, min(vc[self.vw_id] for vc in shard_vector_clocks))
-    self.own_waves = {c: self.own_waves[c] for c in keep}
-    self.own_flat = {c: self.own_flat[c] for c in keep}
-    local = np.array(flat, np.float32, copy=True)
-    for shard, vc in enumerate(shard_vector_clocks):
-      index = self.ps_shards.index[shard]
-      for c in wsp.own_waves_after_pull(keep, vc[self.vw_id]):  # this shard's slice lacks these own waves
-        local[index] += self.own_flat[c][index]
+    own_applied = [vc[self.vw_id] for vc in shard_vector_clocks]
+    local, self.own_flat = rebase_on_shards(flat, self.own_flat, own_applied, self.ps_shards.index)
+    self.own_waves = {c: self.own_waves[c] for c in self.own_flat}
     params = [None] * len(self.stages)
     for s in self.local_stages:
       st = self.stages[s]
@@ -983,8 +1003,8 @@ class VirtualWorker:
       params[s] = st.add(p, self.wave_delta[s])
     self.version = self._new_version(params, vector_clock=vector_clock,
                                      shard_vector_clocks=tuple(tuple(int(c) for c in vc) for vc in shard_vector_clocks))
-    if self.remote is not None:  # the stage ranks' stages: the same rebased slices
-      self.remote.on_pull(self.version.version_id, local, [])
+    if self.remote is not None:  # the stage ranks rebase their stages on their parts of the same pull
+      self.remote.on_pull(self.version.version_id, own_applied)
 
   def _install_pull_per_stage(self, vector_clock, flat: np.ndarray, keep: list[int]) -> None:
     """PipeDream's pull: every stage := global + its own pushed waves the PS lacks + its deltas not pushed yet (under
