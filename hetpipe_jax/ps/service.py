@@ -1,7 +1,8 @@
 """The parameter server's MPI service loop (rank 0, or every PS shard): pushes, pulls, evaluation and metrics lines (HetPipe §5).
 
-Runtime layer. Polls for headers with ``Iprobe`` and sleeps when idle (MPICH's blocking receives spin, and the
-machine's cores belong to the VWs), applies wave updates (on receipt, or clock-aligned) through :class:`ParameterServer`, answers pulls once the
+Runtime layer. Polls for headers with ``Iprobe`` and sleeps when idle, backing off from 20 µs to 0.5 ms with a 1 µs
+timer slack (MPICH's blocking receives spin, and the machine's cores belong to the VWs; a fixed 0.5 ms sleep with the
+kernel's default slack cost 2-2.5 ms per push + pull on this machine, ``scripts/bench_ps.py``), applies wave updates (on receipt, or clock-aligned) through :class:`ParameterServer`, answers pulls once the
 global clock allows (pending ones are kept by :class:`hetpipe_jax.rules.wsp.ParameterServerState`), evaluates the global
 weights every ``eval_every_waves`` clock ticks and writes ``metrics.jsonl`` lines through the run's
 :class:`~hetpipe_jax.jobs.outputs.RunOutputs`.
@@ -19,6 +20,9 @@ import numpy as np
 from hetpipe_jax.ps import transport
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.ps.transport import Kind
+from hetpipe_jax.runtime.stage_executor import fine_timer_slack
+
+IDLE_SLEEP_MIN_S, IDLE_SLEEP_MAX_S = 2e-5, 5e-4  # the service's poll back-off while no message arrives
 
 
 class ParameterServerService:
@@ -105,13 +109,19 @@ class ParameterServerService:
     kinds = ((Kind.PUSH, Kind.METRICS, Kind.PULL, Kind.DONE, Kind.SEGMENT, Kind.OPTSTATE) if self.lead else
              (Kind.PUSH, Kind.PULL, Kind.DONE))
     self.done_waves: dict[int, int] = {}  # VW -> waves it did (its DONE)
+    fine_timer_slack()  # sleeps end within ~1 µs of their deadline, not the kernel's default 50 µs slack
+    idle_s = IDLE_SLEEP_MIN_S
     while (len(self.reports) + len(self.segment_reports) < self.n or len(self.segment_opt) < self._opt_expected()
            or self._parts_outstanding()):
       if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=transport.TAG_HEADER, status=status):
         self.sends = [(r, b) for r, b in self.sends if not r.Test()]
-        # Large replies (rendezvous protocol) progress only while this rank calls into MPI: poll faster until sent.
-        time.sleep(5e-5 if self.sends else 5e-4)
+        # Large replies (rendezvous protocol) progress only while this rank calls into MPI: poll fast until sent.
+        # Otherwise back off from 20 µs to 0.5 ms while idle: quick when messages come often (a small model's
+        # waves), few wake-ups when they do not (the cores are the VWs').
+        time.sleep(IDLE_SLEEP_MIN_S if self.sends else idle_s)
+        idle_s = min(2 * idle_s, IDLE_SLEEP_MAX_S)
         continue
+      idle_s = IDLE_SLEEP_MIN_S
       src = status.Get_source()
       self.comm.Recv(header, source=src, tag=transport.TAG_HEADER)
       vw, wave, size = int(header[2]), int(header[3]), int(header[4])
