@@ -303,6 +303,9 @@ class VirtualWorker:
     self._wave_losses: list = []  # (record, loss array) of the current wave
     self._prefetched: dict[int, tuple] = {}  # minibatch -> its data, read ahead of its injection (prefetch)
     self._divisors: tuple = (0, None)  # flush methods: (micro-batches per reduced step, that count on each stage)
+    # Flush methods: per stage, its accumulated gradients of the current step on the host, float32 [its params]
+    # (written by the stage's executor after its last backward of the step; read at the flush).
+    self._step_flat: list = [None] * len(self.stages)
 
   def _init_stage_state(self, updates: list[int] | None = None) -> None:
     """PipeDream: per-stage latest weights, own-update counts, per-wave deltas, version history and locks."""
@@ -652,7 +655,12 @@ class VirtualWorker:
     accumulator right away, on the stage's executor thread (the only writer of ``grad_acc[s]`` during a step; the
     stage's backwards run in micro-batch order, so the sum is the same as adding them at each completion)."""
     if self.method.is_flush:
-      self.grad_acc[s] = self.stages[s].add(self.grad_acc[s], grads)
+      st = self.stages[s]
+      self.grad_acc[s] = st.add(self.grad_acc[s], grads)
+      if (mb.record.minibatch_id + 1) % self.num_inflight == 0:
+        # The stage's last micro-batch of the step: its part of the step buffer goes to the host now, off the flush's
+        # critical path for every stage but the one that ends the step.
+        self._step_flat[s] = jax.device_get(st.ravel(self.grad_acc[s]))
     else:
       mb.grads[s] = grads
 
@@ -895,7 +903,7 @@ class VirtualWorker:
   def _reduce_step(self, step: int) -> bool:
     """Flush methods: the step's gradients and loss sum, as one buffer, to the reducer; applies a returned sum."""
     loss_sum = self._read_losses()
-    flats = jax.device_get([st.ravel(acc) for st, acc in zip(self.stages, self.grad_acc)])
+    flats, self._step_flat = self._step_flat, [None] * len(self.stages)
     buf = np.empty(self.layout.num_params + 1, np.float32)
     pos = 0
     for flat in flats:
