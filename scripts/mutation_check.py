@@ -392,7 +392,7 @@ MUTATIONS = (
              "tasks made ready by a completion the scheduler thread books wait until the completed minibatches' "
              "updates are applied"),
     Mutation("flush_accumulator_keeps_last_microbatch", "hetpipe_jax/runtime/virtual_worker.py",
-             "      self.grad_acc[s] = self.stages[s].add(self.grad_acc[s], grads)\n",
+             "      self.grad_acc[s] = st.add(self.grad_acc[s], grads)\n",
              "      self.grad_acc[s] = grads\n",
              ("tests/test_methods_runtime.py::test_flush_methods_in_one_vw_equal_single_device_training",),
              "a flush method's step keeps only each stage's last micro-batch gradients, not their sum"),
