@@ -19,6 +19,7 @@ import numpy as np
 
 from hetpipe_jax.ps import transport
 from hetpipe_jax.ps.param_server import ParameterServer
+from hetpipe_jax.ps.shards import WaveAssembler
 from hetpipe_jax.ps.transport import Kind
 from hetpipe_jax.runtime.stage_executor import fine_timer_slack
 
@@ -59,7 +60,6 @@ class ParameterServerService:
     self.assembler = None
     self.vw_of_rank = None
     if parts is not None:
-      from hetpipe_jax.ps.shards import WaveAssembler  # pylint: disable=g-import-not-at-top
       self.assembler = WaveAssembler(parts, shard, server.weights.size)
       self.vw_of_rank = {r: p.vw_id for p in parts for r in {r for r, _ in p.flat_index}}
     self.first_vw_rank = first_vw_rank

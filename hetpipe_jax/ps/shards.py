@@ -13,6 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
+from hetpipe_jax.rules import wsp
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardLayout:
@@ -216,3 +218,30 @@ class WaveAssembler:
   def incomplete(self) -> list[tuple[int, int]]:
     """``(vw, wave)`` of the waves with some part still missing."""
     return sorted(self._got)
+
+
+def rebase_on_shards(flat: np.ndarray, own_flat: dict[int, np.ndarray], own_applied: Sequence[int],
+                     shard_index: Sequence[np.ndarray]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+  """Pulled weights + the own pushed waves each shard's slice lacks (HetPipe §5; sharded PS, stage ranks).
+
+  The one rebase on host copies, used by a VW's driver over sharded parameter servers (``VirtualWorker``) and by every stage rank (on its
+  parts): per shard, the own waves :func:`hetpipe_jax.rules.wsp.own_waves_after_pull` keeps beyond the VW's entry of
+  that shard's vector clock are added, in wave order, on that shard's elements.
+
+  Args:
+    flat: the pulled weights, float32 ``[n]``: the whole model (``n = num_params``; only the caller's elements need
+      be valid) or a stage rank's own elements.
+    own_flat: wave -> the VW's own pushed update of that wave, float32 ``[n]`` (the same elements as ``flat``).
+    own_applied: per shard, how many of the VW's own waves its slice of the pull holds.
+    shard_index: per shard, the positions of its elements in ``flat`` (the whole model:
+      :attr:`hetpipe_jax.ps.shards.ShardLayout.index`).
+
+  Returns:
+    ``(rebased float32 [n], the own waves still to keep: those some shard lacks)``.
+  """
+  keep = wsp.own_waves_after_pull(own_flat, min(own_applied))
+  local = np.array(flat, np.float32, copy=True)
+  for index, applied in zip(shard_index, own_applied):
+    for c in wsp.own_waves_after_pull(keep, applied):  # this shard's slice lacks these own waves
+      local[index] += own_flat[c][index]
+  return local, {c: own_flat[c] for c in keep}

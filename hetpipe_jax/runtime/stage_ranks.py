@@ -26,7 +26,7 @@ Runtime layer. The VW's driver rank (``S + v``, running its first stage group) k
   with its part and the driver with its part (possibly empty) and the shard's vector clock. The driver installs the
   pull when its own replies are in and sends ``PULL`` with, per shard, the VW's entry of that shard's vector clock;
   the rank takes the next reply from each of its shards (in request order), checks it holds the same entries, and
-  rebases its stages (:func:`hetpipe_jax.runtime.virtual_worker.rebase_on_shards`, the driver's rule) before it
+  rebases its stages (:func:`hetpipe_jax.ps.shards.rebase_on_shards`, the driver's rule) before it
   installs the new version. No weight or delta of a stage rank's layers passes through the driver.
 
 A rank that dies ends the whole job: ``mpiexec`` (hydra) kills every rank when one exits abnormally, and an exception
@@ -67,6 +67,7 @@ import jax
 import numpy as np
 
 from hetpipe_jax.rules.schedule import Task, TaskKind
+from hetpipe_jax.ps.shards import rebase_on_shards
 from hetpipe_jax.runtime.stage_executor import Completion, StageExecutor, fine_timer_slack
 
 MAGIC = 0x53544752  # "STGR"
@@ -744,8 +745,7 @@ class StageRankServer:
 
   def _install_pull(self, reply: tuple, own_applied: np.ndarray) -> None:
     """Rebases this rank's stages on its parts of the pull the driver installs now (the same own-wave rule as the
-    driver's, :func:`hetpipe_jax.runtime.virtual_worker.rebase_on_shards`), then adds the partial wave."""
-    from hetpipe_jax.runtime.virtual_worker import rebase_on_shards  # pylint: disable=g-import-not-at-top
+    driver's, :func:`hetpipe_jax.ps.shards.rebase_on_shards`), then adds the partial wave."""
     clocks, flat = reply
     for shard, vc in clocks.items():
       if vc[self.vw_id] != int(own_applied[shard]):

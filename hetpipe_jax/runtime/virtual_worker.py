@@ -55,6 +55,7 @@ import gc
 import queue
 import threading
 import time
+import types
 from typing import Any, Callable, Protocol, Sequence
 
 from absl import logging
@@ -69,36 +70,10 @@ from hetpipe_jax.rules import schedule
 from hetpipe_jax.rules import wsp
 from hetpipe_jax.rules.records import MinibatchRecord, ShardedMinibatchRecord
 from hetpipe_jax.rules.schedule import Task, TaskKind
+from hetpipe_jax.ps.shards import rebase_on_shards
 from hetpipe_jax.runtime.param_layout import ParamLayout
 from hetpipe_jax.runtime.stage_executor import OVERRUN_TOLERANCE_S, StageExecutor
 from hetpipe_jax.runtime.stages import Stage
-
-
-def rebase_on_shards(flat: np.ndarray, own_flat: dict[int, np.ndarray], own_applied: Sequence[int],
-                     shard_index: Sequence[np.ndarray]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-  """Pulled weights + the own pushed waves each shard's slice lacks (HetPipe §5; sharded PS, stage ranks).
-
-  The one rebase on host copies, used by a driver over sharded parameter servers and by every stage rank (on its
-  parts): per shard, the own waves :func:`hetpipe_jax.rules.wsp.own_waves_after_pull` keeps beyond the VW's entry of
-  that shard's vector clock are added, in wave order, on that shard's elements.
-
-  Args:
-    flat: the pulled weights, float32 ``[n]``: the whole model (``n = num_params``; only the caller's elements need
-      be valid) or a stage rank's own elements.
-    own_flat: wave -> the VW's own pushed update of that wave, float32 ``[n]`` (the same elements as ``flat``).
-    own_applied: per shard, how many of the VW's own waves its slice of the pull holds.
-    shard_index: per shard, the positions of its elements in ``flat`` (the whole model:
-      :attr:`hetpipe_jax.ps.shards.ShardLayout.index`).
-
-  Returns:
-    ``(rebased float32 [n], the own waves still to keep: those some shard lacks)``.
-  """
-  keep = wsp.own_waves_after_pull(own_flat, min(own_applied))
-  local = np.array(flat, np.float32, copy=True)
-  for index, applied in zip(shard_index, own_applied):
-    for c in wsp.own_waves_after_pull(keep, applied):  # this shard's slice lacks these own waves
-      local[index] += own_flat[c][index]
-  return local, {c: own_flat[c] for c in keep}
 
 
 def _host_copy(tree):
@@ -287,9 +262,15 @@ class VirtualWorker:
     # Compile the update and the rebase now, not at the first completion / pull (a stall inside wave 1).
     jax.block_until_ready([(st.update(p, o, z, z), st.add(p, z))
                            for st, p, o, z in zip(self.stages, params, self.opt_states, self._zeros) if p is not None])
-    if self.method.is_flush:  # ... and the flush step's ravel and mean update
-      jax.block_until_ready([st.apply_mean(p, o, st.ravel(z), jax.device_put(np.float32(1), st.device))
-                             for st, p, o, z in zip(self.stages, params, self.opt_states, self._zeros)])
+    # Flush methods: per stage, on its device, the micro-batches a reduced step sums (N x M: apply_mean's divisor);
+    # the flush step's ravel and mean update compile now too.
+    self._divisors = None
+    if self.method.is_flush:
+      self._divisors = jax.device_put([np.float32(num_virtual_workers * num_inflight)] * len(self.stages),
+                                      [st.device for st in self.stages])
+      jax.block_until_ready([st.apply_mean(p, o, st.ravel(z), d)
+                             for st, p, o, z, d in zip(self.stages, params, self.opt_states, self._zeros,
+                                                       self._divisors)])
     self.version = WeightVersion(params, 0, (0,) * num_virtual_workers, 0)
     self.wave_delta = list(self._zeros)
     self.grad_acc = list(self._zeros)  # flush methods: the step's accumulated gradients per stage
@@ -302,7 +283,6 @@ class VirtualWorker:
     self.stats = VWStats()
     self._wave_losses: list = []  # (record, loss array) of the current wave
     self._prefetched: dict[int, tuple] = {}  # minibatch -> its data, read ahead of its injection (prefetch)
-    self._divisors: tuple = (0, None)  # flush methods: (micro-batches per reduced step, that count on each stage)
     # Flush methods: per stage, its accumulated gradients of the current step on the host, float32 [its params]
     # (written by the stage's executor after its last backward of the step; read at the flush).
     self._step_flat: list = [None] * len(self.stages)
@@ -394,7 +374,7 @@ class VirtualWorker:
     inflight: dict[int, InFlightMinibatch] = {}
     done: queue.SimpleQueue = queue.SimpleQueue()  # to this thread: minibatch ends, remote completions, errors
     # The rules, ``inflight`` and ``num_running`` are shared by this thread and the local stages' executors, which
-    # book their own completions (see ``_BookingQueue``): every access to them holds this lock.
+    # book their own completions (see ``post``): every access to them holds this lock.
     lock = threading.Lock()
     stats = self.stats
     # The objects that exist before the run (modules, compiled functions, data: over 100,000) stay out of the
@@ -450,32 +430,30 @@ class VirtualWorker:
     # order, so while one waits here the stage's later ones follow it.
     routed = [0] * num_stages
 
-    class _BookingQueue:
+    def post(c) -> None:
       """Where the local stages' executors post completions: a task that does not complete its minibatch is booked
       on the executor's own thread, which then starts the tasks it made ready, so a cross-stage hop wakes one thread
       (the next stage's executor), not two (this scheduler thread, then the executor). A minibatch's last task
       goes to ``done``: this thread books it and applies the update together, so the rules never count a minibatch
       complete before its update is in the weights that new minibatches start on (the local staleness rule); the
       stage's next completions follow it there until it is booked."""
+      if c.error is None:
+        try:
+          with lock:
+            s = c.task.stage_id
+            if not routed[s] and not schedule.completes_minibatch(c.task):
+              t = time.perf_counter()
+              book(c, False)
+              submit_ready()
+              stats.executor_book_s += time.perf_counter() - t
+              return
+            routed[s] += 1
+        except BaseException as e:  # a broken rule: reported to the scheduler thread, which re-raises it
+          c = dataclasses.replace(c, error=e)
+      done.put(c)
 
-      @staticmethod
-      def put(c) -> None:
-        if c.error is None:
-          try:
-            with lock:
-              s = c.task.stage_id
-              if not routed[s] and not schedule.completes_minibatch(c.task):
-                t = time.perf_counter()
-                book(c, False)
-                submit_ready()
-                stats.executor_book_s += time.perf_counter() - t
-                return
-              routed[s] += 1
-          except BaseException as e:  # a broken rule: reported to the scheduler thread, which re-raises it
-            c = dataclasses.replace(c, error=e)
-        done.put(c)
-
-    executors = [StageExecutor(s, _BookingQueue, t0) if self.remote is None or s in self.local_stages
+    posted = types.SimpleNamespace(put=post)  # an executor's completion queue
+    executors = [StageExecutor(s, posted, t0) if self.remote is None or s in self.local_stages
                  else self.remote.executor(s) for s in range(num_stages)]
 
     try:
@@ -936,15 +914,12 @@ class VirtualWorker:
       raise FloatingPointError(f"[VW {self.vw_id}] the all-reduced gradients of step {step} hold NaN/Inf: training "
                                "diverged; lower config.learning_rate")
     offsets = self.layout.layer_offsets
-    if self._divisors[0] != count:
-      self._divisors = (count, jax.device_put([np.float32(count)] * len(self.stages),
-                                              [st.device for st in self.stages]))
     # One contiguous copy per stage (a device array may alias its numpy source on the CPU backend), placed in one
     # call; each stage divides by the count and unflattens on its device.
     slices = jax.device_put([np.array(grads[offsets[st.layer_range[0]]:offsets[st.layer_range[1]]])
                              for st in self.stages], [st.device for st in self.stages])
     params, states = [], []
-    for s, (st, g, d) in enumerate(zip(self.stages, slices, self._divisors[1])):
+    for s, (st, g, d) in enumerate(zip(self.stages, slices, self._divisors)):
       p, o = st.apply_mean(self.version.params[s], self.opt_states[s], g, d)
       params.append(p)
       states.append(o)
