@@ -6,6 +6,7 @@ import dataclasses
 import re
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -127,6 +128,52 @@ def test_a_link_refuses_an_activation_whose_header_does_not_match(field, value, 
   world.tamper = None  # an unaltered message goes through
   sender.send_activation(0, 1, 3, np.full((4, 16), 2.0, np.float32)).block_until_ready()
   np.testing.assert_array_equal(receiver.recv_activation(1, 1, 3), np.full((4, 16), 2.0, np.float32))
+
+
+def test_control_messages_from_two_threads_arrive_whole():
+  """The driver sends its control stream from the scheduler's thread (pulls: header + payload) and from the local
+  executors' threads (a remote stage's task, started by a completion booked there). Every header reaches the stage
+  rank directly followed by its own payload: no other message between them (CI once saw a TASK header land in a
+  PULL's payload buffer: MPI's truncation error). The world pauses after each send to widen the window."""
+  world = FakeWorld()
+  driver = world.comm(0)
+  isend = driver.Isend
+
+  def slow_isend(buf, dest, tag):
+    request = isend(buf, dest, tag)
+    time.sleep(2e-4)  # another thread may send now
+    return request
+
+  driver.Isend = slow_isend
+  remote = stage_ranks.RemoteStages(driver, 0, types.SimpleNamespace(stage_ranks=[0, 1], is_local=lambda s: s == 0))
+  rounds = 150
+
+  def send_pulls():
+    for v in range(rounds):
+      remote.on_pull(v, [v, v + 1])
+      time.sleep(1e-4)  # between messages too, so the threads take turns
+
+  pulls = threading.Thread(target=send_pulls)
+  pulls.start()
+  for p in range(rounds):
+    remote.start_task(Task(1, TaskKind.FORWARD, p), 0, None)
+    time.sleep(1e-4)
+  pulls.join()
+  stream = list(world.messages[(0, 1, stage_ranks.TAG_CONTROL)])
+  kinds, i = [], 0
+  while i < len(stream):
+    header = stream[i]
+    assert header.dtype == np.int64 and header.size == stage_ranks.HEADER_SIZE, (i, header)
+    kind = stage_ranks.check_header(header, source=0, dest=1, kinds=(stage_ranks.Kind.PULL, stage_ranks.Kind.TASK),
+                                    vw=0)
+    kinds.append(kind)
+    if kind is stage_ranks.Kind.PULL:
+      np.testing.assert_array_equal(stream[i + 1], [header[5], header[5] + 1])  # its own payload, next
+      i += 1
+    i += 1
+  assert kinds.count(stage_ranks.Kind.PULL) == kinds.count(stage_ranks.Kind.TASK) == rounds
+  switches = sum(a is not b for a, b in zip(kinds, kinds[1:]))
+  assert switches >= rounds // 4, switches  # the two threads did send side by side
 
 
 # ------------------------------------------------------------------------------------------------ the version wait

@@ -368,8 +368,9 @@ class VersionStore:
 # ---------------------------------------------------------------------------------------------- the driver's side
 class RemoteStageExecutor:
   """The driver's executor of a stage that runs on another rank: submitting a task sends the rank its command
-  (``dispatch``, :meth:`VirtualWorker.dispatch` of a remote stage's task, does), on the scheduler's thread; the
-  completion arrives through :class:`RemoteStages`' listener."""
+  (``dispatch``, :meth:`VirtualWorker.dispatch` of a remote stage's task, does), on the thread that started the
+  task (the scheduler's, or a local executor's that booked a completion: :meth:`RemoteStages._control` sends each
+  message whole); the completion arrives through :class:`RemoteStages`' listener."""
 
   def __init__(self, stage_id: int):
     self.stage_id = stage_id
@@ -400,6 +401,10 @@ class RemoteStages:
     self.stage_ranks = link.stage_ranks
     self.followers = sorted(set(self.stage_ranks) - {self.rank})
     self._sends: list = []
+    # The control stream is sent from the scheduler's thread (inject, update, pull, wave end) and from the local
+    # executors' threads (a completion booked there starts a remote stage's task): one message (header, then its
+    # payload) leaves whole, or a rank would take another message's header as a payload (MPI's truncation error).
+    self._send_lock = threading.Lock()
     self._done: queue.SimpleQueue | None = None
     self._t0 = 0.0
     self._stop = threading.Event()
@@ -417,11 +422,13 @@ class RemoteStages:
   def _control(self, rank: int, kind: Kind, payload: np.ndarray | None = None, **fields: int) -> None:
     size = 0 if payload is None else int(payload.size)
     header = make_header(kind, self.vw_id, size=size, **fields)
-    self._sends.append((self.comm.Isend(header, dest=rank, tag=TAG_CONTROL), header))
     if size:
       payload = np.ascontiguousarray(payload)
-      self._sends.append((self.comm.Isend(payload, dest=rank, tag=TAG_CONTROL), payload))
-    self._sends = [(r, b) for r, b in self._sends if not r.Test()]  # progresses them now
+    with self._send_lock:
+      self._sends.append((self.comm.Isend(header, dest=rank, tag=TAG_CONTROL), header))
+      if size:
+        self._sends.append((self.comm.Isend(payload, dest=rank, tag=TAG_CONTROL), payload))
+      self._sends = [(r, b) for r, b in self._sends if not r.Test()]  # progresses them now
 
   def begin_run(self, done: queue.SimpleQueue, t0: float, start_unix_s: float, num_minibatches: int) -> None:
     """Tells every stage rank the run's start (their executors share the driver's clock) and starts listening for
@@ -491,8 +498,9 @@ class RemoteStages:
         for request in (p.header_request, p.payload_request):
           request.Cancel()
           request.Wait()
-    _wait([r for r, _ in self._sends])
-    self._sends = []
+    with self._send_lock:
+      _wait([r for r, _ in self._sends])
+      self._sends = []
     self.link.close()
     return reports
 

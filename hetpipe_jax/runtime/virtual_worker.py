@@ -644,7 +644,8 @@ class VirtualWorker:
 
   def _dispatch_linked(self, task: Task, mb: InFlightMinibatch):
     """:meth:`dispatch` with stage ranks: a remote stage's task is a command to its rank (the driver's remote
-    executor calls this on the scheduler thread; returns None); a local stage's input from a stage on another rank
+    executor calls this on whichever thread started it: the scheduler's, or a local executor's that booked a
+    completion; returns None); a local stage's input from a stage on another rank
     arrives through the link, and its output to one leaves through it (the returned marker is ready once it has
     been received). Parameter gradients are kept before the input gradient is sent, so a minibatch's update (sent
     once stage 0's backward completed) finds them on every stage."""
