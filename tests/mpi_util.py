@@ -100,7 +100,8 @@ def check_task_trace(workdir, num_vws: int, num_stages: int, num_minibatches: in
         assert starts == sorted(starts), f"VW {v} stage {s}: {kind} tasks out of minibatch order"
     for p in range(num_minibatches):  # a task starts after the task whose output it consumes ended
       chain = [(s, "F", p) for s in range(last)] + [(last, "FB", p)] + [(s, "B", p) for s in reversed(range(last))]
-      assert all(times[a][1] <= times[b][0] for a, b in zip(chain, chain[1:])), f"VW {v} minibatch {p}"
+      late = [(a, times[a][1], b, times[b][0]) for a, b in zip(chain, chain[1:]) if times[a][1] > times[b][0]]
+      assert not late, f"VW {v} minibatch {p}: (task, its end, consumer, its start) {late}"
     out.append(times)
   return out
 

@@ -47,6 +47,24 @@ def fine_timer_slack() -> bool:
     return False
 
 
+def clock_pair(tries: int = 5) -> tuple[float, float]:
+  """``(time.perf_counter(), time.time())`` read as close to one instant as this thread can: the pair of the
+  ``tries`` readings whose ``perf_counter`` reads bracket ``time()`` most tightly, seconds.
+
+  Ranks that share one run clock (the driver's start in Unix seconds, each rank's ``perf_counter`` offset from it)
+  need the pair read together: a rank descheduled between two plain reads (8 ranks on 2 cores) would shift every
+  time it records by that pause, and a task could appear to start before the task it consumes ended.
+  """
+  best = None
+  for _ in range(tries):
+    a = time.perf_counter()
+    unix = time.time()
+    b = time.perf_counter()
+    if best is None or b - a < best[0]:
+      best = (b - a, 0.5 * (a + b), unix)
+  return best[1], best[2]
+
+
 @dataclasses.dataclass
 class Completion:
   """A finished task: its stage-relative start and end times (seconds since the run's start)."""

@@ -68,7 +68,7 @@ import numpy as np
 
 from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.ps.shards import rebase_on_shards
-from hetpipe_jax.runtime.stage_executor import Completion, StageExecutor, fine_timer_slack
+from hetpipe_jax.runtime.stage_executor import Completion, StageExecutor, clock_pair, fine_timer_slack
 
 MAGIC = 0x53544752  # "STGR"
 HEADER_FIELDS = ("magic", "kind", "vw", "minibatch", "stage", "version", "size", "arg0", "arg1")
@@ -674,7 +674,8 @@ class StageRankServer:
     _, _, _, minibatch, stage, version, size, arg0, arg1 = (int(x) for x in header)
     if kind is Kind.START:
       start_unix_s = float(payload[0])
-      t0 = time.perf_counter() - (time.time() - start_unix_s)  # the driver's run clock
+      now, now_unix_s = clock_pair()
+      t0 = now - (now_unix_s - start_unix_s)  # the driver's run clock
       gc.freeze()
       self.executors = {s: StageExecutor(s, self, t0) for s in self.local}  # completions: :meth:`put`
     elif kind is Kind.INJECT:

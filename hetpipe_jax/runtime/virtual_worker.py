@@ -72,7 +72,7 @@ from hetpipe_jax.rules.records import MinibatchRecord, ShardedMinibatchRecord
 from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.ps.shards import rebase_on_shards
 from hetpipe_jax.runtime.param_layout import ParamLayout
-from hetpipe_jax.runtime.stage_executor import OVERRUN_TOLERANCE_S, StageExecutor
+from hetpipe_jax.runtime.stage_executor import OVERRUN_TOLERANCE_S, StageExecutor, clock_pair
 from hetpipe_jax.runtime.stages import Stage
 
 
@@ -382,8 +382,7 @@ class VirtualWorker:
     # 0.1-0.3 s on this machine (scripts/bench_runtime.py reports the collections during its runs).
     gc.freeze()
     self._prefetched.clear()  # minibatch ids are the run's (a segment's run starts at 0 again)
-    t0 = time.perf_counter()
-    stats.start_unix_s = time.time()
+    t0, stats.start_unix_s = clock_pair()  # the run's clock, which stage ranks share
     if self.remote is not None:  # stage ranks: they start their executors on the same clock
       self.remote.begin_run(done, t0, stats.start_unix_s, num_minibatches)
     num_running = 0
