@@ -266,7 +266,7 @@ MUTATIONS = (
              '  if method.order == "gpipe":\n    k = window',
              '  if method.order == "gpipe":\n    k = 1',
              ("tests/test_methods.py",), "GPipe's order and memory hold one micro-batch"),
-    Mutation("pipedream_stage_update_skipped", "hetpipe_jax/runtime/virtual_worker.py",
+    Mutation("pipedream_stage_update_skipped", "hetpipe_jax/runtime/pipedream_updates.py",
              "    gp, gx = st.backward(mb.residuals.pop(s), grad_out)\n    self._stage_update(s, mb, gp)\n",
              "    gp, gx = st.backward(mb.residuals.pop(s), grad_out)\n",
              ("tests/test_methods_runtime.py::test_pipedream_weight_stashing_equals_sequential_replay",),
@@ -351,43 +351,43 @@ MUTATIONS = (
              "          start = picked",
              ("tests/test_stage_executor.py",),
              "an emulated task starts when the executor thread picks it up, not on the emulated device's timeline"),
-    Mutation("runtime_hands_off_after_updates", "hetpipe_jax/runtime/virtual_worker.py",
-             "          if taken:\n"
+    Mutation("runtime_hands_off_after_updates", "hetpipe_jax/runtime/vw_driver.py",
+             "        if taken:\n"
+             "          with lock:\n"
+             "            submit_ready()\n"
+             "        # 4. Completed minibatches: every stage's update (a new weight version), wave ends and their pulls.\n"
+             "        if finished:\n"
+             "          t = time.perf_counter()\n"
+             "          for c in finished:\n"
+             "            p = c.task.minibatch_id\n"
              "            with lock:\n"
-             "              submit_ready()\n"
-             "          # 4. Completed minibatches: every stage's update (a new weight version), wave ends and their pulls.\n"
-             "          if finished:\n"
-             "            t = time.perf_counter()\n"
-             "            for c in finished:\n"
-             "              p = c.task.minibatch_id\n"
-             "              with lock:\n"
-             "                mb = inflight.pop(p)\n"
-             "              self.complete_minibatch(mb, c.end_s)\n"
-             "              num_finished += 1\n"
-             "              wave, pull = self.sync.on_minibatch_complete(p)\n"
-             "              if wave is not None and self.end_wave(wave):\n"
-             "                self.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied\n"
-             "              if pull is not None:\n"
-             "                self.ps.request_pull(pull)\n"
-             "            stats.update_s += time.perf_counter() - t\n",
-             "          # 4. Completed minibatches: every stage's update (a new weight version), wave ends and their pulls.\n"
-             "          if finished:\n"
-             "            t = time.perf_counter()\n"
-             "            for c in finished:\n"
-             "              p = c.task.minibatch_id\n"
-             "              with lock:\n"
-             "                mb = inflight.pop(p)\n"
-             "              self.complete_minibatch(mb, c.end_s)\n"
-             "              num_finished += 1\n"
-             "              wave, pull = self.sync.on_minibatch_complete(p)\n"
-             "              if wave is not None and self.end_wave(wave):\n"
-             "                self.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied\n"
-             "              if pull is not None:\n"
-             "                self.ps.request_pull(pull)\n"
-             "            stats.update_s += time.perf_counter() - t\n"
-             "          if taken:\n"
+             "              mb = inflight.pop(p)\n"
+             "            vw.complete_minibatch(mb, c.end_s)\n"
+             "            num_finished += 1\n"
+             "            wave, pull = vw.sync.on_minibatch_complete(p)\n"
+             "            if wave is not None and vw.end_wave(wave):\n"
+             "              vw.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied\n"
+             "            if pull is not None:\n"
+             "              vw.ps.request_pull(pull)\n"
+             "          stats.update_s += time.perf_counter() - t\n",
+             "        # 4. Completed minibatches: every stage's update (a new weight version), wave ends and their pulls.\n"
+             "        if finished:\n"
+             "          t = time.perf_counter()\n"
+             "          for c in finished:\n"
+             "            p = c.task.minibatch_id\n"
              "            with lock:\n"
-             "              submit_ready()\n",
+             "              mb = inflight.pop(p)\n"
+             "            vw.complete_minibatch(mb, c.end_s)\n"
+             "            num_finished += 1\n"
+             "            wave, pull = vw.sync.on_minibatch_complete(p)\n"
+             "            if wave is not None and vw.end_wave(wave):\n"
+             "              vw.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied\n"
+             "            if pull is not None:\n"
+             "              vw.ps.request_pull(pull)\n"
+             "          stats.update_s += time.perf_counter() - t\n"
+             "        if taken:\n"
+             "          with lock:\n"
+             "            submit_ready()\n",
              ("tests/test_runtime_host_path.py::test_tasks_made_ready_start_before_the_minibatch_updates",),
              "tasks made ready by a completion the scheduler thread books wait until the completed minibatches' "
              "updates are applied"),
@@ -396,15 +396,16 @@ MUTATIONS = (
              "      self.grad_acc[s] = grads\n",
              ("tests/test_methods_runtime.py::test_flush_methods_in_one_vw_equal_single_device_training",),
              "a flush method's step keeps only each stage's last micro-batch gradients, not their sum"),
-    Mutation("stage_completions_booked_out_of_order", "hetpipe_jax/runtime/virtual_worker.py",
-             "            if not routed[s] and not schedule.completes_minibatch(c.task):\n",
-             "            if not schedule.completes_minibatch(c.task):\n",
-             ("tests/test_pipeline.py::test_oracle2_replay_of_recorded_versions",),
+    Mutation("stage_completions_booked_out_of_order", "hetpipe_jax/runtime/vw_driver.py",
+             "          if not routed[s] and not schedule.completes_minibatch(c.task):\n",
+             "          if not schedule.completes_minibatch(c.task):\n",
+             ("tests/test_runtime_host_path.py::test_tasks_made_ready_start_before_the_minibatch_updates",
+              "tests/test_pipeline.py::test_oracle2_replay_of_recorded_versions"),
              "a stage's completion is booked on its executor while the stage's earlier one waits for the scheduler "
              "thread (booked out of the stage's order)"),
-    Mutation("every_hop_through_the_scheduler", "hetpipe_jax/runtime/virtual_worker.py",
-             "      if c.error is None:\n        try:\n          with lock:\n            s = c.task.stage_id\n",
-             "      if False:\n        try:\n          with lock:\n            s = c.task.stage_id\n",
+    Mutation("every_hop_through_the_scheduler", "hetpipe_jax/runtime/vw_driver.py",
+             "    if c.error is None:\n      try:\n        with lock:\n          s = c.task.stage_id\n",
+             "    if False:\n      try:\n        with lock:\n          s = c.task.stage_id\n",
              ("tests/test_runtime_host_path.py::test_a_hop_between_stages_does_not_wait_for_the_scheduler_thread",),
              "every completion goes through the scheduler thread (two wake-ups per cross-stage hop)"),
     Mutation("sharded_pull_ignores_shard_clocks", "hetpipe_jax/ps/shards.py",
@@ -484,7 +485,7 @@ MUTATIONS = (
              "          dest=(shard + 1) % parts.num_shards if rank != parts.driver else shard)\n",
              ("tests/test_launch.py::test_stage_ranks_move_ps_bytes_between_their_own_nodes_and_shards",),
              "a stage rank pushes its part of a wave to another shard than the one holding those layers"),
-    Mutation("stage_wave_delta_not_reset", "hetpipe_jax/runtime/virtual_worker.py",
+    Mutation("stage_wave_delta_not_reset", "hetpipe_jax/runtime/linked_stages.py",
              "    for s in self.local_stages:\n      self.wave_delta[s] = self._zeros[s]\n", "",
              ("tests/test_stage_ranks.py::test_stage_ranks_train_exactly_as_one_process",),
              "a stage rank's wave delta keeps the earlier waves' updates (each pushed again with every later wave)"),

@@ -10,7 +10,7 @@ import pytest
 
 from hetpipe_jax.rules import schedule
 from hetpipe_jax.rules.schedule import Task
-from hetpipe_jax.runtime import virtual_worker
+from hetpipe_jax.runtime import vw_driver
 from hetpipe_jax.runtime.stage_executor import StageExecutor
 from tests.pipeline_util import build_vw
 
@@ -42,7 +42,7 @@ def test_tasks_made_ready_start_before_the_minibatch_updates(synthetic_data_dir,
       self.on_scheduler.append(threading.current_thread() is threading.main_thread())
       super().append(item)
 
-  monkeypatch.setattr(virtual_worker, "StageExecutor", RecordingExecutor)
+  monkeypatch.setattr(vw_driver, "StageExecutor", RecordingExecutor)
   vw, *_ = build_vw(synthetic_data_dir, partition=THREE_STAGES, num_inflight=4)
   vw.task_time_s = lambda task: 0.006 if task.stage_id == 0 else 0.001
   vw.task_log = log = BookingLog()
@@ -71,6 +71,11 @@ def test_tasks_made_ready_start_before_the_minibatch_updates(synthetic_data_dir,
   # The case above happened: tasks that do not end a minibatch were booked by the scheduler thread.
   routed = [Task.parse(text) for (text, _, _), main in zip(log, log.on_scheduler) if main]
   assert any(not schedule.completes_minibatch(t) for t in routed), routed
+  # ... and every stage's completions were booked in the order its device ran them (a forward that ended behind a
+  # minibatch's last backward waited for it on the scheduler thread instead of being booked first).
+  for st in range(3):
+    starts = [start for text, start, _ in log if Task.parse(text).stage_id == st]
+    assert starts == sorted(starts), st
 
 
 def test_completion_log_and_task_log_follow_the_emulated_devices(synthetic_data_dir):

@@ -69,6 +69,7 @@ import numpy as np
 from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.ps.shards import rebase_on_shards
 from hetpipe_jax.runtime.stage_executor import Completion, StageExecutor, clock_pair, fine_timer_slack
+from hetpipe_jax.runtime.vw_state import InFlightMinibatch
 
 MAGIC = 0x53544752  # "STGR"
 HEADER_FIELDS = ("magic", "kind", "vw", "minibatch", "stage", "version", "size", "arg0", "arg1")
@@ -682,7 +683,6 @@ class StageRankServer:
       if version != self.announced:
         raise ProtocolError(f"rank {self.rank}: minibatch {minibatch} injected at version {version} by rank "
                             f"{self.driver}, but its version stream is at {self.announced}")
-      from hetpipe_jax.runtime.virtual_worker import InFlightMinibatch  # pylint: disable=g-import-not-at-top
       labels = None
       if self.holds_last:
         labels = jax.device_put(payload.reshape(self.labels_template.shape).astype(self.labels_template.dtype),
