@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.runtime.vw_state import InFlightMinibatch, host_copy
 
 
@@ -63,37 +62,6 @@ class PerStageUpdates:
         params = self.stage_params[s]
     mb.record.stage_versions[s] = k
     return params
-
-
-  def _dispatch_per_stage(self, task: Task, mb: InFlightMinibatch):
-    """PipeDream's :meth:`dispatch`: forwards on the stage's current (or vertically synced) weights, stashed in the
-    VJP closure; each backward (FB) followed by the stage's own update."""
-    s = task.stage_id
-    st = self.stages[s]
-    if task.kind is TaskKind.FORWARD:
-      out, vjp = st.forward(self._stage_forward_params(s, mb), mb.activations.pop(s))
-      mb.residuals[s] = vjp
-      nxt = jax.device_put(out, self.stages[s + 1].device)
-      mb.activations[s + 1] = nxt
-      return nxt
-    if task.kind is TaskKind.FORWARD_BACKWARD:
-      loss, gp, gx = st.forward_backward(self._stage_forward_params(s, mb), mb.activations.pop(s), mb.labels)
-      mb.loss = loss
-      self._stage_update(s, mb, gp)
-      if s == 0:
-        return loss
-      g = jax.device_put(gx, self.stages[s - 1].device)
-      mb.grad_in[s - 1] = g
-      return g
-    grad_out = mb.grad_in.pop(s)
-    gp, gx = st.backward(mb.residuals.pop(s), grad_out)
-    self._stage_update(s, mb, gp)
-    if s == 0:
-      leaves = jax.tree.leaves(gp)
-      return leaves[0] if leaves else grad_out
-    g = jax.device_put(gx, self.stages[s - 1].device)
-    mb.grad_in[s - 1] = g
-    return g
 
 
   def _push_stage_waves(self, wave_id: int) -> bool:

@@ -250,36 +250,37 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
   def dispatch(self, task: Task, mb: InFlightMinibatch):
     """Dispatches ``task``; returns an array that is ready when its output has reached its consumer.
 
-    Called on the stage's executor thread; it touches only this task's entries of ``mb``.
+    Called on the stage's executor thread; it touches only this task's entries of ``mb``. A forward runs on the
+    minibatch's weight version (PipeDream: the stage's own weights, :meth:`_stage_forward_params`); a backward's
+    parameter gradients are kept for the minibatch's update (:meth:`_keep_grads`; PipeDream: the stage applies its
+    own update at once, :meth:`_stage_update`).
     """
-    s = task.stage_id
-    st = self.stages[s]
-    if self.method.update == "stage":
-      return self._dispatch_per_stage(task, mb)
     if self.link is not None:
       return self._dispatch_linked(task, mb)
-    params = mb.version.params[s]
-    if task.kind is TaskKind.FORWARD:
-      out, vjp = st.forward(params, mb.activations.pop(s))
-      mb.residuals[s] = vjp
-      nxt = jax.device_put(out, self.stages[s + 1].device)
-      mb.activations[s + 1] = nxt
-      return nxt
-    if task.kind is TaskKind.FORWARD_BACKWARD:
+    s = task.stage_id
+    st = self.stages[s]
+    per_stage = self.method.update == "stage"
+    keep = self._stage_update if per_stage else self._keep_grads
+    if task.kind is TaskKind.BACKWARD:
+      grad_out = mb.grad_in.pop(s)
+      gp, gx = st.backward(mb.residuals.pop(s), grad_out)
+      keep(s, mb, gp)
+      if s == 0:
+        leaves = jax.tree.leaves(self.grad_acc[0] if self.method.is_flush else gp)
+        return leaves[0] if leaves else grad_out  # a parameter-free stage 0 has nothing left to compute
+    else:
+      params = self._stage_forward_params(s, mb) if per_stage else mb.version.params[s]
+      if task.kind is TaskKind.FORWARD:
+        out, vjp = st.forward(params, mb.activations.pop(s))
+        mb.residuals[s] = vjp
+        nxt = jax.device_put(out, self.stages[s + 1].device)
+        mb.activations[s + 1] = nxt
+        return nxt
       loss, gp, gx = st.forward_backward(params, mb.activations.pop(s), mb.labels)
       mb.loss = loss
-      self._keep_grads(s, mb, gp)
+      keep(s, mb, gp)
       if s == 0:
         return loss
-      g = jax.device_put(gx, self.stages[s - 1].device)
-      mb.grad_in[s - 1] = g
-      return g
-    grad_out = mb.grad_in.pop(s)
-    gp, gx = st.backward(mb.residuals.pop(s), grad_out)
-    self._keep_grads(s, mb, gp)
-    if s == 0:
-      leaves = jax.tree.leaves(self.grad_acc[0] if self.method.is_flush else gp)
-      return leaves[0] if leaves else grad_out  # a parameter-free stage 0 has nothing left to compute
     g = jax.device_put(gx, self.stages[s - 1].device)
     mb.grad_in[s - 1] = g
     return g
