@@ -15,6 +15,14 @@ from hetpipe_jax.runtime import virtual_worker
 from hetpipe_jax.runtime.param_layout import ParamLayout
 
 
+def tiny_config(**overrides):
+  """``experiments/configs/tiny.py``'s config with ``overrides`` set (each must name an existing field)."""
+  from experiments.configs import tiny  # pylint: disable=g-import-not-at-top
+  c = tiny.get_config()
+  c.update(overrides)
+  return c
+
+
 def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_bound=0, optimizer=None,
              batch_size=16, seed=0, pull_every_wave=True, num_vws=1, vw_id=0, server=None, client_factory=None,
              ps_apply="on_receipt", dataset=None, method="hetpipe", vertical_sync=False, max_held=None, stages=None):

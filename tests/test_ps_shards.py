@@ -14,21 +14,14 @@ from hetpipe_jax.jobs import checkpoint, job_config
 from hetpipe_jax.planning import plan_format, ps_placement
 from hetpipe_jax.ps.shards import ShardLayout, VWParts, WaveAssembler
 from tests.mpi_util import read_jsonl, run_job
+from tests.pipeline_util import tiny_config
 
 ED_DEFAULT = "experiments/plans/local_cpu_2node_mlp_tiny_ed_default.json"
 ED_LOCAL = "experiments/plans/local_cpu_2node_mlp_tiny_ed_local.json"  # run end to end in tests/test_launch.py
 
 
-def _config(**overrides):
-  from experiments.configs import tiny
-  c = tiny.get_config()
-  for k, v in overrides.items():
-    setattr(c, k, v)
-  return c
-
-
 def _settings(**overrides):
-  c = _config(**overrides)
+  c = tiny_config(**overrides)
   return job_config.with_ps_shards(c, job_config.resolve_settings(c))
 
 

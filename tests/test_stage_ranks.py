@@ -29,21 +29,13 @@ from hetpipe_jax.runtime.param_layout import ParamLayout
 from hetpipe_jax.runtime.stage_executor import Completion
 from tests import replay
 from tests.fake_mpi import FakeWorld
-from tests.pipeline_util import build_vw
+from tests.pipeline_util import build_vw, tiny_config
 
 THREE_STAGES = [[0, 2], [2, 3], [3, 4]]
 
 
-def _config(**overrides):
-  from experiments.configs import tiny
-  c = tiny.get_config()
-  for k, v in overrides.items():
-    setattr(c, k, v)
-  return c
-
-
 def _settings(**overrides):
-  c = _config(**overrides)
+  c = tiny_config(**overrides)
   s = job_config.with_ps_shards(c, job_config.resolve_settings(c))
   return job_config.with_stage_ranks(c, s)
 
@@ -80,7 +72,7 @@ def test_stage_rank_settings_world_size_and_refusals():
     _settings(stage_ranks=True, method="gpipe", checkpoint_every_waves=0)
   with pytest.raises(job_config.ConfigError, match="config.stage_rank_grouping='rack'"):
     _settings(stage_rank_grouping="rack")
-  c = _config(stage_ranks=True, checkpoint_every_waves=0)
+  c = tiny_config(stage_ranks=True, checkpoint_every_waves=0)
   with pytest.raises(job_config.ConfigError, match="--resume with config.stage_ranks=True"):
     job_config.with_stage_ranks(c, job_config.resolve_settings(c), resume=True)
 
