@@ -461,7 +461,7 @@ MUTATIONS = (
              "    if True:\n      self._sends.append((self.comm.Isend(header, dest=rank, tag=TAG_CONTROL)",
              ("tests/test_stage_ranks.py::test_control_messages_from_two_threads_arrive_whole",),
              "two threads' control messages interleave: a header lands in another message's payload buffer"),
-    Mutation("stage_header_check_disabled", "hetpipe_jax/runtime/stage_ranks.py",
+    Mutation("stage_header_check_disabled", "hetpipe_jax/runtime/stage_wire.py",
              "  if wrong:\n", "  if False:\n",
              ("tests/test_stage_ranks.py::test_a_header_that_does_not_match_is_an_error_naming_both_ranks",
               "tests/test_stage_ranks.py::test_a_link_refuses_an_activation_whose_header_does_not_match"),
