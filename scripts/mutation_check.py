@@ -419,7 +419,7 @@ MUTATIONS = (
              '    elif policy in ("default", "local"):\n      out.append(node_names[k % len(node_names)])',
              ("tests/test_ps_shards.py::test_runtime_placement_is_the_planners",),
              "the local parameter placement puts layers round-robin instead of on the node that runs them"),
-    Mutation("shard_slice_lost_at_the_end", "hetpipe_jax/jobs/mpi_job.py",
+    Mutation("shard_slice_lost_at_the_end", "hetpipe_jax/jobs/shard_ranks.py",
              "    shards.scatter(flat, shard, part)\n", "",
              ("tests/test_ps_shards.py::test_rank0_assembles_the_final_weights_from_every_shard",),
              "rank 0 saves W0 for the layers of the other shards instead of their final slices"),

@@ -290,12 +290,12 @@ def test_served_pulls_are_counted_per_destination_rank():
 
 
 def test_rank0_assembles_the_final_weights_from_every_shard():
-  from hetpipe_jax.jobs import mpi_job
+  from hetpipe_jax.jobs import shard_ranks
   shards = ShardLayout.build([0, 3, 5, 9], [0, 1, 2], 3)
   w0 = np.zeros(9, np.float32)
   comm = _FakeComm([(1, [2]), (1, [[0, 1], [0, 0]]), (1, [4, 5]), (2, [2]), (2, [[0, 0], [0, 1]]), (2, [6, 7, 8, 9])])
-  flat, logs = mpi_job._gather_shards(comm, shards, w0, np.array([1, 2, 3], np.float32),  # pylint: disable=protected-access
-                                      [(0, 1), (0, 0)])
+  flat, logs = shard_ranks.gather_shards(comm, shards, w0, np.array([1, 2, 3], np.float32),
+                                         [(0, 1), (0, 0)])
   np.testing.assert_array_equal(flat, np.arange(1, 10, dtype=np.float32))
   assert logs == [[(0, 1), (0, 0)], [(0, 1), (0, 0)], [(0, 0), (0, 1)]]
 

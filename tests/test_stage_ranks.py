@@ -399,15 +399,15 @@ def test_a_gpu_rank_table_must_give_every_rank_its_stages_gpus():
   plan with stage ranks (VW v on GPU v of every node) accepts the launcher's table and refuses one that gives a stage
   rank another GPU, naming HETPIPE_RANK_DEVICES and the rank."""
   from hetpipe_jax import launch, rank_devices
-  from hetpipe_jax.jobs import mpi_job
+  from hetpipe_jax.jobs import rank_setup
   plan_path = "experiments/plans/local_cpu_4node_mlp_tiny_ed.json"
   settings = _settings(plan=plan_path, platform="gpu", stage_ranks=True, checkpoint_every_waves=0)
   _, _, argv = launch.build_command(plan_path, "", "experiments/configs/tiny.py", "/tmp/x", None, [],
                                     stage_rank_grouping="gpu")
   table = rank_devices.parse_table(argv[argv.index("-genv") + 2])
-  mpi_job.check_rank_devices(settings, table)  # the launcher's own table fits
+  rank_setup.check_rank_devices(settings, table)  # the launcher's own table fits
   bad = list(table)
   bad[5] = (0,)  # VW 1's driver (stage 0 on GPU 1 of node 0) told to see GPU 0
   with pytest.raises(job_config.ConfigError, match=r"HETPIPE_RANK_DEVICES: rank 5 runs stages on GPUs \[1\] but may "
                      r"see only \[0\]"):
-    mpi_job.check_rank_devices(settings, bad)
+    rank_setup.check_rank_devices(settings, bad)

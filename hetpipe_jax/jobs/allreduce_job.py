@@ -72,16 +72,16 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
     ConfigError: invalid settings, or ``--resume`` (not supported for the all-reduce methods).
     fashion_mnist.DataError: missing or corrupt dataset files.
   """
-  from hetpipe_jax.jobs import mpi_job  # pylint: disable=g-import-not-at-top
+  from hetpipe_jax.jobs import mpi_job, rank_setup  # pylint: disable=g-import-not-at-top
   from hetpipe_jax.runtime.virtual_worker import VirtualWorker  # pylint: disable=g-import-not-at-top
 
   rank, world = comm.Get_rank(), comm.Get_size()
   if resume:
     raise ConfigError(f"--resume is not supported for config.method={settings.method!r} (all-reduce methods keep "
                       "only the final weights)")
-  restricted = mpi_job.rank_devices_of(config, comm)
+  restricted = rank_setup.rank_devices_of(config, comm)
   if restricted is not None and config.platform == "gpu":  # on CPU the table is only recorded
-    mpi_job.check_rank_devices(settings, restricted.table)
+    rank_setup.check_rank_devices(settings, restricted.table)
   spec, partitions = mpi_job.prepare(
       config, settings, world,
       check_local_devices=restricted is None or restricted.applied != "CUDA_VISIBLE_DEVICES")
@@ -102,7 +102,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
 
   n, m = settings.num_virtual_workers, settings.num_inflight
   vw_id = rank
-  devices = mpi_job.stage_devices(settings, vw_id, None, config, comm)
+  devices = rank_setup.stage_devices(settings, vw_id, None, config, comm)
   optimizer = mpi_job.make_optimizer(config, steps)  # one optimizer step per training step
   stages = stages_lib.build_stages(spec, partitions[vw_id], devices, optimizer, remat=bool(config.remat))
   source = sharding.ShardedMinibatches(dataset, n, vw_id, config.batch_size, config.seed)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import time
 from typing import Any
@@ -24,7 +23,9 @@ import optax
 from hetpipe_jax import models
 from hetpipe_jax.data import dataset as dataset_lib
 from hetpipe_jax.data import fashion_mnist, sharding
+from hetpipe_jax.jobs import rank_setup
 from hetpipe_jax.jobs import resume as resume_lib
+from hetpipe_jax.jobs import shard_ranks
 from hetpipe_jax.jobs.job_config import (ConfigError, JobSettings, check_devices, check_partitions, check_world_size,
                                          emulated_task_times, ps_layer_shards, resolved_config, with_ps_shards,
                                          with_stage_ranks)
@@ -158,10 +159,10 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   settings = with_ps_shards(config, settings)  # sharded PS: ranks 0..S-1 (bad settings fail here, on every rank)
   settings = with_stage_ranks(config, settings, resume)  # stage ranks: ranks S+N.. (after the VWs' drivers)
   rank, world = comm.Get_rank(), comm.Get_size()
-  restricted = rank_devices_of(config, comm)
+  restricted = rank_setup.rank_devices_of(config, comm)
   if restricted is not None and config.platform == "gpu":  # on CPU the table is only recorded
-    check_rank_devices(settings, restricted.table)
-  # a rank restricted to its GPUs sees only those: its stages' devices are checked in _stage_devices
+    rank_setup.check_rank_devices(settings, restricted.table)
+  # a rank restricted to its GPUs sees only those: its stages' devices are checked in rank_setup.stage_devices
   spec, partitions = prepare(config, settings, world,
                              check_local_devices=restricted is None or restricted.applied != "CUDA_VISIBLE_DEVICES")
   emulated = emulated_task_times(config, settings)  # bad emulation settings fail here, on every rank
@@ -196,7 +197,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   if rank == 0:
     return _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, workdir, comm, point, shards)
   if rank < num_shards:
-    _run_shard(config, settings, flat0, shards, rank, comm, partitions, offsets)
+    shard_ranks.run_shard(config, settings, flat0, shards, rank, comm, partitions, offsets)
     return None
   if rank >= num_shards + settings.num_virtual_workers:  # a stage rank
     from hetpipe_jax.planning.rank_map import stage_rank_layout
@@ -209,87 +210,6 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   return None
 
 
-def _stage_link(config, settings, spec, partition, vw_id, num_mb, comm):
-  """This rank's :class:`hetpipe_jax.runtime.stage_ranks.StageLink` for VW ``vw_id`` (stage ranks)."""
-  from hetpipe_jax.planning.rank_map import stage_ranks_of_vw
-  from hetpipe_jax.runtime import stage_ranks
-  ranks = stage_ranks_of_vw(settings.num_ps_shards, settings.stage_groups, vw_id)
-  return stage_ranks.StageLink(comm, vw_id, ranks, stage_ranks.stage_boundaries(spec, partition, config.batch_size),
-                               num_mb, ahead=settings.num_inflight + 1)
-
-
-def rank_devices_of(config, comm):
-  """This rank's GPU restriction from the launcher (:mod:`hetpipe_jax.rank_devices`; applied by ``train`` before
-  jax started), or None."""
-  from hetpipe_jax import rank_devices
-  return rank_devices.apply(comm.Get_rank(), comm.Get_size(), config.platform, environ=dict(os.environ))
-
-
-def check_rank_devices(settings: JobSettings, table) -> None:
-  """Every rank's entry of the launcher's GPU table holds the plan GPUs of the stages it runs (ranks past the table
-  or the job's layout are left to the world-size check).
-
-  Raises:
-    ConfigError: a rank whose stages use a GPU its entry lacks (the message names ``HETPIPE_RANK_DEVICES``).
-  """
-  from hetpipe_jax import rank_devices
-  from hetpipe_jax.planning.rank_map import stage_rank_layout
-  needed = [()] * len(table)
-  groups = settings.stage_groups or [(tuple(range(len(v.devices))),) for v in settings.vws]
-  for r, v, stages in stage_rank_layout(settings.num_ps_shards if settings.uses_ps else 0, groups):
-    if r < len(needed):
-      needed[r] = tuple(settings.vws[v].devices[s] for s in stages)
-  try:
-    rank_devices.check_covers(table, needed)
-  except rank_devices.RankDevicesError as e:
-    raise ConfigError(str(e)) from None
-
-
-def _rank_device_fields(config, comm) -> dict:
-  """What config.json records about the ranks' visible GPUs (per rank its plan GPU ids, and how they were applied)."""
-  restricted = rank_devices_of(config, comm)
-  if restricted is None:
-    return {"rank_visible_devices": None, "rank_devices_applied": "none (no HETPIPE_RANK_DEVICES)"}
-  return {"rank_visible_devices": [list(ids) for ids in restricted.table],
-          "rank_devices_applied": restricted.applied}
-
-
-def stage_devices(settings, vw_id: int, link, config=None, comm=None) -> list:
-  """Per stage, its local device (stage ranks: a stage on another rank gets a placeholder, never used).
-
-  Raises:
-    ConfigError: a rank restricted to its GPUs (``HETPIPE_RANK_DEVICES``) lacks one of its stages' GPUs.
-  """
-  local = jax.local_devices()
-  restricted = rank_devices_of(config, comm) if comm is not None else None
-  out = []
-  for s, d in enumerate(settings.vws[vw_id].devices):
-    if link is not None and not link.is_local(s):
-      out.append(local[0])
-      continue
-    if restricted is not None:
-      try:
-        d = restricted.local_index(d)
-      except ValueError as e:
-        raise ConfigError(f"VW {vw_id} stage {s}: {e}") from None
-    if d >= len(local):
-      raise ConfigError(f"VW {vw_id} stage {s} needs local device {d}; this rank sees {len(local)}")
-    out.append(local[d])
-  return out
-
-
-def vw_parts(settings: JobSettings, shards: ShardLayout, partitions, layer_offsets) -> list | None:
-  """Stage ranks: per VW, which of its ranks pushes and receives which part of each shard
-  (:class:`hetpipe_jax.ps.shards.VWParts`); None without stage ranks (a VW's rank moves all of its bytes)."""
-  from hetpipe_jax.planning.rank_map import stage_ranks_of_vw
-  from hetpipe_jax.ps.shards import VWParts
-  if not settings.stage_groups:
-    return None
-  return [VWParts.build(shards, v, stage_ranks_of_vw(settings.num_ps_shards, settings.stage_groups, v),
-                        [(int(layer_offsets[a]), int(layer_offsets[b])) for a, b in partitions[v]])
-          for v in range(settings.num_virtual_workers)]
-
-
 def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, partitions, vw_id, comm,
                     shards) -> None:
   """A stage rank: runs its stages of VW ``vw_id`` as the VW's driver commands
@@ -299,174 +219,21 @@ def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, part
   from hetpipe_jax.runtime.stage_ranks import StageRankServer
   partition = partitions[vw_id]
   from hetpipe_jax.runtime.virtual_worker import VirtualWorker
-  link = _stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
-  devices = stage_devices(settings, vw_id, link, config, comm)
+  link = rank_setup.stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
+  devices = rank_setup.stage_devices(settings, vw_id, link, config, comm)
   optimizer = make_optimizer(config, num_mb)
   stages = stages_lib.build_stages(spec, partition, devices, optimizer)
   vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, settings.num_inflight,
                      settings.staleness_bound, None, None, num_virtual_workers=settings.num_virtual_workers,
                      method=settings.method, link=link)
   source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
-  ps = StageRankPSClient(comm, vw_parts(settings, shards, partitions, layout.layer_offsets)[vw_id],
+  ps = StageRankPSClient(comm, rank_setup.vw_parts(settings, shards, partitions, layout.layer_offsets)[vw_id],
                          StageRankServer.local_index_of(vw), settings.num_virtual_workers)
   server = StageRankServer(comm, vw, settings.num_ps_shards + vw_id, source.get(0)[1], ps, shards.index)
   logging.info("[VW %d] stage rank %d: stages %s on %s", vw_id, comm.Get_rank(), vw.local_stages,
                [str(devices[s]) for s in vw.local_stages])
   server.serve()
-  _ps_byte_matrix(comm)
-
-
-def _stage_rank_fields(settings: JobSettings) -> dict:
-  """What config.json and summary.json record about stage ranks: per VW, its stage groups and each stage's rank."""
-  from hetpipe_jax.planning.rank_map import stage_ranks_of_vw
-  if not settings.stage_groups:
-    return {}
-  return {"stage_rank_groups": [[list(g) for g in groups] for groups in settings.stage_groups],
-          "stage_rank_of_stage": [stage_ranks_of_vw(settings.num_ps_shards, settings.stage_groups, v)
-                                  for v in range(settings.num_virtual_workers)]}
-
-
-TAG_SHARD_FINAL = 13  # a non-lead shard's applied log and weights, to rank 0 at the end
-
-
-def _ps_byte_matrix(comm) -> np.ndarray | None:
-  """Every rank's PS payload bytes summed on rank 0: int64 ``[world, world]``, bytes sent from rank i to rank j
-  (wave updates and pulled weights; :data:`hetpipe_jax.ps.transport.PS_BYTES`). A collective: every rank calls it
-  once, at its end."""
-  from mpi4py import MPI
-  from hetpipe_jax.ps import transport
-  rank, world = comm.Get_rank(), comm.Get_size()
-  row = transport.PS_BYTES.matrix_row(rank, world)
-  total = np.zeros_like(row) if rank == 0 else None
-  comm.Reduce(row, total, op=MPI.SUM, root=0)
-  return total
-
-
-def _run_shard(config, settings, flat0, shards, rank, comm, partitions, offsets) -> None:
-  """A non-lead PS shard (rank 1..S-1): applies its slice of every wave update on receipt (its own order), answers
-  pulls with its slice, then sends rank 0 its application log and final slice."""
-  from hetpipe_jax.ps.param_server import ParameterServer
-  from hetpipe_jax.ps.service import ParameterServerService
-  server = ParameterServer(shards.gather(flat0, rank), settings.num_virtual_workers, config.ps_apply)
-  service = ParameterServerService(comm, server, num_minibatches_per_vw=0, num_inflight=settings.num_inflight,
-                                   evaluate=None, eval_every_waves=0, log_every_waves=1,
-                                   log_metrics=lambda line: None, progress=False,
-                                   first_vw_rank=settings.num_ps_shards, lead=False,
-                                   parts=vw_parts(settings, shards, partitions, offsets), shard=rank)
-  service.run()
-  log = np.array(server.state.applied, np.int64).reshape(-1, 2)
-  comm.Send(np.array([log.shape[0]], np.int64), dest=0, tag=TAG_SHARD_FINAL)
-  comm.Send(log, dest=0, tag=TAG_SHARD_FINAL)
-  comm.Send(server.weights, dest=0, tag=TAG_SHARD_FINAL)
-  _ps_byte_matrix(comm)
-
-
-def _gather_shards(comm, shards, flat0: np.ndarray, lead_weights: np.ndarray,
-                   lead_log: list) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
-  """Rank 0: the final global weights assembled from every shard's slice, and every shard's application log."""
-  if shards.num_shards == 1:
-    return lead_weights, [list(lead_log)]
-  flat = np.array(flat0, np.float32, copy=True)
-  shards.scatter(flat, 0, lead_weights)
-  logs = [list(lead_log)]
-  for shard in range(1, shards.num_shards):
-    count = np.empty(1, np.int64)
-    comm.Recv(count, source=shard, tag=TAG_SHARD_FINAL)
-    log = np.empty((int(count[0]), 2), np.int64)
-    comm.Recv(log, source=shard, tag=TAG_SHARD_FINAL)
-    part = np.empty(shards.size(shard), np.float32)
-    comm.Recv(part, source=shard, tag=TAG_SHARD_FINAL)
-    shards.scatter(flat, shard, part)
-    logs.append([(int(w), int(v)) for w, v in log])
-  return flat, logs
-
-
-def rank_nodes(settings: JobSettings) -> dict[int, str]:
-  """Stage ranks: every PS and VW rank's (plan) node: a shard's from ``shard_nodes``, a VW rank's the node of its
-  stage group (a group's stages share a node: ``gpu`` grouping holds one stage, ``node`` grouping one node's)."""
-  from hetpipe_jax.planning.rank_map import stage_rank_layout
-  nodes = {s: settings.shard_nodes[s] for s in range(settings.num_ps_shards)}
-  for rank, v, stages in stage_rank_layout(settings.num_ps_shards, settings.stage_groups):
-    nodes[rank] = settings.vw_stage_nodes[v][stages[0]]
-  return nodes
-
-
-def ps_bytes_summary(matrix: np.ndarray, settings: JobSettings, partitions, layer_offsets, shards,
-                     num_waves: int, parts: list | None = None) -> dict[str, Any]:
-  """The run's PS traffic, counted by the transport per rank pair, and the part of it that crosses (mapped) nodes.
-
-  Stage ranks (``parts``, :func:`vw_parts`): each rank pushes and pulls its own stages' parts, so the cross-node
-  bytes are the matrix's entries between ranks on different nodes (:func:`rank_nodes`; ``attribution: "ranks"``).
-  Without them a VW's rank holds all its stages, so its bytes to and from shard s are attributed to its stages by
-  the floats of s's slice each stage's layers hold (``attribution: "stages"``, the planner's model). Cross-node
-  bytes are those between a stage's node and its shard's node (HetPipe §8.1). ``crossing_nodes_per_wave``
-  normalises each VW's cross-node bytes to one push and one pull per wave (the planner's model, ``ps_placement``):
-  ``push / waves + pull / pulls`` summed over VWs.
-
-  Args:
-    matrix: int64 ``[world, world]``: payload bytes (wave updates, pulled weights) sent from rank i to rank j.
-    settings, partitions, layer_offsets, shards: the job's.
-    num_waves: waves each VW pushed.
-    parts: stage ranks: per VW its :class:`hetpipe_jax.ps.shards.VWParts`; None without.
-
-  Returns:
-    ``by_rank_pair`` (``"i->j"``: bytes), ``total``, ``attribution``, ``crossing_nodes`` (push + pull bytes over the
-    run), ``crossing_nodes_per_wave``, ``pulls_per_vw`` and, when the plan predicts this placement,
-    ``predicted_crossing_nodes_per_wave``; with stage ranks also ``crossing_nodes_by_rank_pair``.
-  """
-  num_shards, n = settings.num_ps_shards, settings.num_virtual_workers
-  cross_total, per_wave, pulls = 0, 0.0, []
-  out: dict[str, Any] = {}
-  if parts is not None:
-    nodes = rank_nodes(settings)
-    crossing = {}
-    for v in range(n):
-      push_cross = pull_cross = 0
-      num_pulls = 0
-      for (rank, s), idx in sorted(parts[v].flat_index.items()):
-        num_pulls = max(num_pulls, int(matrix[s, rank]) // (4 * idx.size) if idx.size else 0)
-        if nodes[rank] != nodes[s]:
-          push_cross += int(matrix[rank, s])
-          pull_cross += int(matrix[s, rank])
-          for i, j in ((rank, s), (s, rank)):
-            if matrix[i, j]:
-              crossing[f"{i}->{j}"] = int(matrix[i, j])
-      pulls.append(num_pulls)
-      cross_total += push_cross + pull_cross
-      per_wave += push_cross / max(num_waves, 1) + (pull_cross / num_pulls if num_pulls else 0.0)
-    out["attribution"] = "ranks"
-    out["crossing_nodes_by_rank_pair"] = crossing
-    out["rank_nodes"] = {str(r): node for r, node in sorted(nodes.items())}
-  else:
-    out["attribution"] = "stages"
-    for v in range(n):
-      rank = num_shards + v
-      push_cross = pull_cross = 0
-      num_pulls = 0
-      for s in range(num_shards):
-        slice_bytes = 4 * shards.size(s)
-        if not slice_bytes:
-          continue
-        n_push, n_pull = int(matrix[rank, s]) // slice_bytes, int(matrix[s, rank]) // slice_bytes
-        num_pulls = max(num_pulls, n_pull)
-        for k, (a, b) in enumerate(partitions[v]):
-          if settings.vw_stage_nodes[v][k] != settings.shard_nodes[s]:
-            part = 4 * shards.params_in_range(s, layer_offsets[a], layer_offsets[b])
-            push_cross += n_push * part
-            pull_cross += n_pull * part
-      pulls.append(num_pulls)
-      cross_total += push_cross + pull_cross
-      per_wave += push_cross / max(num_waves, 1) + (pull_cross / num_pulls if num_pulls else 0.0)
-  out.update({
-      "by_rank_pair": {f"{i}->{j}": int(matrix[i, j]) for i, j in zip(*np.nonzero(matrix))},
-      "total": int(matrix.sum()), "crossing_nodes": int(cross_total), "crossing_nodes_per_wave": per_wave,
-      "pulls_per_vw": pulls})
-  plan = settings.plan
-  if plan is not None and list(settings.shard_nodes) == list(dict.fromkeys(settings.shard_nodes)):
-    predicted = plan.ps_placement.get("alternatives", {}).get(settings.ps_placement)
-    if predicted is not None and len(plan.ps_placement.get("shard_nodes", settings.shard_nodes)) == num_shards:
-      out["predicted_crossing_nodes_per_wave"] = predicted["ps_bytes_crossing_nodes_per_wave"]
-  return out
+  shard_ranks.ps_byte_matrix(comm)
 
 
 def _segments(config, settings, num_mb: int, point) -> tuple[int, int, list[tuple[int, int]]]:
@@ -518,14 +285,14 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
   link = remote = None
   if settings.stage_groups:  # stage ranks: this rank runs the VW's first stage group and drives the others
     from hetpipe_jax.runtime.stage_ranks import RemoteStages
-    link = _stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
+    link = rank_setup.stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
     remote = RemoteStages(comm, vw_id, link)
-  devices = stage_devices(settings, vw_id, link, config, comm)
+  devices = rank_setup.stage_devices(settings, vw_id, link, config, comm)
   optimizer = make_optimizer(config, num_mb)
   stages = stages_lib.build_stages(spec, partition, devices, optimizer)
   source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
   sharded = shards if settings.num_ps_shards > 1 else None
-  parts = vw_parts(settings, shards, partitions, layout.layer_offsets)
+  parts = rank_setup.vw_parts(settings, shards, partitions, layout.layer_offsets)
   client = MPIPSClient(comm, vw_id, layout.num_params, settings.num_virtual_workers, shards=sharded,
                        first_vw_rank=settings.num_ps_shards, parts=parts[vw_id] if parts else None)
   nm = settings.num_inflight
@@ -596,7 +363,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
       "tasks": vw.task_log if config.save_task_trace else [],
   })
   client.finish(num_mb // nm, report)
-  _ps_byte_matrix(comm)
+  shard_ranks.ps_byte_matrix(comm)
   logging.info("[VW %d] done: %.1f s, wait %.2f s, idle %.2f s", vw_id, totals["wall_time_s"], totals["wait_s"],
                totals["idle_s"])
 
@@ -616,8 +383,8 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
     resume_lib.rewrite_lines(pathlib.Path(workdir) / "metrics.jsonl", meta["metrics"])
   outputs = RunOutputs(workdir)
   config_json = resolved_config(config, settings, partitions, num_ps_shards=settings.num_ps_shards,
-                                ps_placement=settings.ps_placement, **_stage_rank_fields(settings),
-                                **_rank_device_fields(config, comm),
+                                ps_placement=settings.ps_placement, **rank_setup.stage_rank_fields(settings),
+                                **rank_setup.rank_device_fields(config, comm),
                                 **data_config_fields(spec, dataset))
   outputs.write_config(config_json)
   for note in settings.notes:
@@ -632,7 +399,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
                                    evaluate=evaluator.evaluate, eval_every_waves=eval_every,
                                    log_every_waves=config.log_every_waves, log_metrics=outputs.log_metrics,
                                    progress=config.progress, first_vw_rank=settings.num_ps_shards,
-                                   parts=vw_parts(settings, shards, partitions, layout.layer_offsets), shard=0)
+                                   parts=rank_setup.vw_parts(settings, shards, partitions, layout.layer_offsets), shard=0)
   service.minibatches_done = [start_mb] * n
   service.evals = list(meta.get("evals", []))
   service.last_loss = meta.get("last_loss", float("nan"))
@@ -704,8 +471,8 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
       store.close()
     service.close()
   wall = time.perf_counter() - t0
-  final_flat, shard_logs = _gather_shards(comm, shards, flat0, server.weights, applied)
-  byte_matrix = _ps_byte_matrix(comm)
+  final_flat, shard_logs = shard_ranks.gather_shards(comm, shards, flat0, server.weights, applied)
+  byte_matrix = shard_ranks.ps_byte_matrix(comm)
   final = evaluator.evaluate(final_flat)
   service.last_eval = final
   service.log_metrics(total, evaluated=True)
@@ -744,9 +511,9 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
       "ps_shards": {"layer_shards": list(shards.layer_shards), "shard_nodes": list(settings.shard_nodes),
                     "floats_per_shard": [shards.size(s) for s in range(shards.num_shards)],
                     "first_vw_rank": settings.num_ps_shards},
-      "ps_bytes": ps_bytes_summary(byte_matrix, settings, partitions, layout.layer_offsets, shards, total - clock0,
-                                   vw_parts(settings, shards, partitions, layout.layer_offsets)),
-      **_stage_rank_fields(settings),
+      "ps_bytes": shard_ranks.ps_bytes_summary(byte_matrix, settings, partitions, layout.layer_offsets, shards, total - clock0,
+                                   rank_setup.vw_parts(settings, shards, partitions, layout.layer_offsets)),
+      **rank_setup.stage_rank_fields(settings),
       **({"stage_rank_stats": {str(vw): rep["stage_ranks"] for vw, rep in sorted(service.reports.items())}}
          if settings.stage_groups else {}),
       **extra,

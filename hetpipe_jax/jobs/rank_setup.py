@@ -1,0 +1,105 @@
+"""What each rank of an MPI job sets up from the plan: its GPUs (the launcher's per-rank table), its stages' devices,
+its stage link, and the stage-rank and sharded-PS layout records (HetPipe §8.1's ED/HD VWs across nodes).
+
+Runtime layer; used by :mod:`hetpipe_jax.jobs.mpi_job` and :mod:`hetpipe_jax.jobs.allreduce_job`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from hetpipe_jax.jobs.job_config import ConfigError, JobSettings
+from hetpipe_jax.ps.shards import ShardLayout
+
+
+def stage_link(config, settings, spec, partition, vw_id, num_mb, comm):
+  """This rank's :class:`hetpipe_jax.runtime.stage_ranks.StageLink` for VW ``vw_id`` (stage ranks)."""
+  from hetpipe_jax.planning.rank_map import stage_ranks_of_vw
+  from hetpipe_jax.runtime import stage_ranks
+  ranks = stage_ranks_of_vw(settings.num_ps_shards, settings.stage_groups, vw_id)
+  return stage_ranks.StageLink(comm, vw_id, ranks, stage_ranks.stage_boundaries(spec, partition, config.batch_size),
+                               num_mb, ahead=settings.num_inflight + 1)
+
+
+def rank_devices_of(config, comm):
+  """This rank's GPU restriction from the launcher (:mod:`hetpipe_jax.rank_devices`; applied by ``train`` before
+  jax started), or None."""
+  from hetpipe_jax import rank_devices
+  return rank_devices.apply(comm.Get_rank(), comm.Get_size(), config.platform, environ=dict(os.environ))
+
+
+def check_rank_devices(settings: JobSettings, table) -> None:
+  """Every rank's entry of the launcher's GPU table holds the plan GPUs of the stages it runs (ranks past the table
+  or the job's layout are left to the world-size check).
+
+  Raises:
+    ConfigError: a rank whose stages use a GPU its entry lacks (the message names ``HETPIPE_RANK_DEVICES``).
+  """
+  from hetpipe_jax import rank_devices
+  from hetpipe_jax.planning.rank_map import stage_rank_layout
+  needed = [()] * len(table)
+  groups = settings.stage_groups or [(tuple(range(len(v.devices))),) for v in settings.vws]
+  for r, v, stages in stage_rank_layout(settings.num_ps_shards if settings.uses_ps else 0, groups):
+    if r < len(needed):
+      needed[r] = tuple(settings.vws[v].devices[s] for s in stages)
+  try:
+    rank_devices.check_covers(table, needed)
+  except rank_devices.RankDevicesError as e:
+    raise ConfigError(str(e)) from None
+
+
+def rank_device_fields(config, comm) -> dict:
+  """What config.json records about the ranks' visible GPUs (per rank its plan GPU ids, and how they were applied)."""
+  restricted = rank_devices_of(config, comm)
+  if restricted is None:
+    return {"rank_visible_devices": None, "rank_devices_applied": "none (no HETPIPE_RANK_DEVICES)"}
+  return {"rank_visible_devices": [list(ids) for ids in restricted.table],
+          "rank_devices_applied": restricted.applied}
+
+
+def stage_devices(settings, vw_id: int, link, config=None, comm=None) -> list:
+  """Per stage, its local device (stage ranks: a stage on another rank gets a placeholder, never used).
+
+  Raises:
+    ConfigError: a rank restricted to its GPUs (``HETPIPE_RANK_DEVICES``) lacks one of its stages' GPUs.
+  """
+  local = jax.local_devices()
+  restricted = rank_devices_of(config, comm) if comm is not None else None
+  out = []
+  for s, d in enumerate(settings.vws[vw_id].devices):
+    if link is not None and not link.is_local(s):
+      out.append(local[0])
+      continue
+    if restricted is not None:
+      try:
+        d = restricted.local_index(d)
+      except ValueError as e:
+        raise ConfigError(f"VW {vw_id} stage {s}: {e}") from None
+    if d >= len(local):
+      raise ConfigError(f"VW {vw_id} stage {s} needs local device {d}; this rank sees {len(local)}")
+    out.append(local[d])
+  return out
+
+
+def vw_parts(settings: JobSettings, shards: ShardLayout, partitions, layer_offsets) -> list | None:
+  """Stage ranks: per VW, which of its ranks pushes and receives which part of each shard
+  (:class:`hetpipe_jax.ps.shards.VWParts`); None without stage ranks (a VW's rank moves all of its bytes)."""
+  from hetpipe_jax.planning.rank_map import stage_ranks_of_vw
+  from hetpipe_jax.ps.shards import VWParts
+  if not settings.stage_groups:
+    return None
+  return [VWParts.build(shards, v, stage_ranks_of_vw(settings.num_ps_shards, settings.stage_groups, v),
+                        [(int(layer_offsets[a]), int(layer_offsets[b])) for a, b in partitions[v]])
+          for v in range(settings.num_virtual_workers)]
+
+
+def stage_rank_fields(settings: JobSettings) -> dict:
+  """What config.json and summary.json record about stage ranks: per VW, its stage groups and each stage's rank."""
+  from hetpipe_jax.planning.rank_map import stage_ranks_of_vw
+  if not settings.stage_groups:
+    return {}
+  return {"stage_rank_groups": [[list(g) for g in groups] for groups in settings.stage_groups],
+          "stage_rank_of_stage": [stage_ranks_of_vw(settings.num_ps_shards, settings.stage_groups, v)
+                                  for v in range(settings.num_virtual_workers)]}
