@@ -318,3 +318,23 @@ def test_executor_threads_sleep_with_a_fine_timer_slack(make_executor):
   assert c.error is None
   assert seen["slack_ns"] == 1
   assert get_slack() == before  # the calling thread's slack is untouched
+
+
+def test_clock_pair_keeps_the_tightest_bracketed_reading(monkeypatch):
+  """Ranks share one run clock through a ``(perf_counter, time())`` pair. A reading whose two ``perf_counter`` reads
+  lie far apart (the thread was descheduled in between) is not used: the pair is the midpoint of the tightest
+  bracket and its ``time()``."""
+  from hetpipe_jax.runtime import stage_executor
+  # five readings (perf before, unix, perf after): gaps 5 ms, 0.2 ms, 3 ms, 0.01 ms, 1 ms
+  perf = iter([0.0, 0.005, 1.0, 1.0002, 2.0, 2.003, 3.0, 3.00001, 4.0, 4.001])
+  unix = iter([100.004, 101.0001, 102.002, 103.000005, 104.0005])
+  fake = type("FakeTime", (), {"perf_counter": staticmethod(lambda: next(perf)),
+                               "time": staticmethod(lambda: next(unix))})
+  monkeypatch.setattr(stage_executor, "time", fake)
+  p, u = stage_executor.clock_pair()
+  assert p == pytest.approx(3.000005, abs=1e-12) and u == 103.000005
+  monkeypatch.undo()
+  # the real clocks: the pair maps one onto the other within a millisecond
+  p, u = stage_executor.clock_pair()
+  later_perf, later_unix = time.perf_counter(), time.time()
+  assert abs((later_unix - u) - (later_perf - p)) < 1e-3
