@@ -38,7 +38,6 @@ class FlushStep:
     self.apply_reduced(step, summed)
     return True
 
-
   def apply_reduced(self, step: int, summed: np.ndarray) -> None:
     """Flush methods: applies the all-reduced step on every stage (an action: the driver advances ``sync``).
 

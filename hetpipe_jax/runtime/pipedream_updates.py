@@ -35,7 +35,6 @@ class PerStageUpdates:
                                                 if self.vertical_sync else [])
     self.stage_locks = [threading.Lock() for _ in range(n)]
 
-
   def _stage_update(self, s: int, mb: InFlightMinibatch, grads) -> None:
     """PipeDream: stage ``s`` applies its own optimizer step for ``mb`` (on its executor thread)."""
     st = self.stages[s]
@@ -50,7 +49,6 @@ class PerStageUpdates:
       if self.vertical_sync:
         self.stage_history[s][self.stage_updates[s]] = p
 
-
   def _stage_forward_params(self, s: int, mb: InFlightMinibatch):
     """PipeDream: the weights stage ``s``'s forward of ``mb`` uses (recorded in ``stage_versions``)."""
     with self.stage_locks[s]:
@@ -63,7 +61,6 @@ class PerStageUpdates:
     mb.record.stage_versions[s] = k
     return params
 
-
   def _push_stage_waves(self, wave_id: int) -> bool:
     """PipeDream: pushes every stage's delta of wave ``wave_id`` (each stage updated itself after its backwards)."""
     loss_sum = self._read_losses()
@@ -71,15 +68,13 @@ class PerStageUpdates:
     for s in range(len(self.stages)):
       with self.stage_locks[s]:
         deltas.append(self.stage_wave_delta[s].pop(wave_id, self._zeros[s]))
-    host = jax.device_get(deltas)
-    flat = np.concatenate([self.layout.flatten(h, st.layer_range[0]) for h, st in zip(host, self.stages)])
+    flat = self._flat_of(range(len(self.stages)), jax.device_get(deltas))
     if self.corrupt_update is not None:
       self.corrupt_update(wave_id, flat)
     self.ps.push(wave_id, flat, loss_sum, self.num_inflight)
     self.stats.num_pushes += 1
     self.own_waves[wave_id] = deltas
     return False
-
 
   def _prune_history(self) -> None:
     """Vertical sync: drops the stage versions no minibatch can still ask for (older than stage 0's forwards of the
@@ -91,7 +86,6 @@ class PerStageUpdates:
       with self.stage_locks[s]:
         for k in [k for k in self.stage_history[s] if k < keep]:
           del self.stage_history[s][k]
-
 
   def _install_pull_per_stage(self, vector_clock, flat: np.ndarray, keep: list[int]) -> None:
     """PipeDream's pull: every stage := global + its own pushed waves the PS lacks + its deltas not pushed yet (under

@@ -253,16 +253,25 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     Called on the stage's executor thread; it touches only this task's entries of ``mb``. A forward runs on the
     minibatch's weight version (PipeDream: the stage's own weights, :meth:`_stage_forward_params`); a backward's
     parameter gradients are kept for the minibatch's update (:meth:`_keep_grads`; PipeDream: the stage applies its
-    own update at once, :meth:`_stage_update`).
+    own update at once, :meth:`_stage_update`) before its input gradient leaves, so a minibatch's update finds them
+    on every stage. Stage ranks (``link``): a remote stage's task is a command to its rank (returns None; the
+    thread that started the task sends it); an input from, or an output to, a stage on another rank goes through
+    the link (the returned marker is ready once it has been received).
     """
-    if self.link is not None:
-      return self._dispatch_linked(task, mb)
     s = task.stage_id
     st = self.stages[s]
+    link = self.link
+    if link is not None and s not in self.local_stages:
+      self.remote.start_task(task, mb.version.version_id,
+                             self.task_time_s(task) if self.task_time_s is not None else None)
+      return None
     per_stage = self.method.update == "stage"
     keep = self._stage_update if per_stage else self._keep_grads
     if task.kind is TaskKind.BACKWARD:
-      grad_out = mb.grad_in.pop(s)
+      if link is None or link.is_local(s + 1):
+        grad_out = mb.grad_in.pop(s)
+      else:
+        grad_out = jax.device_put(link.recv_gradient(s, task.minibatch_id, mb.version.version_id), st.device)
       gp, gx = st.backward(mb.residuals.pop(s), grad_out)
       keep(s, mb, gp)
       if s == 0:
@@ -270,17 +279,25 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
         return leaves[0] if leaves else grad_out  # a parameter-free stage 0 has nothing left to compute
     else:
       params = self._stage_forward_params(s, mb) if per_stage else mb.version.params[s]
+      if link is None or s == 0 or link.is_local(s - 1):
+        x = mb.activations.pop(s)
+      else:
+        x = jax.device_put(link.recv_activation(s, task.minibatch_id, mb.version.version_id), st.device)
       if task.kind is TaskKind.FORWARD:
-        out, vjp = st.forward(params, mb.activations.pop(s))
+        out, vjp = st.forward(params, x)
         mb.residuals[s] = vjp
+        if link is not None and not link.is_local(s + 1):
+          return link.send_activation(s, task.minibatch_id, mb.version.version_id, out)
         nxt = jax.device_put(out, self.stages[s + 1].device)
         mb.activations[s + 1] = nxt
         return nxt
-      loss, gp, gx = st.forward_backward(params, mb.activations.pop(s), mb.labels)
+      loss, gp, gx = st.forward_backward(params, x, mb.labels)
       mb.loss = loss
       keep(s, mb, gp)
       if s == 0:
         return loss
+    if link is not None and not link.is_local(s - 1):
+      return link.send_gradient(s, task.minibatch_id, mb.version.version_id, gx)
     g = jax.device_put(gx, self.stages[s - 1].device)
     mb.grad_in[s - 1] = g
     return g
@@ -334,6 +351,11 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     self.wave_delta = new_deltas
     self.version = self._new_version(new_params, local_updates=self.version.local_updates + 1)
 
+  def _flat_of(self, stage_ids: Sequence[int], host: Sequence[Any]) -> np.ndarray:
+    """Stages ``stage_ids``' host params-shaped trees ``host`` as one float32 vector (their layers in stage order)."""
+    parts = [self.layout.flatten(h, self.stages[s].layer_range[0]) for s, h in zip(stage_ids, host)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
   def end_wave(self, wave_id: int) -> bool:
     """Pushes wave ``wave_id``'s summed delta and losses to the PS and keeps the delta until the PS holds it.
 
@@ -354,8 +376,7 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
       self.remote.end_wave(wave_id)
       flat = self._linked_wave_flat()
     else:
-      host = jax.device_get(self.wave_delta)
-      flat = np.concatenate([self.layout.flatten(h, st.layer_range[0]) for h, st in zip(host, self.stages)])
+      flat = self._flat_of(range(len(self.stages)), jax.device_get(self.wave_delta))
     if self.ps_shards is not None or self.remote is not None:
       self.own_flat[wave_id] = flat.copy()  # the update as computed, before a fault drill can touch it
     if self.corrupt_update is not None:  # fault drills only (config.debug_nan_update)
