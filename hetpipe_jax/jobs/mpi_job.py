@@ -195,23 +195,25 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
     comm.Bcast(flat0, root=0)  # every VW starts from rank 0's W0, bit for bit
   num_shards = settings.num_ps_shards
   if rank == 0:
-    return _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, workdir, comm, point, shards)
+    return _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, workdir, comm, point, shards,
+                   restricted)
   if rank < num_shards:
     shard_ranks.run_shard(config, settings, flat0, shards, rank, comm, partitions, offsets)
     return None
   if rank >= num_shards + settings.num_virtual_workers:  # a stage rank
     from hetpipe_jax.planning.rank_map import stage_rank_layout
-    vw_id, stages = next((v, st) for r, v, st in stage_rank_layout(num_shards, settings.stage_groups) if r == rank)
-    _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, partitions, vw_id, comm, shards)
+    vw_id = next(v for r, v, _ in stage_rank_layout(num_shards, settings.stage_groups) if r == rank)
+    _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, partitions, vw_id, comm, shards,
+                    restricted)
     return None
   vw_id = rank - num_shards
   _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partitions[vw_id], vw_id, comm,
-          emulated[vw_id] if emulated else None, point, shards, partitions)
+          emulated[vw_id] if emulated else None, point, shards, partitions, restricted)
   return None
 
 
 def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, partitions, vw_id, comm,
-                    shards) -> None:
+                    shards, restricted) -> None:
   """A stage rank: runs its stages of VW ``vw_id`` as the VW's driver commands
   (:class:`hetpipe_jax.runtime.stage_ranks.StageRankServer`), pushes and pulls its stages' parts of every shard
   (:class:`hetpipe_jax.ps.transport.StageRankPSClient`), then joins the job's final collective."""
@@ -220,7 +222,7 @@ def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, part
   partition = partitions[vw_id]
   from hetpipe_jax.runtime.virtual_worker import VirtualWorker
   link = rank_setup.stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
-  devices = rank_setup.stage_devices(settings, vw_id, link, config, comm)
+  devices = rank_setup.stage_devices(settings, vw_id, link, restricted)
   optimizer = make_optimizer(config, num_mb)
   stages = stages_lib.build_stages(spec, partition, devices, optimizer)
   vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, settings.num_inflight,
@@ -278,7 +280,7 @@ _STAT_SUMS = ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes", "num
 
 
 def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, vw_id, comm, task_times,
-            point, shards, partitions) -> None:
+            point, shards, partitions, restricted) -> None:
   from hetpipe_jax.runtime.virtual_worker import VirtualWorker
   from hetpipe_jax.ps.transport import MPIPSClient
 
@@ -287,7 +289,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
     from hetpipe_jax.runtime.stage_ranks import RemoteStages
     link = rank_setup.stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
     remote = RemoteStages(comm, vw_id, link)
-  devices = rank_setup.stage_devices(settings, vw_id, link, config, comm)
+  devices = rank_setup.stage_devices(settings, vw_id, link, restricted)
   optimizer = make_optimizer(config, num_mb)
   stages = stages_lib.build_stages(spec, partition, devices, optimizer)
   source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
@@ -369,7 +371,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
 
 
 def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, workdir, comm, point,
-            shards) -> dict:
+            shards, restricted) -> dict:
   from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
   from hetpipe_jax.jobs.evaluation import Evaluator
   from hetpipe_jax.ps.param_server import ParameterServer
@@ -384,7 +386,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
   outputs = RunOutputs(workdir)
   config_json = resolved_config(config, settings, partitions, num_ps_shards=settings.num_ps_shards,
                                 ps_placement=settings.ps_placement, **rank_setup.stage_rank_fields(settings),
-                                **rank_setup.rank_device_fields(config, comm),
+                                **rank_setup.rank_device_fields(restricted),
                                 **data_config_fields(spec, dataset))
   outputs.write_config(config_json)
   for note in settings.notes:
@@ -395,11 +397,12 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
   server = ParameterServer(shards.gather(flat0, 0), n, config.ps_apply)  # shard 0's slice (all of it when S = 1)
   clock0, total, segs = _segments(config, settings, num_mb, point)
   start_mb = point.minibatch_start if point else 0
+  parts = rank_setup.vw_parts(settings, shards, partitions, layout.layer_offsets)
   service = ParameterServerService(comm, server, num_minibatches_per_vw=num_mb, num_inflight=nm,
                                    evaluate=evaluator.evaluate, eval_every_waves=eval_every,
                                    log_every_waves=config.log_every_waves, log_metrics=outputs.log_metrics,
                                    progress=config.progress, first_vw_rank=settings.num_ps_shards,
-                                   parts=rank_setup.vw_parts(settings, shards, partitions, layout.layer_offsets), shard=0)
+                                   parts=parts, shard=0)
   service.minibatches_done = [start_mb] * n
   service.evals = list(meta.get("evals", []))
   service.last_loss = meta.get("last_loss", float("nan"))
@@ -511,8 +514,8 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
       "ps_shards": {"layer_shards": list(shards.layer_shards), "shard_nodes": list(settings.shard_nodes),
                     "floats_per_shard": [shards.size(s) for s in range(shards.num_shards)],
                     "first_vw_rank": settings.num_ps_shards},
-      "ps_bytes": shard_ranks.ps_bytes_summary(byte_matrix, settings, partitions, layout.layer_offsets, shards, total - clock0,
-                                   rank_setup.vw_parts(settings, shards, partitions, layout.layer_offsets)),
+      "ps_bytes": shard_ranks.ps_bytes_summary(byte_matrix, settings, partitions, layout.layer_offsets, shards,
+                                               total - clock0, parts),
       **rank_setup.stage_rank_fields(settings),
       **({"stage_rank_stats": {str(vw): rep["stage_ranks"] for vw, rep in sorted(service.reports.items())}}
          if settings.stage_groups else {}),

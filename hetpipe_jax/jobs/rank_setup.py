@@ -25,7 +25,7 @@ def stage_link(config, settings, spec, partition, vw_id, num_mb, comm):
 
 def rank_devices_of(config, comm):
   """This rank's GPU restriction from the launcher (:mod:`hetpipe_jax.rank_devices`; applied by ``train`` before
-  jax started), or None."""
+  jax started), or None. Read once per rank by the job, which passes it on."""
   from hetpipe_jax import rank_devices
   return rank_devices.apply(comm.Get_rank(), comm.Get_size(), config.platform, environ=dict(os.environ))
 
@@ -50,23 +50,23 @@ def check_rank_devices(settings: JobSettings, table) -> None:
     raise ConfigError(str(e)) from None
 
 
-def rank_device_fields(config, comm) -> dict:
-  """What config.json records about the ranks' visible GPUs (per rank its plan GPU ids, and how they were applied)."""
-  restricted = rank_devices_of(config, comm)
+def rank_device_fields(restricted) -> dict:
+  """What config.json records about the ranks' visible GPUs (per rank its plan GPU ids, and how they were applied),
+  from :func:`rank_devices_of`."""
   if restricted is None:
     return {"rank_visible_devices": None, "rank_devices_applied": "none (no HETPIPE_RANK_DEVICES)"}
   return {"rank_visible_devices": [list(ids) for ids in restricted.table],
           "rank_devices_applied": restricted.applied}
 
 
-def stage_devices(settings, vw_id: int, link, config=None, comm=None) -> list:
-  """Per stage, its local device (stage ranks: a stage on another rank gets a placeholder, never used).
+def stage_devices(settings, vw_id: int, link, restricted=None) -> list:
+  """Per stage, its local device (stage ranks: a stage on another rank gets a placeholder, never used);
+  ``restricted``: this rank's :func:`rank_devices_of` (None: it sees every device of its host).
 
   Raises:
     ConfigError: a rank restricted to its GPUs (``HETPIPE_RANK_DEVICES``) lacks one of its stages' GPUs.
   """
   local = jax.local_devices()
-  restricted = rank_devices_of(config, comm) if comm is not None else None
   out = []
   for s, d in enumerate(settings.vws[vw_id].devices):
     if link is not None and not link.is_local(s):

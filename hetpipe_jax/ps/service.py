@@ -1,10 +1,12 @@
-"""The parameter server's MPI service loop (rank 0, or every PS shard): pushes, pulls, evaluation and metrics lines (HetPipe §5).
+"""The parameter server's MPI service loop (rank 0, or every PS shard): pushes, pulls, evaluation and metrics lines
+(HetPipe §5).
 
 Runtime layer. Polls for headers with ``Iprobe`` and sleeps when idle, backing off from 20 µs to 0.5 ms with a 1 µs
 timer slack (MPICH's blocking receives spin, and the machine's cores belong to the VWs; a fixed 0.5 ms sleep with the
-kernel's default slack cost 2-2.5 ms per push + pull on this machine, ``scripts/bench_ps.py``), applies wave updates (on receipt, or clock-aligned) through :class:`ParameterServer`, answers pulls once the
-global clock allows (pending ones are kept by :class:`hetpipe_jax.rules.wsp.ParameterServerState`), evaluates the global
-weights every ``eval_every_waves`` clock ticks and writes ``metrics.jsonl`` lines through the run's
+kernel's default slack cost 2-2.5 ms per push + pull on this machine, ``scripts/bench_ps.py``), applies wave updates
+(on receipt, or clock-aligned) through :class:`ParameterServer`, answers pulls once the global clock allows (pending
+ones are kept by :class:`hetpipe_jax.rules.wsp.ParameterServerState`), evaluates the global weights every
+``eval_every_waves`` clock ticks and writes ``metrics.jsonl`` lines through the run's
 :class:`~hetpipe_jax.jobs.outputs.RunOutputs`.
 """
 

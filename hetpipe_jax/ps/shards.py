@@ -224,9 +224,9 @@ def rebase_on_shards(flat: np.ndarray, own_flat: dict[int, np.ndarray], own_appl
                      shard_index: Sequence[np.ndarray]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
   """Pulled weights + the own pushed waves each shard's slice lacks (HetPipe §5; sharded PS, stage ranks).
 
-  The one rebase on host copies, used by a VW's driver over sharded parameter servers (``VirtualWorker``) and by every stage rank (on its
-  parts): per shard, the own waves :func:`hetpipe_jax.rules.wsp.own_waves_after_pull` keeps beyond the VW's entry of
-  that shard's vector clock are added, in wave order, on that shard's elements.
+  The one rebase on host copies, used by a VW's driver over sharded parameter servers (``VirtualWorker``) and by
+  every stage rank (on its parts): per shard, the own waves :func:`hetpipe_jax.rules.wsp.own_waves_after_pull`
+  keeps beyond the VW's entry of that shard's vector clock are added, in wave order, on that shard's elements.
 
   Args:
     flat: the pulled weights, float32 ``[n]``: the whole model (``n = num_params``; only the caller's elements need
