@@ -62,6 +62,30 @@ class Mutation:
   what: str
 
 
+# runtime_hands_off_after_updates moves the hand-off of ready tasks (the scheduler thread's step 3) after the
+# completed minibatches' updates (its step 4): vw_driver.run's text of both.
+_HANDOFF = (
+    "        if taken:\n"
+    "          with lock:\n"
+    "            submit_ready()\n")
+_UPDATES = (
+    "        # 4. Completed minibatches: every stage's update (a new weight version), wave ends and their pulls.\n"
+    "        if finished:\n"
+    "          t = time.perf_counter()\n"
+    "          for c in finished:\n"
+    "            p = c.task.minibatch_id\n"
+    "            with lock:\n"
+    "              mb = inflight.pop(p)\n"
+    "            vw.complete_minibatch(mb, c.end_s)\n"
+    "            num_finished += 1\n"
+    "            wave, pull = vw.sync.on_minibatch_complete(p)\n"
+    "            if wave is not None and vw.end_wave(wave):\n"
+    "              vw.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied\n"
+    "            if pull is not None:\n"
+    "              vw.ps.request_pull(pull)\n"
+    "          stats.update_s += time.perf_counter() - t\n")
+
+
 MUTATIONS = (
     # ---- the six bugs of the test audit
     Mutation("wsp_caps_D_at_1", "hetpipe_jax/rules/wsp.py",
@@ -352,42 +376,7 @@ MUTATIONS = (
              ("tests/test_stage_executor.py",),
              "an emulated task starts when the executor thread picks it up, not on the emulated device's timeline"),
     Mutation("runtime_hands_off_after_updates", "hetpipe_jax/runtime/vw_driver.py",
-             "        if taken:\n"
-             "          with lock:\n"
-             "            submit_ready()\n"
-             "        # 4. Completed minibatches: every stage's update (a new weight version), wave ends and their pulls.\n"
-             "        if finished:\n"
-             "          t = time.perf_counter()\n"
-             "          for c in finished:\n"
-             "            p = c.task.minibatch_id\n"
-             "            with lock:\n"
-             "              mb = inflight.pop(p)\n"
-             "            vw.complete_minibatch(mb, c.end_s)\n"
-             "            num_finished += 1\n"
-             "            wave, pull = vw.sync.on_minibatch_complete(p)\n"
-             "            if wave is not None and vw.end_wave(wave):\n"
-             "              vw.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied\n"
-             "            if pull is not None:\n"
-             "              vw.ps.request_pull(pull)\n"
-             "          stats.update_s += time.perf_counter() - t\n",
-             "        # 4. Completed minibatches: every stage's update (a new weight version), wave ends and their pulls.\n"
-             "        if finished:\n"
-             "          t = time.perf_counter()\n"
-             "          for c in finished:\n"
-             "            p = c.task.minibatch_id\n"
-             "            with lock:\n"
-             "              mb = inflight.pop(p)\n"
-             "            vw.complete_minibatch(mb, c.end_s)\n"
-             "            num_finished += 1\n"
-             "            wave, pull = vw.sync.on_minibatch_complete(p)\n"
-             "            if wave is not None and vw.end_wave(wave):\n"
-             "              vw.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied\n"
-             "            if pull is not None:\n"
-             "              vw.ps.request_pull(pull)\n"
-             "          stats.update_s += time.perf_counter() - t\n"
-             "        if taken:\n"
-             "          with lock:\n"
-             "            submit_ready()\n",
+             _HANDOFF + _UPDATES, _UPDATES + _HANDOFF,
              ("tests/test_runtime_host_path.py::test_tasks_made_ready_start_before_the_minibatch_updates",),
              "tasks made ready by a completion the scheduler thread books wait until the completed minibatches' "
              "updates are applied"),

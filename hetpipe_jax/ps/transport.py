@@ -173,14 +173,7 @@ class MPIPSClient:
     return self._pull_requests or None
 
   def _isend(self, kind: Kind, wave: int, payload: np.ndarray | None = None, dest: int = 0) -> None:
-    size = 0 if payload is None else payload.size
-    header = make_header(kind, self.vw_id, wave, size)
-    self._sends.append((self.comm.Isend(header, dest=dest, tag=TAG_HEADER), header))
-    if payload is not None and size:
-      payload = np.ascontiguousarray(payload)
-      if kind is Kind.PUSH:
-        PS_BYTES.add(dest, payload.nbytes)
-      self._sends.append((self.comm.Isend(payload, dest=dest, tag=TAG_DATA), payload))
+    isend_message(self.comm, self._sends, self.vw_id, kind, wave, payload, dest)
 
   def _reap(self) -> None:
     self._sends = [(r, b) for r, b in self._sends if not r.Test()]
@@ -298,6 +291,21 @@ class MPIPSClient:
       time.sleep(1e-4)
 
 
+def isend_message(comm, sends: list, vw_id: int, kind: Kind, wave: int, payload: np.ndarray | None,
+                  dest: int) -> None:
+  """Sends one VW → PS message: its header, then its payload when it has one (non-blocking; ``(request, buffer)``
+  pairs are appended to ``sends``, which keeps the buffers alive until sent). A PUSH payload's bytes are counted in
+  :data:`PS_BYTES` (the job's ``ps_bytes``)."""
+  size = 0 if payload is None else payload.size
+  header = make_header(kind, vw_id, wave, size)
+  sends.append((comm.Isend(header, dest=dest, tag=TAG_HEADER), header))
+  if size:
+    payload = np.ascontiguousarray(payload)
+    if kind is Kind.PUSH:
+      PS_BYTES.add(dest, payload.nbytes)
+    sends.append((comm.Isend(payload, dest=dest, tag=TAG_DATA), payload))
+
+
 def push_parts(isend: Callable, parts, rank: int, wave_id: int, values: np.ndarray,
                positions: dict[int, np.ndarray] | None = None) -> None:
   """Stage ranks: ``rank``'s part of wave ``wave_id`` to every shard it sends to (:meth:`VWParts.senders`).
@@ -362,11 +370,7 @@ class StageRankPSClient:
       self._posted[shard] = (self.comm.Irecv(header, source=shard, tag=TAG_HEADER), header)
 
   def _isend(self, kind: Kind, wave: int, payload: np.ndarray, dest: int) -> None:
-    header = make_header(kind, self.vw_id, wave, payload.size)
-    self._sends.append((self.comm.Isend(header, dest=dest, tag=TAG_HEADER), header))
-    if payload.size:
-      PS_BYTES.add(dest, payload.nbytes)
-      self._sends.append((self.comm.Isend(payload, dest=dest, tag=TAG_DATA), payload))
+    isend_message(self.comm, self._sends, self.vw_id, kind, wave, payload, dest)
     self._sends = [(r, b) for r, b in self._sends if not r.Test()]
 
   def push(self, wave_id: int, local_delta: np.ndarray) -> None:
