@@ -3,7 +3,9 @@
 import os
 import pathlib
 
-os.environ["JAX_PLATFORMS"] = "cpu"
+# HETPIPE_TEST_PLATFORM=gpu (scripts/gpu_check.py's pytest_gpu step, with -m gpu) leaves the platform to JAX.
+if os.environ.get("HETPIPE_TEST_PLATFORM", "cpu") != "gpu":
+  os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 # JAX's persistent compilation cache, shared by this process and every process it starts (MPI ranks, scripts, the
 # mutation check's copies): the suite compiles the same small stage functions hundreds of times. Keyed by the HLO,

@@ -27,7 +27,7 @@ def run_job(workdir, num_ranks: int, overrides: dict, config: str = "experiments
   overrides = {"check_counts": False, "progress": False, **overrides}
   args += [f"--config.{k}={v}" for k, v in overrides.items()] + list(extra_args)
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-  env["PYTHONPATH"] = str(REPO_ROOT)
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
   return subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -104,6 +104,14 @@ GPT2_VOCAB = 50257
 GPT2_CONTEXT = 1024
 
 
+@register_model("gpt2_small")
+def gpt2_small() -> ModelSpec:
+  """GPT-2 small shapes (Radford et al. 2019, Table 2: 12 blocks, d_model 768, 12 heads, ~163 M parameters with an
+  untied head, 124 M tied), vocabulary 50,257, context 1,024. For planning and the GPU check
+  (``scripts/gpu_check.sh``)."""
+  return gpt("gpt2_small", vocab_size=GPT2_VOCAB, seq_len=GPT2_CONTEXT, d_model=768, num_heads=12, num_blocks=12)
+
+
 @register_model("gpt2_medium")
 def gpt2_medium() -> ModelSpec:
   """GPT-2 medium shapes (Radford et al. 2019, Table 2: 24 blocks, d_model 1024, 16 heads, ~355 M parameters with
