@@ -7,16 +7,20 @@
 # Set-up here, nothing fetched: when .gpu_carry/ exists (made by scripts/gpu_wheels.sh on a machine with PyPI), its
 # wheels (what the GPU image lacks: ml_collections, mpi4py + the mpich library) are installed under
 # /tmp/hetpipe_gpu_prefix and put first on PYTHONPATH, PATH and LD_LIBRARY_PATH, and its fashion-mnist/ becomes
-# HETPIPE_DATA_DIR. Python: $PYTHON, else .venv/bin/python when present, else python3 (the image's, with its JAX).
+# HETPIPE_DATA_DIR. Python: $PYTHON, else .venv/bin/python when present (then the wheels are not needed), else
+# python3 (the GPU image's, with its JAX).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${GPU_CARRY:-.gpu_carry}
-if [ -d "$CARRY/wheels" ] && ls "$CARRY"/wheels/*.whl >/dev/null 2>&1; then
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -x .venv/bin/python ]; then PY=.venv/bin/python  # set-up made it: everything is installed
+else PY=python3
+fi
+if [ "$PY" != .venv/bin/python ] && ls "$CARRY"/wheels/*.whl >/dev/null 2>&1; then
   PREFIX=/tmp/hetpipe_gpu_prefix
-  PYBOOT=${PYTHON:-python3}
   if [ ! -f "$PREFIX/.installed" ]; then
     echo "gpu_check: installing the carried wheels into $PREFIX: $(ls "$CARRY"/wheels | tr '\n' ' ')"
-    "$PYBOOT" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --prefix "$PREFIX" \
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --prefix "$PREFIX" \
       "$CARRY"/wheels/*.whl || { echo "gpu_check: installing the wheels failed" >&2; exit 1; }
     touch "$PREFIX/.installed"
   fi
@@ -27,10 +31,6 @@ if [ -d "$CARRY/wheels" ] && ls "$CARRY"/wheels/*.whl >/dev/null 2>&1; then
 fi
 if [ -z "${HETPIPE_DATA_DIR:-}" ] && [ -d "$CARRY/fashion-mnist" ]; then
   export HETPIPE_DATA_DIR="$PWD/$CARRY/fashion-mnist"
-fi
-if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
-elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
-else PY=python3
 fi
 export PYTHONUNBUFFERED=1
 # Several processes share the one GPU (the MPI ranks of the main job and of the GPU tests): allocate on demand.

@@ -137,7 +137,7 @@ def test_per_vw_partitions_are_recorded_per_vw():
     ({"partition": "0:1,1:3;0:1,1:3;0:1,1:3"}, r"gives 3 partitions for 2 virtual workers"),
     ({"stage_devices": "a,b"}, r"config.stage_devices='a,b' is malformed"),
     ({"stage_devices": "0"}, r"lists 1 devices for 2 stages"),
-    ({"stage_devices": "1,1"}, r"must be distinct"),
+    ({"stage_devices": "1,-1"}, r"config.stage_devices='1,-1' must be non-negative device indices"),
     ({"emulate_stage_ms": "20,x"}, r"config.emulate_stage_ms='20,x' is malformed"),
     ({"emulate_stage_ms": "20,40,60"}, r"needs 2 times per VW for 2 VWs"),
     ({"emulate_stage_ms": "20,0"}, r"every time must be > 0"),

@@ -147,9 +147,9 @@ BAD_INPUTS = [
     # A plan made for another model, or for another batch size, through the job path.
     ({"model": "mlp_tiny"}, 3, "was made for model 'cnn', not for model 'mlp_tiny'", DEFAULT),
     ({"batch_size": 32}, 3, "the plan was made for batch size 64 but config.batch_size=32", DEFAULT),
-    # Stage devices: one distinct index per stage, and as many local devices as the largest index needs.
+    # Stage devices: one index per stage, and as many local devices as the largest index needs.
     ({"ps_apply": "eventually"}, 3, "config.ps_apply='eventually' must be 'on_receipt' (HetPipe §5", TINY),
-    ({"stage_devices": "0,0"}, 3, "config.stage_devices='0,0' must be distinct non-negative device indices", TINY),
+    ({"stage_devices": "0,-1"}, 3, "config.stage_devices='0,-1' must be non-negative device indices", TINY),
     ({"stage_devices": "0"}, 3, "config.stage_devices lists 1 devices for 2 stages", TINY),
     ({"stage_devices": "0,2", "num_cpu_devices": 2}, 3,
      "2 stages need 3 local devices per VW but only 2 cpu device(s) exist", TINY),
