@@ -83,6 +83,8 @@ _WORK_DIR = flags.DEFINE_string("work_dir", None, "Intermediate files (each step
                                 "default: a new folder under the system's temp dir). Only the final products go to "
                                 "--out: gpu_check.json, the plots and the measured profiles (a GPU loan brings back "
                                 "at most 8 files).")
+_STEP_TIMEOUT = flags.DEFINE_list("step_timeout_s", [], "Override step limits, e.g. main_job:300,profile:200 (the "
+                                   "memory step's applies to each stage's process).")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "profile / pipeline: timed repetitions per measurement.")
 
 
@@ -247,20 +249,26 @@ def step_main_job(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
   return result
 
 
-def _profile_table(prof, gpu, config) -> tuple[list[dict], float | None]:
-  """Per layer: measured ms against the roofline at efficiency 1 and at the fitted efficiency."""
+def _profile_table(prof, costs, gpu, config) -> tuple[list[dict], float | None]:
+  """Per layer: measured ms (``prof``) against the roofline of ``costs``' FLOPs and bytes at efficiency 1 and at
+  the fitted efficiency (``costs``: a cost-analysis profile of the same model and batch)."""
   import dataclasses
   from hetpipe_jax.planning import cost_model
   rows, fitted = [], None
   if gpu is not None:
     ideal = dataclasses.replace(gpu, measured_device_kind=None, roofline_efficiency=1.0)
-    fitted = cost_model.calibrate_efficiency(prof, ideal)
+    merged = dataclasses.replace(costs, measured=True, layers=tuple(
+        dataclasses.replace(c, fwd_time_ms=m.fwd_time_ms, bwd_time_ms=m.bwd_time_ms)
+        for c, m in zip(costs.layers, prof.layers)))
+    fitted = cost_model.calibrate_efficiency(merged, ideal)
     at_fit = dataclasses.replace(gpu, measured_device_kind=None, roofline_efficiency=min(fitted, 1.0))
-  for layer in prof.layers:
+  for layer, cost in zip(prof.layers, costs.layers):
     row = {"layer": layer.name, "fwd_ms": layer.fwd_time_ms, "bwd_ms": layer.bwd_time_ms,
-           "fwd_gflop": layer.fwd_flops / 1e9, "bwd_gflop": layer.bwd_flops / 1e9}
+           "fwd_gflop": cost.fwd_flops / 1e9, "bwd_gflop": cost.bwd_flops / 1e9,
+           "fwd_gflop_device_cost_analysis": layer.fwd_flops / 1e9,
+           "bwd_gflop_device_cost_analysis": layer.bwd_flops / 1e9}
     if gpu is not None:
-      one = dataclasses.replace(prof, layers=(layer,))
+      one = dataclasses.replace(costs, measured=False, layers=(cost,))
       row["roofline_ms_at_efficiency_1"] = float(cost_model.layer_times_ms(one, ideal, config)[0])
       row["roofline_ms_at_fitted"] = float(cost_model.layer_times_ms(one, at_fit, config)[0])
       row["efficiency"] = row["roofline_ms_at_efficiency_1"] / (layer.fwd_time_ms + layer.bwd_time_ms)
@@ -268,8 +276,30 @@ def _profile_table(prof, gpu, config) -> tuple[list[dict], float | None]:
   return rows, fitted
 
 
+def _cpu_cost_profile(model: str, batch: int, cpu: bool, work: pathlib.Path):
+  """The cost-analysis profile the planner uses for a GPU it has not measured (XLA's CPU backend: it counts every
+  dot's FLOPs, where the GPU backend's cost analysis leaves out cuBLAS / cuDNN custom calls), made in a CPU-only
+  process."""
+  from hetpipe_jax.planning import profile_format
+  path = work / f"costs_{model}_b{batch}.json"
+  code = ("import sys; sys.path.insert(0, '.'); from scripts import gpu_check; from hetpipe_jax.runtime import "
+          "profiler; from hetpipe_jax.planning import profile_format as pf; "
+          f"spec = gpu_check._spec_named({model!r}, {cpu}); "
+          f"pf.save_profile(profiler.profile_model(spec, {batch}, measure=False, optimizer='adam'), {str(path)!r})")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                        check=False, timeout=90)
+  if proc.returncode != 0:
+    raise RuntimeError(f"the CPU cost analysis of {model} failed:\n{proc.stderr[-2000:]}")
+  return profile_format.load_profile(str(path))
+
+
+def _spec_named(name: str, cpu: bool):
+  from hetpipe_jax import models
+  return _gpt_spec(cpu) if name == _gpt_spec(cpu).name else models.get_model(name)
+
+
 def step_profile(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
-  del work
   import jax
   from hetpipe_jax import models
   from hetpipe_jax.planning import cost_model, profile_format
@@ -279,14 +309,19 @@ def step_profile(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
   gpu = next(iter(clus.gpu_types.values())) if clus is not None else None
   config = cost_model.CostModelConfig()
   result = {"device_kind": device.device_kind, "cluster": clus.name if clus else None,
-            "gpu_type": gpu.name if gpu else None, "models": {}}
+            "gpu_type": gpu.name if gpu else None,
+            "roofline_source": "FLOPs and bytes of XLA's CPU cost analysis (what the planner uses for a GPU it has "
+                               "not measured; the GPU backend's cost analysis leaves out cuBLAS / cuDNN calls: "
+                               "*_device_cost_analysis)",
+            "models": {}}
   for spec, batch in ((models.get_model("cnn"), 64 if not cpu else 8), (_gpt_spec(cpu), _gpt_batch(cpu))):
     t0 = time.perf_counter()
     prof = profiler.profile_model(spec, batch, measure=True, repeats=_REPEATS.value if not cpu else 2,
                                   optimizer="adam", device=device)
     path = out / f"profile_{spec.name}_b{batch}.json"
     profile_format.save_profile(prof, str(path))
-    rows, fitted = _profile_table(prof, gpu, config)
+    costs = _cpu_cost_profile(spec.name, batch, cpu, work)
+    rows, fitted = _profile_table(prof, costs, gpu, config)
     seq = spec.input_shape[0] if spec.input_dtype == "int32" else None
     result["models"][spec.name] = {
         "batch_size": batch, "sequence_length": seq, "seconds": time.perf_counter() - t0,
@@ -556,7 +591,8 @@ def _run_child(step: str, out: pathlib.Path, work: pathlib.Path, cpu: bool, extr
   path.unlink(missing_ok=True)
   args = [sys.executable, os.path.abspath(__file__), f"--step={step}", f"--out={out}", f"--work_dir={work}",
           f"--main_epochs={_MAIN_EPOCHS.value}", f"--gpt_batch={_GPT_BATCH.value}",
-          f"--pipeline_minibatches={_PIPELINE_MINIBATCHES.value}", f"--repeats={_REPEATS.value}", *extra]
+          f"--pipeline_minibatches={_PIPELINE_MINIBATCHES.value}", f"--repeats={_REPEATS.value}",
+          f"--step_timeout_s={','.join(f'{k}:{v}' for k, v in STEP_TIMEOUT_S.items())}", *extra]
   if cpu:
     args.append("--cpu")
   env = dict(os.environ)
@@ -602,6 +638,20 @@ def _output_dir() -> pathlib.Path:
 
 def main(argv) -> None:
   del argv
+  unknown = [s for s in _STEPS.value if s not in STEPS]
+  if unknown:
+    print(f"error: --steps has unknown steps {unknown}; choose from {','.join(STEPS)}", file=sys.stderr)
+    sys.exit(2)
+  for item in _STEP_TIMEOUT.value:
+    name, _, seconds = item.partition(":")
+    try:
+      if name not in STEPS or float(seconds) <= 0:
+        raise ValueError
+    except ValueError:
+      print(f"error: --step_timeout_s={item!r}: give STEP:SECONDS with STEP in {','.join(STEPS)} and SECONDS > 0",
+            file=sys.stderr)
+      sys.exit(2)
+    STEP_TIMEOUT_S[name] = float(seconds)
   out = _output_dir()
   out.mkdir(parents=True, exist_ok=True)
   cpu = _CPU.value
@@ -610,10 +660,6 @@ def main(argv) -> None:
   if _STEP.value is not None:
     _child(_STEP.value, out, work, cpu, _STAGE.value)
     return
-  unknown = [s for s in _STEPS.value if s not in STEPS]
-  if unknown:
-    print(f"error: --steps has unknown steps {unknown}; choose from {','.join(STEPS)}", file=sys.stderr)
-    sys.exit(2)
   report = {"mode": "cpu rehearsal" if cpu else "gpu", "started_unix_s": time.time(), "work_dir": str(work),
             "steps": {}}
   t_all = time.perf_counter()
