@@ -541,6 +541,23 @@ MUTATIONS = (
              "      or any(",
              ("tests/test_memory_caps.py::test_memory_caps_come_from_schedule_plans_at_their_nm",),
              "caps counted at the plan's Nm are applied to a run at another Nm"),
+    # issue 23 defects 1, 3, 4, 5, 6 (README launch and device index, method settings, world-size fix, slots, shards)
+    Mutation("gpu_index_no_node_default", "hetpipe_jax/planning/cluster.py",
+             "    return self.local_devices.get(gpu_id, node_local_index(gpu_id))",
+             "    return self.local_devices.get(gpu_id)",
+             ("tests/test_launch.py::test_a_gpus_device_index_defaults_to_its_index_on_its_node",),
+             "a GPU the cluster file does not map gets no device index (the README's launch stops)"),
+    Mutation("cluster_local_devices_ignored", "hetpipe_jax/planning/cluster.py",
+             "    return self.local_devices.get(gpu_id, node_local_index(gpu_id))",
+             "    return node_local_index(gpu_id)",
+             ("tests/test_launch.py::test_a_gpus_device_index_defaults_to_its_index_on_its_node",),
+             "the cluster file's local_devices no longer overrides a GPU's index on its node"),
+    Mutation("hostfile_slots_ignored", "hetpipe_jax/planning/rank_map.py",
+             "    if have is not None and len(on_host) > have:",
+             "    if False:",
+             ("tests/test_launch.py::test_hostfile_slots_limit_the_ranks_on_each_host_unless_oversubscribed",),
+             "a host gets more ranks than its hostfile slots without --oversubscribe"),
+
 )
 
 

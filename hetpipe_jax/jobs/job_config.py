@@ -284,9 +284,6 @@ def _settings_from_plan(config: Any, plan: Any) -> JobSettings:
     if config.stage_devices.strip() and _parse_devices(config.stage_devices, len(partition)) != planned:
       raise ConfigError(f"config.stage_devices={config.stage_devices!r} but the plan places virtual worker "
                         f"{vw.vw_id} on devices {list(planned)}: {fix}")
-    if None in planned:
-      raise ConfigError(f"the plan {config.plan} has no local device index for a GPU of virtual worker {vw.vw_id}: "
-                        "re-plan with a cluster that maps its GPUs to local devices")
     vws.append(VWLayout(partition, planned))
   from hetpipe_jax.planning import plan_format  # pylint: disable=g-import-not-at-top  (lazy, as load_plan)
   caps = plan_format.memory_caps(plan, num_inflight)
