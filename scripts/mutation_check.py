@@ -558,6 +558,17 @@ MUTATIONS = (
              ("tests/test_launch.py::test_hostfile_slots_limit_the_ranks_on_each_host_unless_oversubscribed",),
              "a host gets more ranks than its hostfile slots without --oversubscribe"),
 
+    Mutation("allreduce_accepts_ps_shards", "hetpipe_jax/jobs/job_config.py",
+             '    MethodSetting("num_ps_shards", None, _PS_METHODS, "sets the parameter-server shards"),',
+             '    MethodSetting("num_ps_shards", None, methods.METHODS, "sets the parameter-server shards"),',
+             ("tests/test_job_config.py::test_every_method_refuses_the_settings_it_does_not_use",),
+             "gpipe, 1f1b_flush and horovod accept num_ps_shards, run without a PS and record it"),
+    Mutation("world_size_suggests_negative_vws", "hetpipe_jax/jobs/job_config.py",
+             "if settings.plan is None and not settings.num_stage_ranks and fits >= 1 and not per_vw else",
+             "if settings.plan is None and not settings.num_stage_ranks and not per_vw else",
+             ("tests/test_job_config.py::test_the_world_size_error_suggests_only_fixes_that_work",),
+             "the world-size error suggests a VW count below 1"),
+
 )
 
 

@@ -149,6 +149,9 @@ BAD_INPUTS = [
     ({"batch_size": 32}, 3, "the plan was made for batch size 64 but config.batch_size=32", DEFAULT),
     # Stage devices: one distinct index per stage, and as many local devices as the largest index needs.
     ({"ps_apply": "eventually"}, 3, "config.ps_apply='eventually' must be 'on_receipt' (HetPipe §5", TINY),
+    # A PS setting for an all-reduce method (no PS) is refused, not ignored and recorded (issue 23 defect 3).
+    ({"method": "gpipe", "num_ps_shards": 2}, 2,
+     "config.num_ps_shards=2 sets the parameter-server shards, which config.method='gpipe' does not use", TINY),
     ({"stage_devices": "0,0"}, 3, "config.stage_devices='0,0' must be distinct non-negative device indices", TINY),
     ({"stage_devices": "0"}, 3, "config.stage_devices lists 1 devices for 2 stages", TINY),
     ({"stage_devices": "0,2", "num_cpu_devices": 2}, 3,

@@ -102,8 +102,7 @@ def prepare(config: Any, settings: JobSettings, world_size: int,
     ConfigError: wrong world size, unknown model (a registry name, or a ``module:factory`` that does not import or
       does not return a ModelSpec), a partition that does not cover the model, too few devices.
   """
-  del config
-  check_world_size(settings, world_size)
+  check_world_size(settings, world_size, config)
   try:
     spec = models.load_model(settings.model)
   except ValueError as e:
