@@ -569,6 +569,12 @@ MUTATIONS = (
              ("tests/test_job_config.py::test_the_world_size_error_suggests_only_fixes_that_work",),
              "the world-size error suggests a VW count below 1"),
 
+    Mutation("empty_ps_shard_runs", "hetpipe_jax/jobs/job_config.py",
+             '  if empty and settings.ps_placement != "local":',
+             "  if False:",
+             ("tests/test_ps_shards.py::test_a_shard_without_parameters_is_refused_under_default_placement",),
+             "a PS shard left without parameters (more shards than parameterised layers) runs silently"),
+
 )
 
 

@@ -693,7 +693,16 @@ def with_ps_shards(config: Any, settings: JobSettings) -> JobSettings:
 def ps_layer_shards(settings: JobSettings, partitions: Sequence[Partition], has_params: Sequence[bool]
                     ) -> list[int | None]:
   """Per layer, the index of the PS shard that holds it (None: no parameters), by the one placement rule
-  (:func:`hetpipe_jax.planning.ps_placement.assign_layers`) over ``settings.shard_nodes``."""
+  (:func:`hetpipe_jax.planning.ps_placement.assign_layers`) over ``settings.shard_nodes``.
+
+  Under ``default`` placement every shard must hold some parameters: a shard left empty (more shards than layers
+  with parameters) would be a rank that serves nothing. Under ``local`` placement a node whose stages have no
+  parameters keeps its (empty) shard: the placement has one shard per node.
+
+  Raises:
+    ConfigError: ``default`` placement leaves a shard without parameters (the message names the shards and the
+      most that hold some).
+  """
   from hetpipe_jax.planning.ps_placement import assign_layers
   num = settings.num_ps_shards
   per_vw = []
@@ -707,8 +716,16 @@ def ps_layer_shards(settings: JobSettings, partitions: Sequence[Partition], has_
     labels = list(settings.shard_nodes)
   else:  # round-robin over the shards themselves
     labels = [str(i) for i in range(num)]
-  return [None if a is None else labels.index(a)
-          for a in assign_layers(settings.ps_placement, labels, has_params, per_vw)]
+  shards = [None if a is None else labels.index(a)
+            for a in assign_layers(settings.ps_placement, labels, has_params, per_vw)]
+  empty = [i for i in range(num) if i not in shards]
+  if empty and settings.ps_placement != "local":
+    held = sum(bool(h) for h in has_params)
+    raise ConfigError(f"config.num_ps_shards={num}: PS shard{'s' if len(empty) > 1 else ''} "
+                      f"{', '.join(map(str, empty))} would hold no parameters (the model has {held} layers with "
+                      f"parameters, placed round-robin over the shards): set --config.num_ps_shards to at most "
+                      f"{held} (python -m hetpipe_jax.launch: --num_ps_shards={held})")
+  return shards
 
 
 def with_stage_ranks(config: Any, settings: JobSettings, resume: bool = False) -> JobSettings:
