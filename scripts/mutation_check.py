@@ -38,7 +38,7 @@ _BASELINE = flags.DEFINE_bool("baseline", True, "First run every named test on a
                               "without a mutation would make every mutation look caught (CI skips it: the suite itself "
                               "is the baseline there).")
 
-COPIED = ("hetpipe_jax", "tests", "experiments", "scripts", "pytest.ini")
+COPIED = ("hetpipe_jax", "tests", "experiments", "scripts", "pytest.ini", "README.md")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -574,6 +574,18 @@ MUTATIONS = (
              "  if False:",
              ("tests/test_ps_shards.py::test_a_shard_without_parameters_is_refused_under_default_placement",),
              "a PS shard left without parameters (more shards than parameterised layers) runs silently"),
+
+    Mutation("hostfile_slots_not_summed", "hetpipe_jax/planning/rank_map.py",
+             "    slots[host] = slots.get(host, 0) + (int(count) if colon else 1)",
+             "    slots[host] = int(count) if colon else 1",
+             ("tests/test_launch.py::test_hostfile_slots_limit_the_ranks_on_each_host_unless_oversubscribed",
+              "tests/test_launch.py::test_a_gpus_device_index_defaults_to_its_index_on_its_node"),
+             "a host on several hostfile lines gets only its last line's slots (four localhost:5 lines: 5, not 20)"),
+    Mutation("readme_launch_without_gpu_index", "hetpipe_jax/planning/cluster.py",
+             "    return self.local_devices.get(gpu_id, node_local_index(gpu_id))",
+             "    return self.local_devices.get(gpu_id)",
+             ("tests/test_readme.py::test_readme_commands_run_as_written",),
+             "the README's plan-then-launch example stops (the README test runs it as written)"),
 
 )
 
