@@ -17,9 +17,9 @@ stages run on separate ranks, each on its own node's host, so ED and HD VWs, whi
 cluster (ranks ``S..S+N-1``: each VW's driver and first stage; then one rank per further stage, or per further node
 of the VW with ``--stage_rank_grouping=node``). The plan's node i runs on the hostfile's host i (MPICH syntax,
 ``host`` or ``host:slots`` per line; ``host`` alone is 1 slot, a host on several lines has their sum); a hostfile with
-one host, or none, maps every node to it (``localhost``): one machine runs a multi-node plan with CPU devices. A host given
-more ranks than its slots is refused unless ``--oversubscribe`` (no hostfile: no limit). Slurm equivalent (ranks
-placed by the same file, one host per line)::
+one host, or none, maps every node to it (``localhost``): one machine runs a multi-node plan with CPU devices. A host
+given more ranks than its slots is refused unless ``--oversubscribe`` (no hostfile: no limit). Slurm equivalent
+(ranks placed by the same file, one host per line)::
 
   awk -F: '{print $1}' <workdir>/ranks.hosts > ranks.slurm
   SLURM_HOSTFILE=ranks.slurm HETPIPE_RANK_DEVICES='<the table>' srun -n <ranks> --distribution=arbitrary \

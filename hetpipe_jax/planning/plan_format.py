@@ -32,7 +32,7 @@ class VirtualWorkerEntry:
   vw_id: int
   gpus: tuple[str, ...]
   gpu_types: tuple[str, ...]
-  devices: tuple[int | None, ...]  # per stage, the GPU's device index on its node (ClusterSpec.device_index)
+  devices: tuple[int, ...]  # per stage, the GPU's device index on its node (ClusterSpec.device_index)
   partition: tuple[tuple[int, int], ...]
   stage_time_ms: tuple[float, ...]
   stage_memory_bytes: tuple[int, ...]
