@@ -1,7 +1,7 @@
 """Launcher: maps a plan's ranks (PS shards, VWs, stage ranks) onto hosts and runs (or prints) the mpiexec command.
 
   python -m hetpipe_jax.launch --plan=plan.json --hostfile=hosts [--dry_run] [--config=...] [--workdir=...] \
-      [--stage_ranks [--stage_rank_grouping=node]] [-- --config.num_minibatches=100 ...]
+      [--stage_ranks [--stage_rank_grouping=node]] [--oversubscribe] [-- --config.num_minibatches=100 ...]
 
 Prints the mapping table (rank, role, plan nodes, host, devices), writes ``<workdir>/ranks.hosts`` (an MPICH
 machinefile: one ``host:1`` line per rank, in rank order) and runs
@@ -15,16 +15,18 @@ written to ``<workdir>/ranks.devices``), and ``hetpipe_jax.train`` sets ``CUDA_V
 starts (:mod:`hetpipe_jax.rank_devices`; on CPU nothing changes, config.json records the table). ``--stage_ranks`` adds ``--config.stage_ranks=True`` (and the grouping): a VW's
 stages run on separate ranks, each on its own node's host, so ED and HD VWs, which span nodes, map onto a real
 cluster (ranks ``S..S+N-1``: each VW's driver and first stage; then one rank per further stage, or per further node
-of the VW with ``--stage_rank_grouping=node``). The plan's node i runs on the hostfile's host i (MPICH syntax, ``host`` or
-``host:slots`` per line); a hostfile with one host, or none, maps every node to it (``localhost``): one machine runs
-a multi-node plan with CPU devices. Slurm equivalent (ranks placed by the same file, one host per line)::
+of the VW with ``--stage_rank_grouping=node``). The plan's node i runs on the hostfile's host i (MPICH syntax,
+``host`` or ``host:slots`` per line; ``host`` alone is 1 slot, a host on several lines has their sum); a hostfile with
+one host, or none, maps every node to it (``localhost``): one machine runs a multi-node plan with CPU devices. A host
+given more ranks than its slots is refused unless ``--oversubscribe`` (no hostfile: no limit). Slurm equivalent
+(ranks placed by the same file, one host per line)::
 
   awk -F: '{print $1}' <workdir>/ranks.hosts > ranks.slurm
   SLURM_HOSTFILE=ranks.slurm HETPIPE_RANK_DEVICES='<the table>' srun -n <ranks> --distribution=arbitrary \
       --mpi=pmi2 python -m mpi4py -m hetpipe_jax.train ...   # the same arguments as the mpiexec command
 
-Bad input (a missing plan or hostfile, too few hosts, a VW spread over several hosts without stage ranks) is one
-``error:`` line and exit status 2 before anything starts.
+Bad input (a missing plan or hostfile, too few hosts, a VW spread over several hosts without stage ranks, more ranks
+on a host than its slots) is one ``error:`` line and exit status 2 before anything starts.
 """
 
 from __future__ import annotations
@@ -51,18 +53,22 @@ _STAGE_RANKS = flags.DEFINE_bool("stage_ranks", False, "A VW's stages on separat
                                   "each on its node's host.")
 _GROUPING = flags.DEFINE_enum("stage_rank_grouping", "gpu", ["gpu", "node"], "With --stage_ranks: one rank per stage "
                               "(gpu) or per node of a VW (node).")
+_OVERSUBSCRIBE = flags.DEFINE_bool("oversubscribe", False, "Allow more ranks on a host than its hostfile slots "
+                                   "(default: refused, naming the host).")
 _MPIEXEC = flags.DEFINE_string("mpiexec", "", "mpiexec to run ('' = the one next to this Python, else on PATH).")
 flags.mark_flags_as_required(["plan"])
 
 
 def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_ps_shards: int | None,
-                  extra: list[str], mpiexec: str = "", stage_rank_grouping: str | None = None
-                  ) -> tuple[str, str, list[str]]:
+                  extra: list[str], mpiexec: str = "", stage_rank_grouping: str | None = None,
+                  oversubscribe: bool = False) -> tuple[str, str, list[str]]:
   """``(mapping table, machinefile text, mpiexec argv)`` for a plan and a hostfile (``stage_rank_grouping``: stage
-  ranks, ``"gpu"`` or ``"node"``; None: one process per VW).
+  ranks, ``"gpu"`` or ``"node"``; None: one process per VW; ``oversubscribe``: a host may get more ranks than its
+  hostfile slots).
 
   Raises:
-    hetpipe_jax.planning.rank_map.LaunchError: unreadable plan or hostfile, or a mapping that cannot run.
+    hetpipe_jax.planning.rank_map.LaunchError: unreadable plan or hostfile, or a mapping that cannot run (too few
+      hosts, a VW across hosts without stage ranks, more ranks on a host than its slots).
   """
   from hetpipe_jax.jobs.job_config import plan_nodes
   from hetpipe_jax.paths import repo_path
@@ -71,15 +77,16 @@ def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_
     plan = plan_format.load_plan(str(repo_path(plan_path)))
   except (OSError, ValueError) as e:
     raise rank_map.LaunchError(f"--plan={plan_path}: {e}") from None
-  hosts: list[str] = []
+  host_slots: dict[str, int] = {}
   if hostfile:
     try:
-      hosts = rank_map.read_hostfile(pathlib.Path(hostfile).read_text())
+      host_slots = rank_map.hostfile_slots(pathlib.Path(hostfile).read_text())
     except OSError as e:
       raise rank_map.LaunchError(f"--hostfile={hostfile}: {e}") from None
   nodes = plan_nodes(plan)
   shards = len(nodes) if num_ps_shards is None else num_ps_shards
-  slots = rank_map.map_ranks(plan, nodes, shards, hosts, stage_rank_grouping)
+  slots = rank_map.map_ranks(plan, nodes, shards, list(host_slots), stage_rank_grouping)
+  rank_map.check_slots(slots, host_slots, oversubscribe)
   if not mpiexec:
     local = pathlib.Path(sys.executable).parent / "mpiexec"
     mpiexec = str(local) if local.exists() else "mpiexec"
@@ -95,16 +102,8 @@ def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_
 
 def device_table(slots) -> str:
   """Per rank, the plan GPUs it may see (:mod:`hetpipe_jax.rank_devices`: a VW rank its stages' node-local GPU
-  indices, a shard none), as ``HETPIPE_RANK_DEVICES``'s text.
-
-  Raises:
-    hetpipe_jax.planning.rank_map.LaunchError: a VW rank's stage has no GPU index in the plan.
-  """
-  from hetpipe_jax.planning import rank_map
-  for slot in slots:
-    if any(d < 0 for d in slot.devices):
-      raise rank_map.LaunchError(f"rank {slot.rank} ({slot.role}): the plan gives a stage no GPU index "
-                                 f"({list(slot.devices)}); re-plan it")
+  indices, a shard none), as ``HETPIPE_RANK_DEVICES``'s text (the plan's device indices, checked when it was
+  read: :func:`hetpipe_jax.planning.plan_format.validate_plan`)."""
   return rank_devices.format_table([tuple(dict.fromkeys(slot.devices)) for slot in slots])
 
 
@@ -115,7 +114,8 @@ def main(argv) -> None:
   try:
     table, hostlines, command = build_command(_PLAN.value, _HOSTFILE.value, _CONFIG.value, workdir,
                                               _NUM_PS_SHARDS.value, extra, _MPIEXEC.value,
-                                              _GROUPING.value if _STAGE_RANKS.value else None)
+                                              _GROUPING.value if _STAGE_RANKS.value else None,
+                                              _OVERSUBSCRIBE.value)
   except LaunchError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)

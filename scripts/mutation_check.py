@@ -38,7 +38,7 @@ _BASELINE = flags.DEFINE_bool("baseline", True, "First run every named test on a
                               "without a mutation would make every mutation look caught (CI skips it: the suite itself "
                               "is the baseline there).")
 
-COPIED = ("hetpipe_jax", "tests", "experiments", "scripts", "pytest.ini")
+COPIED = ("hetpipe_jax", "tests", "experiments", "scripts", "pytest.ini", "README.md")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -541,6 +541,52 @@ MUTATIONS = (
              "      or any(",
              ("tests/test_memory_caps.py::test_memory_caps_come_from_schedule_plans_at_their_nm",),
              "caps counted at the plan's Nm are applied to a run at another Nm"),
+    # issue 23 defects 1, 3, 4, 5, 6 (README launch and device index, method settings, world-size fix, slots, shards)
+    Mutation("gpu_index_no_node_default", "hetpipe_jax/planning/cluster.py",
+             "    return self.local_devices.get(gpu_id, node_local_index(gpu_id))",
+             "    return self.local_devices.get(gpu_id)",
+             ("tests/test_launch.py::test_a_gpus_device_index_defaults_to_its_index_on_its_node",),
+             "a GPU the cluster file does not map gets no device index (the README's launch stops)"),
+    Mutation("cluster_local_devices_ignored", "hetpipe_jax/planning/cluster.py",
+             "    return self.local_devices.get(gpu_id, node_local_index(gpu_id))",
+             "    return node_local_index(gpu_id)",
+             ("tests/test_launch.py::test_a_gpus_device_index_defaults_to_its_index_on_its_node",),
+             "the cluster file's local_devices no longer overrides a GPU's index on its node"),
+    Mutation("hostfile_slots_ignored", "hetpipe_jax/planning/rank_map.py",
+             "    if have is not None and len(on_host) > have:",
+             "    if False:",
+             ("tests/test_launch.py::test_hostfile_slots_limit_the_ranks_on_each_host_unless_oversubscribed",),
+             "a host gets more ranks than its hostfile slots without --oversubscribe"),
+
+    Mutation("allreduce_accepts_ps_shards", "hetpipe_jax/jobs/job_config.py",
+             '    MethodSetting("num_ps_shards", None, _PS_METHODS, "sets the parameter-server shards"),',
+             '    MethodSetting("num_ps_shards", None, methods.METHODS, "sets the parameter-server shards"),',
+             ("tests/test_job_config.py::test_every_method_refuses_the_settings_it_does_not_use",),
+             "gpipe, 1f1b_flush and horovod accept num_ps_shards, run without a PS and record it"),
+    Mutation("world_size_suggests_negative_vws", "hetpipe_jax/jobs/job_config.py",
+             "if settings.plan is None and not settings.num_stage_ranks and fits >= 1 and not per_vw else",
+             "if settings.plan is None and not settings.num_stage_ranks and not per_vw else",
+             ("tests/test_job_config.py::test_the_world_size_error_suggests_only_fixes_that_work",),
+             "the world-size error suggests a VW count below 1"),
+
+    Mutation("empty_ps_shard_runs", "hetpipe_jax/jobs/job_config.py",
+             '  if empty and settings.ps_placement != "local":',
+             "  if False:",
+             ("tests/test_ps_shards.py::test_a_shard_without_parameters_is_refused_under_default_placement",),
+             "a PS shard left without parameters (more shards than parameterised layers) runs silently"),
+
+    Mutation("hostfile_slots_not_summed", "hetpipe_jax/planning/rank_map.py",
+             "    slots[host] = slots.get(host, 0) + (int(count) if colon else 1)",
+             "    slots[host] = int(count) if colon else 1",
+             ("tests/test_launch.py::test_hostfile_slots_limit_the_ranks_on_each_host_unless_oversubscribed",
+              "tests/test_launch.py::test_a_gpus_device_index_defaults_to_its_index_on_its_node"),
+             "a host on several hostfile lines gets only its last line's slots (four localhost:5 lines: 5, not 20)"),
+    Mutation("readme_launch_without_gpu_index", "hetpipe_jax/planning/cluster.py",
+             "    return self.local_devices.get(gpu_id, node_local_index(gpu_id))",
+             "    return self.local_devices.get(gpu_id)",
+             ("tests/test_readme.py::test_readme_commands_run_as_written",),
+             "the README's plan-then-launch example stops (the README test runs it as written)"),
+
 )
 
 

@@ -1,6 +1,7 @@
 """Job settings without MPI or jax: every plan-vs-config rule, the recorded values, and the bad-input messages."""
 
 import json
+import re
 
 import pytest
 
@@ -186,3 +187,89 @@ def test_the_plan_is_read_once(monkeypatch):
   s = resolve_settings(c)
   times = job_config.emulated_task_times(c, s)
   assert len(times) == 2 and len(calls) == 1
+
+
+def _validated(c):
+  """The MPI job's settings validation (mpi_job.run): resolve, then the PS methods' shards and stage ranks."""
+  s = resolve_settings(c)
+  if s.uses_ps:
+    s = job_config.with_stage_ranks(c, job_config.with_ps_shards(c, s))
+  return s
+
+
+# Issue 23 defect 3: per method-only setting, written out by hand (not from job_config.METHOD_SETTINGS), the methods
+# that must accept it; every other method must refuse it with an error naming it. num_ps_shards=2 is refused by
+# PipeDream too (per-stage updates with sharded PSs are not supported), by its own rule.
+METHOD_SETTING_CASES = [
+    ("num_ps_shards", 1, {"hetpipe", "pipedream"}),
+    ("num_ps_shards", 2, {"hetpipe"}),
+    ("ps_placement", "default", {"hetpipe", "pipedream"}),
+    ("ps_apply", "clock_aligned", {"hetpipe", "pipedream"}),
+    ("pull_every_wave", False, {"hetpipe", "pipedream"}),
+    ("vertical_sync", True, {"pipedream"}),
+    ("stage_ranks", True, {"hetpipe"}),
+    ("remat", True, {"gpipe", "1f1b_flush", "horovod"}),
+]
+
+
+@pytest.mark.parametrize("method", ["hetpipe", "pipedream", "gpipe", "1f1b_flush", "horovod"])
+@pytest.mark.parametrize("name,value,accepted_by", METHOD_SETTING_CASES)
+def test_every_method_refuses_the_settings_it_does_not_use(method, name, value, accepted_by):
+  """Every method's settings go through the same validation: a setting the method does not use is refused naming it
+  (GPipe, 1F1B-flush and Horovod used to run without a PS and record ``num_ps_shards: 2``); one it uses is accepted
+  and recorded as it runs. The defaults of each method run."""
+  base = {"method": method, "checkpoint_every_waves": 0, "eval_every_epochs": 0.0}
+  if method == "horovod":
+    base["num_stages"] = 1
+  _validated(_tiny(**base))  # the defaults are accepted by every method
+  c = _tiny(**base, **{name: value})
+  if method not in accepted_by:
+    with pytest.raises(ConfigError, match=rf"^config\.{name}={value!r}") as e:
+      _validated(c)
+    assert f"config.method={method!r}" in str(e.value)
+    return
+  s = _validated(c)
+  recorded = resolved_config(c, s, job_config.check_partitions(s, 4))  # mlp_tiny: 4 layers
+  assert recorded[name] == value and recorded["method"] == method
+  if name == "num_ps_shards":
+    assert s.num_ps_shards == value and s.world_size == value + s.num_virtual_workers
+
+
+def _suggested_fixes(message):
+  fixes = [("mpiexec", int(n)) for n in re.findall(r"mpiexec -n (-?\d+)", message)]
+  fixes += [(k, int(v)) for k, v in re.findall(r"set config\.(\w+)=(-?\d+)", message)]
+  return fixes
+
+
+@pytest.mark.parametrize("method", ["hetpipe", "gpipe"])
+def test_the_world_size_error_suggests_only_fixes_that_work(method):
+  """Issue 23 defect 4: `mpiexec -n 3 ... --config.num_ps_shards=4` was told to "set config.num_virtual_workers=-1".
+  Over worlds, shard counts and layouts, every fix the error suggests, applied, passes the world-size check."""
+  checked = 0
+  for shards in ((1, 2, 4) if method == "hetpipe" else (None,)):
+    for partition in ("", "0:1,1:3;0:2,2:3"):  # one partition for every VW, or one per VW (fixes the VW count)
+      over = {"method": method, "num_ps_shards": shards, "partition": partition, "checkpoint_every_waves": 0,
+              "eval_every_epochs": 0.0}
+      c = _tiny(**over)
+      s = _validated(c)
+      for world in range(1, 8):
+        if world == s.world_size:
+          job_config.check_world_size(s, world, c)
+          continue
+        with pytest.raises(ConfigError, match=rf"MPI world size is {world} but") as e:
+          job_config.check_world_size(s, world, c)
+        fixes = _suggested_fixes(str(e.value))
+        assert fixes and fixes[0] == ("mpiexec", s.world_size), str(e.value)
+        for key, v in fixes[1:]:
+          assert key == "num_virtual_workers" and v >= 1, str(e.value)
+          fixed = _validated(_tiny(**over, num_virtual_workers=v))
+          job_config.check_world_size(fixed, world, c)
+          checked += 1
+        # The one VW count that fits, where the layout allows it, is suggested.
+        fits = world - (shards if method == "hetpipe" else 0)
+        assert (len(fixes) == 2) == (fits >= 1 and partition == ""), str(e.value)
+  assert checked > 0
+  s = _validated(_tiny(num_ps_shards=4, checkpoint_every_waves=0, eval_every_epochs=0.0))
+  with pytest.raises(ConfigError) as e:
+    job_config.check_world_size(s, 3)  # the issue's case
+  assert "mpiexec -n 6" in str(e.value) and "num_virtual_workers=" not in str(e.value).split("):")[-1]

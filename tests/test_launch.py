@@ -74,7 +74,7 @@ def test_stage_ranks_map_every_stage_to_its_nodes_host():
 
 def test_dry_run_prints_the_mapping_and_the_command(tmp_path):
   hosts = tmp_path / "hosts"
-  hosts.write_text("localhost\n")
+  hosts.write_text("localhost:4\n")  # 2 shards + 2 VWs
   proc = _launch(f"--plan={ED_LOCAL}", f"--hostfile={hosts}", "--dry_run", f"--workdir={tmp_path / 'run'}", "--",
                  "--config.num_minibatches=8")
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -279,3 +279,92 @@ def test_stage_ranks_move_ps_bytes_between_their_own_nodes_and_shards(tmp_path, 
     predicted = ps_bytes["predicted_crossing_nodes_per_wave"]
     assert predicted > 0 and ps_bytes["crossing_nodes"] > 0
     assert ps_bytes["crossing_nodes_per_wave"] == pytest.approx(predicted, rel=0.01)
+
+
+def _plan_cli(*args):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = str(REPO_ROOT)
+  return subprocess.run([sys.executable, "-m", "hetpipe_jax.plan", *args], cwd=REPO_ROOT, env=env,
+                        capture_output=True, text=True, timeout=120)
+
+
+def test_a_gpus_device_index_defaults_to_its_index_on_its_node(tmp_path):
+  """Issue 23 defect 1: the paper's cluster file has no local_devices, so every stage's GPU index was null and the
+  README's launch stopped. A GPU's device index is its index within its node (``V/2``: device 2), the cluster file's
+  ``local_devices`` overrides it, older plans with null devices read the same default, and a plan whose index is
+  still unusable is refused naming the GPU and what to change."""
+  out = tmp_path / "plan.json"
+  r = _plan_cli("--cluster=hetpipe_paper", "--model=cnn", "--batch_size=64", "--policy=ED", "--num_vws=4",
+                f"--output={out}")
+  assert r.returncode == 0, r.stderr[-2000:]
+  written = json.loads(out.read_text())["virtual_workers"]  # plain json, apart from the code under test
+  for vw in written:
+    assert vw["devices"] == [int(g.split("/")[1]) for g in vw["gpus"]], vw
+  assert sorted(vw["devices"] for vw in written) == [[v] * 4 for v in range(4)]  # ED: VW v on GPU v of every node
+  # The cluster file's local_devices overrides one GPU; the others keep their index on their node.
+  cluster = json.loads((REPO_ROOT / "experiments/clusters/hetpipe_paper.json").read_text())
+  cluster["local_devices"] = {"R/1": 3, "R/3": 1}
+  (tmp_path / "cluster.json").write_text(json.dumps(cluster))
+  r = _plan_cli(f"--cluster={tmp_path / 'cluster.json'}", "--model=cnn", "--batch_size=64", "--policy=ED",
+                "--num_vws=4", f"--output={out}")
+  assert r.returncode == 0, r.stderr[-2000:]
+  for vw in json.loads(out.read_text())["virtual_workers"]:
+    assert vw["devices"] == [cluster["local_devices"].get(g, int(g.split("/")[1])) for g in vw["gpus"]], vw
+  # A plan written with null devices (before the default) reads as the default, and the launcher maps it.
+  old = json.loads((REPO_ROOT / "experiments/plans/hetpipe_paper_cnn_b64_ed.json").read_text())
+  assert all(d is None for vw in old["virtual_workers"] for d in vw["devices"])
+  plan = plan_format.load_plan(str(REPO_ROOT / "experiments/plans/hetpipe_paper_cnn_b64_ed.json"))
+  assert [list(vw.devices) for vw in plan.virtual_workers] == [
+      [int(g.split("/")[1]) for g in vw["gpus"]] for vw in old["virtual_workers"]]
+  # The issue's steps: the paper's ED plan, a hostfile of four `localhost:5` lines (one host, 20 slots), a dry run.
+  hosts = tmp_path / "hosts"
+  hosts.write_text("localhost:5\n" * 4)
+  r = _plan_cli("--cluster=hetpipe_paper", "--model=cnn", "--batch_size=64", "--policy=ED", "--num_vws=4",
+                f"--output={out}")
+  assert r.returncode == 0, r.stderr[-2000:]
+  proc = _launch(f"--plan={out}", f"--hostfile={hosts}", "--dry_run", f"--workdir={tmp_path / 'run'}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  command = next(line for line in proc.stdout.splitlines() if line.startswith("command: "))
+  vw_gpus = [vw["devices"][0] for vw in json.loads(out.read_text())["virtual_workers"]]
+  assert f" -genv HETPIPE_RANK_DEVICES '-;-;-;-;{';'.join(map(str, vw_gpus))}' -n 8 " in command
+  # An index that is still unusable (a hand-edited plan) names the GPU and the fix, in the launcher's one error line.
+  bad = json.loads(out.read_text())
+  bad["virtual_workers"][1]["devices"][2] = -1
+  (tmp_path / "bad.json").write_text(json.dumps(bad))
+  proc = _launch(f"--plan={tmp_path / 'bad.json'}", f"--hostfile={hosts}", "--dry_run")
+  gpu = bad["virtual_workers"][1]["gpus"][2]
+  assert proc.returncode == 2 and proc.stderr.count("error:") == 1, proc.stderr
+  assert f"virtual worker 1: GPU {gpu} has device index -1" in proc.stderr
+  assert "set the cluster file's local_devices for it and re-plan" in proc.stderr
+
+
+def test_hostfile_slots_limit_the_ranks_on_each_host_unless_oversubscribed(tmp_path):
+  """Issue 23 defect 5: a host gets at most its hostfile slots (``host`` alone: 1; a host on several lines: their
+  sum); more is refused naming the host, its slots and its ranks, unless ``--oversubscribe``."""
+  assert rank_map.hostfile_slots("a:3\nb\n# c:9\na:2  # again\n") == {"a": 5, "b": 1}
+  with pytest.raises(rank_map.LaunchError, match="line 1 'a:0': a host needs at least 1 slot"):
+    rank_map.hostfile_slots("a:0\n")
+  plan = plan_format.load_plan(ED4)  # 4 nodes; with stage ranks: per host 1 shard + 2 ranks of the VWs' stages
+  slots = rank_map.map_ranks(plan, plan_nodes(plan), 4, ["h0", "h1", "h2", "h3"], "gpu")
+  per_host = {h: [s.rank for s in slots if s.host == h] for h in ("h0", "h1", "h2", "h3")}
+  assert {h: len(r) for h, r in per_host.items()} == {"h0": 3, "h1": 3, "h2": 3, "h3": 3}
+  rank_map.check_slots(slots, {"h0": 3, "h1": 3, "h2": 3, "h3": 3})  # exactly enough
+  ranks = ", ".join(map(str, per_host["h2"]))
+  with pytest.raises(rank_map.LaunchError,
+                     match=rf"host h2 has 2 slots in the hostfile but the plan puts 3 ranks on it \(ranks {ranks}\)"
+                           r".*--oversubscribe"):
+    rank_map.check_slots(slots, {"h0": 3, "h1": 3, "h2": 2, "h3": 3})
+  rank_map.check_slots(slots, {"h0": 1, "h1": 1, "h2": 1, "h3": 1}, oversubscribe=True)
+  # The issue's case through the CLI: two 1-slot hosts for a plan needing 3 ranks on each.
+  hosts = tmp_path / "hosts"
+  hosts.write_text("node-a:1\nnode-b:1\n")
+  proc = _launch(f"--plan={ED_LOCAL}", f"--hostfile={hosts}", "--stage_ranks", "--dry_run")
+  assert proc.returncode == 2 and proc.stderr.count("error:") == 1, proc.stderr
+  assert "error: host node-a has 1 slot in the hostfile but the plan puts 3 ranks on it (ranks 0, 2, 3)" in proc.stderr
+  proc = _launch(f"--plan={ED_LOCAL}", f"--hostfile={hosts}", "--stage_ranks", "--dry_run", "--oversubscribe")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  machinefile = proc.stdout.split("ranks.hosts:\n")[1].split("visible GPUs")[0].split()
+  assert machinefile == ["node-a:1", "node-b:1", "node-a:1", "node-a:1", "node-b:1", "node-b:1"]
+  hosts.write_text("node-a:3\nnode-b:3\n")
+  proc = _launch(f"--plan={ED_LOCAL}", f"--hostfile={hosts}", "--stage_ranks", "--dry_run")
+  assert proc.returncode == 0, proc.stderr[-2000:]

@@ -149,6 +149,12 @@ BAD_INPUTS = [
     ({"batch_size": 32}, 3, "the plan was made for batch size 64 but config.batch_size=32", DEFAULT),
     # Stage devices: one index per stage, and as many local devices as the largest index needs.
     ({"ps_apply": "eventually"}, 3, "config.ps_apply='eventually' must be 'on_receipt' (HetPipe §5", TINY),
+    # A PS setting for an all-reduce method (no PS) is refused, not ignored and recorded (issue 23 defect 3).
+    ({"method": "gpipe", "num_ps_shards": 2}, 2,
+     "config.num_ps_shards=2 sets the parameter-server shards, which config.method='gpipe' does not use", TINY),
+    # A PS shard that would hold no parameters (4 shards, mlp_tiny's 3 layers with parameters; issue 23 defect 6).
+    ({"num_ps_shards": 4, "checkpoint_every_waves": 0}, 6,
+     "config.num_ps_shards=4: PS shard 3 would hold no parameters (the model has 3 layers with parameters", TINY),
     ({"stage_devices": "0,-1"}, 3, "config.stage_devices='0,-1' must be non-negative device indices", TINY),
     ({"stage_devices": "0"}, 3, "config.stage_devices lists 1 devices for 2 stages", TINY),
     ({"stage_devices": "0,2", "num_cpu_devices": 2}, 3,

@@ -18,6 +18,7 @@ from tests.pipeline_util import tiny_config
 
 ED_DEFAULT = "experiments/plans/local_cpu_2node_mlp_tiny_ed_default.json"
 ED_LOCAL = "experiments/plans/local_cpu_2node_mlp_tiny_ed_local.json"  # run end to end in tests/test_launch.py
+MLP_TINY_OFFSETS = (0, 0, 25120, 26176, 26506)  # mlp_tiny's flat layer offsets: Flatten, then 3 Dense layers
 
 
 def _settings(**overrides):
@@ -50,6 +51,32 @@ def test_runtime_placement_is_the_planners():
   # default is round-robin over parameterised layers; local follows the stages' nodes
   assert ps_placement.assign_layers("default", ["a", "b"], [False, True, True, True], []) == [None, "a", "b", "a"]
   assert ps_placement.assign_layers("local", ["a", "b"], [True, True], [["b", "a"], ["b", "b"]]) == ["b", "a"]
+
+
+def test_a_shard_without_parameters_is_refused_under_default_placement():
+  """Issue 23 defect 6: more shards than layers with parameters left a shard empty and the run went on silently.
+  Under ``default`` placement (round-robin over the parameterised layers) it is refused naming the empty shards and
+  the most that can hold some; ``local`` placement keeps one shard per node, empty where the node's stages have no
+  parameters (the 4-node ED plan on mlp_tiny: node n2 runs only the parameterless Flatten layer)."""
+  has_params = [b > a for a, b in zip(MLP_TINY_OFFSETS, MLP_TINY_OFFSETS[1:])]
+  assert has_params == [False, True, True, True]
+  parts = [((0, 2), (2, 4))] * 2
+  for num in (1, 2, 3):  # round-robin by hand: every shard holds a parameterised layer
+    s = _settings(num_ps_shards=num, checkpoint_every_waves=0, eval_every_epochs=0.0)
+    assert job_config.ps_layer_shards(s, parts, has_params) == [None] + [i % num for i in range(3)]
+  for num, empty in ((4, "shard 3"), (6, "shards 3, 4, 5")):
+    s = _settings(num_ps_shards=num, checkpoint_every_waves=0, eval_every_epochs=0.0)
+    with pytest.raises(job_config.ConfigError,
+                       match=rf"^config.num_ps_shards={num}: PS {empty} would hold no parameters \(the model has 3 "
+                             r"layers with parameters.*set --config.num_ps_shards to at most 3"):
+      job_config.ps_layer_shards(s, parts, has_params)
+  path = "experiments/plans/local_cpu_4node_mlp_tiny_ed.json"
+  s = _settings(plan=path, checkpoint_every_waves=0, eval_every_epochs=0.0)
+  assert s.ps_placement == "local" and s.shard_nodes == ("n0", "n1", "n2", "n3")
+  plan = plan_format.load_plan(path)
+  shards = job_config.ps_layer_shards(s, [vw.partition for vw in plan.virtual_workers], has_params)
+  assert [None if x is None else s.shard_nodes[x] for x in shards] == plan.ps_placement["layer_to_node"]
+  assert 2 not in shards  # n2's shard is empty, and accepted
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -160,7 +160,7 @@ def horovod_plan(cluster, profile, nodes: tuple[str, ...]):
   for g in (g for g in cluster.gpus() if g.node in nodes):
     ms = float(costs.compute_ms(g.gpu_type, 0, profile.num_layers))
     vws.append(plan_format.VirtualWorkerEntry(
-        vw_id=len(vws), gpus=(g.gpu_id,), gpu_types=(g.gpu_type,), devices=(None,),
+        vw_id=len(vws), gpus=(g.gpu_id,), gpu_types=(g.gpu_type,), devices=(cluster.device_index(g.gpu_id),),
         partition=((0, profile.num_layers),), stage_time_ms=(round(ms, 6),), stage_memory_bytes=(need,),
         stage_capacity_bytes=(int(costs.capacity_bytes[g.gpu_type]),), max_num_inflight=1,
         saturating_num_inflight=1, predicted_minibatches_per_s=round(1e3 / ms, 6)))
@@ -253,6 +253,8 @@ def run_config(c: Conv, plan: dict, seed: int, workdir: pathlib.Path, quick: boo
       "optimizer": "sgd", "learning_rate": lr, "lr_schedule": "constant", "progress": False,
       "checkpoint_every_waves": 0, "eval_every_epochs": eval_every, "log_every_waves": 10**6,
       "num_epochs": epochs})
+  if c.method == "horovod":  # all-reduce: no PS, so paper_virtual's PS pull policy is not a setting of its runs
+    cfg.pull_every_wave = True
   if _DATA_DIR.value:
     cfg.data_dir = _DATA_DIR.value
   if quick:

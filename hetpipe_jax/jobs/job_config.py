@@ -214,17 +214,60 @@ def _check_scalars(config: Any) -> None:
   if methods.get_method(method).is_flush and m is not None and config.batch_size % m:
     raise ConfigError(f"config.method={method!r} splits each minibatch into num_inflight={m} micro-batches, but "
                       f"config.batch_size={config.batch_size} is not a multiple of it: pick a divisor")
-  if config.get("vertical_sync", False) and method != "pipedream":
-    raise ConfigError(f"config.vertical_sync=True is a PipeDream setting; config.method={method!r}")
   grouping = config.get("stage_rank_grouping", "gpu")
   if grouping not in ("gpu", "node"):
     raise ConfigError(f"config.stage_rank_grouping={grouping!r} must be 'gpu' (one rank per stage) or 'node' (a "
                       "VW's stages on one plan node share a rank)")
-  if config.get("stage_ranks", False) and method != "hetpipe":
-    raise ConfigError(f"config.stage_ranks=True runs HetPipe's pipeline (config.method='hetpipe'); config.method="
-                      f"{method!r} runs each VW in one process: set --config.stage_ranks=False")
-  if config.get("remat", False) and not methods.get_method(method).is_flush:
-    raise ConfigError(f"config.remat=True applies to gpipe, 1f1b_flush and horovod; config.method={method!r}")
+  check_method_settings(config, method)
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSetting:
+  """A setting only some methods use (:data:`METHOD_SETTINGS`).
+
+  Attributes:
+    name: the config field.
+    default: its value when unused (``None``: unset).
+    methods: the methods that use it.
+    what: what it sets, as the error says it (``config.<name>=<value> <what>, ...``).
+  """
+
+  name: str
+  default: Any
+  methods: tuple[str, ...]
+  what: str
+
+
+_PS_METHODS = tuple(m for m in methods.METHODS if methods.get_method(m).uses_ps)
+_FLUSH_METHODS = tuple(m for m in methods.METHODS if methods.get_method(m).is_flush)
+# Every setting that belongs to some methods only: given away from its default to another method, it is refused with
+# an error naming it (for every method alike, MPI and virtual time), instead of being ignored and recorded as if it
+# ran. The all-reduce methods (gpipe, 1f1b_flush, horovod) have no parameter server.
+METHOD_SETTINGS = (
+    MethodSetting("num_ps_shards", None, _PS_METHODS, "sets the parameter-server shards"),
+    MethodSetting("ps_placement", "", _PS_METHODS, "places layers on the parameter-server shards"),
+    MethodSetting("ps_apply", "on_receipt", _PS_METHODS, "sets how the parameter server applies wave updates"),
+    MethodSetting("pull_every_wave", True, _PS_METHODS, "sets when a VW pulls from the parameter server"),
+    MethodSetting("vertical_sync", False, ("pipedream",), "is PipeDream's vertical sync"),
+    MethodSetting("stage_ranks", False, ("hetpipe",), "runs HetPipe's pipeline with a VW's stages on separate ranks"),
+    MethodSetting("remat", False, _FLUSH_METHODS, "rematerialises the flush methods' activations"),
+)
+
+
+def check_method_settings(config: Any, method: str) -> None:
+  """Refuses a setting of :data:`METHOD_SETTINGS` given to a method that does not use it.
+
+  Raises:
+    ConfigError: naming the setting, the method and the fix.
+  """
+  for s in METHOD_SETTINGS:
+    value = config.get(s.name, s.default)
+    if method in s.methods or value == s.default:
+      continue
+    fix = ("leave it unset" if s.default is None else
+           f"set --config.{s.name}={s.default} (the default)")
+    raise ConfigError(f"config.{s.name}={value!r} {s.what}, which config.method={method!r} does not use (used by "
+                      f"{', '.join(s.methods)}): {fix}")
 
 
 def _settings_from_plan(config: Any, plan: Any) -> JobSettings:
@@ -286,9 +329,6 @@ def _settings_from_plan(config: Any, plan: Any) -> JobSettings:
     if config.stage_devices.strip() and _parse_devices(config.stage_devices, len(partition)) != planned:
       raise ConfigError(f"config.stage_devices={config.stage_devices!r} but the plan places virtual worker "
                         f"{vw.vw_id} on devices {list(planned)}: {fix}")
-    if None in planned:
-      raise ConfigError(f"the plan {config.plan} has no local device index for a GPU of virtual worker {vw.vw_id}: "
-                        "re-plan with a cluster that maps its GPUs to local devices")
     vws.append(VWLayout(partition, planned))
   from hetpipe_jax.planning import plan_format  # pylint: disable=g-import-not-at-top  (lazy, as load_plan)
   caps = plan_format.memory_caps(plan, num_inflight)
@@ -358,8 +398,19 @@ def settings_from_config(config: Any, plan: Any = None) -> JobSettings:
                      tuple(VWLayout(p, devices) for p in partitions), config.platform, None, sources, (), method=method)
 
 
-def check_world_size(settings: JobSettings, world_size: int) -> None:
-  """Raises ConfigError unless the MPI world is 1 PS + one rank per VW."""
+def check_world_size(settings: JobSettings, world_size: int, config: Any = None) -> None:
+  """Checks that the MPI world is the job's ranks (:attr:`JobSettings.world_size`).
+
+  Args:
+    settings: the job's settings (PS shards and stage ranks resolved).
+    world_size: the MPI world's size.
+    config: the job's ConfigDict, when given: a fix that would contradict it (a per-VW partition or emulated times)
+      is not suggested.
+
+  Raises:
+    ConfigError: a world of another size; the message suggests only fixes that fit the job: ``mpiexec -n <ranks>``,
+      and without a plan or stage ranks, the number of VWs that fits the world when there is one.
+  """
   if world_size != settings.world_size:
     what = "the plan's" if settings.plan is not None else "config.num_virtual_workers"
     if settings.uses_ps:
@@ -373,10 +424,12 @@ def check_world_size(settings: JobSettings, world_size: int) -> None:
     else:
       s = 0
       layout = f"one rank per VW: config.method={settings.method!r} has no PS"
+    fits = world_size - s  # the VWs this world holds beside the PS shards
+    per_vw = config is not None and any(";" in (config.get(name) or "") for name in ("partition", "emulate_stage_ms"))
+    other = (f" or set config.num_virtual_workers={fits}"
+             if settings.plan is None and not settings.num_stage_ranks and fits >= 1 and not per_vw else "")
     raise ConfigError(f"MPI world size is {world_size} but the job has {settings.num_virtual_workers} virtual "
-                      f"workers ({what}): run `mpiexec -n {settings.world_size} ...` ({layout})"
-                      + ("" if settings.plan is not None or settings.num_stage_ranks else
-                         f" or set config.num_virtual_workers={world_size - s}"))
+                      f"workers ({what}): run `mpiexec -n {settings.world_size} ...` ({layout}){other}")
 
 
 def check_devices(settings: JobSettings, num_devices: int) -> None:
@@ -642,7 +695,16 @@ def with_ps_shards(config: Any, settings: JobSettings) -> JobSettings:
 def ps_layer_shards(settings: JobSettings, partitions: Sequence[Partition], has_params: Sequence[bool]
                     ) -> list[int | None]:
   """Per layer, the index of the PS shard that holds it (None: no parameters), by the one placement rule
-  (:func:`hetpipe_jax.planning.ps_placement.assign_layers`) over ``settings.shard_nodes``."""
+  (:func:`hetpipe_jax.planning.ps_placement.assign_layers`) over ``settings.shard_nodes``.
+
+  Under ``default`` placement every shard must hold some parameters: a shard left empty (more shards than layers
+  with parameters) would be a rank that serves nothing. Under ``local`` placement a node whose stages have no
+  parameters keeps its (empty) shard: the placement has one shard per node.
+
+  Raises:
+    ConfigError: ``default`` placement leaves a shard without parameters (the message names the shards and the
+      most that hold some).
+  """
   from hetpipe_jax.planning.ps_placement import assign_layers
   num = settings.num_ps_shards
   per_vw = []
@@ -656,8 +718,16 @@ def ps_layer_shards(settings: JobSettings, partitions: Sequence[Partition], has_
     labels = list(settings.shard_nodes)
   else:  # round-robin over the shards themselves
     labels = [str(i) for i in range(num)]
-  return [None if a is None else labels.index(a)
-          for a in assign_layers(settings.ps_placement, labels, has_params, per_vw)]
+  shards = [None if a is None else labels.index(a)
+            for a in assign_layers(settings.ps_placement, labels, has_params, per_vw)]
+  empty = [i for i in range(num) if i not in shards]
+  if empty and settings.ps_placement != "local":
+    held = sum(bool(h) for h in has_params)
+    raise ConfigError(f"config.num_ps_shards={num}: PS shard{'s' if len(empty) > 1 else ''} "
+                      f"{', '.join(map(str, empty))} would hold no parameters (the model has {held} layers with "
+                      f"parameters, placed round-robin over the shards): set --config.num_ps_shards to at most "
+                      f"{held} (python -m hetpipe_jax.launch: --num_ps_shards={held})")
+  return shards
 
 
 def with_stage_ranks(config: Any, settings: JobSettings, resume: bool = False) -> JobSettings:

@@ -102,8 +102,7 @@ def prepare(config: Any, settings: JobSettings, world_size: int,
     ConfigError: wrong world size, unknown model (a registry name, or a ``module:factory`` that does not import or
       does not return a ModelSpec), a partition that does not cover the model, too few devices.
   """
-  del config
-  check_world_size(settings, world_size)
+  check_world_size(settings, world_size, config)
   try:
     spec = models.load_model(settings.model)
   except ValueError as e:
@@ -176,6 +175,10 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   shards = ShardLayout.build(offsets, ps_layer_shards(settings, partitions,
                                                       [b > a for a, b in zip(offsets, offsets[1:])]),
                              settings.num_ps_shards)
+  if rank == 0:  # under local placement (default placement refuses an empty shard in ps_layer_shards)
+    for i in (i for i in range(shards.num_shards) if shards.size(i) == 0):
+      logging.warning("[PS] shard %d (node %s) holds no parameters: no stage on its node has any (local placement)",
+                      i, settings.shard_nodes[i])
   # Every rank reads the checkpoint itself (the same files), so a bad one stops every rank before any work.
   point = (resume_lib.load_resume_point(workdir, settings, partitions, layout, spec.num_layers, spec.name)
            if resume else None)

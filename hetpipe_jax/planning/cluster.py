@@ -2,7 +2,9 @@
 
 A cluster is loaded from JSON, by name from ``experiments/clusters/<name>.json`` or from a path. Every GPU gets
 an id ``"<node>/<index>"`` (e.g. ``"V/0"``); a GPU's *class* is ``(gpu_type, node)``: GPUs of one class are
-interchangeable for the partitioner (same speed, memory and links).
+interchangeable for the partitioner (same speed, memory and links). A GPU's device index on its node is its index
+there (``"V/2"``: device 2, CUDA's order), unless the cluster file's ``local_devices`` maps it to another
+(:func:`node_local_index`, :meth:`ClusterSpec.device_index`).
 
 Planning layer: standard library only.
 """
@@ -102,7 +104,8 @@ class ClusterSpec:
     nodes: the machines, in order.
     intra_node_link: link between two GPUs of one node (PCIe).
     inter_node_link: network between nodes (InfiniBand).
-    local_devices: gpu id -> local JAX device index standing in for it in local runs (may be empty).
+    local_devices: gpu id -> the device index that runs it, overriding its index within its node
+      (:meth:`device_index`; e.g. a local CPU device standing in for it; may be empty).
   """
 
   name: str
@@ -126,6 +129,11 @@ class ClusterSpec:
       if g.gpu_id == gpu_id:
         return g
     raise ValueError(f"unknown GPU id {gpu_id!r} in cluster {self.name!r}")
+
+  def device_index(self, gpu_id: str) -> int:
+    """The device index that runs GPU ``gpu_id`` on its node: ``local_devices[gpu_id]`` when the cluster file
+    gives one, else its index within its node (:func:`node_local_index`)."""
+    return self.local_devices.get(gpu_id, node_local_index(gpu_id))
 
   def link(self, node_a: str, node_b: str) -> LinkSpec:
     """The link between GPUs on ``node_a`` and ``node_b`` (intra-node when equal)."""
@@ -176,6 +184,21 @@ class ClusterSpec:
         raise ValueError(f"local_devices: unknown GPU id {gid!r}; GPU ids are {sorted(ids)}")
       if not isinstance(dev, int) or dev < 0:
         raise ValueError(f"local_devices[{gid!r}] must be a non-negative int, got {dev!r}")
+
+
+def node_local_index(gpu_id: str) -> int:
+  """A GPU's index within its node, from its id ``"<node>/<index>"`` (``"V/2"`` -> 2): the default device index of
+  the GPU on its node (CUDA's device order there).
+
+  Raises:
+    ValueError: an id without a non-negative integer index after its last ``/``.
+  """
+  _, _, index = gpu_id.rpartition("/")
+  if not index.isdigit():
+    raise ValueError(f"GPU id {gpu_id!r} is not '<node>/<index>': it has no index within its node; name the GPUs "
+                     "'<node>/<index>' or give their device indices (a cluster file's local_devices, a plan's "
+                     "devices)")
+  return int(index)
 
 
 def _link_from_dict(d: Mapping[str, Any], what: str) -> LinkSpec:

@@ -1,7 +1,7 @@
 """The plan file: the planner's output that the runtime reads (PipeDream-style; HetPipe §4, §8.1).
 
 A versioned JSON document: model, batch size, cluster, policy, the system Nm (``num_inflight``), per virtual
-worker its GPUs in stage order (ids, types, local JAX device indices), half-open layer ranges, predicted stage
+worker its GPUs in stage order (ids, types, device indices on their nodes), half-open layer ranges, predicted stage
 times/memory, Max_m and throughput, and the parameter-server placement with the bytes crossing nodes per wave.
 
 Planning layer: standard library only.
@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from hetpipe_jax.paths import write_json
 from hetpipe_jax.planning.allocator import SystemPlan
-from hetpipe_jax.planning.cluster import ClusterSpec
+from hetpipe_jax.planning.cluster import ClusterSpec, node_local_index
 from hetpipe_jax.planning.cost_model import CostModelConfig
 from hetpipe_jax.planning.profile_format import ModelProfile
 from hetpipe_jax.planning.ps_placement import Placement
@@ -32,7 +32,7 @@ class VirtualWorkerEntry:
   vw_id: int
   gpus: tuple[str, ...]
   gpu_types: tuple[str, ...]
-  devices: tuple[int | None, ...]
+  devices: tuple[int, ...]  # per stage, the GPU's device index on its node (ClusterSpec.device_index)
   partition: tuple[tuple[int, int], ...]
   stage_time_ms: tuple[float, ...]
   stage_memory_bytes: tuple[int, ...]
@@ -88,7 +88,7 @@ def make_plan(system: SystemPlan, cluster: ClusterSpec, profile: ModelProfile, p
     p = vw.partition
     vws.append(VirtualWorkerEntry(
         vw_id=vw.vw_id, gpus=tuple(g.gpu_id for g in p.gpus), gpu_types=tuple(g.gpu_type for g in p.gpus),
-        devices=tuple(cluster.local_devices.get(g.gpu_id) for g in p.gpus), partition=p.ranges,
+        devices=tuple(cluster.device_index(g.gpu_id) for g in p.gpus), partition=p.ranges,
         stage_time_ms=tuple(round(t, 6) for t in p.stage_time_ms),
         stage_memory_bytes=tuple(int(m) for m in p.stage_memory_bytes),
         stage_capacity_bytes=tuple(int(c) for c in p.capacity_bytes), max_num_inflight=vw.max_num_inflight,
@@ -143,8 +143,8 @@ def validate_plan(plan: Plan) -> None:
   """Checks internal consistency.
 
   Raises:
-    ValueError: naming the virtual worker and the problem (partition gaps/overlaps, list lengths, Nm above a
-      VW's Max_m, no virtual workers).
+    ValueError: naming the virtual worker and the problem (partition gaps/overlaps, list lengths, a device index
+      that is not an int >= 0, Nm above a VW's Max_m, no virtual workers).
   """
   if plan.format_version != PLAN_FORMAT_VERSION:
     raise ValueError(f"plan format_version {plan.format_version} is not supported (expected "
@@ -163,6 +163,11 @@ def validate_plan(plan: Plan) -> None:
     for name in ("gpus", "gpu_types", "devices", "stage_time_ms", "stage_memory_bytes", "stage_capacity_bytes"):
       if len(getattr(vw, name)) != s:
         raise ValueError(f"virtual worker {vw.vw_id}: {name} has {len(getattr(vw, name))} entries for {s} stages")
+    for gpu, device in zip(vw.gpus, vw.devices):
+      if not isinstance(device, int) or device < 0:
+        raise ValueError(f"virtual worker {vw.vw_id}: GPU {gpu} has device index {device!r}; a device index is an "
+                         "int >= 0 (default: the GPU's index within its node): fix the plan's devices, or set the "
+                         "cluster file's local_devices for it and re-plan")
     if plan.num_inflight > vw.max_num_inflight:
       raise ValueError(f"virtual worker {vw.vw_id}: num_inflight {plan.num_inflight} exceeds its "
                        f"max_num_inflight {vw.max_num_inflight}")
@@ -170,6 +175,18 @@ def validate_plan(plan: Plan) -> None:
     if held is not None and (len(held) != s or any(not 1 <= h <= max(plan.num_inflight, 1) for h in held)):
       raise ValueError(f"virtual worker {vw.vw_id}: held_per_stage {list(held)} must have one entry per stage "
                        f"({s}), each in [1, num_inflight={plan.num_inflight}]")
+
+
+def _devices(vw: dict[str, Any]) -> tuple[int, ...]:
+  """A VW entry's device index per stage; ``null`` (plans written before GPUs had a default index) is the GPU's
+  index within its node (:func:`hetpipe_jax.planning.cluster.node_local_index`, the planner's default)."""
+  devices, gpus = list(vw["devices"]), list(vw["gpus"])
+  if len(devices) != len(gpus):
+    return tuple(devices)  # validate_plan names the mismatch
+  try:
+    return tuple(node_local_index(g) if d is None else d for g, d in zip(gpus, devices))
+  except ValueError as e:
+    raise ValueError(f"virtual worker {vw.get('vw_id')}: {e}") from None
 
 
 def plan_from_dict(d: dict[str, Any]) -> Plan:
@@ -183,7 +200,7 @@ def plan_from_dict(d: dict[str, Any]) -> Plan:
                      f"{PLAN_FORMAT_VERSION})")
   try:
     vws = tuple(VirtualWorkerEntry(**{**vw, "gpus": tuple(vw["gpus"]), "gpu_types": tuple(vw["gpu_types"]),
-                                      "devices": tuple(vw["devices"]),
+                                      "devices": _devices(vw),
                                       "partition": tuple(tuple(r) for r in vw["partition"]),
                                       "stage_time_ms": tuple(vw["stage_time_ms"]),
                                       "stage_memory_bytes": tuple(vw["stage_memory_bytes"]),

@@ -17,7 +17,7 @@ one stage (``grouping="gpu"``: one rank per GPU) or the stages of one VW on one 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 
 class LaunchError(ValueError):
@@ -91,23 +91,61 @@ def stage_ranks_of_vw(num_ps_shards: int, groups_per_vw: Sequence[Sequence[Seque
   return ranks
 
 
-def read_hostfile(text: str) -> list[str]:
-  """Hosts of an MPICH hostfile (``host`` or ``host:slots`` per line, ``#`` comments), in order, once each.
+def hostfile_slots(text: str) -> dict[str, int]:
+  """Per host of an MPICH hostfile (``host`` or ``host:slots`` per line, ``#`` comments), in order of first mention,
+  its process slots: ``host`` alone is 1 slot (MPICH's rule), a host on several lines has the sum of their slots.
 
   Raises:
-    LaunchError: a line that is not ``host[:slots]``.
+    LaunchError: a line that is not ``host[:slots]``, or a slot count below 1.
   """
-  hosts: list[str] = []
+  slots: dict[str, int] = {}
   for number, line in enumerate(text.splitlines(), 1):
     line = line.split("#", 1)[0].strip()
     if not line:
       continue
-    host, _, slots = line.partition(":")
-    if not host or " " in host or (slots and not slots.strip().isdigit()):
+    host, colon, count = line.partition(":")
+    count = count.strip()
+    if not host or " " in host or (colon and not count.isdigit()):
       raise LaunchError(f"hostfile line {number} {line!r}: expected MPICH syntax 'host' or 'host:slots'")
-    if host not in hosts:
-      hosts.append(host)
-  return hosts
+    if colon and int(count) < 1:
+      raise LaunchError(f"hostfile line {number} {line!r}: a host needs at least 1 slot")
+    slots[host] = slots.get(host, 0) + (int(count) if colon else 1)
+  return slots
+
+
+def read_hostfile(text: str) -> list[str]:
+  """Hosts of an MPICH hostfile (:func:`hostfile_slots`), in order, once each.
+
+  Raises:
+    LaunchError: a line that is not ``host[:slots]``.
+  """
+  return list(hostfile_slots(text))
+
+
+def check_slots(slots: Sequence[RankSlot], host_slots: Mapping[str, int], oversubscribe: bool = False) -> None:
+  """Checks that no host gets more ranks than the hostfile gives it slots (MPICH would oversubscribe it silently).
+
+  Args:
+    slots: every rank with its host (:func:`map_ranks`).
+    host_slots: per host its slots (:func:`hostfile_slots`); a host it does not name (no hostfile: ``localhost``)
+      has no limit.
+    oversubscribe: allow more ranks than slots (``launch --oversubscribe``).
+
+  Raises:
+    LaunchError: a host with more ranks than slots, naming the host, its slots and its ranks.
+  """
+  if oversubscribe:
+    return
+  ranks: dict[str, list[int]] = {}
+  for s in slots:
+    ranks.setdefault(s.host, []).append(s.rank)
+  for host, on_host in ranks.items():
+    have = host_slots.get(host)
+    if have is not None and len(on_host) > have:
+      raise LaunchError(f"host {host} has {have} slot{'s' if have != 1 else ''} in the hostfile but the plan puts "
+                        f"{len(on_host)} ranks on it (ranks {', '.join(map(str, on_host))}): give it at least "
+                        f"{len(on_host)} slots ({host}:{len(on_host)}), or pass --oversubscribe to run more ranks "
+                        "than slots")
 
 
 def node_hosts(nodes: Sequence[str], hosts: Sequence[str]) -> dict[str, str]:
@@ -160,7 +198,7 @@ def map_ranks(plan: Any, nodes: Sequence[str], num_ps_shards: int, hosts: Sequen
                         f"({', '.join(proc_hosts)}): a VW runs in one process unless it has stage ranks; add "
                         "--stage_ranks (one rank per GPU, or --stage_rank_grouping=node), map those nodes to one "
                         "host, or use an NP plan (one VW per node)")
-    devices = tuple(vw.devices[s] if vw.devices[s] is not None else -1 for s in stages)
+    devices = tuple(vw.devices[s] for s in stages)
     if len(stages) == len(vw.gpus):
       role = f"VW {vw.vw_id}"
     else:
