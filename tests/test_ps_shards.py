@@ -123,12 +123,12 @@ def test_sharded_run_equals_per_shard_replay_and_moves_the_predicted_bytes(tmp_p
 
 class _LaggingShardClient:
   """VW 0's client of two in-process PS shards (each an on-receipt :class:`ParameterServer` over its slice) where
-  shard 1 receives each of VW 0's waves one wave late, and a scripted VW 1 pushes wave ``c - 1`` to both shards
+  shard 1 receives each of VW 0's waves ``lag`` waves late, and a scripted VW 1 pushes wave ``c - 1`` to both shards
   right after VW 0 pushes wave ``c``. So pulls see the shards at different vector clocks, and VW 0 must re-add an own
-  wave on shard 1's layers only."""
+  wave on shard 1's layers only (with ``lag = 2``, at two pulls in a row)."""
 
-  def __init__(self, servers, shards, peer_waves):
-    self.servers, self.shards, self.peer_waves = servers, shards, peer_waves
+  def __init__(self, servers, shards, peer_waves, lag=1):
+    self.servers, self.shards, self.peer_waves, self.lag = servers, shards, peer_waves, lag
     self.late: list[tuple[int, np.ndarray]] = []  # VW 0's waves shard 1 has not received yet
     self.peer_pushed = 0
     self.outstanding = False
@@ -146,9 +146,9 @@ class _LaggingShardClient:
   def push(self, wave_id, flat_delta, loss_sum, num_minibatches):
     del loss_sum, num_minibatches
     self.servers[0].push(0, wave_id, self.shards.gather(flat_delta, 0))
-    for w, part in self.late:
-      self.servers[1].push(0, w, part)
-    self.late = [(wave_id, self.shards.gather(flat_delta, 1).copy())]
+    self.late.append((wave_id, self.shards.gather(flat_delta, 1).copy()))
+    while len(self.late) > self.lag:
+      self.servers[1].push(0, *self.late.pop(0))
     if wave_id >= 1:
       self._peer_push(wave_id - 1)
     self._serve()
@@ -179,23 +179,23 @@ class _LaggingShardClient:
       self._peer_push(self.peer_pushed)
 
 
-def test_pull_from_shards_at_different_clocks_equals_per_shard_replay(synthetic_data_dir):
-  """The shards of one pull hold different waves of VW 0 (shard 1 receives them a wave late): the VW's weights
-  re-add each own wave only on the shards that lack it, so its final local weights and the shards' final weights
-  equal the per-shard sequential replay (rtol 1e-5)."""
+def _lagging_shard_run(data_dir, lag, staleness_bound, num_waves):
+  """VW 0 (Nm 2, momentum) over :class:`_LaggingShardClient` with shard 1 ``lag`` waves late: checks its final local
+  weights and the shards' final weights against the per-shard sequential replay (rtol 1e-5); returns the client."""
   from hetpipe_jax.ps import param_server
   from tests import replay
   from tests.pipeline_util import build_vw
-  nm, num_waves = 2, 5
-  vw, source, params0, tx, _ = build_vw(synthetic_data_dir, partition=[(0, 2), (2, 4)], num_inflight=nm,
-                                        staleness_bound=2, optimizer=optax.sgd(0.05, momentum=0.9), num_vws=2)
+  nm = 2
+  vw, source, params0, tx, _ = build_vw(data_dir, partition=[(0, 2), (2, 4)], num_inflight=nm,
+                                        staleness_bound=staleness_bound, optimizer=optax.sgd(0.05, momentum=0.9),
+                                        num_vws=2)
   layout = vw.layout
   shards = ShardLayout.build(layout.layer_offsets, [None, 0, 1, 0], 2)
   w0 = layout.flatten(params0)
   servers = [param_server.ParameterServer(shards.gather(w0, s), 2) for s in range(2)]
   rng = np.random.default_rng(3)
   peer = [(0.01 * rng.standard_normal(w0.size)).astype(np.float32) for _ in range(num_waves)]
-  client = _LaggingShardClient(servers, shards, peer)
+  client = _LaggingShardClient(servers, shards, peer, lag=lag)
   vw.ps, vw.ps_shards = client, shards
   vw.run(nm * num_waves)
   # the case under test happened: pulls whose shards held different numbers of VW 0's waves
@@ -215,6 +215,24 @@ def test_pull_from_shards_at_different_clocks_equals_per_shard_replay(synthetic_
   result = replay.ShardedReplay([replay.Replay(w0, result.updates, [peer], nm, list(s.state.applied))
                                  for s in servers], shards.index)
   np.testing.assert_allclose(final, result.final_global_weights(), rtol=1e-5, atol=1e-6)
+  return client
+
+
+def test_pull_from_shards_at_different_clocks_equals_per_shard_replay(synthetic_data_dir):
+  """The shards of one pull hold different waves of VW 0 (shard 1 receives them a wave late): the VW's weights
+  re-add each own wave only on the shards that lack it, so its final local weights and the shards' final weights
+  equal the per-shard sequential replay (rtol 1e-5)."""
+  _lagging_shard_run(synthetic_data_dir, lag=1, staleness_bound=2, num_waves=5)
+
+
+def test_own_waves_survive_a_shard_lagging_behind_two_pulls_in_a_row(synthetic_data_dir):
+  """Shard 1 receives VW 0's waves two waves late, so an own wave is missing from shard 1's slice at two pulls in a
+  row: the first pull must keep it (re-added on shard 1's layers, and kept for the next pull), the second re-add it
+  again. The VW's and the shards' final weights equal the per-shard replay (rtol 1e-5)."""
+  client = _lagging_shard_run(synthetic_data_dir, lag=2, staleness_bound=3, num_waves=6)
+  # the case under test: some pull's shard 1 still lacks an own wave that shard 0 already held at the pull before
+  twice = [i for i, (a, b) in enumerate(zip(client.replies, client.replies[1:])) if b[1][0] < a[0][0]]
+  assert len(twice) >= 2, client.replies
 
 
 @pytest.mark.mpi
