@@ -541,6 +541,35 @@ MUTATIONS = (
              "      or any(",
              ("tests/test_memory_caps.py::test_memory_caps_come_from_schedule_plans_at_their_nm",),
              "caps counted at the plan's Nm are applied to a run at another Nm"),
+    # ---- issue 23, behaviour no test checked (direct tests of each gap)
+    Mutation("sharded_rebase_prunes_by_the_newest_shard", "hetpipe_jax/ps/shards.py",
+             "  return local, {c: own_flat[c] for c in keep}",
+             "  return local, {c: own_flat[c] for c in keep if c >= max(own_applied)}",
+             ("tests/test_ps_shards.py::test_own_waves_survive_a_shard_lagging_behind_two_pulls_in_a_row",),
+             "after a sharded pull the VW keeps only the own waves the most advanced shard lacks: a wave a lagging "
+             "shard still lacks at the next pull is lost there"),
+    Mutation("ps_pull_answered_with_live_weights", "hetpipe_jax/ps/param_server.py",
+             "    return self.state.vector_clock(), self.weights.copy()",
+             "    return self.state.vector_clock(), self.weights",
+             ("tests/test_wsp.py::test_a_snapshot_is_a_copy_that_later_pushes_leave_unchanged",),
+             "a pull is answered with the live global weights, so pushes applied before the VW installs it leak in"),
+    Mutation("ps_reply_sends_the_live_weights", "hetpipe_jax/ps/service.py",
+             "      vector_clock, weights = self.server.snapshot()\n",
+             "      vector_clock, weights = self.server.state.vector_clock(), self.server.weights\n",
+             ("tests/test_ps_shards.py::test_a_pull_reply_carries_the_weights_as_answered_while_later_pushes_land",),
+             "the PS service sends the live global weights as a pull's reply; pushes applied before the send "
+             "completes change what the VW receives"),
+    Mutation("sharded_pull_clock_is_the_max_over_shards", "hetpipe_jax/ps/transport.py",
+             "    vector_clock = tuple(min(vc[v] for vc in per_shard) for v in range(self.num_virtual_workers))",
+             "    vector_clock = tuple(max(vc[v] for vc in per_shard) for v in range(self.num_virtual_workers))",
+             ("tests/test_ps_shards.py::test_a_sharded_pull_holds_the_element_wise_minimum_of_its_shards_vector_clocks",),
+             "a sharded pull's vector clock is the most advanced shard's, not what every layer holds"),
+    Mutation("sharded_pull_clock_is_the_lead_shards", "hetpipe_jax/ps/transport.py",
+             "    vector_clock = tuple(min(vc[v] for vc in per_shard) for v in range(self.num_virtual_workers))",
+             "    vector_clock = per_shard[0]",
+             ("tests/test_ps_shards.py::test_a_sharded_pull_holds_the_element_wise_minimum_of_its_shards_vector_clocks",),
+             "a sharded pull's vector clock is the lead shard's (rank 0), not the minimum over shards"),
+
 )
 
 

@@ -307,6 +307,84 @@ def test_served_pulls_are_counted_per_destination_rank():
   assert transport.PS_BYTES.sent.get(4, 0) - before.get(4, 0) == 5 * 4
 
 
+class _LiveSendComm:
+  """A communicator whose ``Isend`` keeps a reference to its buffer, as MPI may read it until the send completes:
+  ``complete()`` ends every outstanding send and returns ``(dest, tag, buffer contents then)``."""
+
+  class _Request:
+    def __init__(self):
+      self.done = False
+
+    def Test(self):  # noqa: N802 (mpi4py's name)
+      return self.done
+
+  def __init__(self):
+    self.outstanding = []
+
+  def Isend(self, buf, dest, tag):  # noqa: N802
+    request = self._Request()
+    self.outstanding.append((dest, tag, buf, request))
+    return request
+
+  def complete(self):
+    out = [(d, t, np.array(b, copy=True)) for d, t, b, _ in self.outstanding]
+    for *_, request in self.outstanding:
+      request.done = True
+    self.outstanding = []
+    return out
+
+
+@pytest.mark.parametrize("ps_apply", ["on_receipt", "clock_aligned"])
+def test_a_pull_reply_carries_the_weights_as_answered_while_later_pushes_land(ps_apply):
+  """The PS answers VW 1's pull, then applies more pushes before the reply's send completes (MPI may read a send's
+  buffer until then; in virtual time the reply is installed pull_s later): the reply must carry the global weights
+  and vector clock of the moment it was answered, not the live weights."""
+  from hetpipe_jax.ps import transport
+  from hetpipe_jax.ps.param_server import ParameterServer
+  from hetpipe_jax.ps.service import ParameterServerService
+  server = ParameterServer(np.zeros(4, np.float32), 2, ps_apply)
+  server.push(0, 0, np.full(4, 1.0, np.float32))
+  server.push(1, 0, np.full(4, 2.0, np.float32))
+  comm = _LiveSendComm()
+  service = ParameterServerService(comm, server, num_minibatches_per_vw=0, num_inflight=1, evaluate=None,
+                                   eval_every_waves=0, log_every_waves=1, log_metrics=lambda line: None,
+                                   progress=False, first_vw_rank=1, lead=False)
+  service._serve_pulls([1])  # pylint: disable=protected-access
+  server.push(0, 1, np.full(4, 100.0, np.float32))
+  server.push(1, 1, np.full(4, 1000.0, np.float32))
+  assert server.weights.tolist() == [1103.0] * 4  # the pushes landed before the reply left
+  sent = comm.complete()
+  assert [(d, t) for d, t, _ in sent] == [(2, transport.TAG_HEADER), (2, transport.TAG_DATA), (2, transport.TAG_DATA)]
+  assert int(sent[0][2][3]) == 1  # the header's global clock
+  np.testing.assert_array_equal(sent[1][2], [3.0] * 4)
+  assert sent[2][2].tolist() == [1, 1]
+
+
+def test_a_sharded_pull_holds_the_element_wise_minimum_of_its_shards_vector_clocks():
+  """VW 0's client of two PS shards whose replies carry different vector clocks: the pull's vector clock is, per VW,
+  the minimum over shards (what every layer holds); each shard's own vector clock and slice are kept apart."""
+  from hetpipe_jax.ps import transport
+  from hetpipe_jax.ps.transport import Kind, MPIPSClient
+  from tests.fake_mpi import FakeWorld
+  shards = ShardLayout.build([0, 2, 5, 6], [0, 1, 0], 2)  # shard 0: elements 0, 1, 5; shard 1: 2, 3, 4
+  world = FakeWorld()
+  client = MPIPSClient(world.comm(2), 0, 6, 2, shards=shards, first_vw_rank=2)
+  client.request_pull(1)
+  assert client.poll_pull() is None
+  replies = {0: ((3, 1), [0.0, 1.0, 5.0]), 1: ((2, 4), [2.0, 3.0, 4.0])}
+  for shard, (vc, part) in replies.items():
+    comm = world.comm(shard)
+    comm.Isend(transport.make_header(Kind.WEIGHTS, 0, min(vc), len(part)), dest=2, tag=transport.TAG_HEADER)
+    comm.Isend(np.array(part, np.float32), dest=2, tag=transport.TAG_DATA)
+    comm.Isend(np.array(vc, np.int64), dest=2, tag=transport.TAG_DATA)
+    if shard == 0:
+      assert client.poll_pull() is None  # shard 1 has not answered
+  vector_clock, flat, per_shard = client.poll_pull()
+  assert vector_clock == (2, 1)
+  assert per_shard == ((3, 1), (2, 4))
+  np.testing.assert_array_equal(flat, np.arange(6, dtype=np.float32))
+
+
 def test_rank0_assembles_the_final_weights_from_every_shard():
   from hetpipe_jax.jobs import shard_ranks
   shards = ShardLayout.build([0, 3, 5, 9], [0, 1, 2], 3)
