@@ -570,6 +570,22 @@ MUTATIONS = (
              ("tests/test_ps_shards.py::test_a_sharded_pull_holds_the_element_wise_minimum_of_its_shards_vector_clocks",),
              "a sharded pull's vector clock is the lead shard's (rank 0), not the minimum over shards"),
 
+    Mutation("partition_mid_stage_memory_strict", "hetpipe_jax/planning/partitioner.py",
+             "    by_count[h] = ([np.where(mem_mid <= cap, comp, np.inf)",
+             "    by_count[h] = ([np.where(mem_mid < cap, comp, np.inf)",
+             ("tests/test_partitioner.py::test_a_stage_needing_exactly_the_usable_memory_fits",),
+             "a non-last stage needing exactly its GPU's usable memory is taken not to fit"),
+    Mutation("partition_last_stage_memory_strict", "hetpipe_jax/planning/partitioner.py",
+             "  last = [np.where(mem_last <= cap, comp, np.inf)",
+             "  last = [np.where(mem_last < cap, comp, np.inf)",
+             ("tests/test_partitioner.py::test_a_stage_needing_exactly_the_usable_memory_fits",),
+             "the last stage needing exactly its GPU's usable memory is taken not to fit"),
+    Mutation("partition_fits_strict", "hetpipe_jax/planning/partitioner.py",
+             "    return all(m <= c for m, c in zip(self.stage_memory_bytes, self.capacity_bytes))",
+             "    return all(m < c for m, c in zip(self.stage_memory_bytes, self.capacity_bytes))",
+             ("tests/test_partitioner.py::test_a_stage_needing_exactly_the_usable_memory_fits",),
+             "a partition whose stage needs exactly the usable memory is reported as not fitting"),
+
 )
 
 
