@@ -586,6 +586,17 @@ MUTATIONS = (
              ("tests/test_partitioner.py::test_a_stage_needing_exactly_the_usable_memory_fits",),
              "a partition whose stage needs exactly the usable memory is reported as not fitting"),
 
+    Mutation("auto_vw_sizes_below_max_vw_gpus", "hetpipe_jax/planning/auto_allocation.py",
+             "                    if min_size <= sum(n) <= self.max_size]",
+             "                    if min_size <= sum(n) < self.max_size]",
+             ("tests/test_allocator.py::test_auto_searches_virtual_workers_of_exactly_max_vw_gpus",),
+             "auto never builds a VW of exactly max_vw_gpus GPUs"),
+    Mutation("auto_next_vw_below_max_vw_gpus", "hetpipe_jax/planning/auto_allocation.py",
+             "    hi = min(self.max_size, total - (k - 1))",
+             "    hi = min(self.max_size - 1, total - (k - 1))",
+             ("tests/test_allocator.py::test_auto_searches_virtual_workers_of_exactly_max_vw_gpus",),
+             "auto's split search gives the next VW at most max_vw_gpus - 1 GPUs"),
+
 )
 
 
