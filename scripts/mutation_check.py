@@ -597,6 +597,20 @@ MUTATIONS = (
              ("tests/test_allocator.py::test_auto_searches_virtual_workers_of_exactly_max_vw_gpus",),
              "auto's split search gives the next VW at most max_vw_gpus - 1 GPUs"),
 
+    Mutation("engine_pull_request_before_the_push", "hetpipe_jax/sim/engine.py",
+             "    if wave is not None:\n      hook = self._on_wave_end\n      if hook is not None:\n"
+             "        hook(vw.vw_id, wave, t)\n      vw.num_pushes += 1\n",
+             "    if pull is not None:\n      self._request_pull(vw, pull, t)\n      pull = None\n"
+             "    if wave is not None:\n      hook = self._on_wave_end\n      if hook is not None:\n"
+             "        hook(vw.vw_id, wave, t)\n      vw.num_pushes += 1\n",
+             ("tests/test_engine.py::test_a_vw_pull_request_never_overtakes_its_own_push",),
+             "at a wave end the engine sends the VW's pull request before its push, so the reply lacks the wave"),
+    Mutation("engine_pull_request_ignores_the_push_in_flight", "hetpipe_jax/sim/engine.py",
+             "    self._push_event(max(t, vw.last_push_arrival), _PULL_REQUEST, vw.vw_id, required)",
+             "    self._push_event(t, _PULL_REQUEST, vw.vw_id, required)",
+             ("tests/test_engine.py::test_a_vw_pull_request_never_overtakes_its_own_push",),
+             "a pull request reaches the PS before the VW's push sent just before it (no ordered channel)"),
+
 )
 
 
