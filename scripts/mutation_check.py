@@ -611,6 +611,12 @@ MUTATIONS = (
              ("tests/test_engine.py::test_a_vw_pull_request_never_overtakes_its_own_push",),
              "a pull request reaches the PS before the VW's push sent just before it (no ordered channel)"),
 
+    Mutation("flush_loss_averaged_over_one_vw", "hetpipe_jax/runtime/flush_step.py",
+             "      self.on_step(step, float(summed[-1]) / count)",
+             "      self.on_step(step, float(summed[-1]) / self.num_inflight)",
+             ("tests/test_methods_runtime.py::test_flush_methods_with_two_vws_report_the_mean_loss_over_every_micro_batch",),
+             "the flush methods report a step's loss summed over the VWs (averaged over one VW's micro-batches)"),
+
 )
 
 

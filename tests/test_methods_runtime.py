@@ -1,5 +1,7 @@
 """Runtime numerics of the methods (in process): GPipe / 1F1B-flush / Horovod steps equal single-device training."""
 
+import threading
+
 import jax
 import numpy as np
 import optax
@@ -84,6 +86,73 @@ def test_micro_batches_split_each_minibatch_in_order(synthetic_data_dir):
   micro = sharding.MicroBatches(source.get, 4)
   x = np.concatenate([micro.get(p)[0] for p in range(4, 8)])
   np.testing.assert_array_equal(x, source.get(1)[0])
+
+
+class _ThreadAllReduce:
+  """In-process all-reduce of N VWs running in threads: each VW's step buffer is summed over every VW in VW order
+  (as ``MPI.Allreduce`` gives every rank the same sum) and returned to each."""
+
+  def __init__(self, num_vws):
+    self.barrier = threading.Barrier(num_vws, timeout=60)
+    self.bufs = [None] * num_vws
+
+  def reducer(self, vw_id):
+    def reduce(step, buf):
+      del step
+      self.bufs[vw_id] = buf.copy()
+      self.barrier.wait()
+      total = self.bufs[0].copy()
+      for b in self.bufs[1:]:
+        total += b
+      self.barrier.wait()  # every VW has its sum before the next step's buffers land
+      return total
+    return reduce
+
+
+@pytest.mark.parametrize("method,partition,m", [("gpipe", [(0, 2), (2, 4)], 2), ("1f1b_flush", [(0, 1), (1, 4)], 4)])
+def test_flush_methods_with_two_vws_report_the_mean_loss_over_every_micro_batch(synthetic_data_dir, method,
+                                                                                partition, m):
+  """Two VWs (threads of this process, their step buffers summed in VW order): each step's reported loss is the mean
+  over both VWs' M micro-batches, which equals the loss of single-device SGD on the union of both VWs' minibatches
+  (rtol 1e-5), as do both replicas' weights."""
+  from tests.test_methods_mpi import union_training
+  steps, lr, batch, n = 3, 0.1, 16, 2
+  spec = models.get_model("mlp_tiny")
+  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
+  layout = ParamLayout.from_layer_params(params0)
+  tx = optax.sgd(lr)
+  dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
+  allreduce = _ThreadAllReduce(n)
+  logged = [[] for _ in range(n)]
+  vws = []
+  for v in range(n):
+    devices = jax.devices()[v * len(partition):(v + 1) * len(partition)]
+    source = sharding.ShardedMinibatches(dataset, n, v, batch, 0)
+    micro = sharding.MicroBatches(source.get, m)
+    vws.append(virtual_worker.VirtualWorker(
+        v, stages_lib.build_stages(spec, partition, devices, tx), layout, params0, tx, m, 0, None, micro.get,
+        num_virtual_workers=n, method=method, reducer=allreduce.reducer(v),
+        on_step=lambda step, loss, v=v: logged[v].append((step, loss))))
+  errors = []
+
+  def train(vw):
+    try:
+      vw.run(steps * m)
+    except BaseException as e:  # pylint: disable=broad-except
+      errors.append(e)
+      allreduce.barrier.abort()
+
+  threads = [threading.Thread(target=train, args=(vw,)) for vw in vws]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(120)
+  assert not errors and not any(t.is_alive() for t in threads), errors
+  want, losses = union_training(synthetic_data_dir, n, steps, batch, lr)
+  for v in range(n):
+    assert [s for s, _ in logged[v]] == list(range(steps))
+    np.testing.assert_allclose([l for _, l in logged[v]], losses, rtol=1e-5)
+    assert_params_close(vws[v].layer_params(), want, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------- virtual time
