@@ -617,6 +617,12 @@ MUTATIONS = (
              ("tests/test_methods_runtime.py::test_flush_methods_with_two_vws_report_the_mean_loss_over_every_micro_batch",),
              "the flush methods report a step's loss summed over the VWs (averaged over one VW's micro-batches)"),
 
+    Mutation("mpi_resume_skips_optimizer_state", "hetpipe_jax/jobs/mpi_job.py",
+             "    vw.load_opt_state(*point.opt_states[vw_id])\n",
+             "    pass\n",
+             ("tests/test_resume_mpi.py::test_kill_a_vw_after_a_checkpoint_then_resume_to_the_end",),
+             "a VW resumed under MPI starts with a fresh optimizer state (momentum restarts at zero)"),
+
 )
 
 
