@@ -623,6 +623,27 @@ MUTATIONS = (
              ("tests/test_resume_mpi.py::test_kill_a_vw_after_a_checkpoint_then_resume_to_the_end",),
              "a VW resumed under MPI starts with a fresh optimizer state (momentum restarts at zero)"),
 
+    Mutation("pipedream_pull_forgets_own_waves", "hetpipe_jax/runtime/pipedream_updates.py",
+             "      for c in keep:\n        p = st.add(p, self.own_waves[c][s])\n",
+             "",
+             ("tests/test_methods_runtime.py::test_pipedream_with_two_vws_and_pulls_equals_an_event_order_replay",),
+             "PipeDream's pull drops the VW's own pushed waves the pulled weights do not hold yet"),
+    Mutation("pipedream_pull_drops_unpushed_deltas", "hetpipe_jax/runtime/pipedream_updates.py",
+             "        for _, d in sorted(self.stage_wave_delta[s].items()):\n          p = st.add(p, d)\n",
+             "        pass\n",
+             ("tests/test_methods_runtime.py::test_pipedream_with_two_vws_and_pulls_equals_an_event_order_replay",),
+             "PipeDream's pull drops each stage's updates of waves not pushed yet"),
+    Mutation("pipedream_pull_leaves_stashed_versions", "hetpipe_jax/runtime/pipedream_updates.py",
+             "        if self.vertical_sync:\n          correction = ",
+             "        if False:\n          correction = ",
+             ("tests/test_methods_runtime.py::test_pipedream_with_two_vws_and_pulls_equals_an_event_order_replay",),
+             "with vertical sync, a pull rebases each stage's latest weights but not its kept older versions"),
+    Mutation("pipedream_pull_rebases_stage_zero_only", "hetpipe_jax/runtime/pipedream_updates.py",
+             "    for s, st in enumerate(self.stages):\n      start, end = st.layer_range\n",
+             "    for s, st in enumerate(self.stages[:1]):\n      start, end = st.layer_range\n",
+             ("tests/test_methods_runtime.py::test_pipedream_with_two_vws_and_pulls_equals_an_event_order_replay",),
+             "PipeDream's pull installs the pulled weights on stage 0 only"),
+
 )
 
 
