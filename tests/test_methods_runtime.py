@@ -245,7 +245,7 @@ def test_pipedream_in_virtual_time_one_vw_equals_replay_and_two_vws_keep_the_bou
       assert_params_close(checkpoint.restore_weights(out / "checkpoint"), want, rtol=1e-5, atol=1e-6)
 
 
-def _pipedream_oracle(events, applied, partitions, w0, offsets, spec, tx, sources, nm, vertical_sync):
+def _pipedream_oracle(events, applied, partitions, w0, layout, spec, tx, sources, nm, vertical_sync):
   """Replays a multi-VW PipeDream run from its event order alone (written apart from the runtime).
 
   ``events``: in the order they happened, ``("task", v, task)`` (a task's computation: a forward reads its stage's
@@ -262,9 +262,8 @@ def _pipedream_oracle(events, applied, partitions, w0, offsets, spec, tx, source
     ``(final global weights, per VW per stage its latest weights, per (v, q) the k of each stage, counts)``.
   """
   from tests.pipeline_util import loss_and_grad
-  from hetpipe_jax.runtime.param_layout import ParamLayout
-  layout = ParamLayout.from_layer_params(jax.device_get(models.init_layer_params(spec, jax.random.key(0))))
   grad_fn = loss_and_grad(spec)
+  offsets = layout.layer_offsets
   n = len(partitions)
   slices = [[slice(offsets[i], offsets[j]) for i, j in part] for part in partitions]
   upd = [[{} for _ in part] for part in partitions]  # v, s -> q -> float32 update of the stage's elements
@@ -398,7 +397,7 @@ def test_pipedream_with_two_vws_and_pulls_equals_an_event_order_replay(tmp_path,
   sources = [sharding.ShardedMinibatches(dataset, 2, v, batch, 0) for v in range(2)]
   partitions = [[tuple(r) for r in summary["partitions"][str(v)]] for v in range(2)]
   final, latest, k_used, seen = _pipedream_oracle(
-      events, read_applied_order(tmp_path), partitions, layout.flatten(params0), layout.layer_offsets, spec,
+      events, read_applied_order(tmp_path), partitions, layout.flatten(params0), layout, spec,
       optax.sgd(lr, momentum=0.9), sources, nm, vertical_sync)
   # the cases under test happened
   assert seen["peer_carried"] >= 4 and seen["own_kept"] >= 2, seen
