@@ -159,11 +159,13 @@ def mixed_cluster(seed, memory_gib):
       "inter_node_link": {"name": "ib", "bandwidth_bytes_per_s": 2e9, "efficiency": 0.7}})
 
 
-def exhaustive_best(cl, costs, num_vws):
-  """Best total over every set partition of the GPUs into ``num_vws`` VWs (any sizes), each planned by
-  ``plan_system``; 0 when none fits. Returns (total, VW sizes of the winner)."""
+def exhaustive_best(cl, costs, num_vws, max_size=None):
+  """Best total over every set partition of the GPUs into ``num_vws`` VWs (any sizes; with ``max_size``, VWs of at
+  most that many GPUs), each planned by ``plan_system``; 0 when none fits. Returns (total, VW sizes of the winner)."""
   best, sizes, planners = 0.0, None, {}
   for vws in set_partitions(list(cl.gpus()), num_vws):
+    if max_size is not None and max(len(v) for v in vws) > max_size:
+      continue
     try:
       total = allocator.plan_system(costs, vws, "x", planners=planners).predicted_total_minibatches_per_s
     except allocator.AllocationError:
@@ -194,6 +196,33 @@ def test_auto_matches_exhaustive_search_over_every_allocation():
     assert auto == pytest.approx(best, rel=1e-9), (seed, mem, k, sizes)
     unequal += sizes is not None and len(set(sizes)) > 1
   assert unequal >= 5  # the search space beyond equal sizes is reached
+
+
+def test_auto_searches_virtual_workers_of_exactly_max_vw_gpus():
+  """``max_vw_gpus`` is the largest VW searched, inclusive: where the best allocation has a VW of s GPUs, auto with
+  ``max_vw_gpus = s`` finds it (the exhaustive best over allocations with VWs of at most s GPUs, which has a VW of
+  exactly s), and with ``s - 1`` the exhaustive best below s, strictly slower (or none: more GPUs than k VWs of
+  s - 1 hold)."""
+  prof = saved_profile("resnet152_imagenet")
+  # (seed, memory GiB, num_vws): winners of sizes [2, 4], [1, 3], [1, 2, 3] (a smaller cap fits, slower), and
+  # [2, 3], [2, 2] (a smaller cap fits nothing)
+  for seed, mem, k in [(0, 12, 2), (4, 16, 2), (12, 16, 3), (7, 8, 2), (1, 12, 2)]:
+    cl = mixed_cluster(seed, mem)
+    costs = cost_model.build_stage_costs(prof, cl)
+    best, sizes = exhaustive_best(cl, costs, k)
+    top = max(sizes)
+    assert top >= 2 and exhaustive_best(cl, costs, k, top) == (best, sizes)
+    plan = allocator.allocate(cl, costs, "auto", k, max_vw_gpus=top)
+    assert plan.search["max_vw_gpus"] == top
+    assert plan.predicted_total_minibatches_per_s == pytest.approx(best, rel=1e-9), (seed, mem, k, sizes)
+    assert max(len(vw.partition.gpus) for vw in plan.virtual_workers) == top
+    below, _ = exhaustive_best(cl, costs, k, top - 1)
+    assert below < best * (1 - 1e-6), (seed, mem, k)
+    try:
+      got = allocator.allocate(cl, costs, "auto", k, max_vw_gpus=top - 1).predicted_total_minibatches_per_s
+    except allocator.AllocationError:
+      got = 0.0
+    assert got == pytest.approx(below, rel=1e-9), (seed, mem, k)
 
 
 def test_throughput_bounds_are_upper_bounds_of_every_small_virtual_worker():

@@ -461,3 +461,29 @@ def test_on_receipt_versions_hold_more_updates_than_clock_aligned_ones_at_the_sa
 def test_engine_rejects_an_unknown_ps_apply():
   with pytest.raises(ValueError, match="ps_apply='eventually'"):
     engine.EngineConfig(num_waves=1, num_inflight=1, ps_apply="eventually")
+
+
+@pytest.mark.parametrize("push_ms,pull_ms", [(0.0, 0.0), (2.0, 3.0)])
+def test_a_vw_pull_request_never_overtakes_its_own_push(push_ms, pull_ms):
+  """A VW's push and its pull request travel one ordered channel (module docstring): the pull it requests at a
+  wave end reaches the PS after that wave's push, so under on_receipt every reply holds each wave the VW had ended
+  before the PS answered (its own entry of the vector clock is its number of wave ends so far), and the answer comes
+  no earlier than the push's arrival. Both with zero push/pull times (same-time events: order by sending) and with
+  positive ones."""
+  nm, waves = 2, 6
+  times = [task_times.uniform_task_times([2.0, 3.0], push_ms=push_ms, pull_ms=pull_ms),
+           task_times.uniform_task_times([4.0, 1.0], push_ms=push_ms / 2, pull_ms=pull_ms / 2)]
+  hooks = RecordingHooks()
+  engine.run(times, engine.EngineConfig(waves, nm, 4, pull_every_wave=True, ps_apply="on_receipt"), hooks=hooks)
+  calls = hooks.calls
+  answered = 0
+  for v in range(2):
+    for i, call in enumerate(calls):
+      if call[0] != "sent" or call[1] != v:
+        continue
+      ended = sum(1 for c in calls[:i] if c[0] == "wave_end" and c[1] == v)
+      arrived = [c for c in calls[:i] if c[0] == "push" and c[1] == v]
+      assert call[2][v] == ended == len(arrived), (v, call, ended, len(arrived))
+      assert call[3] >= arrived[-1][3]
+      answered += 1
+  assert answered >= 2 * (waves - 1)  # a pull after (nearly) every wave end of both VWs

@@ -1,5 +1,8 @@
 """Runtime numerics of the methods (in process): GPipe / 1F1B-flush / Horovod steps equal single-device training."""
 
+import dataclasses
+import threading
+
 import jax
 import numpy as np
 import optax
@@ -84,6 +87,73 @@ def test_micro_batches_split_each_minibatch_in_order(synthetic_data_dir):
   micro = sharding.MicroBatches(source.get, 4)
   x = np.concatenate([micro.get(p)[0] for p in range(4, 8)])
   np.testing.assert_array_equal(x, source.get(1)[0])
+
+
+class _ThreadAllReduce:
+  """In-process all-reduce of N VWs running in threads: each VW's step buffer is summed over every VW in VW order
+  (as ``MPI.Allreduce`` gives every rank the same sum) and returned to each."""
+
+  def __init__(self, num_vws):
+    self.barrier = threading.Barrier(num_vws, timeout=60)
+    self.bufs = [None] * num_vws
+
+  def reducer(self, vw_id):
+    def reduce(step, buf):
+      del step
+      self.bufs[vw_id] = buf.copy()
+      self.barrier.wait()
+      total = self.bufs[0].copy()
+      for b in self.bufs[1:]:
+        total += b
+      self.barrier.wait()  # every VW has its sum before the next step's buffers land
+      return total
+    return reduce
+
+
+@pytest.mark.parametrize("method,partition,m", [("gpipe", [(0, 2), (2, 4)], 2), ("1f1b_flush", [(0, 1), (1, 4)], 4)])
+def test_flush_methods_with_two_vws_report_the_mean_loss_over_every_micro_batch(synthetic_data_dir, method,
+                                                                                partition, m):
+  """Two VWs (threads of this process, their step buffers summed in VW order): each step's reported loss is the mean
+  over both VWs' M micro-batches, which equals the loss of single-device SGD on the union of both VWs' minibatches
+  (rtol 1e-5), as do both replicas' weights."""
+  from tests.test_methods_mpi import union_training
+  steps, lr, batch, n = 3, 0.1, 16, 2
+  spec = models.get_model("mlp_tiny")
+  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
+  layout = ParamLayout.from_layer_params(params0)
+  tx = optax.sgd(lr)
+  dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
+  allreduce = _ThreadAllReduce(n)
+  logged = [[] for _ in range(n)]
+  vws = []
+  for v in range(n):
+    devices = jax.devices()[v * len(partition):(v + 1) * len(partition)]
+    source = sharding.ShardedMinibatches(dataset, n, v, batch, 0)
+    micro = sharding.MicroBatches(source.get, m)
+    vws.append(virtual_worker.VirtualWorker(
+        v, stages_lib.build_stages(spec, partition, devices, tx), layout, params0, tx, m, 0, None, micro.get,
+        num_virtual_workers=n, method=method, reducer=allreduce.reducer(v),
+        on_step=lambda step, loss, v=v: logged[v].append((step, loss))))
+  errors = []
+
+  def train(vw):
+    try:
+      vw.run(steps * m)
+    except BaseException as e:  # pylint: disable=broad-except
+      errors.append(e)
+      allreduce.barrier.abort()
+
+  threads = [threading.Thread(target=train, args=(vw,)) for vw in vws]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(120)
+  assert not errors and not any(t.is_alive() for t in threads), errors
+  want, losses = union_training(synthetic_data_dir, n, steps, batch, lr)
+  for v in range(n):
+    assert [s for s, _ in logged[v]] == list(range(steps))
+    np.testing.assert_allclose([l for _, l in logged[v]], losses, rtol=1e-5)
+    assert_params_close(vws[v].layer_params(), want, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------- virtual time
@@ -173,3 +243,170 @@ def test_pipedream_in_virtual_time_one_vw_equals_replay_and_two_vws_keep_the_bou
       want = pipedream_replay(spec, partition, params0, optax.adam(c.learning_rate),
                               [source.get(q) for q in range(18)], [r["stage_versions"] for r in records])
       assert_params_close(checkpoint.restore_weights(out / "checkpoint"), want, rtol=1e-5, atol=1e-6)
+
+
+def _pipedream_oracle(events, applied, partitions, w0, layout, spec, tx, sources, nm, vertical_sync):
+  """Replays a multi-VW PipeDream run from its event order alone (written apart from the runtime).
+
+  ``events``: in the order they happened, ``("task", v, task)`` (a task's computation: a forward reads its stage's
+  weights, a backward applies the stage's own optimizer step), ``("pull", v, vector clock)`` (pulled weights
+  installed) and ``("push", v, wave)``; ``applied``: the PS's ``(wave, vw)`` log. The rule checked: stage s of VW v
+  holds ``latest = G(vc) + its own updates of waves >= vc[v]`` (G: W0 plus the log's first sum(vc) waves, vc the
+  last installed pull), a pull rebasing every stage and keeping the own waves the PS lacks; a forward uses the
+  stage's weights after k own updates: ``latest - its updates k..n-1`` (k = n, the stage's count now; with vertical
+  sync on stages > 0, k = stage 0's count at its forward of the minibatch: the stashed version, rebased by every
+  pull since). Each minibatch's gradient is taken at its stages' forward weights; each stage's update follows its
+  own momentum state, in minibatch order.
+
+  Returns:
+    ``(final global weights, per VW per stage its latest weights, per (v, q) the k of each stage, counts)``.
+  """
+  from tests.pipeline_util import loss_and_grad
+  grad_fn = loss_and_grad(spec)
+  offsets = layout.layer_offsets
+  n = len(partitions)
+  slices = [[slice(offsets[i], offsets[j]) for i, j in part] for part in partitions]
+  upd = [[{} for _ in part] for part in partitions]  # v, s -> q -> float32 update of the stage's elements
+  count = [[0] * len(part) for part in partitions]
+  states = [[tx.init(np.zeros(sl.stop - sl.start, np.float32)) for sl in vw] for vw in slices]
+  clocks = [(0,) * n for _ in range(n)]
+  fw, k_used, grads, k0 = {}, {}, {}, {}
+  seen = {"own_kept": 0, "peer_carried": 0, "stash_rebased": 0}
+  pushed = [0] * n
+  last_pull = [-1] * n  # per VW, the event index of its last installed pull
+  reached = {}  # (v, s, k) -> event index at which stage s of VW v reached k own updates
+
+  def wave(v, c):
+    total = np.zeros_like(w0)
+    for s, sl in enumerate(slices[v]):
+      for q in range(c * nm, (c + 1) * nm):
+        total[sl] += upd[v][s][q]
+    return total
+
+  def global_at(vc):
+    counts = [0] * n
+    w = w0.copy()
+    for c, u in applied[:sum(vc)]:
+      assert c == counts[u], f"PS log applies VW {u}'s wave {c} before its wave {counts[u]}"
+      counts[u] += 1
+      w += wave(u, c)
+    assert counts == list(vc), (counts, vc)
+    return w
+
+  def weights(v, s, k):
+    own = clocks[v][v]
+    w = global_at(clocks[v])[slices[v][s]].copy()
+    for q in range(count[v][s]):
+      if q < k and q // nm >= own:
+        w += upd[v][s][q]
+      elif q >= k and q // nm < own:
+        w -= upd[v][s][q]
+    return w
+
+  for index, ev in enumerate(events):
+    v = ev[1]
+    if ev[0] == "push":
+      pushed[v] += 1
+      continue
+    if ev[0] == "pull":
+      clocks[v] = tuple(ev[2])
+      last_pull[v] = index
+      seen["own_kept"] += pushed[v] > clocks[v][v]
+      seen["peer_carried"] += any(c > 0 for u, c in enumerate(clocks[v]) if u != v)
+      continue
+    task = ev[2]
+    s, q, kind = task.stage_id, task.minibatch_id, task.kind.name
+    last = s == len(slices[v]) - 1
+    if kind in ("FORWARD", "FORWARD_BACKWARD"):
+      if s == 0:
+        k0[(v, q)] = count[v][0]
+      k = k0[(v, q)] if vertical_sync and s > 0 else count[v][s]
+      k_used.setdefault((v, q), {})[s] = k
+      if k < count[v][s] and reached.get((v, s, k), -1) < last_pull[v]:
+        seen["stash_rebased"] += 1  # an older version, kept from before the last pull
+      fw.setdefault((v, q), {})[s] = weights(v, s, k)
+    if kind == "FORWARD_BACKWARD":
+      assert last
+      full = np.concatenate([fw[(v, q)][t] for t in range(len(slices[v]))])
+      _, g = grad_fn(layout.unflatten(full), *sources[v].get(q))
+      grads[(v, q)] = layout.flatten(jax.device_get(g))
+    if kind in ("BACKWARD", "FORWARD_BACKWARD"):
+      u, states[v][s] = tx.update(grads[(v, q)][slices[v][s]], states[v][s])
+      upd[v][s][q] = np.asarray(u, np.float32)
+      count[v][s] += 1
+      reached[(v, s, count[v][s])] = index
+  final = global_at([sum(1 for _, u in applied if u == v) for v in range(n)])
+  latest = [[weights(v, s, count[v][s]) for s in range(len(slices[v]))] for v in range(n)]
+  return final, latest, k_used, seen
+
+
+@pytest.mark.parametrize("ps_apply", ["on_receipt", "clock_aligned"])
+@pytest.mark.parametrize("vertical_sync", [False, True])
+def test_pipedream_with_two_vws_and_pulls_equals_an_event_order_replay(tmp_path, synthetic_data_dir, monkeypatch,
+                                                                       ps_apply, vertical_sync):
+  """PipeDream, two heterogeneous VWs in virtual time, D = 1, a pull at every wave end, pushes of 5 ms and pull
+  replies of 100 ms: pulls carry the other VW's waves, and VWs have pushed waves the pulled weights lack (the pull
+  must keep them) — and with vertical sync, stage versions stashed before a pull are read after it (the pull must
+  rebase them). The global and each VW's final weights, and every stage version the records claim, equal
+  :func:`_pipedream_oracle` (rtol 1e-5)."""
+  import json
+  from experiments.configs import tiny
+  from hetpipe_jax.jobs import checkpoint, job_config, virtual_job
+  from tests.replay import read_applied_order
+  events, vws = [], {}
+  dispatch, install, end_wave = (virtual_worker.VirtualWorker.dispatch, virtual_worker.VirtualWorker.install_pull,
+                                 virtual_worker.VirtualWorker.end_wave)
+
+  def logged_dispatch(self, task, mb):
+    vws[self.vw_id] = self
+    events.append(("task", self.vw_id, task))
+    return dispatch(self, task, mb)
+
+  def logged_install(self, vector_clock, flat, shard_vector_clocks=None):
+    events.append(("pull", self.vw_id, tuple(vector_clock)))
+    return install(self, vector_clock, flat, shard_vector_clocks)
+
+  def logged_end_wave(self, wave_id):
+    events.append(("push", self.vw_id, wave_id))
+    return end_wave(self, wave_id)
+
+  monkeypatch.setattr(virtual_worker.VirtualWorker, "dispatch", logged_dispatch)
+  monkeypatch.setattr(virtual_worker.VirtualWorker, "install_pull", logged_install)
+  monkeypatch.setattr(virtual_worker.VirtualWorker, "end_wave", logged_end_wave)
+  plain_times = virtual_job._virtual_task_times  # pylint: disable=protected-access
+
+  def with_ps_times(config, settings):  # pushes and pull replies take time: waves land while a reply travels
+    times, emulate_plan = plain_times(config, settings)
+    return [dataclasses.replace(t, push_s=0.005, pull_s=0.1) for t in times], emulate_plan
+
+  monkeypatch.setattr(virtual_job, "_virtual_task_times", with_ps_times)
+  lr, batch, num_mb = 0.05, 16, 18
+  c = tiny.get_config()
+  c.update({"data_dir": str(synthetic_data_dir), "check_counts": False, "progress": False, "method": "pipedream",
+            "num_virtual_workers": 2, "num_stages": 3, "num_minibatches": num_mb, "staleness_bound": 1,
+            "emulate_stage_ms": "10,20,10;30,30,30", "optimizer": "momentum", "learning_rate": lr,
+            "batch_size": batch, "ps_apply": ps_apply, "vertical_sync": vertical_sync, "pull_every_wave": True,
+            "checkpoint_every_waves": 0})
+  summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
+  nm = summary["num_inflight"]
+  assert nm == 3 and sorted(vws) == [0, 1]
+  spec = models.get_model("mlp_tiny")
+  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
+  layout = ParamLayout.from_layer_params(params0)
+  dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
+  sources = [sharding.ShardedMinibatches(dataset, 2, v, batch, 0) for v in range(2)]
+  partitions = [[tuple(r) for r in summary["partitions"][str(v)]] for v in range(2)]
+  final, latest, k_used, seen = _pipedream_oracle(
+      events, read_applied_order(tmp_path), partitions, layout.flatten(params0), layout, spec,
+      optax.sgd(lr, momentum=0.9), sources, nm, vertical_sync)
+  # the cases under test happened
+  assert seen["peer_carried"] >= 4 and seen["own_kept"] >= 2, seen
+  assert (seen["stash_rebased"] > 0) == vertical_sync, seen
+  records = [json.loads(l) for l in (tmp_path / "minibatches.jsonl").read_text().splitlines()]
+  assert len(records) == 2 * num_mb
+  for r in records:
+    assert r["stage_versions"] == [k_used[(r["vw_id"], r["minibatch_id"])][s] for s in range(3)], r
+  actual = layout.flatten(checkpoint.restore_weights(tmp_path / "checkpoint"))
+  np.testing.assert_allclose(actual, final, rtol=1e-5, atol=1e-6)
+  for v, vw in vws.items():
+    np.testing.assert_allclose(layout.flatten(vw.layer_params()), np.concatenate(latest[v]), rtol=1e-5, atol=1e-6)

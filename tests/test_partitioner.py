@@ -212,3 +212,41 @@ def test_dp_equals_brute_force_on_resnet152_with_three_gpu_types():
   brute = partition_check.partition_brute_force(problem)
   np.testing.assert_allclose(partitioner.partition_dp(problem).max_stage_time_ms, brute.max_stage_time_ms,
                              rtol=1e-9)
+
+
+def _with_capacity(problem: partitioner.PartitionProblem, capacity: int) -> partitioner.PartitionProblem:
+  """``problem`` with every GPU type's usable memory set to ``capacity`` bytes."""
+  costs = problem.costs.__class__(**{**problem.costs.__dict__,
+                                     "capacity_bytes": {k: capacity for k in problem.costs.capacity_bytes}})
+  return partitioner.PartitionProblem(costs, problem.gpus, problem.num_inflight)
+
+
+def test_a_stage_needing_exactly_the_usable_memory_fits():
+  """At the memory boundary a stage fits (``memory <= usable``, HetPipe §7). Every GPU gets the least memory any
+  partition needs (m*, the minimum over partitions of their largest stage's memory, by enumeration): the DP must find
+  the fastest partition among those needing at most m* (a brute force with its own ``<=`` check), every stage within
+  m* and one at exactly m*; one byte less fits nothing. Seeds where every such partition is held to m* by a non-last
+  stage, and seeds where by the last stage, are both covered."""
+  mid_bound = last_bound = 0
+  for seed in range(30):
+    rng = np.random.default_rng(500 + seed)
+    profile = random_profile(rng, int(rng.integers(4, 7)))
+    cl = random_cluster(rng, 10**12)
+    gpus = cl.gpus()
+    k = int(rng.integers(1, 4))
+    chosen = tuple(gpus[i] for i in sorted(rng.choice(len(gpus), size=k, replace=False)))
+    loose = partitioner.PartitionProblem(cost_model.build_stage_costs(profile, cl), chosen, int(rng.integers(1, 4)))
+    parts = list(_all_partitions(loose))
+    need = min(max(p.stage_memory_bytes) for p in parts)
+    assert need == int(need) > 0  # whole bytes: the boundary is exact
+    tight = _with_capacity(loose, int(need))
+    at_boundary = [p for p in parts if max(p.stage_memory_bytes) <= need]
+    mid_bound += all(max(p.stage_memory_bytes[:-1], default=0) == need for p in at_boundary)
+    last_bound += all(p.stage_memory_bytes[-1] == need for p in at_boundary)
+    best = min(p.max_stage_time_ms for p in at_boundary)
+    dp = partitioner.partition_dp(tight)
+    assert dp.fits and max(dp.stage_memory_bytes) == need, (seed, dp.stage_memory_bytes, need)
+    np.testing.assert_allclose(dp.max_stage_time_ms, best, rtol=1e-9, err_msg=f"seed {seed}")
+    with pytest.raises(partitioner.InfeasiblePartitionError):
+      partitioner.partition_dp(_with_capacity(loose, int(need) - 1))
+  assert mid_bound >= 3 and last_bound >= 3, (mid_bound, last_bound)

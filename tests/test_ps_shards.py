@@ -150,12 +150,12 @@ def test_sharded_run_equals_per_shard_replay_and_moves_the_predicted_bytes(tmp_p
 
 class _LaggingShardClient:
   """VW 0's client of two in-process PS shards (each an on-receipt :class:`ParameterServer` over its slice) where
-  shard 1 receives each of VW 0's waves one wave late, and a scripted VW 1 pushes wave ``c - 1`` to both shards
+  shard 1 receives each of VW 0's waves ``lag`` waves late, and a scripted VW 1 pushes wave ``c - 1`` to both shards
   right after VW 0 pushes wave ``c``. So pulls see the shards at different vector clocks, and VW 0 must re-add an own
-  wave on shard 1's layers only."""
+  wave on shard 1's layers only (with ``lag = 2``, at two pulls in a row)."""
 
-  def __init__(self, servers, shards, peer_waves):
-    self.servers, self.shards, self.peer_waves = servers, shards, peer_waves
+  def __init__(self, servers, shards, peer_waves, lag=1):
+    self.servers, self.shards, self.peer_waves, self.lag = servers, shards, peer_waves, lag
     self.late: list[tuple[int, np.ndarray]] = []  # VW 0's waves shard 1 has not received yet
     self.peer_pushed = 0
     self.outstanding = False
@@ -173,9 +173,9 @@ class _LaggingShardClient:
   def push(self, wave_id, flat_delta, loss_sum, num_minibatches):
     del loss_sum, num_minibatches
     self.servers[0].push(0, wave_id, self.shards.gather(flat_delta, 0))
-    for w, part in self.late:
-      self.servers[1].push(0, w, part)
-    self.late = [(wave_id, self.shards.gather(flat_delta, 1).copy())]
+    self.late.append((wave_id, self.shards.gather(flat_delta, 1).copy()))
+    while len(self.late) > self.lag:
+      self.servers[1].push(0, *self.late.pop(0))
     if wave_id >= 1:
       self._peer_push(wave_id - 1)
     self._serve()
@@ -206,23 +206,23 @@ class _LaggingShardClient:
       self._peer_push(self.peer_pushed)
 
 
-def test_pull_from_shards_at_different_clocks_equals_per_shard_replay(synthetic_data_dir):
-  """The shards of one pull hold different waves of VW 0 (shard 1 receives them a wave late): the VW's weights
-  re-add each own wave only on the shards that lack it, so its final local weights and the shards' final weights
-  equal the per-shard sequential replay (rtol 1e-5)."""
+def _lagging_shard_run(data_dir, lag, staleness_bound, num_waves):
+  """VW 0 (Nm 2, momentum) over :class:`_LaggingShardClient` with shard 1 ``lag`` waves late: checks its final local
+  weights and the shards' final weights against the per-shard sequential replay (rtol 1e-5); returns the client."""
   from hetpipe_jax.ps import param_server
   from tests import replay
   from tests.pipeline_util import build_vw
-  nm, num_waves = 2, 5
-  vw, source, params0, tx, _ = build_vw(synthetic_data_dir, partition=[(0, 2), (2, 4)], num_inflight=nm,
-                                        staleness_bound=2, optimizer=optax.sgd(0.05, momentum=0.9), num_vws=2)
+  nm = 2
+  vw, source, params0, tx, _ = build_vw(data_dir, partition=[(0, 2), (2, 4)], num_inflight=nm,
+                                        staleness_bound=staleness_bound, optimizer=optax.sgd(0.05, momentum=0.9),
+                                        num_vws=2)
   layout = vw.layout
   shards = ShardLayout.build(layout.layer_offsets, [None, 0, 1, 0], 2)
   w0 = layout.flatten(params0)
   servers = [param_server.ParameterServer(shards.gather(w0, s), 2) for s in range(2)]
   rng = np.random.default_rng(3)
   peer = [(0.01 * rng.standard_normal(w0.size)).astype(np.float32) for _ in range(num_waves)]
-  client = _LaggingShardClient(servers, shards, peer)
+  client = _LaggingShardClient(servers, shards, peer, lag=lag)
   vw.ps, vw.ps_shards = client, shards
   vw.run(nm * num_waves)
   # the case under test happened: pulls whose shards held different numbers of VW 0's waves
@@ -242,6 +242,24 @@ def test_pull_from_shards_at_different_clocks_equals_per_shard_replay(synthetic_
   result = replay.ShardedReplay([replay.Replay(w0, result.updates, [peer], nm, list(s.state.applied))
                                  for s in servers], shards.index)
   np.testing.assert_allclose(final, result.final_global_weights(), rtol=1e-5, atol=1e-6)
+  return client
+
+
+def test_pull_from_shards_at_different_clocks_equals_per_shard_replay(synthetic_data_dir):
+  """The shards of one pull hold different waves of VW 0 (shard 1 receives them a wave late): the VW's weights
+  re-add each own wave only on the shards that lack it, so its final local weights and the shards' final weights
+  equal the per-shard sequential replay (rtol 1e-5)."""
+  _lagging_shard_run(synthetic_data_dir, lag=1, staleness_bound=2, num_waves=5)
+
+
+def test_own_waves_survive_a_shard_lagging_behind_two_pulls_in_a_row(synthetic_data_dir):
+  """Shard 1 receives VW 0's waves two waves late, so an own wave is missing from shard 1's slice at two pulls in a
+  row: the first pull must keep it (re-added on shard 1's layers, and kept for the next pull), the second re-add it
+  again. The VW's and the shards' final weights equal the per-shard replay (rtol 1e-5)."""
+  client = _lagging_shard_run(synthetic_data_dir, lag=2, staleness_bound=3, num_waves=6)
+  # the case under test: some pull's shard 1 still lacks an own wave that shard 0 already held at the pull before
+  twice = [i for i, (a, b) in enumerate(zip(client.replies, client.replies[1:])) if b[1][0] < a[0][0]]
+  assert len(twice) >= 2, client.replies
 
 
 @pytest.mark.mpi
@@ -314,6 +332,84 @@ def test_served_pulls_are_counted_per_destination_rank():
   assert [(d, t) for d, t, _ in comm.sent] == [(4, transport.TAG_HEADER), (4, transport.TAG_DATA),
                                                 (4, transport.TAG_DATA)]
   assert transport.PS_BYTES.sent.get(4, 0) - before.get(4, 0) == 5 * 4
+
+
+class _LiveSendComm:
+  """A communicator whose ``Isend`` keeps a reference to its buffer, as MPI may read it until the send completes:
+  ``complete()`` ends every outstanding send and returns ``(dest, tag, buffer contents then)``."""
+
+  class _Request:
+    def __init__(self):
+      self.done = False
+
+    def Test(self):  # noqa: N802 (mpi4py's name)
+      return self.done
+
+  def __init__(self):
+    self.outstanding = []
+
+  def Isend(self, buf, dest, tag):  # noqa: N802
+    request = self._Request()
+    self.outstanding.append((dest, tag, buf, request))
+    return request
+
+  def complete(self):
+    out = [(d, t, np.array(b, copy=True)) for d, t, b, _ in self.outstanding]
+    for *_, request in self.outstanding:
+      request.done = True
+    self.outstanding = []
+    return out
+
+
+@pytest.mark.parametrize("ps_apply", ["on_receipt", "clock_aligned"])
+def test_a_pull_reply_carries_the_weights_as_answered_while_later_pushes_land(ps_apply):
+  """The PS answers VW 1's pull, then applies more pushes before the reply's send completes (MPI may read a send's
+  buffer until then; in virtual time the reply is installed pull_s later): the reply must carry the global weights
+  and vector clock of the moment it was answered, not the live weights."""
+  from hetpipe_jax.ps import transport
+  from hetpipe_jax.ps.param_server import ParameterServer
+  from hetpipe_jax.ps.service import ParameterServerService
+  server = ParameterServer(np.zeros(4, np.float32), 2, ps_apply)
+  server.push(0, 0, np.full(4, 1.0, np.float32))
+  server.push(1, 0, np.full(4, 2.0, np.float32))
+  comm = _LiveSendComm()
+  service = ParameterServerService(comm, server, num_minibatches_per_vw=0, num_inflight=1, evaluate=None,
+                                   eval_every_waves=0, log_every_waves=1, log_metrics=lambda line: None,
+                                   progress=False, first_vw_rank=1, lead=False)
+  service._serve_pulls([1])  # pylint: disable=protected-access
+  server.push(0, 1, np.full(4, 100.0, np.float32))
+  server.push(1, 1, np.full(4, 1000.0, np.float32))
+  assert server.weights.tolist() == [1103.0] * 4  # the pushes landed before the reply left
+  sent = comm.complete()
+  assert [(d, t) for d, t, _ in sent] == [(2, transport.TAG_HEADER), (2, transport.TAG_DATA), (2, transport.TAG_DATA)]
+  assert int(sent[0][2][3]) == 1  # the header's global clock
+  np.testing.assert_array_equal(sent[1][2], [3.0] * 4)
+  assert sent[2][2].tolist() == [1, 1]
+
+
+def test_a_sharded_pull_holds_the_element_wise_minimum_of_its_shards_vector_clocks():
+  """VW 0's client of two PS shards whose replies carry different vector clocks: the pull's vector clock is, per VW,
+  the minimum over shards (what every layer holds); each shard's own vector clock and slice are kept apart."""
+  from hetpipe_jax.ps import transport
+  from hetpipe_jax.ps.transport import Kind, MPIPSClient
+  from tests.fake_mpi import FakeWorld
+  shards = ShardLayout.build([0, 2, 5, 6], [0, 1, 0], 2)  # shard 0: elements 0, 1, 5; shard 1: 2, 3, 4
+  world = FakeWorld()
+  client = MPIPSClient(world.comm(2), 0, 6, 2, shards=shards, first_vw_rank=2)
+  client.request_pull(1)
+  assert client.poll_pull() is None
+  replies = {0: ((3, 1), [0.0, 1.0, 5.0]), 1: ((2, 4), [2.0, 3.0, 4.0])}
+  for shard, (vc, part) in replies.items():
+    comm = world.comm(shard)
+    comm.Isend(transport.make_header(Kind.WEIGHTS, 0, min(vc), len(part)), dest=2, tag=transport.TAG_HEADER)
+    comm.Isend(np.array(part, np.float32), dest=2, tag=transport.TAG_DATA)
+    comm.Isend(np.array(vc, np.int64), dest=2, tag=transport.TAG_DATA)
+    if shard == 0:
+      assert client.poll_pull() is None  # shard 1 has not answered
+  vector_clock, flat, per_shard = client.poll_pull()
+  assert vector_clock == (2, 1)
+  assert per_shard == ((3, 1), (2, 4))
+  np.testing.assert_array_equal(flat, np.arange(6, dtype=np.float32))
 
 
 def test_rank0_assembles_the_final_weights_from_every_shard():

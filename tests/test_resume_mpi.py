@@ -18,11 +18,12 @@ from tests.mpi_util import mpiexec, read_jsonl, run_job
 
 pytestmark = pytest.mark.mpi
 
-# Nm = 1, D = 0, SGD and the clock-aligned PS: every addition happens in one fixed order, so an interrupted and
-# resumed run must end with the uninterrupted run's weights (on receipt, the PS adds in arrival order, which
-# varies between runs by a float rounding).
+# Nm = 1, D = 0, momentum SGD and the clock-aligned PS: every addition happens in one fixed order, so an interrupted
+# and resumed run must end with the uninterrupted run's weights (on receipt, the PS adds in arrival order, which
+# varies between runs by a float rounding). Momentum has a state per VW: a resumed VW must continue from the
+# checkpoint's, not from a fresh one (constant-rate SGD, stateless, would not tell them apart).
 DRILL = {"num_virtual_workers": 2, "num_minibatches": 24, "num_inflight": 1, "staleness_bound": 0,
-         "optimizer": "sgd", "learning_rate": 0.05, "batch_size": 16, "checkpoint_every_waves": 6,
+         "optimizer": "momentum", "learning_rate": 0.05, "batch_size": 16, "checkpoint_every_waves": 6,
          "emulate_stage_ms": "20,20", "ps_apply": "clock_aligned"}
 
 

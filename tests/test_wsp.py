@@ -130,6 +130,24 @@ def test_parameter_server_on_receipt_adds_each_update_when_it_arrives():
   assert ps.state.applied == [(0, 1), (1, 1), (0, 0)]
 
 
+@pytest.mark.parametrize("ps_apply", ["on_receipt", "clock_aligned"])
+def test_a_snapshot_is_a_copy_that_later_pushes_leave_unchanged(ps_apply):
+  """A pull is answered with a copy of the global weights: pushes applied after the answer (while the reply is on
+  its way, or before the VW installs it) change neither the answered weights nor their vector clock."""
+  ps = ParameterServer(np.zeros(3, np.float32), 2, ps_apply)
+  ps.push(0, 0, np.array([1, 2, 3], np.float32))
+  ps.push(1, 0, np.array([10, 20, 30], np.float32))
+  vc, w = ps.snapshot()
+  assert vc == (1, 1) and w.tolist() == [11, 22, 33]
+  ps.push(0, 1, np.array([100, 200, 300], np.float32))
+  ps.push(1, 1, np.array([1000, 0, 0], np.float32))
+  assert ps.snapshot()[0] == (2, 2) and ps.weights.tolist() == [1111, 222, 333]
+  assert vc == (1, 1) and w.tolist() == [11, 22, 33]  # the earlier answer as it was
+  w2 = ps.snapshot()[1]
+  w2 += 1  # a VW's rebase of its copy does not reach the global weights
+  assert ps.weights.tolist() == [1111, 222, 333]
+
+
 def test_vw_sync_state_paper_example():
   # Nm = 4, D = 0 (HetPipe §5, Figure 1): minibatches 4..6 of wave 1 start without global weights; minibatch 7 needs
   # every VW's wave 0, so after wave 0 completes the VW requests a pull that must reach global clock 1.
