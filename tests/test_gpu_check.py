@@ -104,3 +104,35 @@ def test_bad_arguments_stop_before_any_work(tmp_path, arg, message):
   proc = _run(out, arg, timeout=60)
   assert proc.returncode == 2 and message in proc.stderr, proc.stderr
   assert not out.exists()
+
+
+FAKE_PIP = '''
+import pathlib, sys
+args = sys.argv[1:]
+assert args[0] == "download", args
+dest = pathlib.Path(args[args.index("-d") + 1])
+assert args[args.index("--python-version") + 1] == "3.12" and "--only-binary=:all:" in args, args
+for spec in [a for a in args if "==" in a]:
+  name, version = spec.split("==")
+  (dest / f"{name}-{version}-py3-none-any.whl").write_bytes(b"w" * 1000)
+'''
+
+
+def test_gpu_wheels_makes_the_carry_over(tmp_path, synthetic_data_dir):
+  """scripts/gpu_wheels.sh asks pip for the three wheels at requirements.txt's pins for CPython 3.12 and copies the
+  four Fashion-MNIST files (a stand-in pip: no download in the suite)."""
+  (tmp_path / "pip.py").write_text(FAKE_PIP)
+  carry = tmp_path / "carry"
+  env = dict(os.environ, GPU_CARRY=str(carry), HETPIPE_DATA_DIR=str(synthetic_data_dir),
+             PIP=f"{os.sys.executable} {tmp_path / 'pip.py'}")
+  proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_wheels.sh")], cwd=REPO_ROOT, env=env,
+                        capture_output=True, text=True, timeout=60, check=False)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  pins = dict(line.split("==") for line in (REPO_ROOT / "requirements.txt").read_text().split("\n")
+              if "==" in line and not line.startswith("#"))
+  want = sorted(f"{n}-{pins[n].split()[0]}-py3-none-any.whl" for n in ("ml_collections", "mpi4py", "mpich"))
+  assert sorted(p.name for p in (carry / "wheels").iterdir()) == want
+  for f in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
+            "t10k-labels-idx1-ubyte.gz"):
+    assert (carry / "fashion-mnist" / f).read_bytes() == (synthetic_data_dir / f).read_bytes()
+  assert "of the 64 MiB a device call carries" in proc.stdout

@@ -131,6 +131,11 @@ HOW = (
     How(r"--config\.model=my_pkg\.my_module:make_spec", "skip",
         why="a module of the reader's own: tests/test_user_model_data.py runs tests/user_model_data.py's"),
     How(r"experiments/paper/convergence\.py$", "skip", why="tests/test_paper_convergence.py (--quick)"),
+    How(r"^bash scripts/gpu_wheels\.sh$", "skip",
+        why="downloads from PyPI: tests/test_gpu_check.py::test_gpu_wheels_makes_the_carry_over (a stand-in pip)"),
+    How(r"^bash scripts/gpu_check\.sh$", "skip", why="needs a GPU; the same steps on CPU: tests/test_gpu_check.py"),
+    How(r"^bash scripts/gpu_check\.sh --cpu --out=/tmp/gpu_check$", "skip",
+        why="tests/test_gpu_check.py::test_cpu_rehearsal_runs_every_step"),
 )
 
 
