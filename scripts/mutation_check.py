@@ -484,9 +484,9 @@ MUTATIONS = (
              "a stage rank's wave delta keeps the earlier waves' updates (each pushed again with every later wave)"),
     Mutation("stage_update_skipped_on_stage_ranks", "hetpipe_jax/runtime/virtual_worker.py",
              "    if self.remote is not None:  # every stage rank applies p's update to its stages: the same new version\n"
-             "      self.remote.on_update(mb.record.minibatch_id, self.version.version_id)\n",
+             "      self.remote.on_update(mb.record.minibatch_id, self.version.version_id, norm)\n",
              "    if self.remote is not None and mb.record.minibatch_id % 2:\n"
-             "      self.remote.on_update(mb.record.minibatch_id, self.version.version_id)\n",
+             "      self.remote.on_update(mb.record.minibatch_id, self.version.version_id, norm)\n",
              ("tests/test_stage_ranks.py::test_stage_ranks_train_exactly_as_one_process",),
              "the driver does not send every minibatch's update to its stage ranks (their versions fall behind)"),
     # ---- paper reproduction (issue 13)

@@ -28,7 +28,6 @@ from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
 from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, settings_summary
 from hetpipe_jax.rules import allreduce
-from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime.param_layout import ParamLayout
 
 
@@ -104,7 +103,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   vw_id = rank
   devices = rank_setup.stage_devices(settings, vw_id, None, restricted)
   optimizer = mpi_job.make_optimizer(config, steps)  # one optimizer step per training step
-  stages = stages_lib.build_stages(spec, partitions[vw_id], devices, optimizer, remat=bool(config.remat))
+  stages = mpi_job.build_stages(config, spec, partitions[vw_id], devices, optimizer, remat=bool(config.remat))
   source = sharding.ShardedMinibatches(dataset, n, vw_id, config.batch_size, config.seed)
   micro = sharding.MicroBatches(source.get, m)
   reducer = MPIAllReducer(comm, segment_offsets(layout, segments))

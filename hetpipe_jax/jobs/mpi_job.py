@@ -39,8 +39,9 @@ from hetpipe_jax.runtime.param_layout import ParamLayout
 def make_optimizer(config: Any, num_minibatches: int) -> optax.GradientTransformation:
   """The optax optimizer each VW applies to its own minibatches (``config.lr_schedule``: constant, cosine, or
   warmup_cosine: linear from 0 over ``config.warmup_minibatches``, then cosine to 0 at ``num_minibatches``; Adam's
-  ``config.adam_b1`` / ``adam_b2``; ``config.grad_clip_norm`` > 0 first clips each minibatch's gradient to that global
-  norm)."""
+  ``config.adam_b1`` / ``adam_b2``). ``config.grad_clip_norm`` is not part of it: the stages clip each minibatch's
+  gradient by its global norm over every stage before this optimizer (:func:`build_stages`,
+  :mod:`hetpipe_jax.runtime.grad_clip`), which a per-stage optax chain could not."""
   lr = config.learning_rate
   if config.lr_schedule == "cosine":
     lr = optax.cosine_decay_schedule(config.learning_rate, num_minibatches)
@@ -52,8 +53,15 @@ def make_optimizer(config: Any, num_minibatches: int) -> optax.GradientTransform
     tx = optax.sgd(lr, momentum=config.momentum)
   else:
     tx = optax.sgd(lr)
-  clip = config.get("grad_clip_norm", 0.0)
-  return optax.chain(optax.clip_by_global_norm(clip), tx) if clip > 0 else tx
+  return tx
+
+
+def build_stages(config: Any, spec: models.ModelSpec, partition, devices, optimizer: optax.GradientTransformation,
+                 remat: bool = False) -> list:
+  """A VW's stages (:func:`hetpipe_jax.runtime.stages.build_stages`) with the job's ``config.grad_clip_norm`` (> 0:
+  every update clips by the minibatch's global norm over all stages; 0: off), for every method and mode."""
+  return stages_lib.build_stages(spec, partition, devices, optimizer, remat=remat,
+                                 grad_clip_norm=float(config.get("grad_clip_norm", 0.0)))
 
 
 def minibatches_per_wave(settings: JobSettings) -> int:
@@ -224,7 +232,7 @@ def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, part
   link = rank_setup.stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
   devices = rank_setup.stage_devices(settings, vw_id, link, restricted)
   optimizer = make_optimizer(config, num_mb)
-  stages = stages_lib.build_stages(spec, partition, devices, optimizer)
+  stages = build_stages(config, spec, partition, devices, optimizer)
   vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, settings.num_inflight,
                      settings.staleness_bound, None, None, num_virtual_workers=settings.num_virtual_workers,
                      method=settings.method, link=link)
@@ -291,7 +299,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
     remote = RemoteStages(comm, vw_id, link)
   devices = rank_setup.stage_devices(settings, vw_id, link, restricted)
   optimizer = make_optimizer(config, num_mb)
-  stages = stages_lib.build_stages(spec, partition, devices, optimizer)
+  stages = build_stages(config, spec, partition, devices, optimizer)
   source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
   sharded = shards if settings.num_ps_shards > 1 else None
   parts = rank_setup.vw_parts(settings, shards, partitions, layout.layer_offsets)

@@ -19,14 +19,13 @@ from hetpipe_jax import models
 from hetpipe_jax.data import sharding
 from hetpipe_jax.jobs.evaluation import Evaluator
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
-from hetpipe_jax.jobs.mpi_job import (data_config_fields, eval_every_waves, load_data, make_optimizer,
+from hetpipe_jax.jobs.mpi_job import (build_stages, data_config_fields, eval_every_waves, load_data, make_optimizer,
                                       minibatches_per_vw, prepare)
 from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
 from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, settings_summary
 from hetpipe_jax.rules import wsp
 from hetpipe_jax.ps.param_server import ParameterServer
-from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime import virtual_time
 from hetpipe_jax.runtime.param_layout import ParamLayout
 from hetpipe_jax.runtime.virtual_worker import VirtualWorker
@@ -106,7 +105,7 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
     stage_devices = [devices[(next_device + s) % len(devices)] for s in range(len(partition))]
     next_device += len(partition)
     optimizer = make_optimizer(config, num_mb)
-    stages = stages_lib.build_stages(spec, partition, stage_devices, optimizer)
+    stages = build_stages(config, spec, partition, stage_devices, optimizer)
     source = sharding.ShardedMinibatches(dataset, n, v, config.batch_size, config.seed)
     vw = VirtualWorker(v, stages, layout, layout.unflatten(server.weights), optimizer, nm, settings.staleness_bound,
                        virtual_time.RecordingPSClient(v, outbox),
@@ -292,7 +291,7 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
     stage_devices = [devices[(next_device + s) % len(devices)] for s in range(len(partition))]
     next_device += len(partition)
     optimizer = make_optimizer(config, steps)
-    stages = stages_lib.build_stages(spec, partition, stage_devices, optimizer, remat=bool(config.remat))
+    stages = build_stages(config, spec, partition, stage_devices, optimizer, remat=bool(config.remat))
     source = sharding.ShardedMinibatches(dataset, n, v, config.batch_size, config.seed)
     micro = sharding.MicroBatches(source.get, m)
     vws.append(VirtualWorker(v, stages, layout, params0, optimizer, m, settings.staleness_bound, None, micro.get,

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import jax
 
+from hetpipe_jax.runtime import grad_clip
+
 
 class FlushStep:
   """The flush methods' step end of a :class:`~hetpipe_jax.runtime.virtual_worker.VirtualWorker`
@@ -53,6 +55,10 @@ class FlushStep:
     if not np.isfinite(grads).all():  # the mean (sum / count, count >= 1) is finite exactly when the sum is
       raise FloatingPointError(f"[VW {self.vw_id}] the all-reduced gradients of step {step} hold NaN/Inf: training "
                                "diverged; lower config.learning_rate")
+    norms = self._zero_norms
+    if self.grad_clip_norm:  # the mean gradient's norm over the whole model, the same on every replica (grad_clip)
+      mean = grads / np.float32(count)  # the division apply_mean makes on the devices (float32, exactly rounded)
+      norms = self._placed_norms(grad_clip.global_norm([grad_clip.flat_sq_norm(mean)]))
     offsets = self.layout.layer_offsets
     # One contiguous copy per stage (a device array may alias its numpy source on the CPU backend), placed in one
     # call; each stage divides by the count and unflattens on its device.
@@ -60,7 +66,7 @@ class FlushStep:
                              for st in self.stages], [st.device for st in self.stages])
     params, states = [], []
     for s, (st, g, d) in enumerate(zip(self.stages, slices, self._divisors)):
-      p, o = st.apply_mean(self.version.params[s], self.opt_states[s], g, d)
+      p, o = st.apply_mean(self.version.params[s], self.opt_states[s], g, d, norms[s])
       params.append(p)
       states.append(o)
     self.opt_states = states
