@@ -541,6 +541,23 @@ MUTATIONS = (
              "      or any(",
              ("tests/test_memory_caps.py::test_memory_caps_come_from_schedule_plans_at_their_nm",),
              "caps counted at the plan's Nm are applied to a run at another Nm"),
+    # ---- issue 23: global-norm clipping, diverged replicas fail, replayable runs (wt_b)
+    Mutation("grad_clip_by_each_stage_norm", "hetpipe_jax/runtime/stages.py",
+             "    return grad_clip.clip(grads, norm, max_norm) if max_norm > 0 else grads\n",
+             "    return grad_clip.clip(grads, jnp.sqrt(grad_clip.stage_sq_norm(grads)), max_norm) if max_norm > 0 else grads\n",
+             ("tests/test_global_clip.py::test_pipelines_clip_by_the_global_norm_whatever_the_partition",
+              "tests/test_global_clip.py::test_flush_methods_clip_the_mean_gradient_by_its_global_norm"),
+             "grad_clip_norm clips each stage's gradient by its own norm (the numerics depend on the partition)"),
+    Mutation("stage_rank_sq_norm_not_reported", "hetpipe_jax/runtime/stage_ranks.py",
+             "      sq_norm = float(jax.device_get(self.vw.stages[s].sq_norm(",
+             "      sq_norm = 0.0 * float(jax.device_get(self.vw.stages[s].sq_norm(",
+             ("tests/test_stage_ranks.py::test_stage_ranks_clip_by_the_global_norm_over_every_rank",),
+             "a stage rank reports no squared norm: the driver clips by the norm of its own stages only"),
+    Mutation("diverged_replicas_pass", "hetpipe_jax/jobs/outputs.py",
+             "  if len(groups) > 1:\n    shown", "  if False:\n    shown",
+             ("tests/test_global_clip.py::test_virtual_time_replicas_that_diverge_fail_the_run",
+              "tests/test_global_clip.py::test_mpi_replicas_that_diverge_exit_non_zero_with_an_error"),
+             "an all-reduce run whose replicas ended with different weights finishes with exit 0"),
 )
 
 

@@ -203,3 +203,60 @@ def test_virtual_time_hetpipe_two_vws_clip_globally(tmp_path, synthetic_data_dir
   layout = ParamLayout.from_layer_params(params0)
   np.testing.assert_allclose(layout.flatten(checkpoint.restore_weights(tmp_path / "checkpoint")), want, rtol=1e-5,
                              atol=1e-6)
+
+
+def _diverging_vw1(monkeypatch):
+  """VW 1's all-reduced gradients perturbed: its replica diverges (tests/diverging_replica.py under MPI)."""
+  from hetpipe_jax.runtime import flush_step
+  apply_reduced = flush_step.FlushStep.apply_reduced
+
+  def diverging(self, step, summed):
+    if self.vw_id == 1:
+      summed = summed.copy()
+      summed[0] += 1.0
+    return apply_reduced(self, step, summed)
+
+  monkeypatch.setattr(flush_step.FlushStep, "apply_reduced", diverging)
+
+
+def test_virtual_time_replicas_that_diverge_fail_the_run(tmp_path, synthetic_data_dir, monkeypatch):
+  """All-reduce in virtual time whose VW 1 applies a different step: the run raises ReplicasDivergedError naming
+  both groups of VWs (it used to log a warning and finish), after writing its outputs (summary.json records
+  ``replicas_identical: false`` and each replica's digest). The same run without the perturbation passes."""
+  from experiments.configs import tiny
+  from hetpipe_jax.jobs import job_config, virtual_job
+  from hetpipe_jax.jobs.outputs import ReplicasDivergedError
+  c = tiny.get_config()
+  c.update({"data_dir": str(synthetic_data_dir), "check_counts": False, "progress": False, "method": "horovod",
+            "num_virtual_workers": 2, "num_stages": 1, "num_inflight": 1, "num_minibatches": 3,
+            "emulate_stage_ms": "10"})
+  summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path / "ok"))
+  assert summary["allreduce"]["replicas_identical"]
+  assert len(set(summary["allreduce"]["replica_sha256"].values())) == 1
+  _diverging_vw1(monkeypatch)
+  with pytest.raises(ReplicasDivergedError, match=r"replicas' final weights differ \(VWs \[0\] \w+; VWs \[1\]"):
+    virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path / "bad"))
+  summary = json.loads((tmp_path / "bad" / "summary.json").read_text())
+  assert summary["allreduce"]["replicas_identical"] is False
+  assert len(set(summary["allreduce"]["replica_sha256"].values())) == 2
+
+
+@pytest.mark.mpi
+def test_mpi_replicas_that_diverge_exit_non_zero_with_an_error(tmp_path, synthetic_data_dir):
+  """Under MPI (Horovod, 2 ranks) a replica that diverges ends the job with a non-zero exit and one ``error:`` line
+  naming the divergence (issue 23: it used to exit 0 with a warning)."""
+  import subprocess
+  import sys
+  from tests.mpi_util import mpiexec
+  from hetpipe_jax.paths import REPO_ROOT
+  import os
+  args = [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "tests/diverging_replica.py",
+          "--config=experiments/configs/tiny.py", f"--workdir={tmp_path / 'run'}", "--config.check_counts=False",
+          "--config.progress=False", f"--config.data_dir={synthetic_data_dir}", "--config.method=horovod",
+          "--config.num_virtual_workers=2", "--config.num_stages=1", "--config.num_inflight=1",
+          "--config.num_minibatches=3"]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = str(REPO_ROOT)
+  proc = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+  assert proc.returncode != 0, proc.stderr[-3000:]
+  assert "error: the data-parallel replicas' final weights differ" in proc.stderr, proc.stderr[-3000:]

@@ -23,7 +23,8 @@ from hetpipe_jax.jobs.mpi_job import (build_stages, data_config_fields, eval_eve
                                       minibatches_per_vw, prepare)
 from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
-from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, settings_summary
+from hetpipe_jax.jobs.outputs import (RunOutputs, check_replicas_identical, check_workdir, settings_summary,
+                                      weights_sha256)
 from hetpipe_jax.rules import wsp
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.runtime import virtual_time
@@ -334,7 +335,8 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
   if state["losses"]:
     state["loss"] = float(np.mean(state["losses"]))
   final_flat = layout.flatten(vws[0].layer_params())
-  identical = all(np.array_equal(final_flat, layout.flatten(vw.layer_params())) for vw in vws[1:])
+  digests = {vw.vw_id: weights_sha256(layout.flatten(vw.layer_params())) for vw in vws}
+  identical = len(set(digests.values())) == 1
   final = evaluator.evaluate(final_flat)
   sim_time = report.makespan_s
   outputs.log_metrics({"minibatches": steps * n, "global_clock": steps, "loss": state["loss"],
@@ -368,7 +370,8 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
       "shared_nic": report.config["shared_nic"],  # the engine's network rule, as it ran
       "allreduce": {"steps": report.final_global_clock,
                     "allreduce_s_per_step": max(t.allreduce_time_s(report.config["shared_nic"]) for t in times),
-                    "replicas_identical": identical},
+                    "replicas_identical": identical,
+                    "replica_sha256": {str(v): d for v, d in sorted(digests.items())}},
       **extra,
       "evaluations": state["evals"] + [{"global_clock": steps, "simulated_time_s": sim_time, **final}],
       "wait_s": {str(r.vw_id): r.wait_s for r in report.vws},
@@ -377,6 +380,7 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
       "checkpoint_every_waves": 0,
   }
   outputs.finish(summary)
+  check_replicas_identical(digests, workdir)  # a non-zero exit
   logging.info("[virtual] done: test accuracy %.4f, %d minibatches in %.1f simulated s (%.1f host s)",
                final["test_accuracy"], total, sim_time, summary["host_wall_time_s"])
   return summary
