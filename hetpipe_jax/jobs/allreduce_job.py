@@ -105,7 +105,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   optimizer = mpi_job.make_optimizer(config, steps)  # one optimizer step per training step
   stages = mpi_job.build_stages(config, spec, partitions[vw_id], devices, optimizer, remat=bool(config.remat))
   source = sharding.ShardedMinibatches(dataset, n, vw_id, config.batch_size, config.seed)
-  micro = sharding.MicroBatches(source.get, m)
+  micro = sharding.MicroBatches(source.get_with_ids, m)  # records carry each micro-batch's example ids
   reducer = MPIAllReducer(comm, segment_offsets(layout, segments))
 
   outputs = evaluator = bar = None
@@ -115,7 +115,9 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   if rank == 0:
     from hetpipe_jax.jobs.evaluation import Evaluator  # pylint: disable=g-import-not-at-top
     outputs = RunOutputs(workdir)
-    outputs.write_config(resolved_config(config, settings, partitions, checkpoint_every_waves=0))
+    outputs.write_config(resolved_config(config, settings, partitions, checkpoint_every_waves=0,
+                                         **mpi_job.data_config_fields(spec, dataset),
+                                         **mpi_job.replay_fields(flat0, config.seed)))
     for note in settings.notes:
       logging.info("[VW 0] %s", note)
     evaluator = Evaluator(spec, layout, dataset.eval_inputs, dataset.eval_targets, config.eval_batch_size, devices[0])

@@ -122,8 +122,9 @@ class RunOutputs:
     (:func:`hetpipe_jax.rules.records.extra_update_stats`)."""
     rows = sorted((dict(r) for r in records), key=lambda r: (r["vw_id"], r["minibatch_id"]))
     for r in rows:  # per-stage versions exist for PipeDream only (every stage uses one version otherwise)
-      if r.get("stage_versions", 0) is None:
-        del r["stage_versions"]
+      for key in ("stage_versions", "example_ids"):  # example ids: whenever data ran
+        if r.get(key, 0) is None:
+          del r[key]
     with open(self.dir / "minibatches.jsonl", "w", encoding="utf-8") as f:
       for r in rows:
         f.write(json.dumps(json_safe(r)) + "\n")

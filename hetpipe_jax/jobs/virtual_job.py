@@ -20,7 +20,7 @@ from hetpipe_jax.data import sharding
 from hetpipe_jax.jobs.evaluation import Evaluator
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
 from hetpipe_jax.jobs.mpi_job import (build_stages, data_config_fields, eval_every_waves, load_data, make_optimizer,
-                                      minibatches_per_vw, prepare)
+                                      minibatches_per_vw, prepare, replay_fields)
 from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
 from hetpipe_jax.jobs.outputs import (RunOutputs, check_replicas_identical, check_workdir, settings_summary,
@@ -90,7 +90,9 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
     resume_lib.rewrite_lines(pathlib.Path(workdir) / "metrics.jsonl", point.meta["metrics"])
   outputs = RunOutputs(workdir)
   config_json = resolved_config(config, settings, partitions, emulate_plan=emulate_plan,
-                                **data_config_fields(spec, dataset))
+                                **data_config_fields(spec, dataset),
+                                **replay_fields(point.flat_weights if point else layout.flatten(params0), config.seed,
+                                                point.step if point else None))
   outputs.write_config(config_json)
   for note in settings.notes:
     logging.info("[virtual] %s", note)
@@ -110,7 +112,7 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
     source = sharding.ShardedMinibatches(dataset, n, v, config.batch_size, config.seed)
     vw = VirtualWorker(v, stages, layout, layout.unflatten(server.weights), optimizer, nm, settings.staleness_bound,
                        virtual_time.RecordingPSClient(v, outbox),
-                       lambda p, get=source.get, v=v: get(data_offset[v] + p),
+                       lambda p, get=source.get_with_ids, v=v: get(data_offset[v] + p),
                        num_virtual_workers=n, pull_every_wave=config.pull_every_wave,
                        corrupt_update=resume_lib.nan_injector(config, v, off), method=settings.method,
                        vertical_sync=bool(config.get("vertical_sync", False)),
@@ -282,7 +284,8 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
   n, m = settings.num_virtual_workers, settings.num_inflight
   outputs = RunOutputs(workdir)
   outputs.write_config(resolved_config(config, settings, partitions, emulate_plan=emulate_plan,
-                                       checkpoint_every_waves=0))
+                                       checkpoint_every_waves=0, **data_config_fields(spec, dataset),
+                                       **replay_fields(layout.flatten(params0), config.seed)))
   for note in settings.notes:
     logging.info("[virtual] %s", note)
   devices = jax.local_devices()
@@ -294,7 +297,7 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
     optimizer = make_optimizer(config, steps)
     stages = build_stages(config, spec, partition, stage_devices, optimizer, remat=bool(config.remat))
     source = sharding.ShardedMinibatches(dataset, n, v, config.batch_size, config.seed)
-    micro = sharding.MicroBatches(source.get, m)
+    micro = sharding.MicroBatches(source.get_with_ids, m)  # records carry each micro-batch's example ids
     vws.append(VirtualWorker(v, stages, layout, params0, optimizer, m, settings.staleness_bound, None, micro.get,
                              num_virtual_workers=n, method=settings.method,
                              reducer=virtual_time.HeldReducer(v, outbox)))

@@ -6,9 +6,9 @@ uses the VW's stages, layout, versions and PS client): each stage keeps its own 
 (or, with ``vertical_sync``, the stage's weights after as many own updates as stage 0's forward of that minibatch used)
 and its VJP closure stashes them for the backward; right after its backward (FB on the last stage) the stage applies
 its own optimizer step, adding the delta to that minibatch's wave accumulator (with ``grad_clip_norm`` > 0 every stage
-applies it when the minibatch completes instead, clipped by its global norm: :mod:`hetpipe_jax.runtime.grad_clip`). At a wave end the VW pushes every
-stage's wave delta, and a pull rebases every stage (global + own waves the PS lacks + deltas not pushed yet), under a
-per-stage lock because the stage executors update concurrently.
+applies it when the minibatch completes instead, clipped by its global norm: :mod:`hetpipe_jax.runtime.grad_clip`).
+At a wave end the VW pushes every stage's wave delta, and a pull rebases every stage (global + own waves the PS lacks
++ deltas not pushed yet), under a per-stage lock because the stage executors update concurrently.
 """
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     num_inflight: Nm >= 1.
     staleness_bound: D >= 0.
     ps: the parameter-server client.
-    get_minibatch: ``minibatch_id -> (images [b, ...] float32, labels [b] int32)`` numpy arrays.
+    get_minibatch: ``minibatch_id -> (images [b, ...] float32, labels [b] int32)`` numpy arrays, or with a third,
+      the examples' ids (int ``[b]``, recorded in the minibatch's ``example_ids``).
     num_virtual_workers: N, the length of the pulled weights' vector clocks.
     pull_every_wave: also pull (without waiting) at every wave end; False pulls only when the bound forces it.
     poll_interval_s: the longest the scheduler blocks waiting for a completion before polling the PS again.
@@ -228,19 +229,22 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
       self._prefetched[p] = self._load(p)
 
   def _load(self, p: int):
-    """Minibatch ``p``: ``(host labels, images on stage 0's device, labels on the last stage's device or None)``."""
-    images, labels = self.get_minibatch(p)
+    """Minibatch ``p``: ``(host labels, images on stage 0's device, labels on the last stage's device or None,
+    example ids or None)``."""
+    data = self.get_minibatch(p)
+    images, labels = data[0], data[1]
+    ids = [int(i) for i in data[2]] if len(data) > 2 else None
     x = jax.device_put(images, self.stages[0].device)
     if self.remote is None or len(self.stages) - 1 in self.local_stages:
       y = jax.device_put(labels, self.stages[-1].device)
     else:
       y = None
-    return labels, x, y
+    return labels, x, y, ids
 
   def inject(self, p: int, now: float) -> InFlightMinibatch:
     """Starts minibatch ``p`` on the current weight version; ``now`` is its injection time in seconds."""
     loaded = self._prefetched.pop(p, None)
-    labels, x, y = loaded if loaded is not None else self._load(p)
+    labels, x, y, ids = loaded if loaded is not None else self._load(p)
     v = self.version
     fields = (self.vw_id, p, wsp.wave_of(p, self.num_inflight), self.sync.local_clock, v.version_id,
               v.local_updates, v.global_clock, v.vector_clock, now)
@@ -251,6 +255,7 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
                                    (v.vector_clock,) * self.ps_shards.num_shards)
     if self.method.update == "stage":
       rec.stage_versions = [-1] * len(self.stages)
+    rec.example_ids = ids
     self.records.append(rec)
     if self.remote is not None:  # every stage rank learns p's version; the last stage's rank gets the labels
       self.remote.on_inject(p, v.version_id, labels)
