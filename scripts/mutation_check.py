@@ -558,6 +558,16 @@ MUTATIONS = (
              ("tests/test_global_clip.py::test_virtual_time_replicas_that_diverge_fail_the_run",
               "tests/test_global_clip.py::test_mpi_replicas_that_diverge_exit_non_zero_with_an_error"),
              "an all-reduce run whose replicas ended with different weights finishes with exit 0"),
+    Mutation("recorded_example_ids_of_another_minibatch", "hetpipe_jax/data/sharding.py",
+             "    return self._images[idx], self._labels[idx], idx\n",
+             "    return self._images[idx], self._labels[idx], self.indices(minibatch_id + 1)\n",
+             ("tests/test_replayable_runs.py::test_a_virtual_time_run_replays_from_its_outputs_alone",),
+             "minibatches.jsonl's example_ids are not the examples the minibatch trained on"),
+    Mutation("initial_weights_hash_of_other_weights", "hetpipe_jax/jobs/mpi_job.py",
+             "\"initial_weights_sha256\": weights_sha256(flat0),",
+             "\"initial_weights_sha256\": weights_sha256(flat0[::-1]),",
+             ("tests/test_replayable_runs.py::test_a_virtual_time_run_replays_from_its_outputs_alone",),
+             "config.json's initial weights' hash is not the hash of the weights the run started from"),
 )
 
 
