@@ -260,3 +260,70 @@ def test_mpi_replicas_that_diverge_exit_non_zero_with_an_error(tmp_path, synthet
   proc = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
   assert proc.returncode != 0, proc.stderr[-3000:]
   assert "error: the data-parallel replicas' final weights differ" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.mpi
+def test_mpi_stage_ranks_clip_by_the_global_norm(tmp_path, synthetic_data_dir):
+  """Under mpiexec: 2 VWs whose 3 stages run on separate ranks (2 PS shards: 8 ranks), Nm = 2, D = 1, clipping on:
+  the squared norms travel from the stage ranks to their drivers and the norm back with each UPDATE; the final
+  global weights equal the per-shard replay of the records with a whole-model optax ``clip_by_global_norm``."""
+  from hetpipe_jax.jobs import checkpoint
+  from hetpipe_jax.ps.shards import ShardLayout
+  from tests.mpi_util import read_jsonl, run_job
+  from tests.replay import read_applied_order, replay_final_weights
+  nm, mb = 2, 12
+  workdir = tmp_path / "run"
+  proc = run_job(workdir, 8, {"data_dir": synthetic_data_dir, "num_virtual_workers": 2, "num_stages": 3,
+                              "partition": "0:2,2:3,3:4", "num_ps_shards": 2, "optimizer": "momentum",
+                              "momentum": 0.9, "learning_rate": 0.1, "batch_size": 16, "num_minibatches": mb,
+                              "num_inflight": nm, "staleness_bound": 1, "stage_ranks": True,
+                              "grad_clip_norm": CLIP, "checkpoint_every_waves": 0}, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["stage_rank_of_stage"] == [[2, 4, 5], [3, 6, 7]]
+  records = read_jsonl(workdir / "minibatches.jsonl")
+  spec = models.get_model("mlp_tiny")
+  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
+  layout = ParamLayout.from_layer_params(params0)
+  logs = [read_applied_order(workdir, s) for s in range(2)]
+  shard_layout = ShardLayout.build(layout.layer_offsets, summary["ps_shards"]["layer_shards"], 2)
+  dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
+  sources = [sharding.ShardedMinibatches(dataset, 2, v, 16, 0) for v in range(2)]
+  tx = optax.chain(optax.clip_by_global_norm(CLIP), _tx())
+  expected = replay_final_weights(records, spec, params0, tx, sources, nm, logs[0],
+                                  shards=list(zip(shard_layout.index, logs)))
+  actual = layout.flatten(checkpoint.restore_weights(workdir / "checkpoint"))
+  np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+  unclipped = replay_final_weights(records, spec, params0, _tx(), sources, nm, logs[0],
+                                   shards=list(zip(shard_layout.index, logs)))
+  assert np.max(np.abs(actual - unclipped)) > 1e-3  # the clip was active
+
+
+@pytest.mark.mpi
+def test_mpi_allreduce_with_a_partition_per_vw_clips_globally(tmp_path, synthetic_data_dir):
+  """The issue's case under mpiexec: GPipe, 2 VWs partitioned 2:2 and 3:1, ``grad_clip_norm`` set. It used to end
+  with ``replicas_identical: false`` and exit 0; now the replicas are identical and equal single-device optax training
+  on the union of the VWs' minibatches with ``clip_by_global_norm``."""
+  from hetpipe_jax.jobs import checkpoint
+  from tests.mpi_util import run_job
+  steps, batch = 6, 16
+  workdir = tmp_path / "run"
+  proc = run_job(workdir, 2, {"data_dir": synthetic_data_dir, "method": "gpipe", "num_virtual_workers": 2,
+                              "num_stages": 2, "num_inflight": 2, "partition": "0:2,2:4;0:3,3:4",
+                              "optimizer": "momentum", "momentum": 0.9, "learning_rate": 0.1, "batch_size": batch,
+                              "num_minibatches": steps, "grad_clip_norm": CLIP})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["allreduce"]["replicas_identical"] and summary["partitions"] == {"0": [[0, 2], [2, 4]],
+                                                                                  "1": [[0, 3], [3, 4]]}
+  spec = models.get_model("mlp_tiny")
+  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
+  dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
+  sources = [sharding.ShardedMinibatches(dataset, 2, v, batch, 0) for v in range(2)]
+  batches = []
+  for k in range(steps):
+    parts = [s.get(k) for s in sources]
+    batches.append((np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])))
+  want, norms = _replay(spec, params0, batches, list(range(steps)))
+  assert sum(g > CLIP for g in norms) >= 2, norms
+  assert_params_close(checkpoint.restore_weights(workdir / "checkpoint"), want, rtol=1e-5, atol=1e-6)
