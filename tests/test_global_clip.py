@@ -89,18 +89,21 @@ def _clipping_stages(partition):
   return stages_lib.build_stages(spec, partition, jax.devices()[:len(partition)], _tx(), grad_clip_norm=CLIP)
 
 
-@pytest.mark.parametrize("method", ["hetpipe", "pipedream"])
+@pytest.mark.parametrize("method", ["hetpipe", "pipedream", "pipedream_vertical_sync"])
 @pytest.mark.parametrize("num_inflight", [1, 3])
 def test_pipelines_clip_by_the_global_norm_whatever_the_partition(synthetic_data_dir, method, num_inflight):
   """One VW, 12 minibatches, D = 0, partitions 2:2 and 3:1: the VW's weights equal the whole-model optax replay with
-  ``clip_by_global_norm`` (HetPipe: at the recorded versions; PipeDream: each stage at its recorded version, the
-  update of minibatch p applied when p completes), and differ from a per-stage clip."""
+  ``clip_by_global_norm`` (HetPipe: at the recorded versions; PipeDream, with and without vertical sync: each stage
+  at its recorded version, the update of minibatch p applied when p completes), and differ from a per-stage clip."""
   spec = models.get_model("mlp_tiny")
   n = 12
   finals = []
+  vertical_sync = method == "pipedream_vertical_sync"
+  method = "pipedream" if vertical_sync else method
   for partition in PARTITIONS:
     vw, source, params0, _, _ = build_vw(synthetic_data_dir, partition=partition, num_inflight=num_inflight,
-                                         optimizer=_tx(), method=method, stages=_clipping_stages(partition))
+                                         optimizer=_tx(), method=method, stages=_clipping_stages(partition),
+                                         vertical_sync=vertical_sync)
     vw.run(n)
     recs = sorted(vw.records, key=lambda r: r.minibatch_id)
     batches = [source.get(p) for p in range(n)]
@@ -113,6 +116,8 @@ def test_pipelines_clip_by_the_global_norm_whatever_the_partition(synthetic_data
         assert any(m < p for p, m in enumerate(versions))  # stale weights: the norm is the minibatch's own
     else:
       versions = [r.stage_versions for r in recs]
+      if vertical_sync:
+        assert all(len(set(v)) == 1 for v in versions)  # every stage used the version stage 0 used
       want = _pipedream_replay(spec, partition, params0, batches, versions)
       _, norms = _replay(spec, params0, batches, list(range(n)))
       per_stage = None

@@ -344,7 +344,9 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
       if not self.method.is_flush:  # PipeDream: every stage already applied its own update; the version counts it
         if self.grad_clip_norm:  # ... or, clipping, applies it now, by the minibatch's global norm
           norm = self.minibatch_grad_norm(mb)
-          for s in range(len(self.stages)):
+          # stage 0 last: with vertical sync a later stage's forward looks up the count stage 0's forward saw, which
+          # must already be in that stage's history
+          for s in reversed(range(len(self.stages))):
             self._stage_update(s, mb, mb.grads.pop(s), norm)
         self.version = self._new_version(self.version.params, local_updates=self.version.local_updates + 1)
         if self.vertical_sync:
