@@ -5,7 +5,9 @@ end the stages' accumulated gradients (each stage's part put on the host after i
 step's loss sum go to the ``reducer`` as one float32 buffer in layer order (MPI: ``Allreduce``; virtual time: held
 until the engine's all-reduce), and :meth:`FlushStep.apply_reduced` applies the mean gradient over the N VWs' M
 micro-batches on every stage: one new version per step, the same update on every replica (GPipe, Huang et al. 2019
-§2.2; Megatron-LM's 1F1B with flush, Narayanan et al. 2021 §2.2).
+§2.2; Megatron-LM's 1F1B with flush, Narayanan et al. 2021 §2.2). With ``grad_clip_norm`` the mean gradient is
+clipped by its global norm over the whole model, computed from the reduced buffer every replica holds
+(:mod:`hetpipe_jax.runtime.grad_clip`), so replicas with different partitions apply the same update.
 """
 
 from __future__ import annotations
