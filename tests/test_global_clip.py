@@ -250,11 +250,11 @@ def test_virtual_time_replicas_that_diverge_fail_the_run(tmp_path, synthetic_dat
 def test_mpi_replicas_that_diverge_exit_non_zero_with_an_error(tmp_path, synthetic_data_dir):
   """Under MPI (Horovod, 2 ranks) a replica that diverges ends the job with a non-zero exit and one ``error:`` line
   naming the divergence (issue 23: it used to exit 0 with a warning)."""
+  import os
   import subprocess
   import sys
-  from tests.mpi_util import mpiexec
   from hetpipe_jax.paths import REPO_ROOT
-  import os
+  from tests.mpi_util import mpiexec
   args = [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "tests/diverging_replica.py",
           "--config=experiments/configs/tiny.py", f"--workdir={tmp_path / 'run'}", "--config.check_counts=False",
           "--config.progress=False", f"--config.data_dir={synthetic_data_dir}", "--config.method=horovod",
