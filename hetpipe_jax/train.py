@@ -49,6 +49,7 @@ def main(argv) -> None:
   from hetpipe_jax.data.fashion_mnist import DataError
   from hetpipe_jax.jobs.job_config import ConfigError, resolve_settings
   from hetpipe_jax.ps.param_server import BadUpdateError
+  from hetpipe_jax.jobs.outputs import ReplicasDivergedError
   from hetpipe_jax import rank_devices
   comm = MPI.COMM_WORLD
   rank = comm.Get_rank()
@@ -72,7 +73,7 @@ def main(argv) -> None:
     else:
       from hetpipe_jax.jobs import mpi_job
       mpi_job.run(config, settings, _WORKDIR.value, comm, resume=_RESUME.value)
-  except (ConfigError, DataError, FileExistsError, BadUpdateError) as e:
+  except (ConfigError, DataError, FileExistsError, BadUpdateError, ReplicasDivergedError) as e:
     # Every rank validates the same settings; rank 0 reports and its exit aborts the mpi_job. Another rank reports
     # only if it is still alive after a moment (its failure was its own, e.g. a data file missing on its node).
     if rank != 0:

@@ -120,10 +120,13 @@ def _report_dict(report: engine.EngineReport) -> dict:
 
 def _plain(x):
   """Dataclasses (and lists of them) as tuples of their fields, recursively, for a stable ``repr``. A record's
-  ``stage_versions`` (PipeDream's per-stage versions, added with the methods) is left out when unset, so the hash of
-  the HetPipe results did not change with the field."""
-  if isinstance(x, MinibatchRecord) and x.stage_versions is None:
-    return dataclasses.astuple(x)[:-1]
+  ``stage_versions`` (PipeDream's per-stage versions, added with the methods) and ``example_ids`` (the data a
+  minibatch used, issue 23; the engine runs none) are left out when unset, so the hash of the results did not change
+  with these fields."""
+  if isinstance(x, MinibatchRecord):
+    names = [f.name for f in dataclasses.fields(x)]
+    return tuple(v for n, v in zip(names, dataclasses.astuple(x))
+                 if not (n in ("stage_versions", "example_ids") and v is None))
   if dataclasses.is_dataclass(x):
     return dataclasses.astuple(x)
   if isinstance(x, (list, tuple)):

@@ -291,8 +291,8 @@ MUTATIONS = (
              '  if method.order == "gpipe":\n    k = 1',
              ("tests/test_methods.py",), "GPipe's order and memory hold one micro-batch"),
     Mutation("pipedream_stage_update_skipped", "hetpipe_jax/runtime/virtual_worker.py",
-             "    keep = self._stage_update if per_stage else self._keep_grads\n",
-             "    keep = (lambda s, mb, gp: None) if per_stage else self._keep_grads\n",
+             "    keep = self._stage_update if per_stage and not self.grad_clip_norm else self._keep_grads\n",
+             "    keep = (lambda s, mb, gp: None) if per_stage and not self.grad_clip_norm else self._keep_grads\n",
              ("tests/test_methods_runtime.py::test_pipedream_weight_stashing_equals_sequential_replay",),
              "PipeDream's stages never apply their own updates (weights stay at the pulled ones)"),
     Mutation("allreduce_mean_over_one_vw", "hetpipe_jax/runtime/virtual_worker.py",
@@ -484,9 +484,9 @@ MUTATIONS = (
              "a stage rank's wave delta keeps the earlier waves' updates (each pushed again with every later wave)"),
     Mutation("stage_update_skipped_on_stage_ranks", "hetpipe_jax/runtime/virtual_worker.py",
              "    if self.remote is not None:  # every stage rank applies p's update to its stages: the same new version\n"
-             "      self.remote.on_update(mb.record.minibatch_id, self.version.version_id)\n",
+             "      self.remote.on_update(mb.record.minibatch_id, self.version.version_id, norm)\n",
              "    if self.remote is not None and mb.record.minibatch_id % 2:\n"
-             "      self.remote.on_update(mb.record.minibatch_id, self.version.version_id)\n",
+             "      self.remote.on_update(mb.record.minibatch_id, self.version.version_id, norm)\n",
              ("tests/test_stage_ranks.py::test_stage_ranks_train_exactly_as_one_process",),
              "the driver does not send every minibatch's update to its stage ranks (their versions fall behind)"),
     # ---- paper reproduction (issue 13)
@@ -690,6 +690,33 @@ MUTATIONS = (
              ("tests/test_methods_runtime.py::test_pipedream_with_two_vws_and_pulls_equals_an_event_order_replay",),
              "PipeDream's pull installs the pulled weights on stage 0 only"),
 
+    # ---- issue 23: global-norm clipping, diverged replicas fail, replayable runs (wt_b)
+    Mutation("grad_clip_by_each_stage_norm", "hetpipe_jax/runtime/stages.py",
+             "    return grad_clip.clip(grads, norm, max_norm) if max_norm > 0 else grads\n",
+             "    return grad_clip.clip(grads, jnp.sqrt(grad_clip.stage_sq_norm(grads)), max_norm) if max_norm > 0 else grads\n",
+             ("tests/test_global_clip.py::test_pipelines_clip_by_the_global_norm_whatever_the_partition",
+              "tests/test_global_clip.py::test_flush_methods_clip_the_mean_gradient_by_its_global_norm"),
+             "grad_clip_norm clips each stage's gradient by its own norm (the numerics depend on the partition)"),
+    Mutation("stage_rank_sq_norm_not_reported", "hetpipe_jax/runtime/stage_ranks.py",
+             "      sq_norm = float(jax.device_get(self.vw.stages[s].sq_norm(",
+             "      sq_norm = 0.0 * float(jax.device_get(self.vw.stages[s].sq_norm(",
+             ("tests/test_stage_ranks.py::test_stage_ranks_clip_by_the_global_norm_over_every_rank",),
+             "a stage rank reports no squared norm: the driver clips by the norm of its own stages only"),
+    Mutation("diverged_replicas_pass", "hetpipe_jax/jobs/outputs.py",
+             "  if len(groups) > 1:\n    shown", "  if False:\n    shown",
+             ("tests/test_global_clip.py::test_virtual_time_replicas_that_diverge_fail_the_run",
+              "tests/test_global_clip.py::test_mpi_replicas_that_diverge_exit_non_zero_with_an_error"),
+             "an all-reduce run whose replicas ended with different weights finishes with exit 0"),
+    Mutation("recorded_example_ids_of_another_minibatch", "hetpipe_jax/data/sharding.py",
+             "    return self._images[idx], self._labels[idx], idx\n",
+             "    return self._images[idx], self._labels[idx], self.indices(minibatch_id + 1)\n",
+             ("tests/test_replayable_runs.py::test_a_virtual_time_run_replays_from_its_outputs_alone",),
+             "minibatches.jsonl's example_ids are not the examples the minibatch trained on"),
+    Mutation("initial_weights_hash_of_other_weights", "hetpipe_jax/jobs/mpi_job.py",
+             "\"initial_weights_sha256\": weights_sha256(flat0),",
+             "\"initial_weights_sha256\": weights_sha256(flat0[::-1]),",
+             ("tests/test_replayable_runs.py::test_a_virtual_time_run_replays_from_its_outputs_alone",),
+             "config.json's initial weights' hash is not the hash of the weights the run started from"),
 )
 
 

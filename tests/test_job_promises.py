@@ -84,15 +84,24 @@ def test_adam_betas_and_gradient_clipping_follow_their_closed_form():
     m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
     want = -lr * (m / (1 - b1 ** k)) / (math.sqrt(v / (1 - b2 ** k)) + eps)
     assert float(updates["w"]) == pytest.approx(want, rel=1e-5)
-  # Clipping to global norm 1 over two leaves: g = (3, 4) has norm 5, so SGD's update is -lr * (0.6, 0.8); a gradient
-  # already inside the norm passes unchanged.
+  # Clipping to global norm 1 over two stages (grad_clip_norm, issue 23): stage A's gradient 3 and stage B's 4 make a
+  # global norm of 5, so SGD's updates are -lr * (0.6, 0.8) on the two stages; a gradient already inside the norm
+  # passes unchanged. make_optimizer itself does not clip (a per-stage chain would clip each stage by its own norm).
+  from hetpipe_jax.runtime import grad_clip
   tx = mpi_job.make_optimizer(_config(optimizer="sgd", learning_rate=lr, lr_schedule="constant",
                                       grad_clip_norm=1.0), 10)
-  params = {"a": jnp.zeros(()), "b": jnp.zeros(())}
-  state = tx.init(params)
   for g, want in (((3.0, 4.0), (0.06, 0.08)), ((0.3, 0.4), (0.03, 0.04))):
-    updates, state = tx.update({"a": jnp.asarray(g[0]), "b": jnp.asarray(g[1])}, state, params)
-    np.testing.assert_allclose([-float(updates["a"]), -float(updates["b"])], want, rtol=1e-5)
+    norm = grad_clip.global_norm([float(grad_clip.stage_sq_norm({"w": jnp.asarray(x)})) for x in g])
+    assert norm == pytest.approx(math.hypot(*g), rel=1e-6)
+    got = []
+    for x in g:
+      params = {"w": jnp.zeros(())}
+      updates, _ = tx.update(grad_clip.clip({"w": jnp.asarray(x)}, norm, 1.0), tx.init(params), params)
+      got.append(-float(updates["w"]))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+  params = {"w": jnp.zeros(())}
+  updates, _ = tx.update({"w": jnp.asarray(3.0)}, tx.init(params), params)
+  assert -float(updates["w"]) == pytest.approx(0.3, rel=1e-6)  # no clip in the optimizer itself
 
 
 # ---------------------------------------------------------------- run length and evaluation cadence

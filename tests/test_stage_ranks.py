@@ -202,7 +202,7 @@ class _PullLog(MPIPSClient):
 
 
 def _linked_vw(data_dir, *, ranks, num_inflight, staleness_bound, tx, num_vws, ps_apply, batch_size=16, num_mb,
-               peer_rank=None):
+               peer_rank=None, grad_clip_norm=0.0):
   """VW 0 with its stages on ``ranks`` (threads of this process over :class:`FakeWorld`), the real PS service loop
   on rank 0 (one shard) and, with ``num_vws = 2``, VW 1 on ``peer_rank`` (scripted by :func:`_run_linked`):
   ``(driver VirtualWorker, stage-rank servers, source, params0, world, job)``."""
@@ -232,7 +232,7 @@ def _linked_vw(data_dir, *, ranks, num_inflight, staleness_bound, tx, num_vws, p
     link = stage_ranks.StageLink(comm, 0, ranks, boundaries, num_mb, ahead=num_inflight + 1)
     driver = rank == ranks[0]
     remote = stage_ranks.RemoteStages(comm, 0, link) if driver else None
-    stages = stages_lib.build_stages(spec, THREE_STAGES, devices, tx)
+    stages = stages_lib.build_stages(spec, THREE_STAGES, devices, tx, grad_clip_norm=grad_clip_norm)
     return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, num_inflight, staleness_bound,
                                         client if driver else None, source.get if driver else None,
                                         num_virtual_workers=num_vws, link=link, remote=remote)
@@ -349,6 +349,36 @@ def test_stage_ranks_equal_the_replay_of_recorded_versions_with_lagging_pulls(sy
 
 def spec_of():
   return models.get_model("mlp_tiny")
+
+
+@pytest.mark.parametrize("ranks", [[1, 3, 4], [1, 1, 3]])
+def test_stage_ranks_clip_by_the_global_norm_over_every_rank(synthetic_data_dir, ranks):
+  """``grad_clip_norm`` with the VW's stages on 3 (or 2) ranks, Nm = 2, D = 1, a scripted VW 1 one wave behind: each
+  stage rank reports its stages' squared gradient norms, the driver sends the minibatch's global norm with its
+  UPDATE, and the final local and global weights equal the replay of the records with a whole-model optax
+  ``clip_by_global_norm`` (issue 23). A rank clipping by its own stages' norm would not match."""
+  nm, num_waves, clip = 2, 5, 0.5
+  n = nm * num_waves
+  tx = optax.sgd(0.05, momentum=0.9)
+  driver, servers, source, params0, world, job = _linked_vw(synthetic_data_dir, ranks=ranks, num_inflight=nm,
+                                                            staleness_bound=1, tx=tx, num_vws=2,
+                                                            ps_apply="clock_aligned", num_mb=n, peer_rank=2,
+                                                            grad_clip_norm=clip)
+  server = job["server"]
+  rng = np.random.default_rng(8)
+  peer = [(0.01 * rng.standard_normal(server.weights.size)).astype(np.float32) for _ in range(num_waves)]
+  _run_linked(driver, servers, n, job, peer_waves=peer, lag=1)
+  records = [dataclasses.asdict(r) for r in driver.records]
+  whole = optax.chain(optax.clip_by_global_norm(clip), tx)
+  result = replay.replay(records, spec_of(), params0, whole, [source], nm, fixed_waves=[peer],
+                         applied_order=server.state.applied)
+  layout = driver.layout
+  final_local = result.local_weights(0, driver.version.vector_clock, driver.version.local_updates)
+  np.testing.assert_allclose(layout.flatten(_layer_params(driver, servers)), final_local, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(server.weights, result.final_global_weights(server.state.applied), rtol=1e-5, atol=1e-6)
+  # the clip was active: SGD's first update, -0.05 x the clipped gradient, has norm 0.05 x clip
+  first = result.updates[0][0]
+  assert float(np.linalg.norm(first)) == pytest.approx(0.05 * clip, rel=1e-4)
 
 
 def test_stage_ranks_train_exactly_as_one_process(synthetic_data_dir):

@@ -82,7 +82,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.momentum = 0.9  # "momentum" only
   c.adam_b1 = 0.9  # "adam" only: decay rates of the gradient's mean and second moment (optax.adam's b1, b2)
   c.adam_b2 = 0.999
-  c.grad_clip_norm = 0.0  # > 0: clip each minibatch's gradient to this global norm before the optimizer; 0 = off
+  c.grad_clip_norm = 0.0  # > 0: clip each minibatch's gradient to this norm over ALL stages (optax clip_by_global_norm
+  # on the whole model, whatever the partition; the stages exchange their squared norms); 0 = off
   # Length, logging, evaluation.
   c.num_epochs = 5.0  # passes over the training set (all VWs together)
   c.num_minibatches = 0  # > 0: minibatches per VW instead of num_epochs (rounded down to whole waves)

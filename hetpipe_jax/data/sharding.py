@@ -171,6 +171,12 @@ class ShardedMinibatches:
     idx = self.indices(minibatch_id)
     return self._images[idx], self._labels[idx]
 
+  def get_with_ids(self, minibatch_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:meth:`get` and the examples' indices into the training split (int64 ``[batch_size]``, in the order fed):
+    what a VW records with each minibatch (``MinibatchRecord.example_ids``)."""
+    idx = self.indices(minibatch_id)
+    return self._images[idx], self._labels[idx], idx
+
 
 class MicroBatches:
   """Micro-batch ``p`` of a minibatch source: minibatch ``p // M``, examples ``[(p % M) b, (p % M + 1) b)`` with
@@ -193,7 +199,7 @@ class MicroBatches:
     self._cached = (-1, None)
 
   def get(self, microbatch_id: int):
-    """``(images, labels)`` of micro-batch ``microbatch_id``.
+    """``(images, labels)`` of micro-batch ``microbatch_id`` (and its example ids, when ``get`` gives them).
 
     Raises:
       ValueError: the minibatch's size is not a multiple of M.
@@ -201,9 +207,9 @@ class MicroBatches:
     step, part = divmod(microbatch_id, self.num_microbatches)
     if self._cached[0] != step:
       self._cached = (step, self._get(step))
-    images, labels = self._cached[1]
-    n = labels.shape[0]
+    arrays = self._cached[1]
+    n = arrays[1].shape[0]
     if n % self.num_microbatches:
       raise ValueError(f"a minibatch of {n} examples does not split into {self.num_microbatches} micro-batches")
     b = n // self.num_microbatches
-    return images[part * b:(part + 1) * b], labels[part * b:(part + 1) * b]
+    return tuple(a[part * b:(part + 1) * b] for a in arrays)

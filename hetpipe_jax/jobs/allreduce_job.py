@@ -15,7 +15,6 @@ Validation happens on every rank before any work, as in the HetPipe job. Not sup
 
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Any
 
@@ -26,9 +25,9 @@ import numpy as np
 from hetpipe_jax import models
 from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
-from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, settings_summary
+from hetpipe_jax.jobs.outputs import (RunOutputs, check_replicas_identical, check_workdir, settings_summary,
+                                      weights_sha256)
 from hetpipe_jax.rules import allreduce
-from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime.param_layout import ParamLayout
 
 
@@ -104,9 +103,9 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   vw_id = rank
   devices = rank_setup.stage_devices(settings, vw_id, None, restricted)
   optimizer = mpi_job.make_optimizer(config, steps)  # one optimizer step per training step
-  stages = stages_lib.build_stages(spec, partitions[vw_id], devices, optimizer, remat=bool(config.remat))
+  stages = mpi_job.build_stages(config, spec, partitions[vw_id], devices, optimizer, remat=bool(config.remat))
   source = sharding.ShardedMinibatches(dataset, n, vw_id, config.batch_size, config.seed)
-  micro = sharding.MicroBatches(source.get, m)
+  micro = sharding.MicroBatches(source.get_with_ids, m)  # records carry each micro-batch's example ids
   reducer = MPIAllReducer(comm, segment_offsets(layout, segments))
 
   outputs = evaluator = bar = None
@@ -116,7 +115,9 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   if rank == 0:
     from hetpipe_jax.jobs.evaluation import Evaluator  # pylint: disable=g-import-not-at-top
     outputs = RunOutputs(workdir)
-    outputs.write_config(resolved_config(config, settings, partitions, checkpoint_every_waves=0))
+    outputs.write_config(resolved_config(config, settings, partitions, checkpoint_every_waves=0,
+                                         **mpi_job.data_config_fields(spec, dataset),
+                                         **mpi_job.replay_fields(flat0, config.seed)))
     for note in settings.notes:
       logging.info("[VW 0] %s", note)
     evaluator = Evaluator(spec, layout, dataset.eval_inputs, dataset.eval_targets, config.eval_batch_size, devices[0])
@@ -162,7 +163,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   if bar is not None:
     bar.close()
   final_flat = layout.flatten(vw.layer_params())
-  digest = hashlib.sha256(final_flat.tobytes()).hexdigest()
+  digest = weights_sha256(final_flat)
   report = {"records": [dict(r.__dict__) for r in vw.records], "stats": dict(stats.__dict__),
             "allreduce_s": reducer.seconds, "allreduce_calls": reducer.calls,
             "partition": [list(r) for r in partitions[vw_id]], "stage_devices": [d.id for d in devices],
@@ -206,7 +207,8 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
       "global_clock": steps,
       "allreduce": {"segments": [list(s) for s in segments], "steps": steps,
                     "seconds_per_vw": {str(v): rep["allreduce_s"] for v, rep in sorted(reports.items())},
-                    "replicas_identical": len({rep["digest"] for rep in reports.values()}) == 1},
+                    "replicas_identical": len({rep["digest"] for rep in reports.values()}) == 1,
+                    "replica_sha256": {str(v): rep["digest"] for v, rep in sorted(reports.items())}},
       **extra,
       "trace_counts": {str(v): rep["trace_counts"] for v, rep in sorted(reports.items())},
       "evaluations": evals + [{"global_clock": steps, "wall_time_s": wall, **final}],
@@ -216,9 +218,8 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
       "checkpoint": str(ckpt),
       "checkpoint_every_waves": 0,
   }
-  if not summary["allreduce"]["replicas_identical"]:
-    logging.warning("[VW 0] the replicas' final weights differ")
   outputs.finish(summary)
+  check_replicas_identical({v: rep["digest"] for v, rep in reports.items()}, workdir)  # a non-zero exit
   logging.info("[VW 0] done: test accuracy %.4f, %d minibatches in %.1f s (%.1f images/s)", final["test_accuracy"],
                total_mb, wall, summary["images_per_s"])
   return summary

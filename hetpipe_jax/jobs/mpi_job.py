@@ -39,8 +39,9 @@ from hetpipe_jax.runtime.param_layout import ParamLayout
 def make_optimizer(config: Any, num_minibatches: int) -> optax.GradientTransformation:
   """The optax optimizer each VW applies to its own minibatches (``config.lr_schedule``: constant, cosine, or
   warmup_cosine: linear from 0 over ``config.warmup_minibatches``, then cosine to 0 at ``num_minibatches``; Adam's
-  ``config.adam_b1`` / ``adam_b2``; ``config.grad_clip_norm`` > 0 first clips each minibatch's gradient to that global
-  norm)."""
+  ``config.adam_b1`` / ``adam_b2``). ``config.grad_clip_norm`` is not part of it: the stages clip each minibatch's
+  gradient by its global norm over every stage before this optimizer (:func:`build_stages`,
+  :mod:`hetpipe_jax.runtime.grad_clip`), which a per-stage optax chain could not."""
   lr = config.learning_rate
   if config.lr_schedule == "cosine":
     lr = optax.cosine_decay_schedule(config.learning_rate, num_minibatches)
@@ -52,8 +53,15 @@ def make_optimizer(config: Any, num_minibatches: int) -> optax.GradientTransform
     tx = optax.sgd(lr, momentum=config.momentum)
   else:
     tx = optax.sgd(lr)
-  clip = config.get("grad_clip_norm", 0.0)
-  return optax.chain(optax.clip_by_global_norm(clip), tx) if clip > 0 else tx
+  return tx
+
+
+def build_stages(config: Any, spec: models.ModelSpec, partition, devices, optimizer: optax.GradientTransformation,
+                 remat: bool = False) -> list:
+  """A VW's stages (:func:`hetpipe_jax.runtime.stages.build_stages`) with the job's ``config.grad_clip_norm`` (> 0:
+  every update clips by the minibatch's global norm over all stages; 0: off), for every method and mode."""
+  return stages_lib.build_stages(spec, partition, devices, optimizer, remat=remat,
+                                 grad_clip_norm=float(config.get("grad_clip_norm", 0.0)))
 
 
 def minibatches_per_wave(settings: JobSettings) -> int:
@@ -132,6 +140,38 @@ def data_config_fields(spec: models.ModelSpec, dataset: Any) -> dict:
   objective = get_objective(spec.objective)
   return {"objective": objective.name, "loss_unit": objective.loss_unit,
           "dataset_info": dataset_lib.dataset_description(dataset)}
+
+
+INITIAL_WEIGHTS_RULE = (
+    "models.init_layer_params(model, jax.random.key(seed)): layer i's params are spec.layers[i].init("
+    "jax.random.fold_in(jax.random.key(seed), i), x_i)['params'] (Flax Linen; {} for a layer without parameters), "
+    "x_0 = zeros([1, *input_shape], input_dtype), x_(i+1) = spec.layers[i].apply({'params': params_i}, x_i); "
+    "hashed as the float32 little-endian bytes of every layer's leaves in jax.tree order (sorted keys), layers in "
+    "order (the PS's flat layout)")
+EXAMPLE_IDS_RULE = (
+    "minibatches.jsonl example_ids: per minibatch (flush methods: micro-batch) the rows of the training split of "
+    "config.dataset (dataset_info) it trained on, in the order fed; its inputs and targets are train_inputs[ids], "
+    "train_targets[ids] (Fashion-MNIST: the IDX train files' images / 255 as float32 [n, 28, 28, 1], labels int32)")
+
+
+def replay_fields(flat0: np.ndarray, seed: int, resumed_at_clock: int | None = None) -> dict:
+  """What config.json records so that a run can be replayed from its outputs alone (issue 23): the initial weights'
+  SHA-256 (:func:`hetpipe_jax.jobs.outputs.weights_sha256` of W0 in layer order) and the rule that makes them, and
+  how ``minibatches.jsonl``'s ``example_ids`` name the data; every method and mode records the same fields.
+
+  Args:
+    flat0: the weights the run starts from, float32 ``[num_params]`` in layer order.
+    seed: ``config.seed``.
+    resumed_at_clock: a resumed run's checkpoint (its weights are the start, not W0's rule).
+  """
+  import flax  # pylint: disable=g-import-not-at-top
+  from hetpipe_jax.jobs.outputs import weights_sha256  # pylint: disable=g-import-not-at-top
+  rule = (INITIAL_WEIGHTS_RULE if resumed_at_clock is None else
+          f"the global weights of checkpoints/{resumed_at_clock} (resumed at global clock {resumed_at_clock})")
+  return {"replay": {"initial_weights_sha256": weights_sha256(flat0), "initial_weights_num_params": int(flat0.size),
+                     "initial_weights_rule": rule, "seed": int(seed), "example_ids_rule": EXAMPLE_IDS_RULE,
+                     "jax_version": jax.__version__, "flax_version": flax.__version__,
+                     "optax_version": optax.__version__}}
 
 
 def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = False) -> dict | None:
@@ -227,7 +267,7 @@ def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, part
   link = rank_setup.stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
   devices = rank_setup.stage_devices(settings, vw_id, link, restricted)
   optimizer = make_optimizer(config, num_mb)
-  stages = stages_lib.build_stages(spec, partition, devices, optimizer)
+  stages = build_stages(config, spec, partition, devices, optimizer)
   vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, settings.num_inflight,
                      settings.staleness_bound, None, None, num_virtual_workers=settings.num_virtual_workers,
                      method=settings.method, link=link)
@@ -294,7 +334,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
     remote = RemoteStages(comm, vw_id, link)
   devices = rank_setup.stage_devices(settings, vw_id, link, restricted)
   optimizer = make_optimizer(config, num_mb)
-  stages = stages_lib.build_stages(spec, partition, devices, optimizer)
+  stages = build_stages(config, spec, partition, devices, optimizer)
   source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
   sharded = shards if settings.num_ps_shards > 1 else None
   parts = rank_setup.vw_parts(settings, shards, partitions, layout.layer_offsets)
@@ -305,7 +345,8 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
   start_mb = point.minibatch_start if point else 0
   off = resume_lib.Offsets(clock0, start_mb, 0.0)
   vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, nm, settings.staleness_bound, client,
-                     lambda p: source.get(off.minibatch + p), num_virtual_workers=settings.num_virtual_workers,
+                     lambda p: source.get_with_ids(off.minibatch + p),
+                     num_virtual_workers=settings.num_virtual_workers,
                      pull_every_wave=config.pull_every_wave,
                      task_time_s=task_times.task_duration_s if task_times else None,
                      corrupt_update=resume_lib.nan_injector(config, vw_id, off), ps_shards=sharded,
@@ -390,7 +431,8 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
   config_json = resolved_config(config, settings, partitions, num_ps_shards=settings.num_ps_shards,
                                 ps_placement=settings.ps_placement, **rank_setup.stage_rank_fields(settings),
                                 **rank_setup.rank_device_fields(restricted),
-                                **data_config_fields(spec, dataset))
+                                **data_config_fields(spec, dataset),
+                                **replay_fields(flat0, config.seed, point.step if point else None))
   outputs.write_config(config_json)
   for note in settings.notes:
     logging.info("[PS] %s", note)

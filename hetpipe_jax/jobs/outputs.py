@@ -29,6 +29,35 @@ from hetpipe_jax.sim.engine_report import json_safe
 FINISHED_MARKERS = ("summary.json", "checkpoint")
 
 
+class ReplicasDivergedError(RuntimeError):
+  """The data-parallel replicas of an all-reduce run ended with different weights (they must be identical)."""
+
+
+def weights_sha256(flat: Any) -> str:
+  """SHA-256 (hex) of flat float32 weights in the layer-ordered layout (little-endian bytes): config.json's
+  ``initial_weights_sha256`` and summary.json's replica digests."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  return hashlib.sha256(np.ascontiguousarray(flat, dtype="<f4").tobytes()).hexdigest()
+
+
+def check_replicas_identical(digests: Mapping[int, str], workdir: str | pathlib.Path) -> None:
+  """Raises :class:`ReplicasDivergedError` unless every VW's final weights have the same digest (all-reduce runs:
+  every replica applies the same update, so any difference is a bug; issue 23).
+
+  Args:
+    digests: per VW, :func:`weights_sha256` of its final weights.
+    workdir: the run's directory (named in the error; its outputs are written first).
+  """
+  groups: dict[str, list[int]] = {}
+  for v, d in sorted(digests.items()):
+    groups.setdefault(d, []).append(int(v))
+  if len(groups) > 1:
+    shown = "; ".join(f"VWs {vws} {d[:12]}" for d, vws in groups.items())
+    raise ReplicasDivergedError(f"the data-parallel replicas' final weights differ ({shown}): every replica must "
+                                f"apply the same update; the run's outputs in {workdir} are not a valid result")
+
+
 def check_workdir(workdir: str | pathlib.Path) -> None:
   """Raises :class:`ConfigError` when ``workdir`` already holds a finished run (nothing is ever overwritten) or
   cannot be written (it is created if missing)."""
@@ -93,8 +122,9 @@ class RunOutputs:
     (:func:`hetpipe_jax.rules.records.extra_update_stats`)."""
     rows = sorted((dict(r) for r in records), key=lambda r: (r["vw_id"], r["minibatch_id"]))
     for r in rows:  # per-stage versions exist for PipeDream only (every stage uses one version otherwise)
-      if r.get("stage_versions", 0) is None:
-        del r["stage_versions"]
+      for key in ("stage_versions", "example_ids"):  # example ids: whenever data ran
+        if r.get(key, 0) is None:
+          del r[key]
     with open(self.dir / "minibatches.jsonl", "w", encoding="utf-8") as f:
       for r in rows:
         f.write(json.dumps(json_safe(r)) + "\n")

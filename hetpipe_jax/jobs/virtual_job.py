@@ -19,14 +19,14 @@ from hetpipe_jax import models
 from hetpipe_jax.data import sharding
 from hetpipe_jax.jobs.evaluation import Evaluator
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
-from hetpipe_jax.jobs.mpi_job import (data_config_fields, eval_every_waves, load_data, make_optimizer,
-                                      minibatches_per_vw, prepare)
+from hetpipe_jax.jobs.mpi_job import (build_stages, data_config_fields, eval_every_waves, load_data, make_optimizer,
+                                      minibatches_per_vw, prepare, replay_fields)
 from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
-from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, settings_summary
+from hetpipe_jax.jobs.outputs import (RunOutputs, check_replicas_identical, check_workdir, settings_summary,
+                                      weights_sha256)
 from hetpipe_jax.rules import wsp
 from hetpipe_jax.ps.param_server import ParameterServer
-from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime import virtual_time
 from hetpipe_jax.runtime.param_layout import ParamLayout
 from hetpipe_jax.runtime.virtual_worker import VirtualWorker
@@ -90,7 +90,9 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
     resume_lib.rewrite_lines(pathlib.Path(workdir) / "metrics.jsonl", point.meta["metrics"])
   outputs = RunOutputs(workdir)
   config_json = resolved_config(config, settings, partitions, emulate_plan=emulate_plan,
-                                **data_config_fields(spec, dataset))
+                                **data_config_fields(spec, dataset),
+                                **replay_fields(point.flat_weights if point else layout.flatten(params0), config.seed,
+                                                point.step if point else None))
   outputs.write_config(config_json)
   for note in settings.notes:
     logging.info("[virtual] %s", note)
@@ -106,11 +108,11 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
     stage_devices = [devices[(next_device + s) % len(devices)] for s in range(len(partition))]
     next_device += len(partition)
     optimizer = make_optimizer(config, num_mb)
-    stages = stages_lib.build_stages(spec, partition, stage_devices, optimizer)
+    stages = build_stages(config, spec, partition, stage_devices, optimizer)
     source = sharding.ShardedMinibatches(dataset, n, v, config.batch_size, config.seed)
     vw = VirtualWorker(v, stages, layout, layout.unflatten(server.weights), optimizer, nm, settings.staleness_bound,
                        virtual_time.RecordingPSClient(v, outbox),
-                       lambda p, get=source.get, v=v: get(data_offset[v] + p),
+                       lambda p, get=source.get_with_ids, v=v: get(data_offset[v] + p),
                        num_virtual_workers=n, pull_every_wave=config.pull_every_wave,
                        corrupt_update=resume_lib.nan_injector(config, v, off), method=settings.method,
                        vertical_sync=bool(config.get("vertical_sync", False)),
@@ -282,7 +284,8 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
   n, m = settings.num_virtual_workers, settings.num_inflight
   outputs = RunOutputs(workdir)
   outputs.write_config(resolved_config(config, settings, partitions, emulate_plan=emulate_plan,
-                                       checkpoint_every_waves=0))
+                                       checkpoint_every_waves=0, **data_config_fields(spec, dataset),
+                                       **replay_fields(layout.flatten(params0), config.seed)))
   for note in settings.notes:
     logging.info("[virtual] %s", note)
   devices = jax.local_devices()
@@ -292,9 +295,9 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
     stage_devices = [devices[(next_device + s) % len(devices)] for s in range(len(partition))]
     next_device += len(partition)
     optimizer = make_optimizer(config, steps)
-    stages = stages_lib.build_stages(spec, partition, stage_devices, optimizer, remat=bool(config.remat))
+    stages = build_stages(config, spec, partition, stage_devices, optimizer, remat=bool(config.remat))
     source = sharding.ShardedMinibatches(dataset, n, v, config.batch_size, config.seed)
-    micro = sharding.MicroBatches(source.get, m)
+    micro = sharding.MicroBatches(source.get_with_ids, m)  # records carry each micro-batch's example ids
     vws.append(VirtualWorker(v, stages, layout, params0, optimizer, m, settings.staleness_bound, None, micro.get,
                              num_virtual_workers=n, method=settings.method,
                              reducer=virtual_time.HeldReducer(v, outbox)))
@@ -335,7 +338,8 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
   if state["losses"]:
     state["loss"] = float(np.mean(state["losses"]))
   final_flat = layout.flatten(vws[0].layer_params())
-  identical = all(np.array_equal(final_flat, layout.flatten(vw.layer_params())) for vw in vws[1:])
+  digests = {vw.vw_id: weights_sha256(layout.flatten(vw.layer_params())) for vw in vws}
+  identical = len(set(digests.values())) == 1
   final = evaluator.evaluate(final_flat)
   sim_time = report.makespan_s
   outputs.log_metrics({"minibatches": steps * n, "global_clock": steps, "loss": state["loss"],
@@ -369,7 +373,8 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
       "shared_nic": report.config["shared_nic"],  # the engine's network rule, as it ran
       "allreduce": {"steps": report.final_global_clock,
                     "allreduce_s_per_step": max(t.allreduce_time_s(report.config["shared_nic"]) for t in times),
-                    "replicas_identical": identical},
+                    "replicas_identical": identical,
+                    "replica_sha256": {str(v): d for v, d in sorted(digests.items())}},
       **extra,
       "evaluations": state["evals"] + [{"global_clock": steps, "simulated_time_s": sim_time, **final}],
       "wait_s": {str(r.vw_id): r.wait_s for r in report.vws},
@@ -378,6 +383,7 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
       "checkpoint_every_waves": 0,
   }
   outputs.finish(summary)
+  check_replicas_identical(digests, workdir)  # a non-zero exit
   logging.info("[virtual] done: test accuracy %.4f, %d minibatches in %.1f simulated s (%.1f host s)",
                final["test_accuracy"], total, sim_time, summary["host_wall_time_s"])
   return summary

@@ -28,6 +28,10 @@ class MinibatchRecord:
     stage_versions: PipeDream (per-stage updates): per stage, how many of the stage's own minibatch updates the
       weights its forward used (and stashed for its backward) included; None for the other methods, where every
       stage uses ``version_local_updates``.
+    example_ids: the examples the minibatch (flush methods: micro-batch) trained on, in the order fed: indices into
+      the training split of ``config.dataset`` (its inputs and targets at these rows); None where no data ran (the
+      timing-only engine). With ``config.json``'s initial weights' hash and rule they make a run replayable without
+      this code (README, "Replaying a run").
   """
 
   vw_id: int
@@ -42,6 +46,7 @@ class MinibatchRecord:
   complete_time_s: float = float("nan")
   loss: float = float("nan")
   stage_versions: list[int] | None = None
+  example_ids: list[int] | None = None
 
 
 @dataclasses.dataclass

@@ -5,13 +5,17 @@ end the stages' accumulated gradients (each stage's part put on the host after i
 step's loss sum go to the ``reducer`` as one float32 buffer in layer order (MPI: ``Allreduce``; virtual time: held
 until the engine's all-reduce), and :meth:`FlushStep.apply_reduced` applies the mean gradient over the N VWs' M
 micro-batches on every stage: one new version per step, the same update on every replica (GPipe, Huang et al. 2019
-§2.2; Megatron-LM's 1F1B with flush, Narayanan et al. 2021 §2.2).
+§2.2; Megatron-LM's 1F1B with flush, Narayanan et al. 2021 §2.2). With ``grad_clip_norm`` the mean gradient is
+clipped by its global norm over the whole model, computed from the reduced buffer every replica holds
+(:mod:`hetpipe_jax.runtime.grad_clip`), so replicas with different partitions apply the same update.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import jax
+
+from hetpipe_jax.runtime import grad_clip
 
 
 class FlushStep:
@@ -53,6 +57,10 @@ class FlushStep:
     if not np.isfinite(grads).all():  # the mean (sum / count, count >= 1) is finite exactly when the sum is
       raise FloatingPointError(f"[VW {self.vw_id}] the all-reduced gradients of step {step} hold NaN/Inf: training "
                                "diverged; lower config.learning_rate")
+    norms = self._zero_norms
+    if self.grad_clip_norm:  # the mean gradient's norm over the whole model, the same on every replica (grad_clip)
+      mean = grads / np.float32(count)  # the division apply_mean makes on the devices (float32, exactly rounded)
+      norms = self._placed_norms(grad_clip.global_norm([grad_clip.flat_sq_norm(mean)]))
     offsets = self.layout.layer_offsets
     # One contiguous copy per stage (a device array may alias its numpy source on the CPU backend), placed in one
     # call; each stage divides by the count and unflattens on its device.
@@ -60,7 +68,7 @@ class FlushStep:
                              for st in self.stages], [st.device for st in self.stages])
     params, states = [], []
     for s, (st, g, d) in enumerate(zip(self.stages, slices, self._divisors)):
-      p, o = st.apply_mean(self.version.params[s], self.opt_states[s], g, d)
+      p, o = st.apply_mean(self.version.params[s], self.opt_states[s], g, d, norms[s])
       params.append(p)
       states.append(o)
     self.opt_states = states

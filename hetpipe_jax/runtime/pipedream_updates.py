@@ -5,9 +5,10 @@ Runtime layer. :class:`PerStageUpdates` is a part of :class:`hetpipe_jax.runtime
 uses the VW's stages, layout, versions and PS client): each stage keeps its own latest weights; a forward uses them
 (or, with ``vertical_sync``, the stage's weights after as many own updates as stage 0's forward of that minibatch used)
 and its VJP closure stashes them for the backward; right after its backward (FB on the last stage) the stage applies
-its own optimizer step, adding the delta to that minibatch's wave accumulator. At a wave end the VW pushes every
-stage's wave delta, and a pull rebases every stage (global + own waves the PS lacks + deltas not pushed yet), under a
-per-stage lock because the stage executors update concurrently.
+its own optimizer step, adding the delta to that minibatch's wave accumulator (with ``grad_clip_norm`` > 0 every stage
+applies it when the minibatch completes instead, clipped by its global norm: :mod:`hetpipe_jax.runtime.grad_clip`).
+At a wave end the VW pushes every stage's wave delta, and a pull rebases every stage (global + own waves the PS lacks
++ deltas not pushed yet), under a per-stage lock because the stage executors update concurrently.
 """
 
 from __future__ import annotations
@@ -35,13 +36,15 @@ class PerStageUpdates:
                                                 if self.vertical_sync else [])
     self.stage_locks = [threading.Lock() for _ in range(n)]
 
-  def _stage_update(self, s: int, mb: InFlightMinibatch, grads) -> None:
-    """PipeDream: stage ``s`` applies its own optimizer step for ``mb`` (on its executor thread)."""
+  def _stage_update(self, s: int, mb: InFlightMinibatch, grads, norm: float | None = None) -> None:
+    """PipeDream: stage ``s`` applies its own optimizer step for ``mb`` (on its executor thread right after its
+    backward; with clipping, on the driver's when ``mb`` completes, ``norm`` its global gradient norm)."""
     st = self.stages[s]
     wave = mb.record.wave_id  # the segment's wave (the job shifts records after the run)
+    placed = self._zero_norms[s] if norm is None else jax.device_put(np.float32(norm), st.device)
     with self.stage_locks[s]:
       acc = self.stage_wave_delta[s].get(wave, self._zeros[s])
-      p, o, d = st.update(self.stage_params[s], self.opt_states[s], grads, acc)
+      p, o, d = st.update(self.stage_params[s], self.opt_states[s], grads, acc, placed)
       self.stage_params[s] = p
       self.opt_states[s] = o
       self.stage_wave_delta[s][wave] = d

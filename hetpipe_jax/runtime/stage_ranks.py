@@ -16,9 +16,13 @@ run loop (:func:`hetpipe_jax.runtime.vw_driver.run`) and every rule decision (``
   receiver checks the header (:func:`check_header`); one that does not match is a :class:`ProtocolError` naming both
   ranks.
 * **Version changes** reach every stage rank as one in-order stream from the driver (``INJECT`` p at version V,
-  ``UPDATE`` p → V+1, ``PULL`` → V+1: install the next pull, ``END_WAVE`` w). A stage rank applies them in that order
+  ``UPDATE`` p → V+1, with p's global gradient norm when clipping, ``PULL`` → V+1: install the next pull,
+  ``END_WAVE`` w). A stage rank applies them in that order
   (:class:`StageRankServer`), so its stages hold the driver's versions, and a task waits until its minibatch's
   version has been applied there (:class:`VersionStore`): one consistent weight version per minibatch on every stage.
+* **Clipping by the global norm** (``grad_clip_norm`` > 0, :mod:`hetpipe_jax.runtime.grad_clip`): a stage rank
+  reports the squared norm of each backward's parameter gradient with its completion; the driver adds every stage's
+  for minibatch p when p completes (:meth:`RemoteStages.sq_norms`) and sends the norm with p's ``UPDATE``.
 * **The PS, directly.** At ``END_WAVE`` w a stage rank pushes its stages' part of the wave to the shards holding
   those layers itself (:class:`hetpipe_jax.ps.transport.StageRankPSClient`, parts by
   :class:`hetpipe_jax.ps.shards.VWParts`); a shard counts the VW's wave once every part arrived. The driver requests
@@ -163,6 +167,11 @@ class RemoteStages:
     self._listener: threading.Thread | None = None
     self._reports: dict[int, collections.deque] = {}
     self.num_reports = 0
+    # Clipping by the global norm: (minibatch, stage) -> the squared norm of a remote stage's gradient, as its rank
+    # reported it with the backward's completion (the listener thread writes, the scheduler's reads: sq_norms).
+    self._sq_norms: dict[tuple[int, int], float] = {}
+    self._sq_norms_cv = threading.Condition()
+    self._listener_error: BaseException | None = None
 
   def is_local(self, stage: int) -> bool:
     return self.link.is_local(stage)
@@ -206,9 +215,27 @@ class RemoteStages:
     self._control(self.stage_ranks[task.stage_id], Kind.TASK, minibatch=task.minibatch_id, stage=task.stage_id,
                   version=version_id, arg0=TASK_CODES[task.kind], arg1=ns)
 
-  def on_update(self, minibatch: int, version_id: int) -> None:
+  def on_update(self, minibatch: int, version_id: int, norm: float | None = None) -> None:
+    """Tells every stage rank to apply minibatch ``minibatch``'s update as version ``version_id``; ``norm``: its
+    global gradient norm when clipping (sent as the payload), else None."""
+    payload = None if norm is None else np.array([norm], np.float64)
     for r in self.followers:
-      self._control(r, Kind.UPDATE, minibatch=minibatch, version=version_id)
+      self._control(r, Kind.UPDATE, payload, minibatch=minibatch, version=version_id)
+
+  def sq_norms(self, minibatch: int, stages: Sequence[int]) -> list[float]:
+    """The squared gradient norms of ``stages`` (remote) for ``minibatch``, as their ranks reported them with their
+    backwards' completions; waits for reports still on their way (a stage's backward of p ends before stage 0's).
+
+    Raises:
+      RuntimeError: the listener failed while waiting.
+    """
+    keys = [(minibatch, s) for s in stages]
+    with self._sq_norms_cv:
+      while not all(k in self._sq_norms for k in keys):
+        if self._listener_error is not None:
+          raise RuntimeError("the stage ranks' report listener failed") from self._listener_error
+        self._sq_norms_cv.wait(timeout=0.5)
+      return [self._sq_norms.pop(k) for k in keys]
 
   def on_pull(self, version_id: int, own_applied: Sequence[int]) -> None:
     """Tells every stage rank to install the next pull (the one the driver installs now) as version ``version_id``.
@@ -270,7 +297,11 @@ class RemoteStages:
             wait_all([p.payload_request])
             posted.append(PostedReceive(self.comm, r, TAG_REPORT, p.index + RECEIVES_AHEAD, (REPORT_SIZE,), np.float64))
             _, _, _, minibatch, stage, _, _, code, _ = (int(x) for x in p.header)
-            start, end, overrun, dispatch, submit, device_end, loss = (float(x) for x in p.payload)
+            start, end, overrun, dispatch, submit, device_end, loss, sq_norm = (float(x) for x in p.payload)
+            if not np.isnan(sq_norm):  # clipping: this backward's part of its minibatch's squared norm
+              with self._sq_norms_cv:
+                self._sq_norms[(minibatch, stage)] = sq_norm
+                self._sq_norms_cv.notify_all()
             self._done.put(Completion(Task(stage, TASK_KINDS[code], minibatch), start, end, overrun,
                                       dispatch_s=dispatch, submit_s=submit, device_end_s=device_end,
                                       loss=None if np.isnan(loss) else loss))
@@ -282,6 +313,9 @@ class RemoteStages:
           time.sleep(pause)
           pause = min(2 * pause, POLL_MAX_S)
     except BaseException as e:  # pylint: disable=broad-except
+      with self._sq_norms_cv:
+        self._listener_error = e
+        self._sq_norms_cv.notify_all()
       # the scheduler re-raises it (as a failed task of stage -1)
       self._done.put(Completion(Task(-1, TaskKind.FORWARD, -1), 0.0, 0.0, error=e))
 
@@ -415,6 +449,12 @@ class StageRankServer:
         raise ProtocolError(f"rank {self.rank} (stages {self.local}) received labels of {size} elements from rank "
                             f"{self.driver}; expected {self.labels_template.size if self.holds_last else 'none'}")
       return np.empty(size, np.int32)
+    if kind is Kind.UPDATE:
+      if size != 1 or not self.vw.grad_clip_norm:
+        raise ProtocolError(f"rank {self.rank} received an UPDATE with a payload of {size} from rank {self.driver}; "
+                            f"expected {1 if self.vw.grad_clip_norm else 'none'} (the global gradient norm when "
+                            "clipping)")
+      return np.empty(size, np.float64)
     if kind is Kind.PULL:
       if size != len(self.shard_index):
         raise ProtocolError(f"rank {self.rank} received a PULL naming {size} shards from rank {self.driver}; there "
@@ -474,7 +514,10 @@ class StageRankServer:
       mb = self.inflight[minibatch]
       if any(s not in mb.grads for s in self.local):
         return False  # the backward's parameter gradients (kept before its input gradient left) not there yet
-      self.vw.apply_update(mb)
+      if self.vw.grad_clip_norm and payload is None:
+        raise ProtocolError(f"rank {self.rank}: the UPDATE of minibatch {minibatch} from rank {self.driver} carries "
+                            "no global gradient norm, and this rank clips by it")
+      self.vw.apply_update(mb, None if payload is None else float(payload[0]))
       del self.inflight[minibatch], self.versions[minibatch]
     elif kind is Kind.PULL:
       if self.pull_reply is None:
@@ -516,10 +559,14 @@ class StageRankServer:
     self.vw.install_rebased(local)
 
   def _report(self, c: Completion) -> None:
-    loss = float("nan")
+    loss = sq_norm = float("nan")
     if c.task.kind is TaskKind.FORWARD_BACKWARD:
       loss = float(jax.device_get(self.inflight[c.task.minibatch_id].loss))
-    payload = np.array([c.start_s, c.end_s, c.overrun_s, c.dispatch_s, c.submit_s, c.device_end_s, loss], np.float64)
+    if self.vw.grad_clip_norm and c.task.kind is not TaskKind.FORWARD:  # the driver waits for it to update p
+      s = c.task.stage_id
+      sq_norm = float(jax.device_get(self.vw.stages[s].sq_norm(self.inflight[c.task.minibatch_id].grads[s])))
+    payload = np.array([c.start_s, c.end_s, c.overrun_s, c.dispatch_s, c.submit_s, c.device_end_s, loss, sq_norm],
+                       np.float64)
     self._send(Kind.REPORT, TAG_REPORT, payload, minibatch=c.task.minibatch_id, stage=c.task.stage_id,
                arg0=TASK_CODES[c.task.kind])
     with self._lock:

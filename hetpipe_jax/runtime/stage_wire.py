@@ -20,11 +20,14 @@ GRADIENT     stage s → s - 1        the gradient of stage s's input
 START        driver → stage rank    float64 ``[run start, unix seconds]``; ``minibatch``: minibatches in the run
 INJECT       driver → stage rank    the labels (int32), to the rank of the last stage only
 TASK         driver → stage rank    none; ``arg0`` task kind, ``arg1`` emulated nanoseconds (-1: none)
-UPDATE       driver → stage rank    none: apply minibatch p's update; ``version`` = the new version
+UPDATE       driver → stage rank    none: apply minibatch p's update; ``version`` = the new version; with
+                                    ``grad_clip_norm`` > 0, float64 ``[1]``: p's global gradient norm
 PULL         driver → stage rank    int64 ``[S]``: per shard, the VW's entry of its vector clock; ``version`` = new
 END_WAVE     driver → stage rank    none; ``minibatch`` = the wave (the rank pushes its part to the shards)
 STOP         driver → stage rank    none; ``arg0`` = pulls the driver requested (the rank drains their replies)
-REPORT       stage rank → driver    float64 ``[start, end, overrun, dispatch, submit, device end, loss]``
+REPORT       stage rank → driver    float64 ``[start, end, overrun, dispatch, submit, device end, loss,
+                                    grad sq norm]``: loss of a last stage's FB, else NaN; the squared norm
+                                    of a backward's parameter gradient with ``grad_clip_norm`` > 0, else NaN
 STOPPED      stage rank → driver    uint8 JSON: its trace counts and version-wait statistics
 ===========  =====================  ===========================================================================
 """
@@ -48,7 +51,7 @@ TAG_CONTROL = 40  # driver -> stage rank, in order
 TAG_REPORT = 41  # stage rank -> driver: task completions
 TAG_REPLY = 42  # stage rank -> driver: the final report
 TAG_DATA = 100  # + 2 * receiving stage (+ 1 for gradients)
-REPORT_SIZE = 7
+REPORT_SIZE = 8
 RECEIVES_AHEAD = 4  # completion reports posted ahead per stage rank
 # Polling back-off while nothing arrives (MPICH's blocking calls spin; the pollers set a fine timer slack, so a sleep
 # lasts what it asks): a message waits at most POLL_MAX_S to be noticed by an idle poller.

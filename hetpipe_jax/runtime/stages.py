@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from hetpipe_jax.models import ModelSpec, apply_layers
+from hetpipe_jax.runtime import grad_clip
 from hetpipe_jax.rules.partition import validate_partition
 
 Params = Any  # list of per-layer params pytrees of one stage
@@ -37,6 +38,8 @@ class Stage:
     layer_range: half-open ``(start, end)`` into the model's layers.
     device: the ``jax.Device`` holding this stage's weights, optimizer state and activations.
     is_first / is_last: position flags.
+    grad_clip_norm: > 0: ``update`` and ``apply_mean`` clip the gradient by the minibatch's global norm over every
+      stage, which they are given (:mod:`hetpipe_jax.runtime.grad_clip`); 0: no clipping.
     trace_counts: how many times each function was traced (1 each after warm-up).
   """
 
@@ -52,11 +55,14 @@ class Stage:
   add: Any = None
   ravel: Any = None
   apply_mean: Any = None
+  sq_norm: Any = None
+  grad_clip_norm: float = 0.0
   trace_counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
 def build_stages(spec: ModelSpec, partition: Sequence[Sequence[int]], devices: Sequence[jax.Device],
-                 optimizer: optax.GradientTransformation, remat: bool = False) -> list[Stage]:
+                 optimizer: optax.GradientTransformation, remat: bool = False,
+                 grad_clip_norm: float = 0.0) -> list[Stage]:
   """Builds the stages of one VW.
 
   Args:
@@ -67,21 +73,26 @@ def build_stages(spec: ModelSpec, partition: Sequence[Sequence[int]], devices: S
     (The last stage's loss is ``spec.objective``'s, :mod:`hetpipe_jax.runtime.objectives`.)
     remat: rematerialisation (``jax.checkpoint`` of each stage's layers): a forward keeps only its input, and the
       backward recomputes the activations (GPipe's memory saving; same numerics).
+    grad_clip_norm: > 0: every stage's update first clips its gradient by the minibatch's *global* norm over all
+      stages (optax's ``clip_by_global_norm`` on the whole model; :mod:`hetpipe_jax.runtime.grad_clip`); 0: off.
 
   Returns:
     The stages, in pipeline order.
 
   Raises:
-    ValueError: bad partition, not one device per stage, or an unknown ``spec.objective``.
+    ValueError: bad partition, not one device per stage, an unknown ``spec.objective``, or ``grad_clip_norm < 0``.
   """
   from hetpipe_jax.runtime.objectives import get_objective  # imports this module
   loss_fn = get_objective(spec.objective).loss
   ranges = validate_partition(partition, spec.num_layers)
   if len(devices) != len(ranges):
     raise ValueError(f"{len(ranges)} stages need {len(ranges)} devices, got {len(devices)}")
+  if not grad_clip_norm >= 0:
+    raise ValueError(f"grad_clip_norm must be >= 0 (0: no clipping), got {grad_clip_norm}")
   stages = []
   for s, (start, end) in enumerate(ranges):
-    st = Stage(s, (start, end), devices[s], is_first=(s == 0), is_last=(s == len(ranges) - 1))
+    st = Stage(s, (start, end), devices[s], is_first=(s == 0), is_last=(s == len(ranges) - 1),
+               grad_clip_norm=float(grad_clip_norm))
     _jit_stage(st, spec.layers[start:end], optimizer, loss_fn, remat)
     stages.append(st)
   return stages
@@ -90,6 +101,11 @@ def build_stages(spec: ModelSpec, partition: Sequence[Sequence[int]], devices: S
 def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformation, objective_loss: Any,
                remat: bool = False) -> None:
   counts = st.trace_counts
+  max_norm = st.grad_clip_norm
+
+  def clipped(grads, norm):
+    """The gradient the optimizer sees: clipped by the given global norm when clipping is on."""
+    return grad_clip.clip(grads, norm, max_norm) if max_norm > 0 else grads
 
   def run(params: Params, x: jax.Array) -> jax.Array:
     return apply_layers(layers, params, x)
@@ -125,10 +141,11 @@ def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformat
     loss, (gp, gx) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, x)
     return loss, gp, gx
 
-  def update(params, opt_state, grads, wave_delta):
-    """One optimizer step; returns ``(new_params, new_opt_state, wave_delta + delta)``."""
+  def update(params, opt_state, grads, wave_delta, norm):
+    """One optimizer step; returns ``(new_params, new_opt_state, wave_delta + delta)``. ``norm``: the minibatch's
+    global gradient norm over every stage (float32 scalar; read only when clipping is on)."""
     counts["update"] += 1
-    delta, opt_state = optimizer.update(grads, opt_state, params)
+    delta, opt_state = optimizer.update(clipped(grads, norm), opt_state, params)
     return optax.apply_updates(params, delta), opt_state, jax.tree.map(jnp.add, wave_delta, delta)
 
   def add(a, b):
@@ -145,9 +162,10 @@ def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformat
       return jnp.zeros((0,), jnp.float32)
     return jnp.concatenate([jnp.ravel(leaf).astype(jnp.float32) for leaf in leaves])
 
-  def apply_mean(params, opt_state, flat_sum, count):
+  def apply_mean(params, opt_state, flat_sum, count, norm):
     """One optimizer step with the mean gradient ``flat_sum / count`` (float32 ``[n]`` in :func:`ravel`'s order,
-    summed over ``count`` micro-batches); returns ``(new_params, new_opt_state)``. The flush methods' step."""
+    summed over ``count`` micro-batches); returns ``(new_params, new_opt_state)``. The flush methods' step; ``norm``
+    is the mean gradient's global norm over the whole model (read only when clipping is on)."""
     counts["apply_mean"] += 1
     mean = flat_sum / count
     leaves, treedef = jax.tree.flatten(params)
@@ -155,8 +173,13 @@ def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformat
     for leaf in leaves:
       grads.append(mean[pos:pos + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
       pos += leaf.size
-    delta, opt_state = optimizer.update(jax.tree.unflatten(treedef, grads), opt_state, params)
+    delta, opt_state = optimizer.update(clipped(jax.tree.unflatten(treedef, grads), norm), opt_state, params)
     return optax.apply_updates(params, delta), opt_state
+
+  def sq_norm(grads):
+    """The squared norm of this stage's part of a gradient (float32 scalar; :func:`grad_clip.stage_sq_norm`)."""
+    counts["sq_norm"] += 1
+    return grad_clip.stage_sq_norm(grads)
 
   st.forward = jax.jit(forward)
   st.backward = jax.jit(backward)
@@ -165,3 +188,4 @@ def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformat
   st.add = jax.jit(add)
   st.ravel = jax.jit(ravel)
   st.apply_mean = jax.jit(apply_mean)
+  st.sq_norm = jax.jit(sq_norm)

@@ -49,6 +49,7 @@ from hetpipe_jax.rules.records import MinibatchRecord, ShardedMinibatchRecord
 from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.ps.shards import rebase_on_shards
 from hetpipe_jax.runtime import vw_driver
+from hetpipe_jax.runtime import grad_clip
 from hetpipe_jax.runtime.flush_step import FlushStep
 from hetpipe_jax.runtime.linked_stages import LinkedStages
 from hetpipe_jax.runtime.param_layout import ParamLayout
@@ -70,7 +71,8 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     num_inflight: Nm >= 1.
     staleness_bound: D >= 0.
     ps: the parameter-server client.
-    get_minibatch: ``minibatch_id -> (images [b, ...] float32, labels [b] int32)`` numpy arrays.
+    get_minibatch: ``minibatch_id -> (images [b, ...] float32, labels [b] int32)`` numpy arrays, or with a third,
+      the examples' ids (int ``[b]``, recorded in the minibatch's ``example_ids``).
     num_virtual_workers: N, the length of the pulled weights' vector clocks.
     pull_every_wave: also pull (without waiting) at every wave end; False pulls only when the bound forces it.
     poll_interval_s: the longest the scheduler blocks waiting for a completion before polling the PS again.
@@ -149,6 +151,10 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     self.ps_shards = ps_shards
     self.own_flat: dict[int, np.ndarray] = {}  # sharded PS: wave -> host copy of the own wave's flat update
     self.optimizer = optimizer
+    clip_norms = {st.grad_clip_norm for st in self.stages}
+    if len(clip_norms) != 1:
+      raise ValueError(f"the stages clip gradients to different global norms {sorted(clip_norms)}: build them together")
+    self.grad_clip_norm = clip_norms.pop()  # > 0: clip by the minibatch's global norm over every stage (grad_clip)
     local = set(self.local_stages)
     params = tuple(self._place_stage(initial_layer_params, st) if s in local else None
                    for s, st in enumerate(self.stages))
@@ -157,18 +163,22 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
                        for st, p in zip(self.stages, params)]
     self._zeros = [jax.device_put(jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t))(p), st.device)
                    if p is not None else None for st, p in zip(self.stages, params)]
+    # Per local stage, a zero norm on its device: the update's norm argument when clipping is off.
+    self._zero_norms = [jax.device_put(np.float32(0.0), st.device) if p is not None else None
+                        for st, p in zip(self.stages, params)]
     # Compile the update and the rebase now, not at the first completion / pull (a stall inside wave 1).
-    jax.block_until_ready([(st.update(p, o, z, z), st.add(p, z))
-                           for st, p, o, z in zip(self.stages, params, self.opt_states, self._zeros) if p is not None])
+    jax.block_until_ready([(st.update(p, o, z, z, n), st.add(p, z), st.sq_norm(z) if self.grad_clip_norm else n)
+                           for st, p, o, z, n in zip(self.stages, params, self.opt_states, self._zeros,
+                                                     self._zero_norms) if p is not None])
     # Flush methods: per stage, on its device, the micro-batches a reduced step sums (N x M: apply_mean's divisor);
     # the flush step's ravel and mean update compile now too.
     self._divisors = None
     if self.method.is_flush:
       self._divisors = jax.device_put([np.float32(num_virtual_workers * num_inflight)] * len(self.stages),
                                       [st.device for st in self.stages])
-      jax.block_until_ready([st.apply_mean(p, o, st.ravel(z), d)
-                             for st, p, o, z, d in zip(self.stages, params, self.opt_states, self._zeros,
-                                                       self._divisors)])
+      jax.block_until_ready([st.apply_mean(p, o, st.ravel(z), d, n)
+                             for st, p, o, z, d, n in zip(self.stages, params, self.opt_states, self._zeros,
+                                                          self._divisors, self._zero_norms)])
     self.version = WeightVersion(params, 0, (0,) * num_virtual_workers, 0)
     self.wave_delta = list(self._zeros)
     self.grad_acc = list(self._zeros)  # flush methods: the step's accumulated gradients per stage
@@ -219,19 +229,22 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
       self._prefetched[p] = self._load(p)
 
   def _load(self, p: int):
-    """Minibatch ``p``: ``(host labels, images on stage 0's device, labels on the last stage's device or None)``."""
-    images, labels = self.get_minibatch(p)
+    """Minibatch ``p``: ``(host labels, images on stage 0's device, labels on the last stage's device or None,
+    example ids or None)``."""
+    data = self.get_minibatch(p)
+    images, labels = data[0], data[1]
+    ids = [int(i) for i in data[2]] if len(data) > 2 else None
     x = jax.device_put(images, self.stages[0].device)
     if self.remote is None or len(self.stages) - 1 in self.local_stages:
       y = jax.device_put(labels, self.stages[-1].device)
     else:
       y = None
-    return labels, x, y
+    return labels, x, y, ids
 
   def inject(self, p: int, now: float) -> InFlightMinibatch:
     """Starts minibatch ``p`` on the current weight version; ``now`` is its injection time in seconds."""
     loaded = self._prefetched.pop(p, None)
-    labels, x, y = loaded if loaded is not None else self._load(p)
+    labels, x, y, ids = loaded if loaded is not None else self._load(p)
     v = self.version
     fields = (self.vw_id, p, wsp.wave_of(p, self.num_inflight), self.sync.local_clock, v.version_id,
               v.local_updates, v.global_clock, v.vector_clock, now)
@@ -242,6 +255,7 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
                                    (v.vector_clock,) * self.ps_shards.num_shards)
     if self.method.update == "stage":
       rec.stage_versions = [-1] * len(self.stages)
+    rec.example_ids = ids
     self.records.append(rec)
     if self.remote is not None:  # every stage rank learns p's version; the last stage's rank gets the labels
       self.remote.on_inject(p, v.version_id, labels)
@@ -266,7 +280,9 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
                              self.task_time_s(task) if self.task_time_s is not None else None)
       return None
     per_stage = self.method.update == "stage"
-    keep = self._stage_update if per_stage else self._keep_grads
+    # PipeDream updates a stage right after its backward, unless clipping needs the minibatch's global norm first
+    # (then every stage updates when the minibatch completes: grad_clip module docstring)
+    keep = self._stage_update if per_stage and not self.grad_clip_norm else self._keep_grads
     if task.kind is TaskKind.BACKWARD:
       if link is None or link.is_local(s + 1):
         grad_out = mb.grad_in.pop(s)
@@ -326,6 +342,12 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     if self.method.is_flush or self.method.update == "stage":
       # Flush methods: the stages' backwards already added the gradients to grad_acc (_keep_grads).
       if not self.method.is_flush:  # PipeDream: every stage already applied its own update; the version counts it
+        if self.grad_clip_norm:  # ... or, clipping, applies it now, by the minibatch's global norm
+          norm = self.minibatch_grad_norm(mb)
+          # stage 0 last: with vertical sync a later stage's forward looks up the count stage 0's forward saw, which
+          # must already be in that stage's history
+          for s in reversed(range(len(self.stages))):
+            self._stage_update(s, mb, mb.grads.pop(s), norm)
         self.version = self._new_version(self.version.params, local_updates=self.version.local_updates + 1)
         if self.vertical_sync:
           self._prune_history()
@@ -333,23 +355,60 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
       rec.complete_time_s = now
       self._wave_losses.append((rec, mb.loss))
       return
-    self.apply_update(mb)
+    norm = self.minibatch_grad_norm(mb) if self.grad_clip_norm else None
+    self.apply_update(mb, norm)
     if self.remote is not None:  # every stage rank applies p's update to its stages: the same new version
-      self.remote.on_update(mb.record.minibatch_id, self.version.version_id)
+      self.remote.on_update(mb.record.minibatch_id, self.version.version_id, norm)
     rec = mb.record
     rec.complete_time_s = now
     self._wave_losses.append((rec, mb.loss))  # read back once per wave, not once per minibatch
 
-  def apply_update(self, mb: InFlightMinibatch) -> None:
-    """Minibatch ``mb``'s optimizer step on every local stage: a new weight version, its delta added to the wave's."""
+  def apply_update(self, mb: InFlightMinibatch, norm: float | None = None) -> None:
+    """Minibatch ``mb``'s optimizer step on every local stage: a new weight version, its delta added to the wave's.
+
+    Args:
+      mb: the completed minibatch (its stages' gradients in ``mb.grads``).
+      norm: with clipping (``grad_clip_norm`` > 0), the minibatch's global gradient norm over every stage
+        (:meth:`minibatch_grad_norm`; a stage rank gets it from the driver); ignored without clipping.
+    """
     new_params, new_states, new_deltas = list(self.version.params), list(self.opt_states), list(self.wave_delta)
+    norms = self._placed_norms(norm)
     for s in self.local_stages:
       st = self.stages[s]
       new_params[s], new_states[s], new_deltas[s] = st.update(self.version.params[s], self.opt_states[s], mb.grads[s],
-                                                              self.wave_delta[s])
+                                                              self.wave_delta[s], norms[s])
     self.opt_states = new_states
     self.wave_delta = new_deltas
     self.version = self._new_version(new_params, local_updates=self.version.local_updates + 1)
+
+  def minibatch_grad_norm(self, mb: InFlightMinibatch) -> float:
+    """Minibatch ``mb``'s global gradient norm over every stage (:mod:`hetpipe_jax.runtime.grad_clip`): the local
+    stages' squared norms computed here, the remote stages' as their ranks reported them (stage ranks), added in
+    stage order.
+
+    Raises:
+      FloatingPointError: the norm is NaN or Inf.
+    """
+    parts = dict(zip(self.local_stages, jax.device_get([self.stages[s].sq_norm(mb.grads[s])
+                                                        for s in self.local_stages])))
+    others = [s for s in range(len(self.stages)) if s not in parts]
+    if others:  # stage ranks: reported with their backwards' completions
+      parts.update(zip(others, self.remote.sq_norms(mb.record.minibatch_id, others)))
+    return grad_clip.global_norm([parts[s] for s in range(len(self.stages))])
+
+  def _placed_norms(self, norm: float | None) -> list:
+    """Per stage, the update's norm argument on its device (None for remote stages): ``norm`` when clipping, else
+    zero."""
+    if not self.grad_clip_norm:
+      return self._zero_norms
+    if norm is None:
+      raise ValueError(f"[VW {self.vw_id}] clipping by the global norm needs the minibatch's norm")
+    placed = jax.device_put([np.float32(norm)] * len(self.local_stages),
+                            [self.stages[s].device for s in self.local_stages])
+    out = [None] * len(self.stages)
+    for s, x in zip(self.local_stages, placed):
+      out[s] = x
+    return out
 
   def _flat_of(self, stage_ids: Sequence[int], host: Sequence[Any]) -> np.ndarray:
     """Stages ``stage_ids``' host params-shaped trees ``host`` as one float32 vector (their layers in stage order)."""
