@@ -210,6 +210,10 @@ def _check_scalars(config: Any) -> None:
   method = config.get("method", "hetpipe")
   if method not in methods.METHODS:
     raise ConfigError(f"config.method={method!r} is not a method: use one of {list(methods.METHODS)}")
+  if method not in methods.HARNESS_METHODS:
+    raise ConfigError(f"config.method={method!r} is planned and simulated (hetpipe_jax.compare, the engine) and run on "
+                      "one host by experiments/fsdp_validate.py, not by hetpipe_jax.train: use one of "
+                      f"{list(methods.HARNESS_METHODS)}")
   m = config.get("num_inflight")
   if methods.get_method(method).is_flush and m is not None and config.batch_size % m:
     raise ConfigError(f"config.method={method!r} splits each minibatch into num_inflight={m} micro-batches, but "

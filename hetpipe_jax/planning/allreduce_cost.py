@@ -46,22 +46,14 @@ def _groups(vws: Sequence[tuple[Sequence[Gpu], Sequence[Sequence[int]]]], profil
   return out
 
 
-def allreduce_time_s(vws: Sequence[tuple[Sequence[Gpu], Sequence[Sequence[int]]]], profile: ModelProfile,
-                     cluster: ClusterSpec, shared_nic: bool = True) -> float:
-  """One step's all-reduce time in seconds (module docstring).
-
-  Args:
-    vws: per VW, its GPUs in stage order and their layer ranges.
-    profile: parameter bytes per layer (the gradients have the same size).
-    cluster: its links.
-    shared_nic: the rings crossing one node's NIC are served one after another (:mod:`hetpipe_jax.rules.network`);
-      False: every ring runs at full link speed, however many share a node.
-  """
-  if len(vws) <= 1:
-    return 0.0
+def ring_groups_time_s(groups: Sequence[tuple[float, Sequence[Gpu]]], cluster: ClusterSpec,
+                       shared_nic: bool = True) -> float:
+  """Seconds until every ring all-reduce of ``groups`` is done (module docstring): per group of ``(bytes, [its
+  GPUs])`` a ring over its slowest link; the rings one GPU (or, ``shared_nic``, one node's NIC) is part of run one
+  after another; the result is the GPU or NIC that finishes last. 0 for no groups."""
   per_gpu: dict[str, float] = {}
   per_nic: dict[str, float] = {}
-  for nbytes, gpus in _groups(vws, profile):
+  for nbytes, gpus in groups:
     nodes = {g.node for g in gpus}
     link = cluster.inter_node_link if len(nodes) > 1 else cluster.intra_node_link
     t = ring_allreduce_s(nbytes, len(gpus), link.bandwidth_bytes_per_s * link.efficiency, link.latency_s)
@@ -75,15 +67,35 @@ def allreduce_time_s(vws: Sequence[tuple[Sequence[Gpu], Sequence[Sequence[int]]]
   return max(max(per_gpu.values(), default=0.0), max(per_nic.values(), default=0.0))
 
 
+def ring_groups_cross_node_bytes(groups: Sequence[tuple[float, Sequence[Gpu]]]) -> float:
+  """Bytes the ring all-reduces of ``groups`` (``(bytes, [its GPUs])``) move between nodes (module docstring)."""
+  total = 0.0
+  for nbytes, gpus in groups:
+    n, nodes = len(gpus), len({g.node for g in gpus})
+    if n > 1 and nodes > 1:
+      total += nodes * 2.0 * (n - 1) / n * nbytes
+  return total
+
+
+def allreduce_time_s(vws: Sequence[tuple[Sequence[Gpu], Sequence[Sequence[int]]]], profile: ModelProfile,
+                     cluster: ClusterSpec, shared_nic: bool = True) -> float:
+  """One step's all-reduce time in seconds (module docstring).
+
+  Args:
+    vws: per VW, its GPUs in stage order and their layer ranges.
+    profile: parameter bytes per layer (the gradients have the same size).
+    cluster: its links.
+    shared_nic: the rings crossing one node's NIC are served one after another (:mod:`hetpipe_jax.rules.network`);
+      False: every ring runs at full link speed, however many share a node.
+  """
+  if len(vws) <= 1:
+    return 0.0
+  return ring_groups_time_s(_groups(vws, profile), cluster, shared_nic)
+
+
 def allreduce_cross_node_bytes(vws: Sequence[tuple[Sequence[Gpu], Sequence[Sequence[int]]]],
                                profile: ModelProfile) -> int:
   """Bytes one step's all-reduce moves between nodes (module docstring)."""
-  n = len(vws)
-  if n <= 1:
+  if len(vws) <= 1:
     return 0
-  total = 0.0
-  for nbytes, gpus in _groups(vws, profile):
-    nodes = len({g.node for g in gpus})
-    if nodes > 1:
-      total += nodes * 2.0 * (n - 1) / n * nbytes
-  return int(total)
+  return int(ring_groups_cross_node_bytes(_groups(vws, profile)))

@@ -17,6 +17,7 @@ from hetpipe_jax.planning import plan_format
 from hetpipe_jax.planning import ps_placement
 from hetpipe_jax.planning.cluster import ClusterSpec
 from hetpipe_jax.planning.profile_format import ModelProfile
+from hetpipe_jax.rules import methods
 
 MIB = float(2**20)
 GIB = float(2**30)
@@ -66,6 +67,9 @@ def allocation(cluster: ClusterSpec, policy: str, num_vws: int, costs: cost_mode
 
 def _make_method_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
   """Plans a method other than HetPipe (:mod:`method_planner`)."""
+  if methods.get_method(config.method).sharded:
+    raise ValueError(f"method {config.method!r} has no plan file: it is planned by "
+                     "hetpipe_jax.planning.fsdp_cost.plan_fsdp (hetpipe_jax.compare lists it)")
   cost = dataclasses.replace(config.cost, method=config.method, remat=config.remat)
   if config.method == "horovod":
     mp = method_planner.plan_horovod(cluster, profile, cost, config.num_inflight or 1)

@@ -23,7 +23,17 @@ gpipe      per step of M micro-batches: all forwards, then  one update per step 
            backwards (PipeDream-Flush / Megatron)
 horovod    one stage (the whole model on one GPU), M         as gpipe             all-reduce BSP (no PS)
            micro-batches (gradient accumulation; M = 1)
+fsdp       one stage (every GPU runs the whole model on its  one update per step,  sharded (ZeRO-3 / FSDP):
+           share of the batch, its parameters gathered       each GPU on its own   per layer all-gather fwd
+           layer by layer), M = 1                            shard of the state    and bwd, reduce-scatter
 ========== ================================================ ===================== ===========================
+
+``fsdp`` (fully sharded data parallelism: ZeRO-3, PyTorch FSDP, ``jax.sharding`` over a data axis) is in the table
+for the cost model (:mod:`hetpipe_jax.planning.fsdp_cost`), the engine and ``compare``; its runtime is one host's
+``jax.sharding`` step (``experiments/fsdp_validate.py``), not the MPI / virtual-time harness (``hetpipe_jax.train``
+trains :data:`HARNESS_METHODS`). In the engine it runs as ``horovod`` does (one-stage VWs, one per GPU, all-reduce
+BSP: every step waits for the slowest GPU, then the step's collectives), with the collectives' exposed time in
+place of the all-reduce.
 
 The last stage always runs forward + backward of a (micro-)batch as one task (``FB``), so its order is ``FB0, FB1,
 ...`` under every method. For the static orders (every method but ``hetpipe``) a stage starts exactly the next task
@@ -42,7 +52,7 @@ import dataclasses
 
 from hetpipe_jax.rules.schedule import Task, TaskKind
 
-METHODS = ("hetpipe", "pipedream", "gpipe", "1f1b_flush", "horovod")
+METHODS = ("hetpipe", "pipedream", "gpipe", "1f1b_flush", "horovod", "fsdp")
 ORDERS = ("fifo", "1f1b", "gpipe")
 
 
@@ -58,7 +68,9 @@ class Method:
     sync: ``"wsp"`` (parameter server, HetPipe §5) or ``"allreduce"`` (all-reduce BSP, no PS).
     flush_window: the static order restarts every step of M micro-batches (gpipe, 1f1b_flush, horovod); False: one
       window over the whole run (pipedream).
-    single_stage: every VW is one GPU holding the whole model (horovod).
+    single_stage: every VW is one GPU running the whole model (horovod, fsdp).
+    sharded: parameters, gradients and optimizer state are sharded over the GPUs (fsdp); not run by the MPI /
+      virtual-time harness (:data:`HARNESS_METHODS`).
   """
 
   name: str
@@ -67,6 +79,7 @@ class Method:
   sync: str
   flush_window: bool
   single_stage: bool = False
+  sharded: bool = False
 
   @property
   def uses_ps(self) -> bool:
@@ -83,7 +96,10 @@ _TABLE = {
     "gpipe": Method("gpipe", "gpipe", "flush", "allreduce", flush_window=True),
     "1f1b_flush": Method("1f1b_flush", "1f1b", "flush", "allreduce", flush_window=True),
     "horovod": Method("horovod", "gpipe", "flush", "allreduce", flush_window=True, single_stage=True),
+    "fsdp": Method("fsdp", "gpipe", "flush", "allreduce", flush_window=True, single_stage=True, sharded=True),
 }
+# The methods ``hetpipe_jax.train`` runs (MPI and virtual time); fsdp's runtime is experiments/fsdp_validate.py.
+HARNESS_METHODS = tuple(m for m in METHODS if not _TABLE[m].sharded)
 
 
 def get_method(name: str) -> Method:

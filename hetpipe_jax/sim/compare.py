@@ -8,7 +8,11 @@ same rules as the runtime): the predicted images/s is the engine's steady-state 
 * ``hetpipe``: NP / ED / HD / auto allocations x default / local parameter placement (HetPipe §8.1);
 * ``pipedream``, ``gpipe``, ``1f1b_flush``: each NP / ED / HD allocation is planned and run; the table shows the
   fastest (``all_rows`` keeps every candidate);
-* ``horovod``: one VW per GPU that holds the model (the others are left out, with a reason).
+* ``horovod``: one VW per GPU that holds the model (the others are left out, with a reason);
+* ``fsdp``: every GPU, parameters, gradients and optimizer state sharded (:mod:`hetpipe_jax.planning.fsdp_cost`),
+  ``batch`` examples per GPU: ``even`` shards (ZeRO-3) and ``hetero`` (shards by memory, examples by speed); the
+  engine runs its one-GPU VWs in lock-step with the collectives' exposed time as the step's reduction
+  (:func:`fsdp_row`); the notes give the no-overlap bound.
 
 Per row: GPUs used, Nm or M, images/s, the bottleneck (:func:`bottleneck`), memory feasibility (the fullest GPU's
 share of its memory) and the bytes that cross nodes per step (every VW processing one minibatch: activations and
@@ -22,6 +26,7 @@ import time
 from typing import Any, Sequence
 
 from hetpipe_jax.planning import allocator
+from hetpipe_jax.planning import fsdp_cost
 from hetpipe_jax.planning import planner
 from hetpipe_jax.planning.cluster import ClusterSpec
 from hetpipe_jax.planning import plan_format
@@ -205,7 +210,43 @@ def compare(cluster: ClusterSpec, profile: ModelProfile, config: CompareConfig =
     rows = [attempt(method, policy, "default" if method == "pipedream" else "") for policy in PIPELINE_POLICIES]
     table.append(max(rows, key=lambda r: r.images_per_s))
   table.append(attempt("horovod", "all GPUs that fit", ""))
+  for variant in fsdp_cost.VARIANTS:
+    try:
+      row = fsdp_row(fsdp_cost.plan_fsdp(cluster, profile, variant, planner.PlannerConfig().cost), config)
+    except fsdp_cost.FsdpInfeasibleError as e:
+      row = _infeasible("fsdp", fsdp_cost.VARIANT_LABELS[variant], "", e)
+    every.append(row)
+    table.append(row)
   return table, every
+
+
+def fsdp_bottleneck(report: engine.EngineReport, plan: fsdp_cost.FsdpPlan) -> str:
+  """What limits an fsdp step (shares of the run, from the engine's report): the slowest GPU's compute, the
+  straggler spread (the other GPUs wait for it at every layer's collective) or the collectives the overlap does not
+  hide (every GPU waits for them)."""
+  span = report.makespan_s or 1.0
+  waits = [v.wait_s / span for v in report.vws]
+  g = max(report.gpus, key=lambda g: g.utilization)
+  slow, fast = plan.gpus[g.vw_id], min(range(len(waits)), key=lambda v: waits[v])
+  shares = {f"compute: {slow.gpu_id} ({slow.gpu_type})": g.utilization,
+            f"straggler: {slow.gpu_type} (the others wait at every collective)": max(waits) - waits[fast],
+            "network: all-gathers / reduce-scatters not hidden by compute": waits[fast]}
+  label = max(shares, key=lambda k: shares[k])
+  return f"{label} ({100 * shares[label]:.0f}%)"
+
+
+def fsdp_row(plan: fsdp_cost.FsdpPlan, config: CompareConfig) -> Row:
+  """Runs an fsdp configuration in the engine (method ``fsdp``, M = 1, ``task_times.fsdp_task_times``); its row.
+  Rate: the engine's steps/s times the step's examples."""
+  t0 = time.perf_counter()
+  times = task_times_lib.fsdp_task_times(plan)
+  cfg = engine.EngineConfig(num_waves=max(4, config.num_waves // 4), num_inflight=1, records=False, method="fsdp",
+                            shared_nic=config.shared_nic)
+  report = engine.run(times, cfg, gpu_ids=[[g.gpu_id] for g in plan.gpus])
+  steps_per_s = report.total_minibatches_per_s / len(plan.gpus)
+  return Row("fsdp", fsdp_cost.VARIANT_LABELS[plan.variant], "", len(plan.gpus), len(plan.gpus), 1,
+             steps_per_s * plan.global_batch, fsdp_bottleneck(report, plan), True, plan.memory_use,
+             plan.cross_node_bytes, plan.notes(), time.perf_counter() - t0)
 
 
 def example_unit(model: str) -> str:
@@ -245,7 +286,7 @@ def plot(rows: Sequence[Row], path: str, title: str = "", unit: str = "images") 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   colors = {"hetpipe": "tab:blue", "pipedream": "tab:purple", "gpipe": "tab:orange", "1f1b_flush": "tab:red",
-            "horovod": "tab:green"}
+            "horovod": "tab:green", "fsdp": "tab:olive"}
   fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
   labels = [r.label for r in rows][::-1]
   values = [r.images_per_s for r in rows][::-1]

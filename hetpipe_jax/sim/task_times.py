@@ -32,6 +32,7 @@ import numpy as np
 
 from hetpipe_jax.planning import allreduce_cost
 from hetpipe_jax.planning import cost_model
+from hetpipe_jax.planning import fsdp_cost  # noqa: F401  (type of fsdp_task_times' argument)
 from hetpipe_jax.planning import profile_format
 from hetpipe_jax.planning.cluster import ClusterSpec
 from hetpipe_jax.planning.plan_format import Plan
@@ -321,6 +322,17 @@ def vw_task_times(gpus: Sequence, ranges: Sequence[Sequence[int]], costs: cost_m
                      push_legs=None if push_legs is None else tuple(push_legs),
                      pull_legs=None if pull_legs is None else tuple(pull_legs),
                      allreduce_shared_nic_s=allreduce_shared_nic_s)
+
+
+def fsdp_task_times(plan: "fsdp_cost.FsdpPlan") -> list[VWTaskTimes]:
+  """The engine's task times of an fsdp configuration (:mod:`hetpipe_jax.planning.fsdp_cost`): one one-stage VW per
+  GPU whose task is the GPU's forward+backward of its examples, and as the step's "all-reduce" the collectives'
+  exposed time (the step beyond the slowest GPU's compute), with and without shared NICs. Run with method ``fsdp``
+  and M = 1, the engine's step is the slowest GPU's compute plus that time: the closed form's step."""
+  exposed, free = plan.exposed_comm_s(True), plan.exposed_comm_s(False)
+  return [VWTaskTimes(forward_s=(), backward_s=(), forward_backward_s=c, send_activation_s=(), send_gradient_s=(),
+                      push_s=0.0, pull_s=0.0, allreduce_s=free, stage_nodes=(g.node,),
+                      allreduce_shared_nic_s=exposed) for g, c in zip(plan.gpus, plan.compute_s)]
 
 
 def profile_for_plan(plan: Plan, path: str | None = None) -> ModelProfile:

@@ -1,0 +1,263 @@
+"""Fully sharded data parallelism (ZeRO-3 / PyTorch FSDP / ``jax.sharding`` over a data axis): time, memory, split.
+
+Planning layer: standard library and numpy only. Method ``fsdp`` of :mod:`hetpipe_jax.rules.methods`.
+
+Setting. Every GPU g of the cluster runs the whole model on its own ``b_g`` examples of a step's global batch
+``B = N x batch`` (the examples per step of Horovod with one worker per GPU) and holds a shard ``f_g`` of every
+layer's parameters, gradients and optimizer state (``sum_g f_g = 1``). Per step and layer l (``P_l`` parameter
+bytes), as ZeRO-3 (Rajbhandari et al., SC'20, §5.3) and FSDP do:
+
+* forward: all-gather layer l's parameters (``AG_l``), run its forward; the gathered copy is freed;
+* backward: all-gather them again (``AG_l``), run its backward, reduce-scatter its gradient (``RS_l``: each GPU
+  receives the sum over GPUs of its own shard);
+* the optimizer step on the local shard (memory-bound and small; not timed, as no method's optimizer step is).
+
+Collectives: the ring rule of :mod:`hetpipe_jax.planning.allreduce_cost`, once. An all-gather or a reduce-scatter of
+P bytes among N GPUs is half a ring all-reduce of P: ``(N-1)/N x P / bandwidth + (N-1) x latency``
+(``allreduce_cost.ring_groups_time_s``, halved; the group is every GPU, a ring over the inter-node link when it spans
+nodes, with the same shared-NIC rule as the all-reduce methods). Uneven shards are padded to the largest (NCCL's
+collectives take equal buffers): ``P -> N x max_g f_g x P``. So each GPU sends ``3 (N-1)/N x P`` bytes per step with
+even shards (ZeRO's 1.5x of a data-parallel all-reduce).
+
+Time. The per-layer collectives hold the GPUs in lock-step, so layer l's forward (backward) lasts ``F_l = max_g
+F_{g,l}`` (``B_l``), where ``F_{g,l}`` is the cost model's forward time of l on g's type scaled by ``b_g / batch``
+(linear in examples, as :func:`~hetpipe_jax.planning.profile_format.micro_batch_profile`). Stated assumption,
+overlap (FSDP's prefetch): the gather of a layer runs while the previous one computes and a reduce-scatter while
+the next backward computes, so ``step = sum_l max(F_l, AG_l) + sum_l max(B_l, AG_l + RS_l)``. Beside it, the
+no-overlap bound ``step_serial = sum_l (F_l + B_l) + sum_l (2 AG_l + RS_l)``. Rate: ``B / step`` examples/s.
+
+Memory of GPU g: ``f_g (2 P + O)`` (its shard of parameters, gradients and optimizer state) ``+ 3 max_l P_l`` (two
+gathered layers, the one computing and the one prefetched, and one layer's unsharded gradient before its
+reduce-scatter) ``+ b_g / batch x (max(stash, input) + workspace)`` (its examples' activations: Horovod's
+whole-model stash of :mod:`hetpipe_jax.planning.cost_model`, linear in examples).
+
+Variants (``VARIANTS``):
+
+* ``even`` (ZeRO-3): ``f_g = 1/N``, ``b_g = batch``;
+* ``hetero`` (Cephalo, Guo et al., arXiv 2411.01075: compute from speed, training state from memory, decoupled):
+  ``b_g`` minimises the slowest GPU's compute ``max_g b_g tau_g`` (``tau_g``: g's compute per example) subject to
+  ``sum_g b_g = B`` and g's activations fitting its memory (greedy, one example at a time to the GPU that would
+  finish it first: optimal for a min-max of linear costs); then ``f_g`` minimises the fullest GPU's share of its
+  memory ``max_g mem_g / cap_g`` (water-filling: ``f_g = max(0, u cap_g - fixed_g) / S`` at the one common
+  utilisation ``u`` where the shards sum to 1; ``S = 2 P + O``, ``fixed_g`` the rest of g's memory); with equal
+  fixed costs, shards proportional to memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Sequence
+
+import numpy as np
+
+from hetpipe_jax.planning import allreduce_cost
+from hetpipe_jax.planning import cost_model
+from hetpipe_jax.planning.cluster import ClusterSpec, Gpu
+from hetpipe_jax.planning.profile_format import ModelProfile
+
+VARIANTS = ("even", "hetero")
+VARIANT_LABELS = {"even": "even shards (ZeRO-3)", "hetero": "shards by memory, batch by speed"}
+MS_PER_S = 1e3
+
+
+class FsdpInfeasibleError(ValueError):
+  """The model does not fit the cluster under fsdp (the message names the GPU and the bytes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpPlan:
+  """One fsdp configuration and its closed-form costs (module docstring).
+
+  Attributes:
+    variant: one of :data:`VARIANTS`.
+    gpus: every GPU of the cluster, in ``cluster.gpus()`` order.
+    batch_size: the profile's batch (the per-GPU batch of the even variant).
+    examples: ``b_g`` per GPU; they sum to ``global_batch``.
+    shards: ``f_g`` per GPU; they sum to 1.
+    memory_bytes, capacity_bytes: per GPU, its memory need and its usable memory.
+    compute_s: per GPU, forward+backward of its examples alone (no collectives), seconds.
+    layer_forward_s, layer_backward_s: per layer, the slowest GPU's forward (backward) time, seconds. ``[L]``.
+    allgather_s: per layer, one all-gather of its (padded) parameters, seconds (= one reduce-scatter), with the
+      shared-NIC rule. ``[L]``.
+    allgather_no_shared_nic_s: the same, every ring at full link speed.
+    step_s: one step under the overlap assumption (shared NICs), seconds.
+    step_no_overlap_s: the no-overlap bound (shared NICs), seconds.
+    step_no_shared_nic_s: ``step_s`` with every ring at full link speed.
+    bytes_sent_per_gpu: bytes each GPU sends per step (two all-gathers and a reduce-scatter of every layer).
+    cross_node_bytes: bytes crossing nodes per step.
+  """
+
+  variant: str
+  gpus: tuple[Gpu, ...]
+  batch_size: int
+  examples: tuple[int, ...]
+  shards: tuple[float, ...]
+  memory_bytes: tuple[float, ...]
+  capacity_bytes: tuple[float, ...]
+  compute_s: tuple[float, ...]
+  layer_forward_s: tuple[float, ...]
+  layer_backward_s: tuple[float, ...]
+  allgather_s: tuple[float, ...]
+  allgather_no_shared_nic_s: tuple[float, ...]
+  step_s: float
+  step_no_overlap_s: float
+  step_no_shared_nic_s: float
+  bytes_sent_per_gpu: float
+  cross_node_bytes: float
+
+  @property
+  def global_batch(self) -> int:
+    return int(sum(self.examples))
+
+  @property
+  def examples_per_s(self) -> float:
+    return self.global_batch / self.step_s
+
+  @property
+  def examples_per_s_no_overlap(self) -> float:
+    return self.global_batch / self.step_no_overlap_s
+
+  @property
+  def memory_use(self) -> float:
+    """The fullest GPU's memory over its capacity."""
+    return max(m / c for m, c in zip(self.memory_bytes, self.capacity_bytes))
+
+  def exposed_comm_s(self, shared_nic: bool = True) -> float:
+    """The step's time beyond the slowest GPU's compute: the collectives the overlap does not hide."""
+    return (self.step_s if shared_nic else self.step_no_shared_nic_s) - max(self.compute_s)
+
+  def notes(self) -> list[str]:
+    types = {}
+    for g, b, f in zip(self.gpus, self.examples, self.shards):
+      types.setdefault(g.gpu_type, (b, f))
+    split = ", ".join(f"{t}: {b} examples, {100 * f:.1f}% of the state" for t, (b, f) in types.items())
+    return [f"fsdp {self.variant}: per GPU {split}",
+            f"fsdp {self.variant}: communication overlapped with compute (assumed); with no overlap "
+            f"{self.examples_per_s_no_overlap:.1f} examples/s (step {1e3 * self.step_no_overlap_s:.1f} ms instead of "
+            f"{1e3 * self.step_s:.1f} ms); each GPU sends {self.bytes_sent_per_gpu / 2**20:.1f} MiB per step"]
+
+
+def per_example_layer_ms(profile: ModelProfile, cluster: ClusterSpec, config: cost_model.CostModelConfig
+                         ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """Per GPU type, ``(forward ms [L], backward ms [L])`` of one example (the profile's times over its batch)."""
+  fwd_prefix = cost_model.forward_prefix_ms(profile, cluster, config)
+  out = {}
+  for name, t in cluster.gpu_types.items():
+    total = cost_model.layer_times_ms(profile, t, config)
+    fwd = np.minimum(np.diff(fwd_prefix[name]), total)
+    out[name] = (fwd / profile.batch_size, (total - fwd) / profile.batch_size)
+  return out
+
+
+def activation_bytes_per_example(profile: ModelProfile) -> float:
+  """One example's activation memory: ``(max(stash, input) + workspace) / batch`` (module docstring)."""
+  stash = sum(l.stash_bytes for l in profile.layers)
+  workspace = max((l.workspace_bytes for l in profile.layers), default=0)
+  return (max(stash, profile.input_activation_bytes) + workspace) / profile.batch_size
+
+
+def state_bytes(profile: ModelProfile) -> float:
+  """``S = 2 P + O``: parameters, gradients and optimizer state of the whole model, the bytes that are sharded."""
+  return float(sum(2 * l.param_bytes + l.optimizer_state_bytes for l in profile.layers))
+
+
+def gathered_bytes(profile: ModelProfile) -> float:
+  """``3 max_l P_l``: two gathered layers and one layer's unsharded gradient."""
+  return 3.0 * max((l.param_bytes for l in profile.layers), default=0)
+
+
+def split_examples(per_example_s: Sequence[float], total: int, caps: Sequence[int]) -> list[int]:
+  """Integer ``b_g`` (summing to ``total``, each at most ``caps[g]``) minimising ``max_g b_g x per_example_s[g]``.
+
+  Greedy: each example goes to the GPU that would finish its share soonest (ties: the lower index).
+
+  Raises:
+    FsdpInfeasibleError: the caps sum to less than ``total``.
+  """
+  if sum(caps) < total:
+    raise FsdpInfeasibleError(f"the GPUs' memory holds the activations of {sum(caps)} examples, the step has {total}")
+  b = [0] * len(per_example_s)
+  heap = [(per_example_s[g], g) for g in range(len(b)) if caps[g] > 0]
+  heapq.heapify(heap)
+  for _ in range(total):
+    _, g = heapq.heappop(heap)
+    b[g] += 1
+    if b[g] < caps[g]:
+      heapq.heappush(heap, ((b[g] + 1) * per_example_s[g], g))
+  return b
+
+
+def memory_shards(state: float, fixed: Sequence[float], capacity: Sequence[float]) -> tuple[list[float], float]:
+  """Shards ``f_g`` (summing to 1, each >= 0) minimising ``max_g (f_g state + fixed[g]) / capacity[g]``.
+
+  Water-filling: ``f_g = max(0, u capacity[g] - fixed[g]) / state`` at the utilisation ``u`` where they sum to 1.
+
+  Returns:
+    ``(shards, u)``: ``u`` is the fullest GPU's share of its memory (> 1: does not fit).
+  """
+  cap = np.asarray(capacity, dtype=np.float64)
+  fix = np.asarray(fixed, dtype=np.float64)
+  if state <= 0:
+    return [1.0 / len(cap)] * len(cap), float(np.max(fix / cap))
+  lo, hi = 0.0, float(np.max((fix + state) / cap))  # at hi one GPU alone could take every shard
+  for _ in range(200):
+    u = 0.5 * (lo + hi)
+    if np.sum(np.maximum(0.0, u * cap - fix)) >= state:
+      hi = u
+    else:
+      lo = u
+  f = np.maximum(0.0, hi * cap - fix) / state
+  f = f / f.sum()
+  return [float(x) for x in f], float(np.max((f * state + fix) / cap))
+
+
+def plan_fsdp(cluster: ClusterSpec, profile: ModelProfile, variant: str = "even",
+              config: cost_model.CostModelConfig = cost_model.CostModelConfig()) -> FsdpPlan:
+  """The fsdp configuration ``variant`` on every GPU of ``cluster`` and its costs (module docstring).
+
+  Raises:
+    ValueError: unknown variant.
+    FsdpInfeasibleError: a GPU's memory does not hold its shard, gathered layers and activations.
+  """
+  if variant not in VARIANTS:
+    raise ValueError(f"unknown fsdp variant {variant!r}: use one of {list(VARIANTS)}")
+  gpus = tuple(cluster.gpus())
+  n, batch = len(gpus), profile.batch_size
+  per_ex = per_example_layer_ms(profile, cluster, config)
+  cap = [float(cluster.gpu_types[g.gpu_type].memory_bytes - cluster.gpu_types[g.gpu_type].reserved_bytes)
+         for g in gpus]
+  act, state, gathered = activation_bytes_per_example(profile), state_bytes(profile), gathered_bytes(profile)
+  if variant == "even":
+    examples, shards = [batch] * n, [1.0 / n] * n
+  else:
+    tau = [float(per_ex[g.gpu_type][0].sum() + per_ex[g.gpu_type][1].sum()) for g in gpus]
+    caps = [int(max(0.0, c - gathered) // act) if act > 0 else n * batch for c in cap]
+    examples = split_examples(tau, n * batch, caps)
+    shards, _ = memory_shards(state, [gathered + b * act for b in examples], cap)
+  memory = [f * state + gathered + b * act for f, b in zip(shards, examples)]
+  for g, m, c in zip(gpus, memory, cap):
+    if m > c * (1 + 1e-9):
+      raise FsdpInfeasibleError(f"fsdp {variant}: {g.gpu_id} ({g.gpu_type}) needs {m / 2**30:.2f} GiB > "
+                                f"{c / 2**30:.2f} GiB usable (its shard, 3 gathered layers, its activations)")
+  fwd = np.array([b * per_ex[g.gpu_type][0] for g, b in zip(gpus, examples)]) / MS_PER_S  # [N, L] seconds
+  bwd = np.array([b * per_ex[g.gpu_type][1] for g, b in zip(gpus, examples)]) / MS_PER_S
+  pad = n * max(shards)
+  params = [float(l.param_bytes) for l in profile.layers]
+  ag = np.array([0.5 * allreduce_cost.ring_groups_time_s([(pad * p, gpus)], cluster, True) for p in params])
+  ag_free = np.array([0.5 * allreduce_cost.ring_groups_time_s([(pad * p, gpus)], cluster, False) for p in params])
+  f_l, b_l = fwd.max(axis=0), bwd.max(axis=0)
+
+  def overlapped(a):
+    return float(np.sum(np.maximum(f_l, a)) + np.sum(np.maximum(b_l, 2 * a)))
+
+  total = sum(params)
+  return FsdpPlan(
+      variant=variant, gpus=gpus, batch_size=batch, examples=tuple(examples), shards=tuple(shards),
+      memory_bytes=tuple(memory), capacity_bytes=tuple(cap), compute_s=tuple(float(x) for x in (fwd + bwd).sum(1)),
+      layer_forward_s=tuple(float(x) for x in f_l), layer_backward_s=tuple(float(x) for x in b_l),
+      allgather_s=tuple(float(x) for x in ag), allgather_no_shared_nic_s=tuple(float(x) for x in ag_free),
+      step_s=overlapped(ag), step_no_overlap_s=float(f_l.sum() + b_l.sum() + 3 * ag.sum()),
+      step_no_shared_nic_s=overlapped(ag_free),
+      bytes_sent_per_gpu=3.0 * (n - 1) / n * pad * total if n > 1 else 0.0,
+      cross_node_bytes=1.5 * allreduce_cost.ring_groups_cross_node_bytes([(pad * total, gpus)]))
