@@ -29,7 +29,10 @@ no-overlap bound ``step_serial = sum_l (F_l + B_l) + sum_l (2 AG_l + RS_l)``. Ra
 Memory of GPU g: ``f_g (2 P + O)`` (its shard of parameters, gradients and optimizer state) ``+ 3 max_l P_l`` (two
 gathered layers, the one computing and the one prefetched, and one layer's unsharded gradient before its
 reduce-scatter) ``+ b_g / batch x (max(stash, input) + workspace)`` (its examples' activations: Horovod's
-whole-model stash of :mod:`hetpipe_jax.planning.cost_model`, linear in examples).
+whole-model stash of :mod:`hetpipe_jax.planning.cost_model`, linear in examples). With ``remat`` (activation
+checkpointing per layer, the usual FSDP setting for transformers) a GPU keeps each layer's input and one layer's
+stash (the layer being recomputed) instead of the whole stash, and every backward first recomputes its layer's
+forward (``B_l -> F_l + B_l``).
 
 Variants (``VARIANTS``):
 
@@ -37,10 +40,12 @@ Variants (``VARIANTS``):
 * ``hetero`` (Cephalo, Guo et al., arXiv 2411.01075: compute from speed, training state from memory, decoupled):
   ``b_g`` minimises the slowest GPU's compute ``max_g b_g tau_g`` (``tau_g``: g's compute per example) subject to
   ``sum_g b_g = B`` and g's activations fitting its memory (greedy, one example at a time to the GPU that would
-  finish it first: optimal for a min-max of linear costs); then ``f_g`` minimises the fullest GPU's share of its
-  memory ``max_g mem_g / cap_g`` (water-filling: ``f_g = max(0, u cap_g - fixed_g) / S`` at the one common
-  utilisation ``u`` where the shards sum to 1; ``S = 2 P + O``, ``fixed_g`` the rest of g's memory); with equal
-  fixed costs, shards proportional to memory.
+  finish it first: optimal for a min-max of linear costs); then the shards follow memory: ``f_g`` minimises the
+  largest shard subject to every GPU holding its own (``f_g S + fixed_g <= cap_g``, ``S = 2 P + O``, ``fixed_g``
+  the rest of g's memory; water-filling). So a GPU whose free memory cannot hold an even share gets what it holds
+  and the others share the rest evenly. Not shards proportional to capacity: with collectives padded to the largest
+  shard, those would cost ``N max_g f_g`` times the even shards' communication (1.92x on HetPipe's cluster) for
+  memory that is not needed; the smallest largest shard is the cheapest sharding that fits.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class FsdpPlan:
 
   Attributes:
     variant: one of :data:`VARIANTS`.
+    remat: activation checkpointing per layer.
     gpus: every GPU of the cluster, in ``cluster.gpus()`` order.
     batch_size: the profile's batch (the per-GPU batch of the even variant).
     examples: ``b_g`` per GPU; they sum to ``global_batch``.
@@ -89,6 +95,7 @@ class FsdpPlan:
   """
 
   variant: str
+  remat: bool
   gpus: tuple[Gpu, ...]
   batch_size: int
   examples: tuple[int, ...]
@@ -132,8 +139,9 @@ class FsdpPlan:
     for g, b, f in zip(self.gpus, self.examples, self.shards):
       types.setdefault(g.gpu_type, (b, f))
     split = ", ".join(f"{t}: {b} examples, {100 * f:.1f}% of the state" for t, (b, f) in types.items())
-    return [f"fsdp {self.variant}: per GPU {split}",
-            f"fsdp {self.variant}: communication overlapped with compute (assumed); with no overlap "
+    name = f"fsdp {self.variant}{' remat' if self.remat else ''}"
+    return [f"{name}: per GPU {split}",
+            f"{name}: communication overlapped with compute (assumed); with no overlap "
             f"{self.examples_per_s_no_overlap:.1f} examples/s (step {1e3 * self.step_no_overlap_s:.1f} ms instead of "
             f"{1e3 * self.step_s:.1f} ms); each GPU sends {self.bytes_sent_per_gpu / 2**20:.1f} MiB per step"]
 
@@ -150,10 +158,14 @@ def per_example_layer_ms(profile: ModelProfile, cluster: ClusterSpec, config: co
   return out
 
 
-def activation_bytes_per_example(profile: ModelProfile) -> float:
-  """One example's activation memory: ``(max(stash, input) + workspace) / batch`` (module docstring)."""
-  stash = sum(l.stash_bytes for l in profile.layers)
+def activation_bytes_per_example(profile: ModelProfile, remat: bool = False) -> float:
+  """One example's activation memory: ``(max(stash, input) + workspace) / batch``; with ``remat``
+  ``(sum_l input_l + max_l stash_l + workspace) / batch`` (module docstring)."""
   workspace = max((l.workspace_bytes for l in profile.layers), default=0)
+  if remat:
+    inputs = profile.input_activation_bytes + sum(l.output_activation_bytes for l in profile.layers[:-1])
+    return (inputs + max((l.stash_bytes for l in profile.layers), default=0) + workspace) / profile.batch_size
+  stash = sum(l.stash_bytes for l in profile.layers)
   return (max(stash, profile.input_activation_bytes) + workspace) / profile.batch_size
 
 
@@ -176,7 +188,8 @@ def split_examples(per_example_s: Sequence[float], total: int, caps: Sequence[in
     FsdpInfeasibleError: the caps sum to less than ``total``.
   """
   if sum(caps) < total:
-    raise FsdpInfeasibleError(f"the GPUs' memory holds the activations of {sum(caps)} examples, the step has {total}")
+    raise FsdpInfeasibleError(f"the GPUs' memory holds the activations of {sum(caps)} examples, the step has "
+                              f"{total}")
   b = [0] * len(per_example_s)
   heap = [(per_example_s[g], g) for g in range(len(b)) if caps[g] > 0]
   heapq.heapify(heap)
@@ -188,33 +201,38 @@ def split_examples(per_example_s: Sequence[float], total: int, caps: Sequence[in
   return b
 
 
-def memory_shards(state: float, fixed: Sequence[float], capacity: Sequence[float]) -> tuple[list[float], float]:
-  """Shards ``f_g`` (summing to 1, each >= 0) minimising ``max_g (f_g state + fixed[g]) / capacity[g]``.
+def memory_shards(state: float, fixed: Sequence[float], capacity: Sequence[float]) -> list[float]:
+  """Shards ``f_g`` (summing to 1, each >= 0) with the smallest largest shard such that every GPU's memory holds its
+  shard: ``f_g state + fixed[g] <= capacity[g]``.
 
-  Water-filling: ``f_g = max(0, u capacity[g] - fixed[g]) / state`` at the utilisation ``u`` where they sum to 1.
+  Water-filling: ``f_g = min(t, (capacity[g] - fixed[g]) / state)`` at the level ``t`` where they sum to 1 (even
+  shards when every GPU holds 1/N).
 
-  Returns:
-    ``(shards, u)``: ``u`` is the fullest GPU's share of its memory (> 1: does not fit).
+  Raises:
+    FsdpInfeasibleError: the GPUs' free memory holds less than the whole state (names the shortfall).
   """
-  cap = np.asarray(capacity, dtype=np.float64)
-  fix = np.asarray(fixed, dtype=np.float64)
+  room = np.maximum(0.0, np.asarray(capacity, np.float64) - np.asarray(fixed, np.float64))
   if state <= 0:
-    return [1.0 / len(cap)] * len(cap), float(np.max(fix / cap))
-  lo, hi = 0.0, float(np.max((fix + state) / cap))  # at hi one GPU alone could take every shard
+    return [1.0 / len(room)] * len(room)
+  room = room / state
+  if room.sum() < 1.0:
+    raise FsdpInfeasibleError(f"the GPUs' memory left after activations and gathered layers holds "
+                              f"{100 * room.sum():.0f}% of the {state / 2**30:.2f} GiB of sharded state")
+  lo, hi = 0.0, 1.0
   for _ in range(200):
-    u = 0.5 * (lo + hi)
-    if np.sum(np.maximum(0.0, u * cap - fix)) >= state:
-      hi = u
+    t = 0.5 * (lo + hi)
+    if np.minimum(t, room).sum() >= 1.0:
+      hi = t
     else:
-      lo = u
-  f = np.maximum(0.0, hi * cap - fix) / state
-  f = f / f.sum()
-  return [float(x) for x in f], float(np.max((f * state + fix) / cap))
+      lo = t
+  f = np.minimum(hi, room)
+  return [float(x) for x in f / f.sum()]
 
 
 def plan_fsdp(cluster: ClusterSpec, profile: ModelProfile, variant: str = "even",
-              config: cost_model.CostModelConfig = cost_model.CostModelConfig()) -> FsdpPlan:
-  """The fsdp configuration ``variant`` on every GPU of ``cluster`` and its costs (module docstring).
+              config: cost_model.CostModelConfig = cost_model.CostModelConfig(), remat: bool = False) -> FsdpPlan:
+  """The fsdp configuration ``variant`` (with or without ``remat``) on every GPU of ``cluster`` and its costs (module
+  docstring).
 
   Raises:
     ValueError: unknown variant.
@@ -227,21 +245,32 @@ def plan_fsdp(cluster: ClusterSpec, profile: ModelProfile, variant: str = "even"
   per_ex = per_example_layer_ms(profile, cluster, config)
   cap = [float(cluster.gpu_types[g.gpu_type].memory_bytes - cluster.gpu_types[g.gpu_type].reserved_bytes)
          for g in gpus]
-  act, state, gathered = activation_bytes_per_example(profile), state_bytes(profile), gathered_bytes(profile)
+  act, state, gathered = activation_bytes_per_example(profile, remat), state_bytes(profile), gathered_bytes(profile)
   if variant == "even":
     examples, shards = [batch] * n, [1.0 / n] * n
   else:
     tau = [float(per_ex[g.gpu_type][0].sum() + per_ex[g.gpu_type][1].sum()) for g in gpus]
     caps = [int(max(0.0, c - gathered) // act) if act > 0 else n * batch for c in cap]
-    examples = split_examples(tau, n * batch, caps)
-    shards, _ = memory_shards(state, [gathered + b * act for b in examples], cap)
+    try:
+      examples = split_examples(tau, n * batch, caps)
+    except FsdpInfeasibleError as e:
+      raise FsdpInfeasibleError(f"fsdp {variant}{' remat' if remat else ''} does not fit: {e} (activations of "
+                                f"{act / 2**30:.2f} GiB per example)") from None
+    try:
+      shards = memory_shards(state, [gathered + b * act for b in examples], cap)
+    except FsdpInfeasibleError as e:
+      raise FsdpInfeasibleError(f"fsdp {variant}{' remat' if remat else ''} does not fit: {e}") from None
   memory = [f * state + gathered + b * act for f, b in zip(shards, examples)]
-  for g, m, c in zip(gpus, memory, cap):
+  for g, m, c, b in zip(gpus, memory, cap, examples):
     if m > c * (1 + 1e-9):
-      raise FsdpInfeasibleError(f"fsdp {variant}: {g.gpu_id} ({g.gpu_type}) needs {m / 2**30:.2f} GiB > "
-                                f"{c / 2**30:.2f} GiB usable (its shard, 3 gathered layers, its activations)")
+      raise FsdpInfeasibleError(f"fsdp {variant}{' remat' if remat else ''} does not fit: {g.gpu_id} ({g.gpu_type}) "
+                                f"needs {m / 2**30:.2f} GiB > {c / 2**30:.2f} GiB usable (its shard of "
+                                f"{state / 2**30:.2f} GiB of state, 3 gathered layers, {b} examples' activations of "
+                                f"{act / 2**30:.2f} GiB each)")
   fwd = np.array([b * per_ex[g.gpu_type][0] for g, b in zip(gpus, examples)]) / MS_PER_S  # [N, L] seconds
   bwd = np.array([b * per_ex[g.gpu_type][1] for g, b in zip(gpus, examples)]) / MS_PER_S
+  if remat:
+    bwd = bwd + fwd  # each backward recomputes its layer's forward
   pad = n * max(shards)
   params = [float(l.param_bytes) for l in profile.layers]
   ag = np.array([0.5 * allreduce_cost.ring_groups_time_s([(pad * p, gpus)], cluster, True) for p in params])
@@ -253,7 +282,7 @@ def plan_fsdp(cluster: ClusterSpec, profile: ModelProfile, variant: str = "even"
 
   total = sum(params)
   return FsdpPlan(
-      variant=variant, gpus=gpus, batch_size=batch, examples=tuple(examples), shards=tuple(shards),
+      variant=variant, remat=remat, gpus=gpus, batch_size=batch, examples=tuple(examples), shards=tuple(shards),
       memory_bytes=tuple(memory), capacity_bytes=tuple(cap), compute_s=tuple(float(x) for x in (fwd + bwd).sum(1)),
       layer_forward_s=tuple(float(x) for x in f_l), layer_backward_s=tuple(float(x) for x in b_l),
       allgather_s=tuple(float(x) for x in ag), allgather_no_shared_nic_s=tuple(float(x) for x in ag_free),

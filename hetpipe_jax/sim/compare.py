@@ -12,7 +12,8 @@ same rules as the runtime): the predicted images/s is the engine's steady-state 
 * ``fsdp``: every GPU, parameters, gradients and optimizer state sharded (:mod:`hetpipe_jax.planning.fsdp_cost`),
   ``batch`` examples per GPU: ``even`` shards (ZeRO-3) and ``hetero`` (shards by memory, examples by speed); the
   engine runs its one-GPU VWs in lock-step with the collectives' exposed time as the step's reduction
-  (:func:`fsdp_row`); the notes give the no-overlap bound.
+  (:func:`fsdp_row`); the notes give the no-overlap bound. Each variant is tried without and with activation
+  checkpointing per layer (``remat``, recorded in the row's label); the table shows the faster that fits.
 
 Per row: GPUs used, Nm or M, images/s, the bottleneck (:func:`bottleneck`), memory feasibility (the fullest GPU's
 share of its memory) and the bytes that cross nodes per step (every VW processing one minibatch: activations and
@@ -211,12 +212,16 @@ def compare(cluster: ClusterSpec, profile: ModelProfile, config: CompareConfig =
     table.append(max(rows, key=lambda r: r.images_per_s))
   table.append(attempt("horovod", "all GPUs that fit", ""))
   for variant in fsdp_cost.VARIANTS:
-    try:
-      row = fsdp_row(fsdp_cost.plan_fsdp(cluster, profile, variant, planner.PlannerConfig().cost), config)
-    except fsdp_cost.FsdpInfeasibleError as e:
-      row = _infeasible("fsdp", fsdp_cost.VARIANT_LABELS[variant], "", e)
-    every.append(row)
-    table.append(row)
+    rows = []
+    for remat in (False, True):
+      label = fsdp_cost.VARIANT_LABELS[variant] + (" + remat" if remat else "")
+      try:
+        rows.append(fsdp_row(fsdp_cost.plan_fsdp(cluster, profile, variant, planner.PlannerConfig().cost, remat),
+                             config))
+      except fsdp_cost.FsdpInfeasibleError as e:
+        rows.append(_infeasible("fsdp", label, "", e))
+    every.extend(rows)
+    table.append(max(rows, key=lambda r: r.images_per_s))
   return table, every
 
 
@@ -244,7 +249,8 @@ def fsdp_row(plan: fsdp_cost.FsdpPlan, config: CompareConfig) -> Row:
                             shared_nic=config.shared_nic)
   report = engine.run(times, cfg, gpu_ids=[[g.gpu_id] for g in plan.gpus])
   steps_per_s = report.total_minibatches_per_s / len(plan.gpus)
-  return Row("fsdp", fsdp_cost.VARIANT_LABELS[plan.variant], "", len(plan.gpus), len(plan.gpus), 1,
+  label = fsdp_cost.VARIANT_LABELS[plan.variant] + (" + remat" if plan.remat else "")
+  return Row("fsdp", label, "", len(plan.gpus), len(plan.gpus), 1,
              steps_per_s * plan.global_batch, fsdp_bottleneck(report, plan), True, plan.memory_use,
              plan.cross_node_bytes, plan.notes(), time.perf_counter() - t0)
 
