@@ -143,6 +143,7 @@ def test_per_vw_partitions_are_recorded_per_vw():
     ({"emulate_stage_ms": "20,40,60"}, r"needs 2 times per VW for 2 VWs"),
     ({"emulate_stage_ms": "20,0"}, r"every time must be > 0"),
     ({"emulate_plan": True}, r"config.emulate_plan needs config.plan"),
+    ({"method": "fsdp"}, r"config.method='fsdp' is planned and simulated .* not by hetpipe_jax.train"),
 ])
 def test_bad_settings_name_the_setting(overrides, message):
   c = _tiny(**overrides)

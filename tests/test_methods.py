@@ -34,9 +34,10 @@ def order_text(method, s_count, n, total):
 
 # ----------------------------------------------------------------------------------------- rules
 def test_method_table():
-  assert methods.METHODS == ("hetpipe", "pipedream", "gpipe", "1f1b_flush", "horovod")
+  assert methods.METHODS == ("hetpipe", "pipedream", "gpipe", "1f1b_flush", "horovod", "fsdp")
+  assert methods.HARNESS_METHODS == ("hetpipe", "pipedream", "gpipe", "1f1b_flush", "horovod")
   assert [methods.get_method(m).sync for m in methods.METHODS] == ["wsp", "wsp", "allreduce", "allreduce",
-                                                                   "allreduce"]
+                                                                   "allreduce", "allreduce"]
   assert methods.stage_order(methods.get_method("hetpipe"), 3, 2, 10) is None
   with pytest.raises(ValueError, match="unknown method 'zb'"):
     methods.get_method("zb")
@@ -320,12 +321,12 @@ def test_compare_paper_vgg19_every_method_in_seconds():
   t0 = time.perf_counter()
   table, every = compare.compare(cluster, prof, compare.CompareConfig(num_vws=4, num_waves=20))
   assert time.perf_counter() - t0 < 30
-  assert [r.method for r in table] == ["hetpipe"] * 8 + ["pipedream", "gpipe", "1f1b_flush", "horovod"]
-  assert len(every) == 8 + 3 * 3 + 1
+  assert [r.method for r in table] == ["hetpipe"] * 8 + ["pipedream", "gpipe", "1f1b_flush", "horovod"] + ["fsdp"] * 2
+  assert len(every) == 8 + 3 * 3 + 1 + 2 * 2  # fsdp: two variants, each without and with remat
   for r in table:
     if r.method == "hetpipe" and r.allocation in ("NP", "ED", "HD", "auto"):
       assert r.images_per_s > 0 and r.memory_fits and r.gpus_used == 16
-  horovod = table[-1]
+  horovod = table[-3]
   assert horovod.gpus_used < 16 and horovod.notes
   text = compare.format_table(table)
   assert text.count("\n") == len(table) + 1
@@ -338,7 +339,9 @@ def test_compare_cli_smoke(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "| gpipe |" in proc.stdout and "| horovod |" in proc.stdout
   d = json.loads((tmp_path / "cmp.json").read_text())
-  assert d["cluster"] == "local_cpu" and len(d["table"]) == 12
+  assert d["cluster"] == "local_cpu" and len(d["table"]) == 14
+  assert "| fsdp | even shards (ZeRO-3) |" in proc.stdout
+  assert "| fsdp | shards by memory, batch by speed |" in proc.stdout
   assert d["shared_nic"] is True and "shared NICs" in proc.stdout  # the network rule, on by default, recorded
   assert (tmp_path / "cmp.png").stat().st_size > 1000
   rates = {r["label"]: r["images_per_s"] for r in d["table"]}
@@ -353,7 +356,7 @@ def test_compare_gpt2_medium_on_the_paper_cluster_reports_sequences():
   table, _ = compare.compare(cluster, prof, compare.CompareConfig(num_vws=4, num_waves=10))
   rows = {r.label: r for r in table}
   assert rows["hetpipe ED/local"].memory_fits and rows["hetpipe ED/local"].images_per_s > 0
-  horovod = table[-1]
-  assert horovod.gpus_used == 4 and len(horovod.notes) == 12
+  horovod = table[-3]
+  assert horovod.method == "horovod" and horovod.gpus_used == 4 and len(horovod.notes) == 12
   assert compare.example_unit("gpt2_medium") == "sequences" and compare.example_unit("vgg19_imagenet") == "images"
   assert "| sequences/s |" in compare.format_table(table, unit="sequences")
