@@ -776,6 +776,15 @@ MUTATIONS = (
              "HARNESS_METHODS = tuple(m for m in METHODS if not _TABLE[m].sharded)", "HARNESS_METHODS = METHODS",
              ("tests/test_job_config.py::test_bad_settings_name_the_setting",),
              "config.method=fsdp is accepted by hetpipe_jax.train, which has no fsdp runtime"),
+    Mutation("fsdp_runtime_replicates_state", "hetpipe_jax/runtime/fsdp_step.py",
+             "    if size >= n and size % n == 0:\n", "    if False:\n",
+             ("tests/test_fsdp.py::test_fsdp_validate_quick_end_to_end",),
+             "the one-host runtime replicates parameters and optimizer state instead of sharding them"),
+    Mutation("fsdp_runtime_half_batch", "hetpipe_jax/runtime/fsdp_step.py",
+             "      value, grads = jax.value_and_grad(loss)(params, x, y)",
+             "      value, grads = jax.value_and_grad(loss)(params, x[: x.shape[0] // 2], y[: y.shape[0] // 2])",
+             ("tests/test_fsdp.py::test_fsdp_validate_quick_end_to_end",),
+             "the sharded step's gradient is one device's share of the batch, not the global mean"),
 )
 
 

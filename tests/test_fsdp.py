@@ -159,3 +159,25 @@ def test_compare_lists_both_fsdp_variants():
   # The heterogeneous variant gives the fast GPUs more examples and runs faster than even shards here.
   assert fsdp[1].images_per_s > fsdp[0].images_per_s
   assert np.isfinite([r.images_per_s for r in table]).all()
+
+
+def test_fsdp_validate_quick_end_to_end(tmp_path):
+  """The one-host runtime (jax.sharding over 2 CPU devices) against the plain optax replay, and its timing report."""
+  import json
+  import subprocess
+  import sys
+  from hetpipe_jax.paths import REPO_ROOT
+  out = tmp_path / "fsdp.json"
+  env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, "experiments/fsdp_validate.py", "--quick", f"--output={out}"], cwd=REPO_ROOT,
+                        capture_output=True, text=True, timeout=300, env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  d = json.loads(out.read_text())
+  num = d["numerics"]
+  assert num["ok"] and num["max_abs_diff"] <= 1e-5 and num["weights_moved"] > 1e-3
+  assert num["state_fraction_per_device"] == pytest.approx(0.5)  # every mlp_tiny leaf is split over the 2 devices
+  assert num["collectives_in_hlo"]["all-gather"] > 0  # XLA gathers the sharded parameters
+  t = d["timing"]
+  assert t["measured_step_s"] > 0 and t["engine_step_s"] == pytest.approx(t["closed_form_step_s"])
+  assert t["no_overlap_step_s"] >= t["closed_form_step_s"] >= t["compute_s"] > 0
+  assert d["num_devices"] == 2 and d["global_batch"] == 16
