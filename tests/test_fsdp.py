@@ -181,3 +181,18 @@ def test_fsdp_validate_quick_end_to_end(tmp_path):
   assert t["measured_step_s"] > 0 and t["engine_step_s"] == pytest.approx(t["closed_form_step_s"])
   assert t["no_overlap_step_s"] >= t["closed_form_step_s"] >= t["compute_s"] > 0
   assert d["num_devices"] == 2 and d["global_batch"] == 16
+
+
+def test_fsdp_compare_quick_rows_beside_hetpipe(tmp_path):
+  """experiments/paper/fsdp_compare.py (REPRODUCTION.md's fsdp section), quick mode: HetPipe's best allocation
+  first, then every other method and both fsdp variants, each with its bottleneck; predictions, not calibration."""
+  import json
+  from experiments.paper import fsdp_compare
+  d = json.loads(open(fsdp_compare.run(str(tmp_path), True), encoding="utf-8").read())
+  rows = d["rows"]
+  assert [r["method"] for r in rows] == ["hetpipe", "pipedream", "gpipe", "1f1b_flush", "horovod", "fsdp", "fsdp"]
+  het = [r for r in rows if r["method"] == "hetpipe"][0]
+  assert het["rate"] > 0 and all(r["bottleneck"] for r in rows)
+  assert all(r["rate"] > 0 and r["gpus"] == 16 for r in rows if r["method"] == "fsdp")
+  assert d["claims"] and not any(c["calibrated"] for c in d["claims"])
+  assert "| fsdp | shards by memory, batch by speed" in d["markdown"] and d["quick"]
