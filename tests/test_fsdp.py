@@ -94,30 +94,69 @@ def test_engine_step_equals_the_closed_form_on_a_homogeneous_cluster():
     assert report.total_minibatches_per_s / 4 == pytest.approx(1 / 27.09e-3)
 
 
-def _hetero_case():
-  # fast: 3 TFLOP/s but little memory; mid: 2 TFLOP/s; slow: 1 TFLOP/s with plenty of memory.
+def test_compare_row_rate_is_the_closed_form_with_different_gpus():
+  """The engine's fsdp row (lock-step replicas of different speeds) reads the closed form's rate, not the steady-state
+  window's (which cuts the fast replicas' completions and reads low over few steps)."""
+  cl = _cluster([("fast", "mid"), ("slow",)], {"fast": (3e12, 1e12), "mid": (2e12, 1e12), "slow": (1e12, 1e12)})
+  plan = fsdp_cost.plan_fsdp(cl, _profile(), "even")  # 4 examples each: the GPUs' computes differ 3x
+  row = compare.fsdp_row(plan, compare.CompareConfig(num_waves=16))
+  assert row.images_per_s == pytest.approx(12 / plan.step_s)
+
+
+def _hetero_case(params=(1e6, 2e6, 8e6)):
+  # fast: 3 TFLOP/s but little memory (5 examples' activations beside the gathered layers); mid: 2 TFLOP/s; slow:
+  # 1 TFLOP/s with plenty of memory.
   act = 141_000 / 4  # one example's activations (stash 120,000 + workspace 21,000 over batch 4)
-  types = {"fast": (3e12, 24e6 + 5 * act + 1), "mid": (2e12, 60e6), "slow": (1e12, 80e6)}
+  types = {"fast": (3e12, 3 * max(params) + 5 * act + 1), "mid": (2e12, 60e6), "slow": (1e12, 80e6)}
   return _cluster([("fast", "mid"), ("slow",)], types), act
 
 
-def test_hetero_examples_by_speed_against_brute_force():
-  cl, act = _hetero_case()
-  plan = fsdp_cost.plan_fsdp(cl, _profile(), "hetero")
+def test_split_examples_against_brute_force():
+  tau = [1.5e-3, 2.25e-3, 4.5e-3]
+  for total, caps in ((12, [5, 10**9, 10**9]), (12, [10**9] * 3), (7, [1, 2, 10]), (9, [0, 4, 9])):
+    got = fsdp_cost.split_examples(tau, total, caps)
+    best = min(max(b * t for b, t in zip(split, tau))
+               for split in itertools.product(range(total + 1), repeat=3) if sum(split) == total
+               and all(b <= c for b, c in zip(split, caps)))
+    assert sum(got) == total and all(b <= c for b, c in zip(got, caps))
+    assert max(b * t for b, t in zip(got, tau)) == pytest.approx(best)
+  assert fsdp_cost.split_examples(tau, 12, [10**9] * 3) == [6, 4, 2]  # faster GPUs get more examples
+  with pytest.raises(fsdp_cost.FsdpInfeasibleError, match="holds the activations of 3 examples"):
+    fsdp_cost.split_examples(tau, 4, [1, 1, 1])
+
+
+def test_hetero_examples_by_speed_within_memory():
+  """Cheap collectives (small layers): the plan gives each GPU examples by speed within its memory (the fast GPU's
+  5), the brute-force optimum of the slowest GPU's compute."""
+  params = (1e5, 2e5, 8e5)
+  cl, _ = _hetero_case(params)
+  plan = fsdp_cost.plan_fsdp(cl, _profile(params), "hetero")
   tau = [t * 18e-3 / 4 for t in (1 / 3, 1 / 2, 1.0)]  # seconds per example: 18 ms per batch of 4 at 1 TFLOP/s
-  caps = [5, 10**9, 10**9]  # the fast GPU's memory holds 5 examples' activations beside the gathered layers
   best = min(max(b * t for b, t in zip(split, tau))
-             for split in itertools.product(range(13), repeat=3) if sum(split) == 12
-             and all(b <= c for b, c in zip(split, caps)))
-  got = plan.examples
-  assert sum(got) == 12 and got[0] <= 5
-  assert max(b * t for b, t in zip(got, tau)) == pytest.approx(best)
-  assert got[0] >= got[2] and got[1] >= got[2]  # faster GPUs get more examples
+             for split in itertools.product(range(13), repeat=3) if sum(split) == 12 and split[0] <= 5)
+  assert sum(plan.examples) == 12 and plan.examples[0] == 5
   assert max(plan.compute_s) == pytest.approx(best)
+  assert plan.examples[0] >= plan.examples[2] and plan.examples[1] >= plan.examples[2]
   # Without the memory cap the split follows speed alone: 6 / 4 / 2.
   roomy = _cluster([("fast", "mid"), ("slow",)], {"fast": (3e12, 1e12), "mid": (2e12, 1e12), "slow": (1e12, 1e12)})
-  assert fsdp_cost.plan_fsdp(roomy, _profile(), "hetero").examples == (6, 4, 2)
-  del act
+  assert fsdp_cost.plan_fsdp(roomy, _profile(params), "hetero").examples == (6, 4, 2)
+
+
+def test_hetero_keeps_the_faster_of_its_two_memory_caps():
+  """Collective-bound layer (8 MB at 1 GB/s, padded to 3 x the largest shard): the fast GPU's 5 examples (memory left
+  after the gathered layers) save compute that the collectives hide, and leave it a slightly smaller shard than
+  reserving an even shard's memory (no examples for it) does; the plan keeps the shorter step of the two."""
+  cl, act = _hetero_case()
+  plan = fsdp_cost.plan_fsdp(cl, _profile(), "hetero")
+  assert plan.examples == (0, 8, 4)
+  state, gathered = 44e6, 24e6
+  caps = [int((c - gathered) // act) for c in plan.capacity_bytes]
+  examples = fsdp_cost.split_examples([1.5e-3, 2.25e-3, 4.5e-3], 12, caps)
+  shards = fsdp_cost.memory_shards(state, [gathered + b * act for b in examples], plan.capacity_bytes)
+  other = fsdp_cost._plan(cl, _profile(), "hetero", False, plan.gpus,
+                          fsdp_cost.per_example_layer_ms(_profile(), cl, fsdp_cost.cost_model.CostModelConfig()),
+                          plan.capacity_bytes, examples, shards)
+  assert examples[0] == 5 and max(shards) > 0.49 and plan.step_s < other.step_s
 
 
 def test_hetero_shards_by_memory_against_a_grid():
@@ -140,11 +179,13 @@ def test_hetero_shards_by_memory_against_a_grid():
 
 
 def test_uneven_shards_pad_the_collectives():
-  cl, _ = _hetero_case()
-  plan = fsdp_cost.plan_fsdp(cl, _profile(), "hetero")
+  params = (1e5, 2e5, 8e5)
+  cl, _ = _hetero_case(params)
+  plan = fsdp_cost.plan_fsdp(cl, _profile(params), "hetero")
+  assert max(plan.shards) > 0.49  # the fast GPU holds (almost) no shard: the others about half each
   n, fmax = 3, max(plan.shards)
-  assert plan.bytes_sent_per_gpu == pytest.approx(3 * (n - 1) / n * n * fmax * 11e6)
-  assert plan.allgather_s[2] == pytest.approx((n - 1) / n * n * fmax * 8e6 / GB + (n - 1) * 1e-5)
+  assert plan.bytes_sent_per_gpu == pytest.approx(3 * (n - 1) / n * n * fmax * 11e5)
+  assert plan.allgather_s[2] == pytest.approx((n - 1) / n * n * fmax * 8e5 / GB + (n - 1) * 1e-5)
 
 
 def test_compare_lists_both_fsdp_variants():

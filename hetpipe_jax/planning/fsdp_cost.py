@@ -40,12 +40,15 @@ Variants (``VARIANTS``):
 * ``hetero`` (Cephalo, Guo et al., arXiv 2411.01075: compute from speed, training state from memory, decoupled):
   ``b_g`` minimises the slowest GPU's compute ``max_g b_g tau_g`` (``tau_g``: g's compute per example) subject to
   ``sum_g b_g = B`` and g's activations fitting its memory (greedy, one example at a time to the GPU that would
-  finish it first: optimal for a min-max of linear costs); then the shards follow memory: ``f_g`` minimises the
+  finish it first: optimal for a min-max of linear costs) within each GPU's memory; then the shards follow
+  memory: ``f_g`` minimises the
   largest shard subject to every GPU holding its own (``f_g S + fixed_g <= cap_g``, ``S = 2 P + O``, ``fixed_g``
   the rest of g's memory; water-filling). So a GPU whose free memory cannot hold an even share gets what it holds
   and the others share the rest evenly. Not shards proportional to capacity: with collectives padded to the largest
   shard, those would cost ``N max_g f_g`` times the even shards' communication (1.92x on HetPipe's cluster) for
-  memory that is not needed; the smallest largest shard is the cheapest sharding that fits.
+  memory that is not needed; the smallest largest shard is the cheapest sharding that fits. The examples' memory cap
+  is tried two ways, the memory left after the gathered layers and that left after an even shard too (no padding, a
+  small-memory fast GPU gets fewer examples); the plan with the shorter step is kept.
 """
 
 from __future__ import annotations
@@ -246,20 +249,36 @@ def plan_fsdp(cluster: ClusterSpec, profile: ModelProfile, variant: str = "even"
   cap = [float(cluster.gpu_types[g.gpu_type].memory_bytes - cluster.gpu_types[g.gpu_type].reserved_bytes)
          for g in gpus]
   act, state, gathered = activation_bytes_per_example(profile, remat), state_bytes(profile), gathered_bytes(profile)
+  name = f"fsdp {variant}{' remat' if remat else ''}"
   if variant == "even":
-    examples, shards = [batch] * n, [1.0 / n] * n
-  else:
-    tau = [float(per_ex[g.gpu_type][0].sum() + per_ex[g.gpu_type][1].sum()) for g in gpus]
-    caps = [int(max(0.0, c - gathered) // act) if act > 0 else n * batch for c in cap]
+    return _plan(cluster, profile, variant, remat, gpus, per_ex, cap, [batch] * n, [1.0 / n] * n)
+  tau = [float(per_ex[g.gpu_type][0].sum() + per_ex[g.gpu_type][1].sum()) for g in gpus]
+  # Two memory caps on the examples: the memory left after the gathered layers (the shards then follow memory and may
+  # be uneven, padding the collectives), and the memory left after an even shard as well (no padding); the faster.
+  candidates, errors = [], []
+  for reserved in (0.0, state / n):
+    caps = [int(max(0.0, c - gathered - reserved) // act) if act > 0 else n * batch for c in cap]
     try:
       examples = split_examples(tau, n * batch, caps)
-    except FsdpInfeasibleError as e:
-      raise FsdpInfeasibleError(f"fsdp {variant}{' remat' if remat else ''} does not fit: {e} (activations of "
-                                f"{act / 2**30:.2f} GiB per example)") from None
-    try:
       shards = memory_shards(state, [gathered + b * act for b in examples], cap)
+      candidates.append(_plan(cluster, profile, variant, remat, gpus, per_ex, cap, examples, shards))
     except FsdpInfeasibleError as e:
-      raise FsdpInfeasibleError(f"fsdp {variant}{' remat' if remat else ''} does not fit: {e}") from None
+      errors.append(str(e))
+  if not candidates:
+    raise FsdpInfeasibleError(f"{name} does not fit: {errors[0]} (activations of {act / 2**30:.2f} GiB per example)")
+  return min(candidates, key=lambda p: p.step_s)
+
+
+def _plan(cluster: ClusterSpec, profile: ModelProfile, variant: str, remat: bool, gpus: tuple[Gpu, ...],
+          per_ex: dict[str, tuple[np.ndarray, np.ndarray]], cap: Sequence[float], examples: Sequence[int],
+          shards: Sequence[float]) -> FsdpPlan:
+  """The costs of one split (module docstring).
+
+  Raises:
+    FsdpInfeasibleError: a GPU's memory does not hold its shard, gathered layers and activations.
+  """
+  n, batch = len(gpus), profile.batch_size
+  act, state, gathered = activation_bytes_per_example(profile, remat), state_bytes(profile), gathered_bytes(profile)
   memory = [f * state + gathered + b * act for f, b in zip(shards, examples)]
   for g, m, c, b in zip(gpus, memory, cap, examples):
     if m > c * (1 + 1e-9):

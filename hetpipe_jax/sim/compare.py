@@ -240,15 +240,27 @@ def fsdp_bottleneck(report: engine.EngineReport, plan: fsdp_cost.FsdpPlan) -> st
   return f"{label} ({100 * shares[label]:.0f}%)"
 
 
+def lockstep_steps_per_s(report: engine.EngineReport) -> float:
+  """Steps/s of a lock-step run of one-micro-batch steps (fsdp): the slowest replica's step ends are one step apart,
+  so ``(steps - 1) / (its last step end - its first)``. The engine's steady-state window (``steady_rates``) cuts the
+  fast replicas' completions after the slow one's last and reads about one step in n low when the replicas differ
+  (WORKSPACE.md), which a few steps of very different GPUs (fsdp's examples by speed) would show."""
+  steps = report.vws[0].num_minibatches
+  span = max(v.last_completion_s for v in report.vws) - max(v.first_wave_end_s for v in report.vws)
+  if steps < 2 or span <= 0:
+    return report.total_minibatches_per_s / len(report.vws)
+  return (steps - 1) / span
+
+
 def fsdp_row(plan: fsdp_cost.FsdpPlan, config: CompareConfig) -> Row:
   """Runs an fsdp configuration in the engine (method ``fsdp``, M = 1, ``task_times.fsdp_task_times``); its row.
-  Rate: the engine's steps/s times the step's examples."""
+  Rate: the engine's steps/s times the step's examples, steps/s from :func:`lockstep_steps_per_s`."""
   t0 = time.perf_counter()
   times = task_times_lib.fsdp_task_times(plan)
   cfg = engine.EngineConfig(num_waves=max(4, config.num_waves // 4), num_inflight=1, records=False, method="fsdp",
                             shared_nic=config.shared_nic)
   report = engine.run(times, cfg, gpu_ids=[[g.gpu_id] for g in plan.gpus])
-  steps_per_s = report.total_minibatches_per_s / len(plan.gpus)
+  steps_per_s = lockstep_steps_per_s(report)
   label = fsdp_cost.VARIANT_LABELS[plan.variant] + (" + remat" if plan.remat else "")
   return Row("fsdp", label, "", len(plan.gpus), len(plan.gpus), 1,
              steps_per_s * plan.global_batch, fsdp_bottleneck(report, plan), True, plan.memory_use,
