@@ -50,7 +50,7 @@ def _label(r) -> str:
 def run(results_dir: str, quick: bool) -> str:
   t0 = time.perf_counter()
   base_cal = None
-  sections, claims, payload_rows = [], [], []
+  sections, claims, payload_rows, cells = [], [], [], []
   for cluster_name, num_vws in CLUSTERS:
     if quick and cluster_name not in QUICK_CLUSTERS:
       continue
@@ -84,6 +84,7 @@ def run(results_dir: str, quick: bool) -> str:
       sections.append("\n".join(lines))
       fastest = max(rows, key=lambda r: r.images_per_s)
       fsdp = max((r for r in rows if r.method == "fsdp"), key=lambda r: r.images_per_s)
+      cells.append((f"{name} on {cluster_name}", fastest.method, fsdp.images_per_s / het if het > 0 else float("inf")))
       claims.append(common.claim(
           f"{name} on {cluster_name}: fastest method, and fsdp against HetPipe's best allocation", "-",
           f"{_label(fastest)} {fastest.images_per_s:.1f} {unit}/s; HetPipe {rows[0].allocation}"
@@ -91,10 +92,15 @@ def run(results_dir: str, quick: bool) -> str:
           f"{fsdp.images_per_s:.1f}", f"fsdp / HetPipe = {fsdp.images_per_s / het:.2f}x" if het > 0 else "-",
           f"HetPipe bottleneck: {rows[0].bottleneck}; fsdp: {fsdp.bottleneck}", common.command("fsdp_compare"),
           False))
+  wins = [c for c, m, _ in cells if m == "hetpipe"]
+  summary = (f"HetPipe's best allocation is the fastest method in {len(wins)} of {len(cells)} cells"
+             f"{' (' + ', '.join(wins) + ')' if wins else ''}; the faster fsdp variant over HetPipe: "
+             + ", ".join(f"{c} {r:.2f}x" for c, _, r in cells) + ". fsdp rows marked `+ remat` checkpoint "
+             "activations (the pipelined methods here do not: `compare --remat` gives GPipe / 1F1B-flush theirs).")
   markdown = "\n\n".join(
       ["fsdp (ZeRO-3 / FSDP) beside HetPipe's best allocation and the other methods: predicted by the event engine "
        "(calibrated efficiencies, D = 0, shared NICs); fsdp's notes (`python -m hetpipe_jax.compare ... --all`) give "
-       "its no-overlap bound and per-GPU split"] + sections)
+       "its no-overlap bound and per-GPU split", summary] + sections)
   plt = common.pyplot()
   fig, ax = plt.subplots(figsize=(9, 0.3 * len(payload_rows) + 1.5))
   labels = [f"{p['cluster'].replace('hetpipe_paper', 'paper')} {p['model']} {p['method']}" for p in payload_rows]
