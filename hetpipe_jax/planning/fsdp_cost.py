@@ -12,6 +12,8 @@ bytes), as ZeRO-3 (Rajbhandari et al., SC'20, §5.3) and FSDP do:
   receives the sum over GPUs of its own shard);
 * the optimizer step on the local shard (memory-bound and small; not timed, as no method's optimizer step is).
 
+The collectives are per layer of the profile (FSDP's wrapping unit: a transformer block, a ResNet bottleneck).
+
 Collectives: the ring rule of :mod:`hetpipe_jax.planning.allreduce_cost`, once. An all-gather or a reduce-scatter of
 P bytes among N GPUs is half a ring all-reduce of P: ``(N-1)/N x P / bandwidth + (N-1) x latency``
 (``allreduce_cost.ring_groups_time_s``, halved; the group is every GPU, a ring over the inter-node link when it spans
@@ -40,8 +42,7 @@ Variants (``VARIANTS``):
 * ``hetero`` (Cephalo, Guo et al., arXiv 2411.01075: compute from speed, training state from memory, decoupled):
   ``b_g`` minimises the slowest GPU's compute ``max_g b_g tau_g`` (``tau_g``: g's compute per example) subject to
   ``sum_g b_g = B`` and g's activations fitting its memory (greedy, one example at a time to the GPU that would
-  finish it first: optimal for a min-max of linear costs) within each GPU's memory; then the shards follow
-  memory: ``f_g`` minimises the
+  finish it first: optimal for a min-max of linear costs); then the shards follow memory: ``f_g`` minimises the
   largest shard subject to every GPU holding its own (``f_g S + fixed_g <= cap_g``, ``S = 2 P + O``, ``fixed_g``
   the rest of g's memory; water-filling). So a GPU whose free memory cannot hold an even share gets what it holds
   and the others share the rest evenly. Not shards proportional to capacity: with collectives padded to the largest
