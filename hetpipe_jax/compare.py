@@ -26,7 +26,7 @@ from hetpipe_jax.sim import compare as compare_lib
 
 _CLUSTER = flags.DEFINE_string("cluster", "hetpipe_paper", "Cluster name (experiments/clusters/<name>.json) or path.")
 _MODEL = flags.DEFINE_string("model", "vgg19_imagenet", "Registered model name (a saved profile, or one is made).")
-_BATCH = flags.DEFINE_integer("batch_size", 32, "Examples per minibatch (per VW; per GPU for Horovod).")
+_BATCH = flags.DEFINE_integer("batch_size", 32, "Examples per minibatch (per VW; per GPU for Horovod and fsdp).")
 _NUM_VWS = flags.DEFINE_integer("num_vws", 4, "Virtual workers for the pipelined methods.")
 _D = flags.DEFINE_integer("staleness_bound", 0, "WSP staleness bound D for hetpipe and pipedream.")
 _PULL = flags.DEFINE_bool("pull_every_wave", False, "WSP pull policy (False: HetPipe §5's).")

@@ -39,6 +39,8 @@ last VW enters, the reduction takes ``max_v VWTaskTimes.allreduce_s`` and then e
 Hooks of the all-reduce methods: ``on_wave_end(vw_id, step, t)`` when a VW enters a step's all-reduce (its
 gradients are final), ``on_allreduce(step, t)`` when the last VW enters it, ``on_reduced(vw_id, step, t)`` when the
 reduced update is applied on a VW (then its injections and task starts follow, as after a pull reply).
+``fsdp`` runs as ``horovod`` does, one one-GPU VW per GPU in lock-step, its task times and "all-reduce" (the
+collectives' exposed time) from :func:`hetpipe_jax.sim.task_times.fsdp_task_times`.
 
 Shared network interfaces (``shared_nic``, on by default for every method; :mod:`hetpipe_jax.rules.network`): each
 node's NIC carries its inter-node traffic one transfer at a time per direction, in request order. A task whose
