@@ -4,8 +4,9 @@ r"""Which method, and which allocation, for my cluster? Every method planned and
       --output=/tmp/compare
 
 Prints one Markdown table (HetPipe NP/ED/HD/auto x default/local PS placement, PipeDream, GPipe and 1F1B-flush with
-all-reduce across VWs, Horovod, and fsdp (ZeRO-3) with even shards and with shards by memory and examples by speed): GPUs used, Nm or M, predicted images/s from the engine, the bottleneck, memory
-feasibility and the bytes crossing nodes per step; writes ``<output>.json`` (every candidate) and ``<output>.png``
+all-reduce across VWs, Horovod, and fsdp (ZeRO-3) with even shards and with shards by memory and examples by
+speed): GPUs used, Nm or M, predicted images/s from the engine, the bottleneck, memory feasibility and the bytes
+crossing nodes per step; writes ``<output>.json`` (every candidate) and ``<output>.png``
 (a bar chart). ``--smoke``: a seconds-long run on ``local_cpu`` (CI). ``--num_inflight_by_engine``: HetPipe's Nm is
 the engine's fastest under ``--staleness_bound`` (every Nm up to the smallest Max_m), as HetPipe §8.3 sets it, instead
 of the planner's closed form; ``--cluster`` also takes a file, e.g. the calibrated paper cluster that

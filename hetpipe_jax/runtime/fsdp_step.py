@@ -10,8 +10,8 @@ the all-gathers of the parameters where the forward and backward need them and t
 gradients, the collectives the cost model (:mod:`hetpipe_jax.planning.fsdp_cost`) counts.
 
 Numerics: the step is one optimizer step on the mean gradient of the global batch, so a plain one-device optax loop
-on the same batches (the replay oracle of ``experiments/fsdp_validate.py``, written apart) gives the same weights up to float
-reassociation. Only even shards and batches (the ``even`` variant): ``jax.sharding`` splits an axis evenly.
+on the same batches (the replay oracle of ``experiments/fsdp_validate.py``, written apart) gives the same weights up
+to float reassociation. Only even shards and batches (the ``even`` variant): ``jax.sharding`` splits an axis evenly.
 """
 
 from __future__ import annotations
