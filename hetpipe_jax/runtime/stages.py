@@ -55,9 +55,21 @@ class Stage:
   add: Any = None
   ravel: Any = None
   apply_mean: Any = None
+  unravel: Any = None
   sq_norm: Any = None
   grad_clip_norm: float = 0.0
   trace_counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+def unravel_like(flat: jax.Array, like: Any) -> Any:
+  """The inverse of a stage's ``ravel``: float32 ``[n]`` (leaves in ``jax.tree`` order) → a tree of ``like``'s
+  structure, shapes and dtypes. Traced inside the stages' jitted functions."""
+  leaves, treedef = jax.tree.flatten(like)
+  out, pos = [], 0
+  for leaf in leaves:
+    out.append(flat[pos:pos + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
+    pos += leaf.size
+  return jax.tree.unflatten(treedef, out)
 
 
 def build_stages(spec: ModelSpec, partition: Sequence[Sequence[int]], devices: Sequence[jax.Device],
@@ -167,14 +179,14 @@ def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformat
     summed over ``count`` micro-batches); returns ``(new_params, new_opt_state)``. The flush methods' step; ``norm``
     is the mean gradient's global norm over the whole model (read only when clipping is on)."""
     counts["apply_mean"] += 1
-    mean = flat_sum / count
-    leaves, treedef = jax.tree.flatten(params)
-    grads, pos = [], 0
-    for leaf in leaves:
-      grads.append(mean[pos:pos + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
-      pos += leaf.size
-    delta, opt_state = optimizer.update(clipped(jax.tree.unflatten(treedef, grads), norm), opt_state, params)
+    delta, opt_state = optimizer.update(clipped(unravel_like(flat_sum / count, params), norm), opt_state, params)
     return optax.apply_updates(params, delta), opt_state
+
+  def unravel(flat, like):
+    """float32 ``[n]`` in :func:`ravel`'s order → a tree shaped like ``like`` (its values are not read): pulled
+    weights placed on the device as one buffer and cut up there, instead of one transfer per leaf."""
+    counts["unravel"] += 1
+    return unravel_like(flat, like)
 
   def sq_norm(grads):
     """The squared norm of this stage's part of a gradient (float32 scalar; :func:`grad_clip.stage_sq_norm`)."""
@@ -188,4 +200,5 @@ def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformat
   st.add = jax.jit(add)
   st.ravel = jax.jit(ravel)
   st.apply_mean = jax.jit(apply_mean)
+  st.unravel = jax.jit(unravel)
   st.sq_norm = jax.jit(sq_norm)
