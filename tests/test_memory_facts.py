@@ -13,6 +13,7 @@ from jax._src.ad_checkpoint import saved_residuals  # what profiler.stash_bytes 
 from experiments.paper import calibration
 from experiments.paper import common
 from hetpipe_jax.models import imagenet
+from hetpipe_jax.models import load_model
 from hetpipe_jax.models import layers as layers_lib
 from hetpipe_jax.planning import cost_model
 from hetpipe_jax.runtime import profiler
@@ -124,3 +125,19 @@ def test_bottleneck_keeps_what_fused_batch_norm_keeps(strides, in_channels):
   fn = lambda params, a: block.apply({"params": params}, a)
   per_position = in_channels + (f + f + 4 * f) + (f + f) + (0 if in_channels == 4 * f else 4 * f)
   assert profiler.stash_bytes(fn, params, x) == b * h * w * per_position * 4
+
+
+@pytest.mark.parametrize("model", ["vgg19_imagenet", "resnet152_imagenet"])
+def test_saved_paper_profiles_hold_what_the_models_keep(model):
+  # The facts above read the saved profiles: their stash, parameter and activation bytes must be the models' own
+  # (traced afresh, no compilation), so a change to a model's layers cannot leave them stale.
+  saved = common.load_profile(model)
+  spec = load_model(model)
+  x = jax.ShapeDtypeStruct((saved.batch_size,) + tuple(spec.input_shape), spec.input_dtype)
+  for layer, prof in zip(spec.layers, saved.layers, strict=True):
+    params = jax.eval_shape(layer.init, jax.random.key(0), x).get("params", {})
+    fn = lambda params, a, layer=layer: layer.apply({"params": params}, a)
+    y = jax.eval_shape(fn, params, x)
+    assert (profiler.stash_bytes(fn, params, x), profiler.tree_bytes(params), profiler.tree_bytes(y)) == (
+        prof.stash_bytes, prof.param_bytes, prof.output_activation_bytes), prof.name
+    x = y

@@ -14,12 +14,12 @@ from hetpipe_jax.runtime import xla_memory
 
 def test_stage_memory_reads_the_stage_programs():
   spec = load_model("mlp_tiny")
-  first = xla_memory.stage_memory(spec, (0, 2), 8, is_last=False)
-  last = xla_memory.stage_memory(spec, (2, 4), 8, is_last=True)
+  first = xla_memory.stage_memory(spec, (0, 2), 512, is_last=False)  # activations outweigh the weights
+  last = xla_memory.stage_memory(spec, (2, 4), 512, is_last=True)
   assert set(first.programs) == {"forward", "backward", "update"}
   assert set(last.programs) == {"forward_backward", "update"}
   # The forward's outputs are what jax returns: the activation and the VJP closure's leaves (the residuals).
-  x = jax.ShapeDtypeStruct((8,) + tuple(spec.input_shape), spec.input_dtype)
+  x = jax.ShapeDtypeStruct((512,) + tuple(spec.input_shape), spec.input_dtype)
   params = [jax.eval_shape(spec.layers[0].init, jax.random.key(0), x).get("params", {})]
   x1 = jax.eval_shape(lambda p, a: spec.layers[0].apply({"params": p}, a), params[0], x)
   params.append(jax.eval_shape(spec.layers[1].init, jax.random.key(0), x1).get("params", {}))
@@ -32,6 +32,7 @@ def test_stage_memory_reads_the_stage_programs():
   assert first.peak_bytes == max(first.programs["forward"].total_bytes + resident,
                                  first.programs["backward"].total_bytes + resident,
                                  first.programs["update"].total_bytes)
+  assert first.peak_bytes > first.programs["update"].total_bytes  # set by the forward or backward here
   with pytest.raises(ValueError, match="layer_range"):
     xla_memory.stage_memory(spec, (2, 2), 8, is_last=True)
   with pytest.raises(ValueError, match="optimizer"):
