@@ -79,8 +79,11 @@ _UPDATES = (
     "            vw.complete_minibatch(mb, c.end_s)\n"
     "            num_finished += 1\n"
     "            wave, pull = vw.sync.on_minibatch_complete(p)\n"
-    "            if wave is not None and vw.end_wave(wave):\n"
-    "              vw.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied\n"
+    "            if wave is not None:\n"
+    "              t_wave = time.perf_counter()\n"
+    "              if vw.end_wave(wave):\n"
+    "                vw.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied\n"
+    "              stats.push_s += time.perf_counter() - t_wave\n"
     "            if pull is not None:\n"
     "              vw.ps.request_pull(pull)\n"
     "          stats.update_s += time.perf_counter() - t\n")
@@ -685,8 +688,8 @@ MUTATIONS = (
              ("tests/test_methods_runtime.py::test_pipedream_with_two_vws_and_pulls_equals_an_event_order_replay",),
              "with vertical sync, a pull rebases each stage's latest weights but not its kept older versions"),
     Mutation("pipedream_pull_rebases_stage_zero_only", "hetpipe_jax/runtime/pipedream_updates.py",
-             "    for s, st in enumerate(self.stages):\n      start, end = st.layer_range\n",
-             "    for s, st in enumerate(self.stages[:1]):\n      start, end = st.layer_range\n",
+             "    for s, st in enumerate(self.stages):\n      p = self._stage_params_of(s, flat)\n",
+             "    for s, st in enumerate(self.stages[:1]):\n      p = self._stage_params_of(s, flat)\n",
              ("tests/test_methods_runtime.py::test_pipedream_with_two_vws_and_pulls_equals_an_event_order_replay",),
              "PipeDream's pull installs the pulled weights on stage 0 only"),
 
@@ -717,6 +720,45 @@ MUTATIONS = (
              "\"initial_weights_sha256\": weights_sha256(flat0[::-1]),",
              ("tests/test_replayable_runs.py::test_a_virtual_time_run_replays_from_its_outputs_alone",),
              "config.json's initial weights' hash is not the hash of the weights the run started from"),
+    # issue 28: the memory model against the paper's Horovod facts
+    Mutation("workspace_counts_no_freed_stash", "hetpipe_jax/planning/cost_model.py",
+             "    out[i, i + 1:] = np.maximum.accumulate(reach[i:]) - stash_prefix[i + 1:]",
+             "    out[i, i + 1:] = np.maximum.accumulate(ws[i:])",
+             ("tests/test_memory_facts.py::test_workspace_beyond_stash_matches_a_liveness_replay",
+              "tests/test_memory_facts.py::test_horovod_whole_model_fits_where_the_paper_ran_it",
+              "tests/test_cost_model.py::test_stage_memory_formula"),
+             "a layer's temporaries are added on top of the whole stash (none reuses the freed residuals)"),
+    Mutation("workspace_without_activation_gradients", "hetpipe_jax/planning/cost_model.py",
+             "          [l.workspace_bytes + b + l.output_activation_bytes for l, b in zip(layers, bbytes)], stash),",
+             "          [l.workspace_bytes for l, b in zip(layers, bbytes)], stash),",
+             ("tests/test_cost_model.py::test_stage_memory_formula",),
+             "the backward's activation gradients (received and produced by a layer) are not counted"),
+    Mutation("xla_stage_peak_without_resident_state", "hetpipe_jax/runtime/xla_memory.py",
+             "  peak = max(pm.total_bytes + (0 if name == \"update\" else resident) for name, pm in programs.items())",
+             "  peak = max(pm.total_bytes for name, pm in programs.items())",
+             ("tests/test_xla_memory.py::test_stage_memory_reads_the_stage_programs",),
+             "XLA's stage peak leaves out the optimizer state and accumulator outside the forward/backward's arguments"),
+    Mutation("profiler_records_no_xla_temp", "hetpipe_jax/runtime/profiler.py",
+             "          workspace_bytes=max(_temp_bytes(fwd_c), _temp_bytes(bwd_c)))",
+             "          workspace_bytes=0)",
+             ("tests/test_xla_memory.py::test_cost_model_within_20_percent_of_xla_on_two_stages",),
+             "the profiler records no XLA temporaries: the cost model falls below XLA's own accounting"),
+    Mutation("relu_keeps_a_float_mask", "hetpipe_jax/models/layers.py",
+             "  return jnp.maximum(x, 0), x > 0",
+             "  return jnp.maximum(x, 0), (x > 0).astype(x.dtype)",
+             ("tests/test_memory_facts.py::test_relu_keeps_only_a_mask_and_matches_flax_relu",),
+             "the ReLU keeps a full-size float32 mask for its backward instead of a 1-byte one"),
+    Mutation("bottleneck_tail_not_rematerialised", "hetpipe_jax/models/imagenet.py",
+             "    return nn.remat(NormAddReLU)(project)(y, x)",
+             "    return NormAddReLU(project)(y, x)",
+             ("tests/test_memory_facts.py::test_bottleneck_keeps_what_fused_batch_norm_keeps",),
+             "the bottleneck's last GroupNorm + add + ReLU keeps autodiff's residuals, not only its inputs"),
+    Mutation("conv_relu_keeps_flax_zeros", "hetpipe_jax/models/layers.py",
+             "    return relu(nn.Conv(self.features, self.kernel_size, self.strides, padding=\"SAME\")(x))",
+             "    return nn.relu(nn.Conv(self.features, self.kernel_size, self.strides, padding=\"SAME\")(x))",
+             ("tests/test_memory_facts.py::test_saved_paper_profiles_hold_what_the_models_keep",),
+             "VGG-19's conv layers use flax's relu again (its backward keeps a float32 zeros array): the saved "
+             "profiles no longer hold what the model keeps"),
 )
 
 
