@@ -499,6 +499,7 @@ def step_memory_stage(cpu: bool, out: pathlib.Path, work: pathlib.Path, s: int) 
   params = jax.device_put(models.init_layer_params(spec, jax.random.key(0))[start:end], device)
   opt_state = jax.device_put(tx.init(params), device)
   wave_delta = jax.device_put(jax.tree.map(jnp.zeros_like, params), device)
+  no_clip = jax.device_put(np.float32(0), device)  # the global norm, read only when clipping is on (it is off)
   shapes = models.activation_shapes(spec, batch)
   rng = np.random.default_rng(s)
   seq = spec.input_shape[0]
@@ -517,7 +518,7 @@ def step_memory_stage(cpu: bool, out: pathlib.Path, work: pathlib.Path, s: int) 
       loss, grads, gin = st.forward_backward(params, stage_input(), labels)
       jax.block_until_ready(gin)
       sample()
-      params, opt_state, wave_delta = st.update(params, opt_state, grads, wave_delta)
+      params, opt_state, wave_delta = st.update(params, opt_state, grads, wave_delta, no_clip)
       del loss, grads, gin
       jax.block_until_ready(params)
       sample()
@@ -531,7 +532,7 @@ def step_memory_stage(cpu: bool, out: pathlib.Path, work: pathlib.Path, s: int) 
       vjps.append(vjp)
       jax.block_until_ready(act)
       del act  # the next stage's input, counted there
-      new, opt_state, wave_delta = st.update(versions[-1], opt_state, zero, wave_delta)
+      new, opt_state, wave_delta = st.update(versions[-1], opt_state, zero, wave_delta, no_clip)
       versions.append(new)
       jax.block_until_ready(new)
       sample()
@@ -546,13 +547,16 @@ def step_memory_stage(cpu: bool, out: pathlib.Path, work: pathlib.Path, s: int) 
       vjps[k] = grads_in[k] = None
       jax.block_until_ready(grads)
       sample()
-      new, opt_state, wave_delta = st.update(versions[-1], opt_state, grads, wave_delta)
+      new, opt_state, wave_delta = st.update(versions[-1], opt_state, grads, wave_delta, no_clip)
       versions[k] = None
       versions.append(new)
       del grads, gin
       jax.block_until_ready(new)
       sample()
   temp_bytes = max(int(getattr(m, "temp_size_in_bytes", 0) or 0) for m in temps.values())
+  from hetpipe_jax.runtime import xla_memory
+  one_minibatch = xla_memory.stage_memory(spec, (start, end), batch, is_last=is_last, optimizer="adam",
+                                          device=device).peak_bytes
   stats = device.memory_stats() or {}
   if "peak_bytes_in_use" in stats:
     measured = int(stats["peak_bytes_in_use"]) - int(stats0.get("bytes_in_use", 0))
@@ -563,6 +567,7 @@ def step_memory_stage(cpu: bool, out: pathlib.Path, work: pathlib.Path, s: int) 
   return {"stage": s, "layers": [start, end], "is_last": is_last, "held": h, "model_bytes": model_bytes,
           "measured_bytes": measured, "measured_source": source, "ratio": measured / model_bytes,
           "live_arrays_peak_bytes": max(live), "compiled_temp_bytes": temp_bytes,
+          "xla_programs_one_minibatch_bytes": one_minibatch,
           "compiled": {k: {"argument": int(m.argument_size_in_bytes), "output": int(m.output_size_in_bytes),
                            "temp": int(m.temp_size_in_bytes), "alias": int(m.alias_size_in_bytes)}
                        for k, m in temps.items()},

@@ -112,7 +112,8 @@ def stage_memory(spec: ModelSpec, layer_range: tuple[int, int], batch_size: int,
     out, vjp = jax.eval_shape(st.forward, params, x_in)
     programs["forward"] = _program_memory(st.forward.lower(params, x_in).compile())
     programs["backward"] = _program_memory(st.backward.lower(vjp, out).compile())
-  programs["update"] = _program_memory(st.update.lower(params, opt_state, params, params).compile())
+  norm = jax.ShapeDtypeStruct((), jnp.float32)  # the minibatch's global gradient norm (read only when clipping)
+  programs["update"] = _program_memory(st.update.lower(params, opt_state, params, params, norm).compile())
   resident = opt_bytes + param_bytes  # optimizer state and the gradient accumulator outside fwd/bwd's arguments
   peak = max(pm.total_bytes + (0 if name == "update" else resident) for name, pm in programs.items())
   return StageMemory(programs=programs, param_bytes=param_bytes, optimizer_state_bytes=opt_bytes,
