@@ -103,7 +103,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   n, m = settings.num_virtual_workers, settings.num_inflight
   vw_id = rank
   devices = rank_setup.stage_devices(settings, vw_id, None, restricted)
-  optimizer = mpi_job.make_optimizer(config, steps)  # one optimizer step per training step
+  optimizer = mpi_job.make_optimizer(config, steps, spec)  # one optimizer step per training step
   stages = stages_lib.build_stages(spec, partitions[vw_id], devices, optimizer, remat=bool(config.remat))
   source = sharding.ShardedMinibatches(dataset, n, vw_id, config.batch_size, config.seed)
   micro = sharding.MicroBatches(source.get, m)

@@ -21,7 +21,7 @@ import os
 import pathlib
 from typing import Any, Iterable, Mapping, Sequence
 
-from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, config_to_json, format_partitions
+from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, config_to_json, format_partitions, optimizer_summary
 from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import records as records_lib
 from hetpipe_jax.sim.engine_report import json_safe
@@ -155,6 +155,7 @@ def settings_summary(settings: JobSettings, partitions: Sequence[Sequence[Sequen
                            **({"vertical_sync": bool(config.get("vertical_sync", False))}
                               if settings.method == "pipedream" else {})}),
       "model": settings.model,
+      "optimizer": optimizer_summary(config),
       "batch_size": config.batch_size,
       "num_virtual_workers": settings.num_virtual_workers,
       "num_stages": settings.num_stages,

@@ -105,7 +105,7 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
   for v, partition in enumerate(partitions):
     stage_devices = [devices[(next_device + s) % len(devices)] for s in range(len(partition))]
     next_device += len(partition)
-    optimizer = make_optimizer(config, num_mb)
+    optimizer = make_optimizer(config, num_mb, spec)
     stages = stages_lib.build_stages(spec, partition, stage_devices, optimizer)
     source = sharding.ShardedMinibatches(dataset, n, v, config.batch_size, config.seed)
     vw = VirtualWorker(v, stages, layout, layout.unflatten(server.weights), optimizer, nm, settings.staleness_bound,
@@ -291,7 +291,7 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
   for v, partition in enumerate(partitions):
     stage_devices = [devices[(next_device + s) % len(devices)] for s in range(len(partition))]
     next_device += len(partition)
-    optimizer = make_optimizer(config, steps)
+    optimizer = make_optimizer(config, steps, spec)
     stages = stages_lib.build_stages(spec, partition, stage_devices, optimizer, remat=bool(config.remat))
     source = sharding.ShardedMinibatches(dataset, n, v, config.batch_size, config.seed)
     micro = sharding.MicroBatches(source.get, m)

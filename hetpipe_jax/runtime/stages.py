@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from hetpipe_jax.models import ModelSpec, apply_layers
+from hetpipe_jax.runtime import optimizers
 from hetpipe_jax.rules.partition import validate_partition
 
 Params = Any  # list of per-layer params pytrees of one stage
@@ -56,14 +57,15 @@ class Stage:
 
 
 def build_stages(spec: ModelSpec, partition: Sequence[Sequence[int]], devices: Sequence[jax.Device],
-                 optimizer: optax.GradientTransformation, remat: bool = False) -> list[Stage]:
+                 optimizer: Any, remat: bool = False) -> list[Stage]:
   """Builds the stages of one VW.
 
   Args:
     spec: the model.
     partition: one ``[start, end)`` layer range per stage.
     devices: one device per stage (explicit placement).
-    optimizer: the optax transformation; each stage updates its own params with it.
+    optimizer: the optax transformation each stage updates its own params with, or a
+      :class:`hetpipe_jax.runtime.optimizers.PerStage` (each stage's from its layer range).
     (The last stage's loss is ``spec.objective``'s, :mod:`hetpipe_jax.runtime.objectives`.)
     remat: rematerialisation (``jax.checkpoint`` of each stage's layers): a forward keeps only its input, and the
       backward recomputes the activations (GPipe's memory saving; same numerics).
@@ -82,7 +84,7 @@ def build_stages(spec: ModelSpec, partition: Sequence[Sequence[int]], devices: S
   stages = []
   for s, (start, end) in enumerate(ranges):
     st = Stage(s, (start, end), devices[s], is_first=(s == 0), is_last=(s == len(ranges) - 1))
-    _jit_stage(st, spec.layers[start:end], optimizer, loss_fn, remat)
+    _jit_stage(st, spec.layers[start:end], optimizers.for_layers(optimizer, start, end), loss_fn, remat)
     stages.append(st)
   return stages
 
