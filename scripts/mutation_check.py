@@ -629,6 +629,11 @@ MUTATIONS = (
              ("tests/test_optimizers.py::test_muon_state_moves_to_another_partition_through_a_checkpoint",),
              "Muon's per-layer state (with optax MaskedNode parts) is split as shared scalars, so it cannot move "
              "to another partition"),
+    Mutation("opt_state_joined_by_structure", "hetpipe_jax/runtime/opt_state.py",
+             "        if _leaf_shapes(want) != _leaf_shapes(got):",
+             "        if jax.tree.structure(want) != jax.tree.structure(got):",
+             ("tests/test_optimizers.py::test_muon_state_moves_to_another_partition_through_a_checkpoint",),
+             "a checkpoint's Muon state (orbax restores a MaskedNode part as None) no longer loads"),
     Mutation("adam_b1_of_one_accepted", "hetpipe_jax/jobs/job_config.py",
              "    if not 0 <= value < 1:", "    if not 0 <= value <= 1:",
              ("tests/test_optimizers.py::test_bad_optimizer_settings_are_one_error_each",),
