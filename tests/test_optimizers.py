@@ -290,11 +290,14 @@ def test_muon_for_a_model_without_hidden_matrices_stops_before_any_output(tmp_pa
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("method,ranks,stages,m,optimizer", [
-    ("hetpipe", 2, 2, 1, "muon"),  # PS + 1 VW; a checkpoint every 2 waves carries Muon's state to the PS
-    ("gpipe", 1, 2, 2, "nadamw"),  # all-reduce job: one rank
+@pytest.mark.parametrize("method,ranks,stages,m,optimizer,extra", [
+    # PS + 1 VW; a checkpoint every 2 waves carries Muon's state to the PS
+    ("hetpipe", 2, 2, 1, "muon", {"checkpoint_every_waves": 2}),
+    # PS + the VW's driver (stage 0) + a stage rank (stage 1): each builds its own stage's transformation
+    ("hetpipe", 3, 2, 1, "muon", {"stage_ranks": True, "checkpoint_every_waves": 0}),
+    ("gpipe", 1, 2, 2, "nadamw", {"checkpoint_every_waves": 0}),  # all-reduce job: one rank
 ])
-def test_mpi_job_equals_whole_model_optax(tmp_path, synthetic_data_dir, method, ranks, stages, m, optimizer):
+def test_mpi_job_equals_whole_model_optax(tmp_path, synthetic_data_dir, method, ranks, stages, m, optimizer, extra):
   from tests.mpi_util import run_job
   steps, lr, batch = 6, 3e-3, 16
   settings = dict(CASES)[optimizer]
@@ -302,8 +305,7 @@ def test_mpi_job_equals_whole_model_optax(tmp_path, synthetic_data_dir, method, 
   proc = run_job(workdir, ranks, {"data_dir": synthetic_data_dir, "method": method, "num_virtual_workers": 1,
                                   "num_stages": stages, "num_inflight": m, "staleness_bound": 0,
                                   "num_minibatches": steps, "optimizer": optimizer, "learning_rate": lr,
-                                  "lr_schedule": "constant", "batch_size": batch,
-                                  "checkpoint_every_waves": 2 if method == "hetpipe" else 0, **settings})
+                                  "lr_schedule": "constant", "batch_size": batch, **extra, **settings})
   assert proc.returncode == 0, proc.stderr[-3000:]
   spec = models.get_model("mlp_tiny")
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
@@ -314,5 +316,7 @@ def test_mpi_job_equals_whole_model_optax(tmp_path, synthetic_data_dir, method, 
   assert_params_close(checkpoint.restore_weights(workdir / "checkpoint"), want, rtol=1e-5, atol=1e-7)
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["optimizer"]["name"] == optimizer and summary["optimizer"]["adam_b1"] == 0.99
-  if method == "hetpipe":  # Muon's state went through the MPI bytes and orbax at every checkpoint
+  if extra.get("stage_ranks"):
+    assert summary["stage_rank_of_stage"] == [[1, 2]]  # stage 1 really ran on its own rank
+  if extra["checkpoint_every_waves"]:  # Muon's state went through the MPI bytes and orbax at every checkpoint
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4", "6"]
