@@ -653,6 +653,10 @@ MUTATIONS = (
              ("tests/test_optimizers.py::test_muon_for_a_model_without_hidden_matrices_stops_before_any_output",),
              "muon for a model without hidden matrices fails only when the optimizer is built, after config.json "
              "(and, under MPI, after the barrier: PS shard ranks would wait forever)"),
+    Mutation("summary_omits_muon_params", "hetpipe_jax/jobs/outputs.py",
+             '    optimizer["muon_params"] = optimizers.muon_leaf_names(shapes)', "    pass",
+             ("tests/test_optimizers.py::test_every_method_in_virtual_time_equals_whole_model_optax",),
+             "summary.json does not say which leaves Muon orthogonalized"),
     Mutation("summary_drops_optimizer_settings", "hetpipe_jax/jobs/job_config.py",
              "          if config.optimizer in users}", "          if False}",
              ("tests/test_optimizers.py::test_every_method_in_virtual_time_equals_whole_model_optax",),

@@ -242,6 +242,8 @@ def test_every_method_in_virtual_time_equals_whole_model_optax(tmp_path, synthet
   recorded.update({k: v for k, v in (("weight_decay", settings.get("weight_decay", 0.0)),
                                      ("muon_beta", settings.get("muon_beta", 0.95)))
                    if optimizer in {"weight_decay": ("nadamw", "muon"), "muon_beta": ("muon",)}[k]})
+  if optimizer == "muon":
+    assert summary["optimizer"].pop("muon_params") == HAND_MUON["mlp_tiny"]
   assert summary["optimizer"] == recorded
   assert {k: config_json["optimizer" if k == "name" else k] for k in recorded} == recorded
 

@@ -202,7 +202,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
       "wall_time_s": wall,
       "minibatches_per_s": total_mb / wall,
       "images_per_s": total_mb * config.batch_size / wall,
-      **settings_summary(settings, partitions, config),
+      **settings_summary(settings, partitions, config, spec),
       "global_clock": steps,
       "allreduce": {"segments": [list(s) for s in segments], "steps": steps,
                     "seconds_per_vw": {str(v): rep["allreduce_s"] for v, rep in sorted(reports.items())},

@@ -246,7 +246,7 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
           [[r["complete_time_s"] for r in records if r["vw_id"] == v and r["minibatch_id"] >= start_mb]
            for v in range(n)], nm, warmup_waves=1)[1],
       "host_wall_time_s": time.perf_counter() - host_t0,
-      **settings_summary(settings, partitions, config),
+      **settings_summary(settings, partitions, config, spec),
       "global_clock": total_waves,
       **applied_fields,
       **extra,
@@ -364,7 +364,7 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
       "images_per_s": total * config.batch_size / sim_time,
       "steady_minibatches_per_s": report.total_minibatches_per_s / m,
       "host_wall_time_s": time.perf_counter() - host_t0,
-      **settings_summary(settings, partitions, config),
+      **settings_summary(settings, partitions, config, spec),
       "global_clock": steps,
       "shared_nic": report.config["shared_nic"],  # the engine's network rule, as it ran
       "allreduce": {"steps": report.final_global_clock,
