@@ -18,6 +18,7 @@ import optax
 
 from hetpipe_jax.models import ModelSpec, apply_layers
 from hetpipe_jax.runtime import grad_clip
+from hetpipe_jax.runtime import optimizers
 from hetpipe_jax.rules.partition import validate_partition
 
 Params = Any  # list of per-layer params pytrees of one stage
@@ -73,15 +74,15 @@ def unravel_like(flat: jax.Array, like: Any) -> Any:
 
 
 def build_stages(spec: ModelSpec, partition: Sequence[Sequence[int]], devices: Sequence[jax.Device],
-                 optimizer: optax.GradientTransformation, remat: bool = False,
-                 grad_clip_norm: float = 0.0) -> list[Stage]:
+                 optimizer: Any, remat: bool = False, grad_clip_norm: float = 0.0) -> list[Stage]:
   """Builds the stages of one VW.
 
   Args:
     spec: the model.
     partition: one ``[start, end)`` layer range per stage.
     devices: one device per stage (explicit placement).
-    optimizer: the optax transformation; each stage updates its own params with it.
+    optimizer: the optax transformation each stage updates its own params with, or a
+      :class:`hetpipe_jax.runtime.optimizers.PerStage` (each stage's from its layer range).
     (The last stage's loss is ``spec.objective``'s, :mod:`hetpipe_jax.runtime.objectives`.)
     remat: rematerialisation (``jax.checkpoint`` of each stage's layers): a forward keeps only its input, and the
       backward recomputes the activations (GPipe's memory saving; same numerics).
@@ -105,7 +106,7 @@ def build_stages(spec: ModelSpec, partition: Sequence[Sequence[int]], devices: S
   for s, (start, end) in enumerate(ranges):
     st = Stage(s, (start, end), devices[s], is_first=(s == 0), is_last=(s == len(ranges) - 1),
                grad_clip_norm=float(grad_clip_norm))
-    _jit_stage(st, spec.layers[start:end], optimizer, loss_fn, remat)
+    _jit_stage(st, spec.layers[start:end], optimizers.for_layers(optimizer, start, end), loss_fn, remat)
     stages.append(st)
   return stages
 

@@ -39,7 +39,6 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from hetpipe_jax.rules import allreduce
 from hetpipe_jax.rules import methods
@@ -48,6 +47,7 @@ from hetpipe_jax.rules import wsp
 from hetpipe_jax.rules.records import MinibatchRecord, ShardedMinibatchRecord
 from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.ps.shards import rebase_on_shards
+from hetpipe_jax.runtime import optimizers
 from hetpipe_jax.runtime import vw_driver
 from hetpipe_jax.runtime import grad_clip
 from hetpipe_jax.runtime.flush_step import FlushStep
@@ -67,7 +67,8 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     stages: built by :func:`hetpipe_jax.runtime.stages.build_stages`.
     layout: flat weight layout shared with the PS.
     initial_layer_params: per-layer host params (the global initial weights W0).
-    optimizer: optax transformation (each stage keeps its own state on its device).
+    optimizer: optax transformation, or a :class:`hetpipe_jax.runtime.optimizers.PerStage` (each stage keeps its
+      own state on its device).
     num_inflight: Nm >= 1.
     staleness_bound: D >= 0.
     ps: the parameter-server client.
@@ -105,7 +106,7 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
   """
 
   def __init__(self, vw_id: int, stages: Sequence[Stage], layout: ParamLayout, initial_layer_params: Sequence[Any],
-               optimizer: optax.GradientTransformation, num_inflight: int, staleness_bound: int, ps: PSClient,
+               optimizer: Any, num_inflight: int, staleness_bound: int, ps: PSClient,
                get_minibatch: Callable[[int], tuple[np.ndarray, np.ndarray]], *, num_virtual_workers: int,
                pull_every_wave: bool = True,
                poll_interval_s: float = 1e-3, on_minibatch: Callable[[MinibatchRecord], None] | None = None,
@@ -159,7 +160,8 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     params = tuple(self._place_stage(initial_layer_params, st) if s in local else None
                    for s, st in enumerate(self.stages))
     # Constant outputs (Adam's step count, zeros) are not committed by jit: place them explicitly.
-    self.opt_states = [jax.device_put(jax.jit(optimizer.init)(p), st.device) if p is not None else None
+    self.opt_states = [jax.device_put(jax.jit(optimizers.for_layers(optimizer, *st.layer_range).init)(p), st.device)
+                       if p is not None else None
                        for st, p in zip(self.stages, params)]
     self._zeros = [jax.device_put(jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t))(p), st.device)
                    if p is not None else None for st, p in zip(self.stages, params)]
@@ -584,7 +586,8 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     states = []
     for st, params in zip(self.stages, jax.device_get(list(self.version.params))):
       start, end = st.layer_range
-      state = opt_state.join_layers(self.optimizer, params, scalars, per_layer[start:end])
+      state = opt_state.join_layers(optimizers.for_layers(self.optimizer, start, end), params, scalars,
+                                    per_layer[start:end])
       states.append(jax.device_put(state, st.device))
     self.opt_states = states
 
