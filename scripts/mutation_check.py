@@ -833,6 +833,22 @@ MUTATIONS = (
              "          if config.optimizer in users}", "          if False}",
              ("tests/test_optimizers.py::test_every_method_in_virtual_time_equals_whole_model_optax",),
              "summary.json's optimizer lacks the settings it ran with (b1, b2, weight decay, Muon's beta)"),
+    # ---- issue 28: a device holding several stages; the wave path's one buffer per stage each way
+    Mutation("stage_devices_must_be_distinct_again", "hetpipe_jax/jobs/job_config.py",
+             "  if min(devices) < 0:\n",
+             "  if min(devices) < 0 or len(set(devices)) != len(devices):\n",
+             ("tests/test_job_config.py::test_a_device_may_hold_several_stages",),
+             "two stages may not share a device: one GPU cannot run a VW (the GPU check's main job)"),
+    Mutation("unravel_reads_every_leaf_from_the_start", "hetpipe_jax/runtime/stages.py",
+             "    pos += leaf.size\n",
+             "    pos += 0\n",
+             ("tests/test_pipeline.py::test_pull_installed_mid_wave_keeps_own_and_partial_waves",),
+             "a pulled stage's buffer is cut up wrongly on the device: every leaf starts at the buffer's first float"),
+    Mutation("wave_flat_in_reverse_stage_order", "hetpipe_jax/runtime/virtual_worker.py",
+             "    return np.concatenate(parts) if parts else np.zeros(0, np.float32)",
+             "    return np.concatenate(parts[::-1]) if parts else np.zeros(0, np.float32)",
+             ("tests/test_pipeline.py::test_pull_installed_mid_wave_keeps_own_and_partial_waves",),
+             "a wave's update is pushed with the stages' parts in reverse order (a layout the PS does not hold)"),
 )
 
 
