@@ -37,6 +37,7 @@ same layer structure at toy width), in well under a minute of work per step.
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import json
 import os
@@ -383,6 +384,7 @@ def _median_s(fn, repeats: int) -> float:
 def step_pipeline(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
   del out, work
   import jax
+  import numpy as np
   import optax
   from hetpipe_jax import models
   from hetpipe_jax.runtime import objectives
@@ -390,14 +392,25 @@ def step_pipeline(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
   spec, batch = _gpt_spec(cpu), _gpt_batch(cpu)
   device = jax.devices()[0]
   tx = optax.adam(1e-4)
-  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
-  stages = stages_lib.build_stages(spec, PARTITION, [device] * len(PARTITION), tx)
   n = _PIPELINE_MINIBATCHES.value if not cpu else 8
   if n % NUM_INFLIGHT:
     raise ValueError(f"--pipeline_minibatches={n} must be a multiple of Nm = {NUM_INFLIGHT}")
-  t0 = time.perf_counter()
-  _build_vw(spec, stages, params0, tx, batch).run(2 * NUM_INFLIGHT)  # compiles every stage function
-  warm_s = time.perf_counter() - t0
+  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
+  stages = stages_lib.build_stages(spec, PARTITION, [device] * len(PARTITION), tx)
+  requested, out_of_memory = batch, []
+  while True:  # all four stages on one device: a smaller GPU (an H100 at batch 8) may not hold them; halve and say so
+    try:
+      t0 = time.perf_counter()
+      _build_vw(spec, stages, params0, tx, batch).run(2 * NUM_INFLIGHT)  # compiles every stage function
+      warm_s = time.perf_counter() - t0
+      break
+    except Exception as e:  # pylint: disable=broad-except  # XlaRuntimeError; anything else is raised again
+      if "RESOURCE_EXHAUSTED" not in str(e) or batch == 1:
+        raise
+      out_of_memory.append({"batch_size": batch, "error": str(e)[:300]})
+      batch //= 2
+      del e
+      gc.collect()
   vw = _build_vw(spec, stages, params0, tx, batch)
   stats = vw.run(n)
   # The whole model as one jitted training step (forward, loss, backward, Adam) on the same device.
@@ -417,7 +430,8 @@ def step_pipeline(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
   host_overhead = stats.host_busy_s - stats.update_s - stats.sync_s - stats.inject_s + stats.executor_book_s
   ratio = n * step_s / stats.wall_time_s
   result = {
-      "model": spec.name, "batch_size": batch, "sequence_length": spec.input_shape[0],
+      "model": spec.name, "batch_size": batch, "batch_size_requested": requested, "out_of_memory": out_of_memory,
+      "sequence_length": spec.input_shape[0],
       "partition": [list(r) for r in PARTITION], "num_inflight": NUM_INFLIGHT, "staleness_bound": 0,
       "device": f"{device.platform}:{device.id} {device.device_kind}", "minibatches": n,
       "warm_up_s": warm_s, "runtime_wall_s": stats.wall_time_s,
@@ -427,6 +441,10 @@ def step_pipeline(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
       "host_overhead_us_per_task": per_task(host_overhead),
       "scheduler_thread_busy_us_per_task": per_task(stats.host_busy_s),
       "weight_update_and_push_us_per_task": per_task(stats.update_s),
+      "wave_push_s": stats.push_s, "pull_install_s": stats.sync_s,
+      "per_wave_push_ms": 1e3 * stats.push_s / (n // NUM_INFLIGHT),
+      "per_wave_pull_install_ms": 1e3 * stats.sync_s / max(stats.num_pulls, 1), "num_pulls": stats.num_pulls,
+      "wave_bytes": 4 * sum(int(np.prod(np.shape(a))) for a in jax.tree.leaves(params0)),
       "pull_install_us_per_task": per_task(stats.sync_s),
       "wait_for_ps_s": stats.wait_s, "num_tasks": stats.num_tasks,
       "note": "useful_compute_ratio = minibatches x the whole model's jitted step / the runtime's wall time, all 4 "
@@ -481,6 +499,7 @@ def step_memory_stage(cpu: bool, out: pathlib.Path, work: pathlib.Path, s: int) 
   params = jax.device_put(models.init_layer_params(spec, jax.random.key(0))[start:end], device)
   opt_state = jax.device_put(tx.init(params), device)
   wave_delta = jax.device_put(jax.tree.map(jnp.zeros_like, params), device)
+  no_clip = jax.device_put(np.float32(0), device)  # the global norm, read only when clipping is on (it is off)
   shapes = models.activation_shapes(spec, batch)
   rng = np.random.default_rng(s)
   seq = spec.input_shape[0]
@@ -499,7 +518,7 @@ def step_memory_stage(cpu: bool, out: pathlib.Path, work: pathlib.Path, s: int) 
       loss, grads, gin = st.forward_backward(params, stage_input(), labels)
       jax.block_until_ready(gin)
       sample()
-      params, opt_state, wave_delta = st.update(params, opt_state, grads, wave_delta)
+      params, opt_state, wave_delta = st.update(params, opt_state, grads, wave_delta, no_clip)
       del loss, grads, gin
       jax.block_until_ready(params)
       sample()
@@ -513,7 +532,7 @@ def step_memory_stage(cpu: bool, out: pathlib.Path, work: pathlib.Path, s: int) 
       vjps.append(vjp)
       jax.block_until_ready(act)
       del act  # the next stage's input, counted there
-      new, opt_state, wave_delta = st.update(versions[-1], opt_state, zero, wave_delta)
+      new, opt_state, wave_delta = st.update(versions[-1], opt_state, zero, wave_delta, no_clip)
       versions.append(new)
       jax.block_until_ready(new)
       sample()
@@ -528,13 +547,16 @@ def step_memory_stage(cpu: bool, out: pathlib.Path, work: pathlib.Path, s: int) 
       vjps[k] = grads_in[k] = None
       jax.block_until_ready(grads)
       sample()
-      new, opt_state, wave_delta = st.update(versions[-1], opt_state, grads, wave_delta)
+      new, opt_state, wave_delta = st.update(versions[-1], opt_state, grads, wave_delta, no_clip)
       versions[k] = None
       versions.append(new)
       del grads, gin
       jax.block_until_ready(new)
       sample()
   temp_bytes = max(int(getattr(m, "temp_size_in_bytes", 0) or 0) for m in temps.values())
+  from hetpipe_jax.runtime import xla_memory
+  one_minibatch = xla_memory.stage_memory(spec, (start, end), batch, is_last=is_last, optimizer="adam",
+                                          device=device).peak_bytes
   stats = device.memory_stats() or {}
   if "peak_bytes_in_use" in stats:
     measured = int(stats["peak_bytes_in_use"]) - int(stats0.get("bytes_in_use", 0))
@@ -545,6 +567,7 @@ def step_memory_stage(cpu: bool, out: pathlib.Path, work: pathlib.Path, s: int) 
   return {"stage": s, "layers": [start, end], "is_last": is_last, "held": h, "model_bytes": model_bytes,
           "measured_bytes": measured, "measured_source": source, "ratio": measured / model_bytes,
           "live_arrays_peak_bytes": max(live), "compiled_temp_bytes": temp_bytes,
+          "xla_programs_one_minibatch_bytes": one_minibatch,
           "compiled": {k: {"argument": int(m.argument_size_in_bytes), "output": int(m.output_size_in_bytes),
                            "temp": int(m.temp_size_in_bytes), "alias": int(m.alias_size_in_bytes)}
                        for k, m in temps.items()},

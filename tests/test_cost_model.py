@@ -74,10 +74,15 @@ def test_stage_memory_formula():
   costs = cost_model.build_stage_costs(tiny_profile(), cluster_lib.load_cluster("hetpipe_paper"))
   nm = 3
   # Non-last stage [0, 2): holds Nm; params (3000) x (1 + Nm versions + accumulator) + optimizer (6000)
-  # + Nm x (max(stash 100000, input 5000) + gradient at cut 2 (20000)) + workspace max(7, 14).
-  assert costs.stage_memory_bytes(0, 2, False, 2, nm) == 3000 * (1 + nm + 1) + 6000 + nm * (100_000 + 20_000) + 14
-  # Last stage [2, 4): holds 1, no extra versions, Nm - 1 queued inputs at cut 2 (20000).
-  assert costs.stage_memory_bytes(2, 4, True, 2, nm) == 7000 * 2 + 14000 + 100_000 + (nm - 1) * 20_000 + 28
+  # + Nm x (max(stash 100000, input 5000) + gradient at cut 2 (20000)) + workspace: layer k's transient is its XLA
+  # temp (7 (k + 1)) + the gradients at its input and output (layer 0: 5000 + 10000, layer 1: 10000 + 20000); layer
+  # 1 runs with the whole stash live (30014 more), layer 0's backward after layer 1's stash (50000) is freed
+  # (15007 - 50000 < 0), so 30014.
+  assert costs.stage_memory_bytes(0, 2, False, 2, nm) == (
+      3000 * (1 + nm + 1) + 6000 + nm * (100_000 + 20_000) + 30_014)
+  # Last stage [2, 4): holds 1, no extra versions, Nm - 1 queued inputs at cut 2 (20000); workspace: layer 3's
+  # 28 + 30000 + 40000 (layer 2's 21 + 20000 + 30000 comes after layer 3's 50000 of stash is freed).
+  assert costs.stage_memory_bytes(2, 4, True, 2, nm) == 7000 * 2 + 14000 + 100_000 + (nm - 1) * 20_000 + 70_028
 
 
 def test_max_inflight_bound_values_and_errors():

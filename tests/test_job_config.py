@@ -274,3 +274,12 @@ def test_the_world_size_error_suggests_only_fixes_that_work(method):
   with pytest.raises(ConfigError) as e:
     job_config.check_world_size(s, 3)  # the issue's case
   assert "mpiexec -n 6" in str(e.value) and "num_virtual_workers=" not in str(e.value).split("):")[-1]
+
+
+def test_a_device_may_hold_several_stages():
+  """One GPU running a whole VW (scripts/gpu_check.sh's main job: both stages on GPU 0): the stages share device 0,
+  and the VW needs one local device."""
+  s = resolve_settings(_tiny(plan="", stage_devices="0,0", platform="gpu"))
+  assert [vw.devices for vw in s.vws] == [(0, 0), (0, 0)] and s.devices_needed == 1
+  three = resolve_settings(_tiny(plan="", num_stages=3, stage_devices="1,1,0"))
+  assert three.vws[0].devices == (1, 1, 0) and three.devices_needed == 2

@@ -327,7 +327,12 @@ def test_compare_paper_vgg19_every_method_in_seconds():
     if r.method == "hetpipe" and r.allocation in ("NP", "ED", "HD", "auto"):
       assert r.images_per_s > 0 and r.memory_fits and r.gpus_used == 16
   horovod = table[-3]
-  assert horovod.gpus_used < 16 and horovod.notes
+  assert horovod.method == "horovod"
+  assert horovod.gpus_used == 16 and not horovod.notes  # HetPipe §8.3 ran VGG-19's Horovod on all 16 GPUs
+  # ResNet-152 (§8.3: "Horovod uses only 12 GPUs"): the four RTX 2060s are left out, each with its reason.
+  prof152 = profile_format.load_profile(profile_format.default_profile_path("resnet152_imagenet", 32, "cpu", False))
+  used, notes = method_planner.horovod_gpus(cluster, prof152, cost_model.CostModelConfig())
+  assert len(used) == 12 and len(notes) == 4 and all("(GeForce RTX 2060)" in n for n in notes)
   text = compare.format_table(table)
   assert text.count("\n") == len(table) + 1
 

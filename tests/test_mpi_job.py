@@ -155,6 +155,10 @@ BAD_INPUTS = [
     # A PS shard that would hold no parameters (4 shards, mlp_tiny's 3 layers with parameters; issue 23 defect 6).
     ({"num_ps_shards": 4, "checkpoint_every_waves": 0}, 6,
      "config.num_ps_shards=4: PS shard 3 would hold no parameters (the model has 3 layers with parameters", TINY),
+    # Muon for a model without 2-D hidden weights, refused before any work on every rank (sharded PS included;
+    # issue 25 item 1).
+    ({"model": "resnet", "optimizer": "muon", "num_ps_shards": 2, "checkpoint_every_waves": 0}, 4,
+     "config.optimizer='muon': model 'resnet' has no 2-D hidden weights", TINY),
     ({"stage_devices": "0,-1"}, 3, "config.stage_devices='0,-1' must be non-negative device indices", TINY),
     ({"stage_devices": "0"}, 3, "config.stage_devices lists 1 devices for 2 stages", TINY),
     ({"stage_devices": "0,2", "num_cpu_devices": 2}, 3,

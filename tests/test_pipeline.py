@@ -163,7 +163,9 @@ def test_each_stage_function_compiles_once(synthetic_data_dir):
   vw, *_ = build_vw(synthetic_data_dir, model="cnn_small", partition=[(0, 2), (2, 5), (5, 7)], num_inflight=3)
   vw.run(12)
   for st in vw.stages:
-    kinds = {"forward_backward", "update", "add"} if st.is_last else {"forward", "backward", "update", "add"}
+    # ravel / unravel: the wave's push and the pull's install (one buffer per stage each way).
+    kinds = ({"forward_backward", "update", "add"} if st.is_last else {"forward", "backward", "update", "add"}) | {
+        "ravel", "unravel"}
     assert set(st.trace_counts) == kinds, st.trace_counts
     assert all(c == 1 for c in st.trace_counts.values()), (st.stage_id, st.trace_counts)
 

@@ -75,13 +75,21 @@ def get_config() -> ml_collections.ConfigDict:
   c.stage_ranks = False
   c.stage_rank_grouping = "gpu"  # "gpu" (one rank per stage) | "node" (a VW's stages on one plan node share a rank)
   # Optimizer (optax), applied by every VW to its own minibatches.
-  c.optimizer = "adam"  # "adam" | "sgd" | "momentum"
+  # "adam" | "nadam" (Nesterov Adam) | "nadamw" (NAdam + decoupled weight decay) | "muon" (optax.contrib.muon:
+  # orthogonalized momentum on the 2-D hidden weights, i.e. Dense kernels outside the output layer; NAdamW on
+  # embeddings, the head, norms, biases and conv kernels; hetpipe_jax/runtime/optimizers.py) | "sgd" | "momentum".
+  # Every stage keeps its own optimizer state.
+  c.optimizer = "adam"
   c.learning_rate = 1e-3
   c.lr_schedule = "cosine"  # "constant" | "cosine" (decays to 0 over each VW's minibatches) | "warmup_cosine"
   c.warmup_minibatches = 0  # warmup_cosine only (> 0): linear warm-up over this many of each VW's minibatches
   c.momentum = 0.9  # "momentum" only
-  c.adam_b1 = 0.9  # "adam" only: decay rates of the gradient's mean and second moment (optax.adam's b1, b2)
+  # adam / nadam / nadamw / muon (its Adam part): decay rates of the gradient's mean and second moment (optax's b1,
+  # b2), each in [0, 1); b1 = 0.99 for delay-tolerant NAdam (Ajanthan et al., ICML 2025).
+  c.adam_b1 = 0.9
   c.adam_b2 = 0.999
+  c.weight_decay = 0.0  # nadamw / muon only (>= 0): decoupled weight decay, multiplied by the learning rate (optax)
+  c.muon_beta = 0.95  # muon only: its momentum decay rate, in [0, 1)
   c.grad_clip_norm = 0.0  # > 0: clip each minibatch's gradient to this norm over ALL stages (optax clip_by_global_norm
   # on the whole model, whatever the partition; the stages exchange their squared norms); 0 = off
   # Length, logging, evaluation.

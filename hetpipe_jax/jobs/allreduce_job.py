@@ -102,7 +102,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   n, m = settings.num_virtual_workers, settings.num_inflight
   vw_id = rank
   devices = rank_setup.stage_devices(settings, vw_id, None, restricted)
-  optimizer = mpi_job.make_optimizer(config, steps)  # one optimizer step per training step
+  optimizer = mpi_job.make_optimizer(config, steps, spec)  # one optimizer step per training step
   stages = mpi_job.build_stages(config, spec, partitions[vw_id], devices, optimizer, remat=bool(config.remat))
   source = sharding.ShardedMinibatches(dataset, n, vw_id, config.batch_size, config.seed)
   micro = sharding.MicroBatches(source.get_with_ids, m)  # records carry each micro-batch's example ids
@@ -203,7 +203,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
       "wall_time_s": wall,
       "minibatches_per_s": total_mb / wall,
       "images_per_s": total_mb * config.batch_size / wall,
-      **settings_summary(settings, partitions, config),
+      **settings_summary(settings, partitions, config, spec),
       "global_clock": steps,
       "allreduce": {"segments": [list(s) for s in segments], "steps": steps,
                     "seconds_per_vw": {str(v): rep["allreduce_s"] for v, rep in sorted(reports.items())},

@@ -162,6 +162,47 @@ def parse_debug_nan_update(text: str) -> tuple[int, int] | None:
   return vw, wave
 
 
+# config.optimizer's values (hetpipe_jax.jobs.mpi_job.make_optimizer builds them), and the settings only some of them
+# use: name -> (default, the optimizers that use it). A setting off its default for another optimizer is an error,
+# so the value recorded (config.json, summary.json's "optimizer") is the value that runs.
+OPTIMIZERS = ("sgd", "momentum", "adam", "nadam", "nadamw", "muon")
+OPTIMIZER_SETTINGS = {
+    "momentum": (0.9, ("momentum",)),
+    "adam_b1": (0.9, ("adam", "nadam", "nadamw", "muon")),
+    "adam_b2": (0.999, ("adam", "nadam", "nadamw", "muon")),
+    "muon_beta": (0.95, ("muon",)),
+    "weight_decay": (0.0, ("nadamw", "muon")),
+}
+_DECAY_RATES = {"adam_b1": "an Adam setting (Adam's decay rate of the gradient's mean)",
+                "adam_b2": "an Adam setting (Adam's decay rate of the gradient's second moment)",
+                "muon_beta": "a Muon setting (Muon's momentum decay rate)"}
+
+
+def _check_optimizer_settings(config: Any) -> None:
+  for name, what in _DECAY_RATES.items():
+    value = config.get(name, OPTIMIZER_SETTINGS[name][0])
+    if not 0 <= value < 1:
+      raise ConfigError(f"config.{name}={value} must be in [0, 1) ({what.split(' (')[1]}")
+  decay = config.get("weight_decay", 0.0)
+  if not decay >= 0:
+    raise ConfigError(f"config.weight_decay={decay} must be >= 0 (decoupled weight decay, times the learning rate)")
+  for name, (default, users) in OPTIMIZER_SETTINGS.items():
+    value = config.get(name, default)
+    if value != default and config.optimizer not in users:
+      kind = _DECAY_RATES.get(name, f"a {name.replace('_', '-')} setting").split(" (")[0]
+      raise ConfigError(f"config.{name}={value} is {kind}; config.optimizer={config.optimizer!r} (it is used by "
+                        f"{', '.join(map(repr, users))})")
+
+
+def optimizer_summary(config: Any) -> dict[str, Any]:
+  """``summary.json``'s ``"optimizer"``: its name, learning rate and schedule, and the settings it uses (the values
+  config.json holds)."""
+  used = {name: config.get(name, default) for name, (default, users) in OPTIMIZER_SETTINGS.items()
+          if config.optimizer in users}
+  return {"name": config.optimizer, "learning_rate": config.learning_rate, "lr_schedule": config.lr_schedule,
+          "warmup_minibatches": config.get("warmup_minibatches", 0), **used}
+
+
 def _check_scalars(config: Any) -> None:
   for name in ("num_inflight", "num_virtual_workers", "num_stages"):
     value = config.get(name)
@@ -177,21 +218,15 @@ def _check_scalars(config: Any) -> None:
     raise ConfigError(f"config.batch_size={config.batch_size} must be >= 1")
   if config.platform not in ("cpu", "gpu"):
     raise ConfigError(f"config.platform={config.platform!r} must be 'cpu' or 'gpu'")
-  if config.optimizer not in ("adam", "sgd", "momentum"):
-    raise ConfigError(f"config.optimizer={config.optimizer!r} must be 'adam', 'sgd' or 'momentum'")
+  if config.optimizer not in OPTIMIZERS:
+    raise ConfigError(f"config.optimizer={config.optimizer!r} must be one of {', '.join(map(repr, OPTIMIZERS))}")
   if config.lr_schedule not in ("constant", "cosine", "warmup_cosine"):
     raise ConfigError(f"config.lr_schedule={config.lr_schedule!r} must be 'constant', 'cosine' or 'warmup_cosine'")
   warmup = config.get("warmup_minibatches", 0)
   if warmup < 0 or (warmup > 0) != (config.lr_schedule == "warmup_cosine"):
     raise ConfigError(f"config.warmup_minibatches={warmup} is used only by config.lr_schedule='warmup_cosine', "
                       "which needs it > 0: set both, or warmup_minibatches=0")
-  for name in ("adam_b1", "adam_b2"):
-    beta = config.get(name, 0.9)
-    if not 0 <= beta < 1:
-      raise ConfigError(f"config.{name}={beta} must be in [0, 1) (Adam's decay rate of the gradient's "
-                        f"{'mean' if name == 'adam_b1' else 'second moment'})")
-    if beta != {"adam_b1": 0.9, "adam_b2": 0.999}[name] and config.optimizer != "adam":
-      raise ConfigError(f"config.{name}={beta} is an Adam setting; config.optimizer={config.optimizer!r}")
+  _check_optimizer_settings(config)
   if not config.get("grad_clip_norm", 0.0) >= 0:
     raise ConfigError(f"config.grad_clip_norm={config.get('grad_clip_norm')} must be >= 0 (0: no clipping)")
   if not config.learning_rate > 0:

@@ -36,19 +36,52 @@ from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime.param_layout import ParamLayout
 
 
-def make_optimizer(config: Any, num_minibatches: int) -> optax.GradientTransformation:
-  """The optax optimizer each VW applies to its own minibatches (``config.lr_schedule``: constant, cosine, or
-  warmup_cosine: linear from 0 over ``config.warmup_minibatches``, then cosine to 0 at ``num_minibatches``; Adam's
-  ``config.adam_b1`` / ``adam_b2``). ``config.grad_clip_norm`` is not part of it: the stages clip each minibatch's
-  gradient by its global norm over every stage before this optimizer (:func:`build_stages`,
-  :mod:`hetpipe_jax.runtime.grad_clip`), which a per-stage optax chain could not."""
+def make_optimizer(config: Any, num_minibatches: int, spec: models.ModelSpec | None = None) -> Any:
+  """The optax optimizer each VW applies to its own minibatches, one state per stage (``config.optimizer``).
+
+  ``config.lr_schedule``: constant, cosine, or warmup_cosine (linear from 0 over ``config.warmup_minibatches``, then
+  cosine to 0 at ``num_minibatches``). ``sgd``; ``momentum`` (``config.momentum``); ``adam``, ``nadam`` (Dozat 2016,
+  Nesterov momentum) and ``nadamw`` (NAdam with decoupled weight decay ``config.weight_decay``, multiplied by the
+  learning rate as optax does) with ``config.adam_b1`` / ``adam_b2``; ``muon`` (``optax.contrib.muon``: Nesterov
+  momentum ``config.muon_beta`` orthogonalized by 5 Newton–Schulz steps on the 2-D hidden weights that
+  :func:`hetpipe_jax.runtime.optimizers.muon_dimension_numbers` picks, optax's adamw with Nesterov momentum, i.e.
+  NAdamW, with ``adam_b1`` / ``adam_b2`` on every other parameter, ``config.weight_decay`` on both).
+  ``config.grad_clip_norm`` is not part of it: the stages clip each minibatch's gradient by its global norm over
+  every stage before this optimizer (:func:`build_stages`, :mod:`hetpipe_jax.runtime.grad_clip`), which a per-stage
+  optax chain could not.
+
+  Args:
+    config: the job's ConfigDict.
+    num_minibatches: the schedule's length (minibatches per VW, or steps).
+    spec: the model (``muon`` needs it: its rule is per layer of the whole model).
+
+  Returns:
+    An ``optax.GradientTransformation`` every stage applies, or (``muon``) an
+    :class:`hetpipe_jax.runtime.optimizers.PerStage` (:func:`hetpipe_jax.runtime.optimizers.for_layers` gives a
+    stage's).
+
+  Raises:
+    ConfigError: ``muon`` without a model, or for a model with no 2-D hidden weights.
+  """
+  from hetpipe_jax.runtime import optimizers  # pylint: disable=g-import-not-at-top
   lr = config.learning_rate
   if config.lr_schedule == "cosine":
     lr = optax.cosine_decay_schedule(config.learning_rate, num_minibatches)
   if config.lr_schedule == "warmup_cosine":
     lr = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup_minibatches, num_minibatches)
+  b1, b2 = config.get("adam_b1", 0.9), config.get("adam_b2", 0.999)
+  decay = config.get("weight_decay", 0.0)
+  if config.optimizer == "muon":
+    dims = optimizers.muon_dimension_numbers(_muon_layer_shapes(config, spec))
+    return optimizers.PerStage(lambda start, end: optax.contrib.muon(
+        lr, beta=config.get("muon_beta", 0.95), weight_decay=decay, adam_b1=b1, adam_b2=b2,
+        adam_weight_decay=decay, muon_weight_dimension_numbers=dims[start:end]))
   if config.optimizer == "adam":
-    tx = optax.adam(lr, b1=config.get("adam_b1", 0.9), b2=config.get("adam_b2", 0.999))
+    tx = optax.adam(lr, b1=b1, b2=b2)
+  elif config.optimizer == "nadam":
+    tx = optax.nadam(lr, b1=b1, b2=b2)
+  elif config.optimizer == "nadamw":
+    tx = optax.nadamw(lr, b1=b1, b2=b2, weight_decay=decay)
   elif config.optimizer == "momentum":
     tx = optax.sgd(lr, momentum=config.momentum)
   else:
@@ -62,6 +95,22 @@ def build_stages(config: Any, spec: models.ModelSpec, partition, devices, optimi
   every update clips by the minibatch's global norm over all stages; 0: off), for every method and mode."""
   return stages_lib.build_stages(spec, partition, devices, optimizer, remat=remat,
                                  grad_clip_norm=float(config.get("grad_clip_norm", 0.0)))
+
+
+def _muon_layer_shapes(config: Any, spec: models.ModelSpec | None) -> list:
+  """The model's per-layer param shapes for Muon's rule (abstract evaluation, nothing runs).
+
+  Raises:
+    ConfigError: no model, or a model where the rule gives Muon no parameter.
+  """
+  from hetpipe_jax.runtime import optimizers  # pylint: disable=g-import-not-at-top
+  if spec is None:
+    raise ConfigError("config.optimizer='muon' decides its parameters per layer of the model: pass the model")
+  shapes = jax.eval_shape(lambda: models.init_layer_params(spec, jax.random.key(config.seed)))
+  if not optimizers.muon_leaf_names(shapes):
+    raise ConfigError(f"config.optimizer='muon': model {spec.name!r} has no 2-D hidden weights (a Dense 'kernel' "
+                      "outside its output layer) for Muon to orthogonalize; use 'nadamw' or 'adam'")
+  return shapes
 
 
 def minibatches_per_wave(settings: JobSettings) -> int:
@@ -108,7 +157,8 @@ def prepare(config: Any, settings: JobSettings, world_size: int,
 
   Raises:
     ConfigError: wrong world size, unknown model (a registry name, or a ``module:factory`` that does not import or
-      does not return a ModelSpec), a partition that does not cover the model, too few devices.
+      does not return a ModelSpec), a partition that does not cover the model, too few devices, ``muon`` for a
+      model without 2-D hidden weights.
   """
   check_world_size(settings, world_size, config)
   try:
@@ -116,6 +166,8 @@ def prepare(config: Any, settings: JobSettings, world_size: int,
   except ValueError as e:
     raise ConfigError(str(e)) from None
   partitions = check_partitions(settings, spec.num_layers)
+  if config.optimizer == "muon":
+    _muon_layer_shapes(config, spec)
   if check_local_devices:
     check_devices(settings, len(jax.local_devices()))
   return spec, partitions
@@ -266,7 +318,7 @@ def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, part
   from hetpipe_jax.runtime.virtual_worker import VirtualWorker
   link = rank_setup.stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
   devices = rank_setup.stage_devices(settings, vw_id, link, restricted)
-  optimizer = make_optimizer(config, num_mb)
+  optimizer = make_optimizer(config, num_mb, spec)
   stages = build_stages(config, spec, partition, devices, optimizer)
   vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, settings.num_inflight,
                      settings.staleness_bound, None, None, num_virtual_workers=settings.num_virtual_workers,
@@ -333,7 +385,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
     link = rank_setup.stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
     remote = RemoteStages(comm, vw_id, link)
   devices = rank_setup.stage_devices(settings, vw_id, link, restricted)
-  optimizer = make_optimizer(config, num_mb)
+  optimizer = make_optimizer(config, num_mb, spec)
   stages = build_stages(config, spec, partition, devices, optimizer)
   source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
   sharded = shards if settings.num_ps_shards > 1 else None
@@ -421,7 +473,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
   from hetpipe_jax.ps.param_server import ParameterServer
   from hetpipe_jax.ps.service import ParameterServerService
   from hetpipe_jax.rules import wsp
-  from hetpipe_jax.runtime import opt_state
+  from hetpipe_jax.runtime import opt_state, optimizers
 
   n, nm = settings.num_virtual_workers, settings.num_inflight
   meta = point.meta if point else {}
@@ -469,10 +521,11 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
   params0 = layout.unflatten(flat0)
   templates = []  # per VW, the structure of its optimizer state by layer (to read the bytes it sends)
   for part in partitions:
-    tx = make_optimizer(config, num_mb)
+    tx = make_optimizer(config, num_mb, spec)
     scalars, per_layer = None, []
     for start, end in part:
-      sc, layers = opt_state.split_by_layer(tx.init(list(params0[start:end])), params0[start:end])
+      stage_tx = optimizers.for_layers(tx, start, end)
+      sc, layers = opt_state.split_by_layer(stage_tx.init(list(params0[start:end])), params0[start:end])
       scalars = sc if scalars is None else scalars
       per_layer.extend(layers)
     templates.append((scalars, per_layer))
@@ -551,7 +604,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
       "wall_time_s": wall,
       "minibatches_per_s": trained_mb / wall,
       "images_per_s": trained_mb * config.batch_size / wall,
-      **settings_summary(settings, partitions, config),
+      **settings_summary(settings, partitions, config, spec),
       "global_clock": total,
       **applied_fields,
       "num_ps_shards": settings.num_ps_shards,

@@ -21,7 +21,7 @@ import os
 import pathlib
 from typing import Any, Iterable, Mapping, Sequence
 
-from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, config_to_json, format_partitions
+from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, config_to_json, format_partitions, optimizer_summary
 from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import records as records_lib
 from hetpipe_jax.sim.engine_report import json_safe
@@ -171,9 +171,18 @@ class RunOutputs:
 
 
 def settings_summary(settings: JobSettings, partitions: Sequence[Sequence[Sequence[int]]],
-                     config: Any) -> dict[str, Any]:
-  """The settings that ran, as both jobs record them in ``summary.json`` (the same values as ``config.json``)."""
+                     config: Any, spec: Any = None) -> dict[str, Any]:
+  """The settings that ran, as both jobs record them in ``summary.json`` (the same values as ``config.json``); with
+  ``config.optimizer='muon'`` and the model ``spec``, the optimizer's ``muon_params`` (the leaves its rule gave Muon,
+  ``"layer:path"``)."""
   flush = methods.get_method(settings.method).is_flush
+  optimizer = optimizer_summary(config)
+  if config.optimizer == "muon" and spec is not None:
+    import jax  # pylint: disable=g-import-not-at-top
+    from hetpipe_jax import models  # pylint: disable=g-import-not-at-top
+    from hetpipe_jax.runtime import optimizers  # pylint: disable=g-import-not-at-top
+    shapes = jax.eval_shape(lambda: models.init_layer_params(spec, jax.random.key(config.seed)))
+    optimizer["muon_params"] = optimizers.muon_leaf_names(shapes)
   return {
       "method": settings.method,
       "method_settings": ({"num_microbatches": settings.num_inflight,
@@ -185,6 +194,7 @@ def settings_summary(settings: JobSettings, partitions: Sequence[Sequence[Sequen
                            **({"vertical_sync": bool(config.get("vertical_sync", False))}
                               if settings.method == "pipedream" else {})}),
       "model": settings.model,
+      "optimizer": optimizer,
       "batch_size": config.batch_size,
       "num_virtual_workers": settings.num_virtual_workers,
       "num_stages": settings.num_stages,

@@ -107,7 +107,7 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
   for v, partition in enumerate(partitions):
     stage_devices = [devices[(next_device + s) % len(devices)] for s in range(len(partition))]
     next_device += len(partition)
-    optimizer = make_optimizer(config, num_mb)
+    optimizer = make_optimizer(config, num_mb, spec)
     stages = build_stages(config, spec, partition, stage_devices, optimizer)
     source = sharding.ShardedMinibatches(dataset, n, v, config.batch_size, config.seed)
     vw = VirtualWorker(v, stages, layout, layout.unflatten(server.weights), optimizer, nm, settings.staleness_bound,
@@ -248,7 +248,7 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
           [[r["complete_time_s"] for r in records if r["vw_id"] == v and r["minibatch_id"] >= start_mb]
            for v in range(n)], nm, warmup_waves=1)[1],
       "host_wall_time_s": time.perf_counter() - host_t0,
-      **settings_summary(settings, partitions, config),
+      **settings_summary(settings, partitions, config, spec),
       "global_clock": total_waves,
       **applied_fields,
       **extra,
@@ -294,7 +294,7 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
   for v, partition in enumerate(partitions):
     stage_devices = [devices[(next_device + s) % len(devices)] for s in range(len(partition))]
     next_device += len(partition)
-    optimizer = make_optimizer(config, steps)
+    optimizer = make_optimizer(config, steps, spec)
     stages = build_stages(config, spec, partition, stage_devices, optimizer, remat=bool(config.remat))
     source = sharding.ShardedMinibatches(dataset, n, v, config.batch_size, config.seed)
     micro = sharding.MicroBatches(source.get_with_ids, m)  # records carry each micro-batch's example ids
@@ -368,7 +368,7 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
       "images_per_s": total * config.batch_size / sim_time,
       "steady_minibatches_per_s": report.total_minibatches_per_s / m,
       "host_wall_time_s": time.perf_counter() - host_t0,
-      **settings_summary(settings, partitions, config),
+      **settings_summary(settings, partitions, config, spec),
       "global_clock": steps,
       "shared_nic": report.config["shared_nic"],  # the engine's network rule, as it ran
       "allreduce": {"steps": report.final_global_clock,

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import flax.linen as nn
-
 from hetpipe_jax.models import ModelSpec, register_model
-from hetpipe_jax.models.layers import ConvReLU, Dense, Flatten, MaxPool
+from hetpipe_jax.models.layers import ConvReLU, Dense, Flatten, MaxPool, relu
 
 
 @register_model("cnn")
@@ -17,7 +15,7 @@ def cnn() -> ModelSpec:
       ConvReLU(64),
       MaxPool(),
       Flatten(),
-      Dense(256, nn.relu),
+      Dense(256, relu),
       Dense(10),
   )
   return ModelSpec("cnn", layers, (28, 28, 1), 10)
@@ -32,7 +30,7 @@ def cnn_small() -> ModelSpec:
       ConvReLU(32),
       MaxPool(),
       Flatten(),
-      Dense(128, nn.relu),
+      Dense(128, relu),
       Dense(10),
   )
   return ModelSpec("cnn_small", layers, (28, 28, 1), 10)

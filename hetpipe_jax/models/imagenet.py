@@ -2,7 +2,10 @@
 
 Meant for planning (shape propagation and XLA cost analysis); executing them on a CPU is slow. GroupNorm
 replaces BatchNorm: a pipeline stage must be a pure function of (weights, input) (HetPipe §4). Dropout is
-omitted for the same reason.
+omitted for the same reason. Each GroupNorm (with the ReLU after it) is rematerialised: its backward keeps
+only its input and recomputes the normalisation, as cuDNN's fused batch norm keeps only ``x`` and the per-channel
+mean and inverse deviation (``cudnnBatchNormalizationBackward``; TensorFlow's ``FusedBatchNormGrad``) where
+autodiff of GroupNorm would keep two input-sized arrays (``2 x`` from the square and ``x - mean``).
 """
 
 from __future__ import annotations
@@ -11,10 +14,40 @@ import flax.linen as nn
 import jax
 
 from hetpipe_jax.models import ModelSpec, register_model
-from hetpipe_jax.models.layers import ConvReLU, Dense, Flatten, GlobalAvgPool, MaxPool
+from hetpipe_jax.models.layers import ConvReLU, Dense, Flatten, GlobalAvgPool, MaxPool, relu
 
 IMAGENET_SHAPE = (224, 224, 3)
 IMAGENET_CLASSES = 1000
+
+
+class NormReLU(nn.Module):
+  """GroupNorm (32 groups), then ReLU when ``activation``. ``[b, h, w, c] -> [b, h, w, c]``.
+
+  Used rematerialised (``nn.remat``): the backward keeps only the input (module docstring).
+  """
+
+  activation: bool = True
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = nn.GroupNorm(num_groups=32)(x)
+    return relu(x) if self.activation else x
+
+
+class NormAddReLU(nn.Module):
+  """A bottleneck's tail: ``relu(norm(y) + shortcut)``, the shortcut normalised when ``project``.
+
+  ``y``, ``shortcut``: ``[b, h, w, c]`` -> ``[b, h, w, c]``. Used rematerialised: keeps only its inputs.
+  """
+
+  project: bool
+
+  @nn.compact
+  def __call__(self, y: jax.Array, shortcut: jax.Array) -> jax.Array:
+    y = nn.GroupNorm(num_groups=32)(y)
+    if self.project:
+      shortcut = nn.GroupNorm(num_groups=32)(shortcut)
+    return relu(shortcut + y)
 
 
 class ResNetStem(nn.Module):
@@ -25,7 +58,7 @@ class ResNetStem(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     x = nn.Conv(self.features, (7, 7), (2, 2), padding="SAME", use_bias=False)(x)
-    x = nn.relu(nn.GroupNorm(num_groups=32)(x))
+    x = nn.remat(NormReLU)()(x)
     return nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
 
 
@@ -41,14 +74,14 @@ class Bottleneck(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     out = 4 * self.features
-    y = nn.relu(nn.GroupNorm(num_groups=32)(nn.Conv(self.features, (1, 1), use_bias=False)(x)))
+    y = nn.remat(NormReLU)()(nn.Conv(self.features, (1, 1), use_bias=False)(x))
     y = nn.Conv(self.features, (3, 3), (self.strides, self.strides), padding="SAME", use_bias=False)(y)
-    y = nn.relu(nn.GroupNorm(num_groups=32)(y))
-    y = nn.GroupNorm(num_groups=32)(nn.Conv(out, (1, 1), use_bias=False)(y))
-    if x.shape[-1] != out or self.strides != 1:
+    y = nn.remat(NormReLU)()(y)
+    y = nn.Conv(out, (1, 1), use_bias=False)(y)
+    project = x.shape[-1] != out or self.strides != 1
+    if project:
       x = nn.Conv(out, (1, 1), (self.strides, self.strides), use_bias=False)(x)
-      x = nn.GroupNorm(num_groups=32)(x)
-    return nn.relu(x + y)
+    return nn.remat(NormAddReLU)(project)(y, x)
 
 
 @register_model("resnet152_imagenet")
@@ -69,5 +102,5 @@ def vgg19_imagenet() -> ModelSpec:
   for features, convs in ((64, 2), (128, 2), (256, 4), (512, 4), (512, 4)):
     layers += [ConvReLU(features) for _ in range(convs)]
     layers.append(MaxPool())
-  layers += [Flatten(), Dense(4096, nn.relu), Dense(4096, nn.relu), Dense(IMAGENET_CLASSES)]
+  layers += [Flatten(), Dense(4096, relu), Dense(4096, relu), Dense(IMAGENET_CLASSES)]
   return ModelSpec("vgg19_imagenet", tuple(layers), IMAGENET_SHAPE, IMAGENET_CLASSES)

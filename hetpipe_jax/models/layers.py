@@ -9,6 +9,36 @@ import jax
 import jax.numpy as jnp
 
 
+@jax.custom_vjp
+def relu(x: jax.Array) -> jax.Array:
+  """``max(x, 0)``, elementwise; its backward keeps only the 1-byte mask ``x > 0``.
+
+  Same values and gradients as ``flax.linen.relu`` (gradient 0 at ``x = 0``), but ``nn.relu``'s JVP rule
+  ``select(x > 0, g, full_like(g, 0))`` makes ``jax.vjp`` keep the broadcast zeros as a residual: a full-size
+  float32 array that a jitted forward returns (and a pipeline stage holds per in-flight minibatch) although it
+  carries no data. A fused GPU framework keeps no such array (TensorFlow's ``ReluGrad`` reads the ReLU's output,
+  which the next layer keeps anyway), so this is what the memory model's stash (HetPipe §4) should see.
+
+  Args:
+    x: any shape, float.
+
+  Returns:
+    Same shape and dtype as ``x``.
+  """
+  return jnp.maximum(x, 0)
+
+
+def _relu_fwd(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return jnp.maximum(x, 0), x > 0
+
+
+def _relu_bwd(mask: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+  return (jnp.where(mask, g, jnp.zeros_like(g)),)
+
+
+relu.defvjp(_relu_fwd, _relu_bwd)
+
+
 class ConvReLU(nn.Module):
   """3×3 (by default) 'SAME' convolution followed by ReLU. ``[b, h, w, c] -> [b, h, w, features]``."""
 
@@ -18,7 +48,7 @@ class ConvReLU(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    return nn.relu(nn.Conv(self.features, self.kernel_size, self.strides, padding="SAME")(x))
+    return relu(nn.Conv(self.features, self.kernel_size, self.strides, padding="SAME")(x))
 
 
 class MaxPool(nn.Module):

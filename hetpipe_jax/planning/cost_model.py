@@ -20,7 +20,14 @@ Memory. A stage at position ``s`` of ``S`` with ``Nm`` minibatches in flight hol
 minibatch p, w_p must be kept in GPU memory until the backward pass for p is executed") and 0 on the last stage
 (its forward+backward is one task that uses the current weights); ``input`` is the activation received at the
 stage's first layer (queued minibatches whose forward has not started), ``gradient`` the gradient received at its
-last layer, and ``workspace`` XLA's largest temporary buffer among its layers.
+last layer, and ``workspace`` the temporary bytes beyond the stash: ``max over k in [i, j) of (transient_k -
+stash of layers k+1..j-1)``. ``transient_k`` is what layer k's forward or backward needs besides the stash: XLA's
+temporary-buffer bytes of its forward or backward (the larger) plus the activation gradients its backward receives
+and produces (output- and input-sized; separate programs count them as arguments and outputs, a stage's one
+program as temporaries; at the stage's last layer the received one is also the held ``gradient``). A layer's
+backward runs after the backward of every later layer of the stage, which has consumed and freed their residuals,
+so its temporaries reuse that memory (and in the forward, layer k runs before the later layers' residuals exist):
+only the part of ``transient_k`` above what was freed adds to the stash.
 
 Memory per method (``CostModelConfig.method``, :mod:`hetpipe_jax.rules.methods`; for the flush methods ``Nm`` is M,
 the micro-batches per step, and the costs are built from the micro-batch profile,
@@ -190,7 +197,8 @@ class StageCosts:
       (between layers ``b-1`` and ``b``); 0 at ``b = 0`` and ``b = L`` (nothing crosses).
     boundary_bytes: ``[L + 1]``: bytes crossing cut b (``[0]`` is the input minibatch, ``[L]`` is 0).
     param_prefix, optimizer_prefix, stash_prefix: ``[L + 1]`` prefix sums (bytes).
-    workspace_max: ``[L + 1, L + 1]``: max XLA temp bytes over layers ``[i, j)`` (0 when ``j <= i``).
+    workspace_max: ``[L + 1, L + 1]``: the workspace of a stage running ``[i, j)``: XLA temp bytes beyond its
+      stash (module docstring; 0 when ``j <= i``).
     capacity_bytes: GPU type name -> usable memory (memory_bytes - reserved_bytes).
     config: the cost-model configuration used.
     forward_prefix_ms: GPU type name -> ``[L + 1]`` prefix sums of the layers' forward time alone (ms), which splits a
@@ -283,17 +291,34 @@ def build_stage_costs(profile: ModelProfile, cluster: ClusterSpec,
     r = np.array([link.transfer_time_s(b) * MS_PER_S for b in bbytes])
     r[0] = r[n] = 0.0
     recv[kind] = r
-  ws = np.array([l.workspace_bytes for l in layers], dtype=np.float64)
-  wmax = np.zeros((n + 1, n + 1))
-  for i in range(n):
-    wmax[i, i + 1:] = np.maximum.accumulate(ws[i:])
+  stash = prefix([l.stash_bytes for l in layers])
   return StageCosts(
       num_layers=n, compute_prefix_ms=compute, recv_ms=recv, boundary_bytes=bbytes,
       param_prefix=prefix([l.param_bytes for l in layers]),
       optimizer_prefix=prefix([l.optimizer_state_bytes for l in layers]),
-      stash_prefix=prefix([l.stash_bytes for l in layers]), workspace_max=wmax,
+      stash_prefix=stash,
+      workspace_max=workspace_beyond_stash(
+          [l.workspace_bytes + b + l.output_activation_bytes for l, b in zip(layers, bbytes)], stash),
       capacity_bytes={name: t.memory_bytes - t.reserved_bytes for name, t in cluster.gpu_types.items()},
       config=config, forward_prefix_ms=forward_prefix_ms(profile, cluster, config))
+
+
+def workspace_beyond_stash(transient_bytes: list[float], stash_prefix: np.ndarray) -> np.ndarray:
+  """``[L + 1, L + 1]``: ``w[i, j] = max over k in [i, j) of (transient_bytes[k] - (stash_prefix[j] -
+  stash_prefix[k + 1]))`` for ``i < j``, else 0 (bytes): the temporaries of a stage running ``[i, j)`` beyond its
+  stash (module docstring). Never below ``transient_bytes[j - 1]``.
+
+  Args:
+    transient_bytes: ``[L]`` what each layer's forward or backward needs besides the stash (module docstring).
+    stash_prefix: ``[L + 1]`` prefix sums of the layers' stash bytes.
+  """
+  ws = np.asarray(transient_bytes, dtype=np.float64)
+  n = len(ws)
+  reach = ws + stash_prefix[1:]  # layer k's temporaries plus the stash up to and including layer k
+  out = np.zeros((n + 1, n + 1))
+  for i in range(n):
+    out[i, i + 1:] = np.maximum.accumulate(reach[i:]) - stash_prefix[i + 1:]
+  return out
 
 
 def _forward_only(profile: ModelProfile) -> ModelProfile:

@@ -30,11 +30,11 @@ no-overlap bound ``step_serial = sum_l (F_l + B_l) + sum_l (2 AG_l + RS_l)``. Ra
 
 Memory of GPU g: ``f_g (2 P + O)`` (its shard of parameters, gradients and optimizer state) ``+ 3 max_l P_l`` (two
 gathered layers, the one computing and the one prefetched, and one layer's unsharded gradient before its
-reduce-scatter) ``+ b_g / batch x (max(stash, input) + workspace)`` (its examples' activations: Horovod's
-whole-model stash of :mod:`hetpipe_jax.planning.cost_model`, linear in examples). With ``remat`` (activation
-checkpointing per layer, the usual FSDP setting for transformers) a GPU keeps each layer's input and one layer's
-stash (the layer being recomputed) instead of the whole stash, and every backward first recomputes its layer's
-forward (``B_l -> F_l + B_l``).
+reduce-scatter) ``+ b_g / batch x (max(stash, input) + workspace)`` (its examples' activations: the whole model as
+one stage under :mod:`hetpipe_jax.planning.cost_model`'s stash and workspace rule, linear in examples). With
+``remat`` (activation checkpointing per layer, the usual FSDP setting for transformers) a GPU keeps each layer's
+input, plus one layer's stash and workspace (the layer being recomputed and differentiated), instead of the whole
+stash, and every backward first recomputes its layer's forward (``B_l -> F_l + B_l``).
 
 Variants (``VARIANTS``):
 
@@ -163,14 +163,30 @@ def per_example_layer_ms(profile: ModelProfile, cluster: ClusterSpec, config: co
 
 
 def activation_bytes_per_example(profile: ModelProfile, remat: bool = False) -> float:
-  """One example's activation memory: ``(max(stash, input) + workspace) / batch``; with ``remat``
-  ``(sum_l input_l + max_l stash_l + workspace) / batch`` (module docstring)."""
-  workspace = max((l.workspace_bytes for l in profile.layers), default=0)
+  """One example's activation memory (module docstring), from the cost model's stash and workspace rule
+  (:func:`hetpipe_jax.planning.cost_model.build_stage_costs`, ``workspace_max``): the whole model as one stage,
+  ``(max(stash, input) + workspace[0, L]) / batch``; with ``remat``, every layer's input kept plus the largest
+  ``stash_k + workspace[k, k + 1]`` (layer k recomputed and differentiated alone), over ``batch``."""
+  costs = _memory_costs(profile)
+  n = profile.num_layers
   if remat:
-    inputs = profile.input_activation_bytes + sum(l.output_activation_bytes for l in profile.layers[:-1])
-    return (inputs + max((l.stash_bytes for l in profile.layers), default=0) + workspace) / profile.batch_size
-  stash = sum(l.stash_bytes for l in profile.layers)
-  return (max(stash, profile.input_activation_bytes) + workspace) / profile.batch_size
+    inputs = float(np.sum(costs.boundary_bytes[:n]))
+    stash = np.diff(costs.stash_prefix)
+    one = max(float(stash[k] + costs.workspace_max[k, k + 1]) for k in range(n))
+    return (inputs + one) / profile.batch_size
+  whole = max(float(costs.stash_prefix[n]), float(costs.boundary_bytes[0])) + float(costs.workspace_max[0, n])
+  return whole / profile.batch_size
+
+
+def _memory_costs(profile: ModelProfile) -> cost_model.StageCosts:
+  """The cost model's per-range memory terms of ``profile`` (no GPU type needed: a one-type placeholder cluster)."""
+  from hetpipe_jax.planning import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  placeholder = cluster_lib.cluster_from_dict({
+      "name": "memory_terms", "gpu_types": [{"name": "t", "peak_fp32_flops_per_s": 1.0, "peak_fp16_flops_per_s": 1.0,
+                                              "memory_bytes": 1, "memory_bandwidth_bytes_per_s": 1.0}],
+      "nodes": [{"name": "n", "gpus": ["t"]}], "intra_node_link": {"name": "l", "bandwidth_bytes_per_s": 1.0},
+      "inter_node_link": {"name": "l", "bandwidth_bytes_per_s": 1.0}})
+  return cost_model.build_stage_costs(profile, placeholder)
 
 
 def state_bytes(profile: ModelProfile) -> float:

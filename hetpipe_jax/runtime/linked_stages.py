@@ -14,7 +14,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from hetpipe_jax.runtime.vw_state import host_copy
 
 
 class LinkedStages:
@@ -23,8 +22,7 @@ class LinkedStages:
   def take_wave_delta(self) -> np.ndarray:
     """The local stages' wave delta, flat (their layers in stage order), and a fresh zero delta (a stage rank's side
     of a wave end)."""
-    host = jax.device_get([self.wave_delta[s] for s in self.local_stages])
-    flat = self._flat_of(self.local_stages, host)
+    flat = self._flat_of(self.local_stages, [self.wave_delta[s] for s in self.local_stages])
     for s in self.local_stages:
       self.wave_delta[s] = self._zeros[s]
     return flat
@@ -37,11 +35,9 @@ class LinkedStages:
     pos = 0
     offsets = self.layout.layer_offsets
     for s in self.local_stages:
-      st = self.stages[s]
-      start, end = st.layer_range
+      start, end = self.stages[s].layer_range
       n = offsets[end] - offsets[start]
-      p = jax.device_put(host_copy(self.layout.unflatten(flat[pos:pos + n], start, end)), st.device)
-      params[s] = st.add(p, self.wave_delta[s])
+      params[s] = self.stages[s].add(self._stage_params_of(s, flat[pos:pos + n]), self.wave_delta[s])
       pos += n
     if pos != flat.size:
       raise ValueError(f"[VW {self.vw_id}] rebased weights of {flat.size} floats for stages {self.local_stages} "
@@ -53,9 +49,9 @@ class LinkedStages:
     ranks push their stages' parts themselves)."""
     offsets = self.layout.layer_offsets
     flat = np.zeros(self.layout.num_params, np.float32)
-    host = jax.device_get([self.wave_delta[s] for s in self.local_stages])
-    for s, h in zip(self.local_stages, host):
+    parts = jax.device_get([self.stages[s].ravel(self.wave_delta[s]) for s in self.local_stages])
+    for s, part in zip(self.local_stages, parts):
       start, end = self.stages[s].layer_range
-      flat[offsets[start]:offsets[end]] = self.layout.flatten(h, start)
+      flat[offsets[start]:offsets[end]] = part
     return flat
 

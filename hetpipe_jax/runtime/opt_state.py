@@ -2,7 +2,9 @@
 
 Runtime layer. A stage's parameters are a list of per-layer pytrees, so every parameter-shaped part of its optax
 state (Adam's ``mu`` and ``nu``, momentum's trace) is a list with one entry per layer, and the rest are shared
-scalars (Adam's step ``count``). Checkpoints keep a VW's state as ``(scalars, per-layer parts)``; resuming onto
+scalars (Adam's step ``count``). A partition of transformations (Muon's: its matrices and Adam's other leaves)
+holds such lists with ``optax.MaskedNode`` where the other part owns a leaf; the rule that decides it is per layer
+(:mod:`hetpipe_jax.runtime.optimizers`), so a layer's parts fit whichever stage holds it. Checkpoints keep a VW's state as ``(scalars, per-layer parts)``; resuming onto
 another partition rebuilds each new stage's state from its layers' parts (issue: resume onto a new plan).
 """
 
@@ -15,9 +17,23 @@ import numpy as np
 import optax
 
 
+def _is_masked(node: Any) -> bool:
+  return isinstance(node, optax.MaskedNode)
+
+
 def _params_shaped(stage_params: Sequence[Any]):
-  treedef = jax.tree.structure(list(stage_params))
-  return lambda node: isinstance(node, list) and jax.tree.structure(node) == treedef
+  """A test for the parameter-shaped parts of a stage's state: one entry per layer, each shaped like its layer
+  (an ``optax.MaskedNode`` standing for a leaf)."""
+  layers = [jax.tree.structure(p) for p in stage_params]
+  return lambda node: isinstance(node, list) and len(node) == len(layers) and all(
+      jax.tree.structure(part, is_leaf=_is_masked) == want for part, want in zip(node, layers))
+
+
+def _leaf_shapes(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
+  """``(path, shape)`` of every leaf; a masked leaf (``optax.MaskedNode``, or the empty node a checkpoint restores in
+  its place) has none."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return [(jax.tree_util.keystr(path), np.shape(leaf)) for path, leaf in flat]
 
 
 def split_by_layer(opt_state: Any, stage_params: Sequence[Any]) -> tuple[list[np.ndarray], list[list[Any]]]:
@@ -65,11 +81,12 @@ def join_layers(optimizer: optax.GradientTransformation, stage_params: Sequence[
   for node in nodes:
     if is_params(node):
       parts = [layer[k] for layer in per_layer]
+      joined = []
       for want, got in zip(node, parts):
-        if jax.tree.structure(want) != jax.tree.structure(got) or any(
-            np.shape(a) != np.shape(b) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got))):
+        if _leaf_shapes(want) != _leaf_shapes(got):
           raise ValueError("a layer's optimizer state does not match the model's layer (another model or optimizer)")
-      out.append(parts)
+        joined.append(jax.tree.unflatten(jax.tree.structure(want), jax.tree.leaves(got)))
+      out.append(joined)
       k += 1
     else:
       if s >= len(scalars) or np.shape(scalars[s]) != np.shape(node):

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hetpipe_jax.runtime.vw_state import InFlightMinibatch, host_copy
+from hetpipe_jax.runtime.vw_state import InFlightMinibatch
 
 
 class PerStageUpdates:
@@ -71,7 +71,7 @@ class PerStageUpdates:
     for s in range(len(self.stages)):
       with self.stage_locks[s]:
         deltas.append(self.stage_wave_delta[s].pop(wave_id, self._zeros[s]))
-    flat = self._flat_of(range(len(self.stages)), jax.device_get(deltas))
+    flat = self._flat_of(range(len(self.stages)), deltas)
     if self.corrupt_update is not None:
       self.corrupt_update(wave_id, flat)
     self.ps.push(wave_id, flat, loss_sum, self.num_inflight)
@@ -94,8 +94,7 @@ class PerStageUpdates:
     """PipeDream's pull: every stage := global + its own pushed waves the PS lacks + its deltas not pushed yet (under
     the stage's lock; with vertical sync the kept history moves by the same correction)."""
     for s, st in enumerate(self.stages):
-      start, end = st.layer_range
-      p = jax.device_put(host_copy(self.layout.unflatten(flat, start, end)), st.device)
+      p = self._stage_params_of(s, flat)
       for c in keep:
         p = st.add(p, self.own_waves[c][s])
       with self.stage_locks[s]:

@@ -25,14 +25,14 @@ import optax
 from hetpipe_jax.models import ModelSpec, load_model
 from hetpipe_jax.planning import profile_format
 
-_OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
+OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "sgd": lambda: optax.sgd(0.1),
     "momentum": lambda: optax.sgd(0.1, momentum=0.9),
     "adam": lambda: optax.adam(1e-3),
 }
 
 
-def _tree_bytes(tree: Any) -> int:
+def tree_bytes(tree: Any) -> int:
   return int(sum(np.prod(a.shape, dtype=np.int64) * np.dtype(a.dtype).itemsize
                  for a in jax.tree_util.tree_leaves(tree)))
 
@@ -52,7 +52,7 @@ def _temp_bytes(compiled: Any) -> int:
     return 0
 
 
-def _stash_bytes(fn: Callable, params: Any, x: Any) -> int:
+def stash_bytes(fn: Callable, params: Any, x: Any) -> int:
   """Bytes of the vjp residuals of ``fn(params, x)`` that are not parameters (kept until the backward)."""
   try:
     from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=g-import-not-at-top
@@ -61,7 +61,7 @@ def _stash_bytes(fn: Callable, params: Any, x: Any) -> int:
                    for a, why in res if "argument params" not in why))
   except Exception:  # pylint: disable=broad-except  # private API; fall back to an upper bound
     _, vjp_fn = jax.eval_shape(lambda p, a: jax.vjp(fn, p, a), params, x)
-    return max(_tree_bytes(vjp_fn) - _tree_bytes(params), 0)
+    return max(tree_bytes(vjp_fn) - tree_bytes(params), 0)
 
 
 def _median_ms(fn: Callable, args: tuple, repeats: int) -> float:
@@ -93,14 +93,14 @@ def profile_model(spec: ModelSpec, batch_size: int, *, measure: bool, repeats: i
   Raises:
     ValueError: unknown optimizer or non-positive batch size.
   """
-  if optimizer not in _OPTIMIZERS:
-    raise ValueError(f"unknown optimizer {optimizer!r}: must be one of {sorted(_OPTIMIZERS)}")
+  if optimizer not in OPTIMIZERS:
+    raise ValueError(f"unknown optimizer {optimizer!r}: must be one of {sorted(OPTIMIZERS)}")
   if batch_size <= 0:
     raise ValueError(f"batch_size must be positive, got {batch_size}")
   device = device or jax.devices()[0]
-  opt = _OPTIMIZERS[optimizer]()
+  opt = OPTIMIZERS[optimizer]()
   x = jax.ShapeDtypeStruct((batch_size,) + tuple(spec.input_shape), spec.input_dtype)
-  input_bytes = _tree_bytes(x)
+  input_bytes = tree_bytes(x)
   cache: dict[tuple[str, tuple[int, ...]], profile_format.LayerProfile] = {}
   layers = []
   for i, layer in enumerate(spec.layers):
@@ -131,9 +131,9 @@ def profile_model(spec: ModelSpec, batch_size: int, *, measure: bool, repeats: i
         bwd_ms = _median_ms(bwd, (vjp_real, g_real), repeats)
       cache[key] = profile_format.LayerProfile(
           name=name, fwd_time_ms=fwd_ms, bwd_time_ms=bwd_ms, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
-          fwd_bytes_accessed=fwd_bytes, bwd_bytes_accessed=bwd_bytes, param_bytes=_tree_bytes(params),
-          optimizer_state_bytes=_tree_bytes(jax.eval_shape(opt.init, params)),
-          output_activation_bytes=_tree_bytes(y), stash_bytes=_stash_bytes(fn, params, x),
+          fwd_bytes_accessed=fwd_bytes, bwd_bytes_accessed=bwd_bytes, param_bytes=tree_bytes(params),
+          optimizer_state_bytes=tree_bytes(jax.eval_shape(opt.init, params)),
+          output_activation_bytes=tree_bytes(y), stash_bytes=stash_bytes(fn, params, x),
           workspace_bytes=max(_temp_bytes(fwd_c), _temp_bytes(bwd_c)))
       logging.info("[profiler] %s %s: fwd %.3g GFLOP, bwd %.3g GFLOP", spec.name, name, fwd_flops / 1e9,
                    bwd_flops / 1e9)

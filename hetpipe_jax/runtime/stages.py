@@ -18,6 +18,7 @@ import optax
 
 from hetpipe_jax.models import ModelSpec, apply_layers
 from hetpipe_jax.runtime import grad_clip
+from hetpipe_jax.runtime import optimizers
 from hetpipe_jax.rules.partition import validate_partition
 
 Params = Any  # list of per-layer params pytrees of one stage
@@ -55,21 +56,33 @@ class Stage:
   add: Any = None
   ravel: Any = None
   apply_mean: Any = None
+  unravel: Any = None
   sq_norm: Any = None
   grad_clip_norm: float = 0.0
   trace_counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
+def unravel_like(flat: jax.Array, like: Any) -> Any:
+  """The inverse of a stage's ``ravel``: float32 ``[n]`` (leaves in ``jax.tree`` order) → a tree of ``like``'s
+  structure, shapes and dtypes. Traced inside the stages' jitted functions."""
+  leaves, treedef = jax.tree.flatten(like)
+  out, pos = [], 0
+  for leaf in leaves:
+    out.append(flat[pos:pos + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
+    pos += leaf.size
+  return jax.tree.unflatten(treedef, out)
+
+
 def build_stages(spec: ModelSpec, partition: Sequence[Sequence[int]], devices: Sequence[jax.Device],
-                 optimizer: optax.GradientTransformation, remat: bool = False,
-                 grad_clip_norm: float = 0.0) -> list[Stage]:
+                 optimizer: Any, remat: bool = False, grad_clip_norm: float = 0.0) -> list[Stage]:
   """Builds the stages of one VW.
 
   Args:
     spec: the model.
     partition: one ``[start, end)`` layer range per stage.
     devices: one device per stage (explicit placement).
-    optimizer: the optax transformation; each stage updates its own params with it.
+    optimizer: the optax transformation each stage updates its own params with, or a
+      :class:`hetpipe_jax.runtime.optimizers.PerStage` (each stage's from its layer range).
     (The last stage's loss is ``spec.objective``'s, :mod:`hetpipe_jax.runtime.objectives`.)
     remat: rematerialisation (``jax.checkpoint`` of each stage's layers): a forward keeps only its input, and the
       backward recomputes the activations (GPipe's memory saving; same numerics).
@@ -93,7 +106,7 @@ def build_stages(spec: ModelSpec, partition: Sequence[Sequence[int]], devices: S
   for s, (start, end) in enumerate(ranges):
     st = Stage(s, (start, end), devices[s], is_first=(s == 0), is_last=(s == len(ranges) - 1),
                grad_clip_norm=float(grad_clip_norm))
-    _jit_stage(st, spec.layers[start:end], optimizer, loss_fn, remat)
+    _jit_stage(st, spec.layers[start:end], optimizers.for_layers(optimizer, start, end), loss_fn, remat)
     stages.append(st)
   return stages
 
@@ -167,14 +180,14 @@ def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformat
     summed over ``count`` micro-batches); returns ``(new_params, new_opt_state)``. The flush methods' step; ``norm``
     is the mean gradient's global norm over the whole model (read only when clipping is on)."""
     counts["apply_mean"] += 1
-    mean = flat_sum / count
-    leaves, treedef = jax.tree.flatten(params)
-    grads, pos = [], 0
-    for leaf in leaves:
-      grads.append(mean[pos:pos + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
-      pos += leaf.size
-    delta, opt_state = optimizer.update(clipped(jax.tree.unflatten(treedef, grads), norm), opt_state, params)
+    delta, opt_state = optimizer.update(clipped(unravel_like(flat_sum / count, params), norm), opt_state, params)
     return optax.apply_updates(params, delta), opt_state
+
+  def unravel(flat, like):
+    """float32 ``[n]`` in :func:`ravel`'s order → a tree shaped like ``like`` (its values are not read): pulled
+    weights placed on the device as one buffer and cut up there, instead of one transfer per leaf."""
+    counts["unravel"] += 1
+    return unravel_like(flat, like)
 
   def sq_norm(grads):
     """The squared norm of this stage's part of a gradient (float32 scalar; :func:`grad_clip.stage_sq_norm`)."""
@@ -188,4 +201,5 @@ def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformat
   st.add = jax.jit(add)
   st.ravel = jax.jit(ravel)
   st.apply_mean = jax.jit(apply_mean)
+  st.unravel = jax.jit(unravel)
   st.sq_norm = jax.jit(sq_norm)

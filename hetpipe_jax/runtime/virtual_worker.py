@@ -39,7 +39,6 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from hetpipe_jax.rules import allreduce
 from hetpipe_jax.rules import methods
@@ -48,6 +47,7 @@ from hetpipe_jax.rules import wsp
 from hetpipe_jax.rules.records import MinibatchRecord, ShardedMinibatchRecord
 from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.ps.shards import rebase_on_shards
+from hetpipe_jax.runtime import optimizers
 from hetpipe_jax.runtime import vw_driver
 from hetpipe_jax.runtime import grad_clip
 from hetpipe_jax.runtime.flush_step import FlushStep
@@ -67,7 +67,8 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     stages: built by :func:`hetpipe_jax.runtime.stages.build_stages`.
     layout: flat weight layout shared with the PS.
     initial_layer_params: per-layer host params (the global initial weights W0).
-    optimizer: optax transformation (each stage keeps its own state on its device).
+    optimizer: optax transformation, or a :class:`hetpipe_jax.runtime.optimizers.PerStage` (each stage keeps its
+      own state on its device).
     num_inflight: Nm >= 1.
     staleness_bound: D >= 0.
     ps: the parameter-server client.
@@ -105,7 +106,7 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
   """
 
   def __init__(self, vw_id: int, stages: Sequence[Stage], layout: ParamLayout, initial_layer_params: Sequence[Any],
-               optimizer: optax.GradientTransformation, num_inflight: int, staleness_bound: int, ps: PSClient,
+               optimizer: Any, num_inflight: int, staleness_bound: int, ps: PSClient,
                get_minibatch: Callable[[int], tuple[np.ndarray, np.ndarray]], *, num_virtual_workers: int,
                pull_every_wave: bool = True,
                poll_interval_s: float = 1e-3, on_minibatch: Callable[[MinibatchRecord], None] | None = None,
@@ -159,15 +160,18 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     params = tuple(self._place_stage(initial_layer_params, st) if s in local else None
                    for s, st in enumerate(self.stages))
     # Constant outputs (Adam's step count, zeros) are not committed by jit: place them explicitly.
-    self.opt_states = [jax.device_put(jax.jit(optimizer.init)(p), st.device) if p is not None else None
+    self.opt_states = [jax.device_put(jax.jit(optimizers.for_layers(optimizer, *st.layer_range).init)(p), st.device)
+                       if p is not None else None
                        for st, p in zip(self.stages, params)]
     self._zeros = [jax.device_put(jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t))(p), st.device)
                    if p is not None else None for st, p in zip(self.stages, params)]
     # Per local stage, a zero norm on its device: the update's norm argument when clipping is off.
     self._zero_norms = [jax.device_put(np.float32(0.0), st.device) if p is not None else None
                         for st, p in zip(self.stages, params)]
-    # Compile the update and the rebase now, not at the first completion / pull (a stall inside wave 1).
-    jax.block_until_ready([(st.update(p, o, z, z, n), st.add(p, z), st.sq_norm(z) if self.grad_clip_norm else n)
+    # Compile the update, the rebase and a wave's ravel / a pull's unravel now, not at the first completion, wave end
+    # or pull (a stall inside wave 1).
+    jax.block_until_ready([(st.update(p, o, z, z, n), st.add(p, z), st.sq_norm(z) if self.grad_clip_norm else n,
+                            st.unravel(st.ravel(z), z))
                            for st, p, o, z, n in zip(self.stages, params, self.opt_states, self._zeros,
                                                      self._zero_norms) if p is not None])
     # Flush methods: per stage, on its device, the micro-batches a reduced step sums (N x M: apply_mean's divisor);
@@ -410,10 +414,26 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
       out[s] = x
     return out
 
-  def _flat_of(self, stage_ids: Sequence[int], host: Sequence[Any]) -> np.ndarray:
-    """Stages ``stage_ids``' host params-shaped trees ``host`` as one float32 vector (their layers in stage order)."""
-    parts = [self.layout.flatten(h, self.stages[s].layer_range[0]) for s, h in zip(stage_ids, host)]
+  def _flat_of(self, stage_ids: Sequence[int], trees: Sequence[Any]) -> np.ndarray:
+    """Stages ``stage_ids``' params-shaped device trees ``trees`` as one float32 host vector (their layers in stage
+    order, :class:`ParamLayout`'s order): each stage ravels its tree on its device, then one transfer per stage (not
+    one per leaf, and no flattening on the host)."""
+    parts = jax.device_get([self.stages[s].ravel(t) for s, t in zip(stage_ids, trees)])
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+  def _stage_params_of(self, s: int, flat: np.ndarray) -> Any:
+    """Stage ``s``'s weights from a float32 host vector (the full model, or exactly the stage's layers), placed on its
+    device as one buffer and cut into its params tree there (``Stage.unravel``)."""
+    start, end = self.stages[s].layer_range
+    offsets = self.layout.layer_offsets
+    if flat.size == self.layout.num_params:
+      flat = flat[offsets[start]:offsets[end]]
+    elif flat.size != offsets[end] - offsets[start]:
+      raise ValueError(f"[VW {self.vw_id}] stage {s} holds {offsets[end] - offsets[start]} floats, got {flat.size}")
+    st = self.stages[s]
+    if st.device.platform == "cpu":  # a CPU device array may alias its numpy buffer (vw_state.host_copy)
+      flat = np.array(flat, np.float32, copy=True)
+    return st.unravel(jax.device_put(flat, st.device), self._zeros[s])
 
   def end_wave(self, wave_id: int) -> bool:
     """Pushes wave ``wave_id``'s summed delta and losses to the PS and keeps the delta until the PS holds it.
@@ -435,7 +455,7 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
       self.remote.end_wave(wave_id)
       flat = self._linked_wave_flat()
     else:
-      flat = self._flat_of(range(len(self.stages)), jax.device_get(self.wave_delta))
+      flat = self._flat_of(range(len(self.stages)), self.wave_delta)
     if self.ps_shards is not None or self.remote is not None:
       self.own_flat[wave_id] = flat.copy()  # the update as computed, before a fault drill can touch it
     if self.corrupt_update is not None:  # fault drills only (config.debug_nan_update)
@@ -496,8 +516,7 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     params = [None] * len(self.stages)
     for s in self.local_stages:
       st = self.stages[s]
-      start, end = st.layer_range
-      p = jax.device_put(host_copy(self.layout.unflatten(flat, start, end)), st.device)
+      p = self._stage_params_of(s, flat)
       for c in keep:
         p = st.add(p, self.own_waves[c][s])
       params[s] = st.add(p, self.wave_delta[s])
@@ -515,10 +534,7 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     self.own_waves = {c: self.own_waves[c] for c in self.own_flat}
     params = [None] * len(self.stages)
     for s in self.local_stages:
-      st = self.stages[s]
-      start, end = st.layer_range
-      p = jax.device_put(self.layout.unflatten(local, start, end), st.device)
-      params[s] = st.add(p, self.wave_delta[s])
+      params[s] = self.stages[s].add(self._stage_params_of(s, local), self.wave_delta[s])
     self.version = self._new_version(params, vector_clock=vector_clock,
                                      shard_vector_clocks=tuple(tuple(int(c) for c in vc) for vc in shard_vector_clocks))
     if self.remote is not None:  # the stage ranks rebase their stages on their parts of the same pull
@@ -535,10 +551,7 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     Args:
       flat: the global weights, float32 ``[num_params]``.
     """
-    params = []
-    for st in self.stages:
-      start, end = st.layer_range
-      params.append(jax.device_put(host_copy(self.layout.unflatten(flat, start, end)), st.device))
+    params = [self._stage_params_of(s, flat) for s in range(len(self.stages))]
     self.version = WeightVersion(tuple(params), 0, (0,) * self.num_virtual_workers, self.version.version_id + 1)
     self.own_waves = {}
     self.wave_delta = list(self._zeros)
@@ -573,7 +586,8 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     states = []
     for st, params in zip(self.stages, jax.device_get(list(self.version.params))):
       start, end = st.layer_range
-      state = opt_state.join_layers(self.optimizer, params, scalars, per_layer[start:end])
+      state = opt_state.join_layers(optimizers.for_layers(self.optimizer, start, end), params, scalars,
+                                    per_layer[start:end])
       states.append(jax.device_put(state, st.device))
     self.opt_states = states
 

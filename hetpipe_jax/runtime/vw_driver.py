@@ -191,8 +191,11 @@ def run(vw: Any, num_minibatches: int, *, completion_log: list | None = None) ->
             vw.complete_minibatch(mb, c.end_s)
             num_finished += 1
             wave, pull = vw.sync.on_minibatch_complete(p)
-            if wave is not None and vw.end_wave(wave):
-              vw.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied
+            if wave is not None:
+              t_wave = time.perf_counter()
+              if vw.end_wave(wave):
+                vw.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied
+              stats.push_s += time.perf_counter() - t_wave
             if pull is not None:
               vw.ps.request_pull(pull)
           stats.update_s += time.perf_counter() - t

@@ -78,6 +78,7 @@ class VWStats:
   max_concurrent_tasks: int = 0
   num_tasks: int = 0
   host_busy_s: float = 0.0  # scheduler thread's time not blocked waiting for completions
+  push_s: float = 0.0  # of update_s: the wave ends (losses read back, the wave's update to the host and pushed)
   update_s: float = 0.0  # ... of which applying minibatch updates and pushing waves (weights' compute/transfers)
   sync_s: float = 0.0  # ... of which installing pulled global weights
   inject_s: float = 0.0  # ... of which reading minibatches and placing them on stage devices
