@@ -33,7 +33,7 @@ gathered layers, the one computing and the one prefetched, and one layer's unsha
 reduce-scatter) ``+ b_g / batch x (max(stash, input) + workspace)`` (its examples' activations: the whole model as
 one stage under :mod:`hetpipe_jax.planning.cost_model`'s stash and workspace rule, linear in examples). With
 ``remat`` (activation checkpointing per layer, the usual FSDP setting for transformers) a GPU keeps each layer's
-input, plus one layer's stash and workspace (the layer being recomputed and differentiated), instead of the whole
+input (or its stash where that is smaller), plus one layer's stash and workspace (the layer being recomputed and differentiated), instead of the whole
 stash, and every backward first recomputes its layer's forward (``B_l -> F_l + B_l``).
 
 Variants (``VARIANTS``):
@@ -165,15 +165,17 @@ def per_example_layer_ms(profile: ModelProfile, cluster: ClusterSpec, config: co
 def activation_bytes_per_example(profile: ModelProfile, remat: bool = False) -> float:
   """One example's activation memory (module docstring), from the cost model's stash and workspace rule
   (:func:`hetpipe_jax.planning.cost_model.build_stage_costs`, ``workspace_max``): the whole model as one stage,
-  ``(max(stash, input) + workspace[0, L]) / batch``; with ``remat``, every layer's input kept plus the largest
-  ``stash_k + workspace[k, k + 1]`` (layer k recomputed and differentiated alone), over ``batch``."""
+  ``(max(stash, input) + workspace[0, L]) / batch``; with ``remat``, every checkpointed layer's input kept (a
+  layer whose stash is smaller than its input, e.g. a ReLU's mask, keeps its stash: checkpointing it saves nothing)
+  plus the largest ``stash_k + workspace[k, k + 1]`` (layer k recomputed and differentiated alone), over
+  ``batch``."""
   costs = _memory_costs(profile)
   n = profile.num_layers
   if remat:
-    inputs = float(np.sum(costs.boundary_bytes[:n]))
     stash = np.diff(costs.stash_prefix)
+    kept = float(np.sum(np.minimum(costs.boundary_bytes[:n], stash)))  # a layer whose stash is smaller keeps it
     one = max(float(stash[k] + costs.workspace_max[k, k + 1]) for k in range(n))
-    return (inputs + one) / profile.batch_size
+    return (kept + one) / profile.batch_size
   whole = max(float(costs.stash_prefix[n]), float(costs.boundary_bytes[0])) + float(costs.workspace_max[0, n])
   return whole / profile.batch_size
 
