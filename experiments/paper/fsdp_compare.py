@@ -47,12 +47,12 @@ def _label(r) -> str:
   return f"{r.method} {r.allocation}{place}"
 
 
-def run(results_dir: str, quick: bool) -> str:
+def run(results_dir: str, quick: bool, clusters: tuple[str, ...] = ()) -> str:
   t0 = time.perf_counter()
   base_cal = None
   sections, claims, payload_rows, cells = [], [], [], []
   for cluster_name, num_vws in CLUSTERS:
-    if quick and cluster_name not in QUICK_CLUSTERS:
+    if (quick and cluster_name not in QUICK_CLUSTERS) or (clusters and cluster_name not in clusters):
       continue
     base = cluster_lib.load_cluster(cluster_name)
     if base_cal is None:
@@ -117,10 +117,11 @@ def run(results_dir: str, quick: bool) -> str:
 
 def main(argv):
   del argv
-  common.print_results(run(flags.FLAGS.results_dir, flags.FLAGS.quick))
+  common.print_results(run(flags.FLAGS.results_dir, flags.FLAGS.quick, tuple(flags.FLAGS.clusters)))
 
 
 if __name__ == "__main__":
   flags.DEFINE_string("results_dir", common.RESULTS_DIR, "Where to write fsdp_compare.{json,md,png}.")
   flags.DEFINE_bool("quick", False, "One model on the paper's cluster, few waves (a smoke run, not a result).")
+  flags.DEFINE_list("clusters", [], "Only these of hetpipe_paper, hetpipe_paper_x4 (default: both).")
   app.run(main)
