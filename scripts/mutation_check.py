@@ -85,7 +85,7 @@ _UPDATES = (
     "                vw.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied\n"
     "              stats.push_s += time.perf_counter() - t_wave\n"
     "            if pull is not None:\n"
-    "              vw.ps.request_pull(pull)\n"
+    "              ps.request_pull(pull)\n"
     "          stats.update_s += time.perf_counter() - t\n")
 
 
@@ -833,6 +833,24 @@ MUTATIONS = (
              "          if config.optimizer in users}", "          if False}",
              ("tests/test_optimizers.py::test_every_method_in_virtual_time_equals_whole_model_optax",),
              "summary.json's optimizer lacks the settings it ran with (b1, b2, weight decay, Muon's beta)"),
+    # issue: a VW's PS exchange off the scheduler thread (runtime/ps_channel.py)
+    Mutation("pull_request_overtakes_push", "hetpipe_jax/runtime/ps_channel.py",
+             '    self._ops.put(("pull", required_clock))',
+             "    self._vw.ps.request_pull(required_clock)\n    self._pull_outstanding = True",
+             ("tests/test_ps_channel.py::test_a_pull_request_never_overtakes_its_own_push",),
+             "a pull request goes to the client at once, ahead of the VW's pushes still on the channel"),
+    Mutation("wave_push_back_on_scheduler", "hetpipe_jax/runtime/virtual_worker.py",
+             "    if self.ps_channel is not None and self.ps_channel.running:", "    if False:",
+             ("tests/test_ps_channel.py::test_a_slow_ps_overlaps_compute_with_the_same_numerics",),
+             "the wave's push runs on the scheduler thread although the VW has a PS channel (no overlap)"),
+    Mutation("channel_error_dropped", "hetpipe_jax/runtime/ps_channel.py",
+             "        self._error = e\n", "        pass\n",
+             ("tests/test_ps_channel.py::test_an_error_on_the_channel_thread_stops_the_run",),
+             "an error on the PS channel thread (NaN loss, refused update) stops the channel but not the run"),
+    Mutation("run_end_ignores_channel_error", "hetpipe_jax/runtime/vw_driver.py",
+             "      channel.flush()", "      channel.stop()",
+             ("tests/test_ps_channel.py::test_an_error_on_the_channel_thread_stops_the_run",),
+             "the run's end waits for the channel but does not raise an error of its last pushes"),
 )
 
 
