@@ -851,6 +851,11 @@ MUTATIONS = (
              "      channel.flush()", "      channel.stop()",
              ("tests/test_ps_channel.py::test_an_error_on_the_channel_thread_stops_the_run",),
              "the run's end waits for the channel but does not raise an error of its last pushes"),
+    Mutation("pull_placed_on_scheduler", "hetpipe_jax/runtime/virtual_worker.py",
+             "    placed = self.ps_channel.take_placed(flat) if self.ps_channel is not None else None",
+             "    placed = None",
+             ("tests/test_ps_channel.py::test_a_slow_ps_overlaps_compute_with_the_same_numerics",),
+             "the scheduler's install places the pulled weights on the devices again (the channel's placement unused)"),
 )
 
 

@@ -69,7 +69,8 @@ def test_a_slow_ps_overlaps_compute_with_the_same_numerics(synthetic_data_dir):
   pushes wave p before it injects p + 1, so inline takes at least n (T + P). Through the channel the push and the pull
   (P + L <= T) overlap the next minibatch, which needs only the global clock p (D = 1): n T plus the last push and
   the per-minibatch host work (bounded by 15 ms here, a loaded machine). Both runs equal plain sequential training
-  (Nm = 1: minibatch p sees updates 0..p-1)."""
+  (Nm = 1: minibatch p sees updates 0..p-1). Through the channel its thread also places each reply's weights on the
+  stages' devices."""
   n, push_s, pull_s = 10, 0.040, 0.015
   times = task_times.uniform_task_times([30.0, 30.0], fwd_fraction=0.5)
   t_mb = 0.060
@@ -79,8 +80,20 @@ def test_a_slow_ps_overlaps_compute_with_the_same_numerics(synthetic_data_dir):
   for mode in ("inline", "thread"):
     vw, source, params0, tx, _ = _vw(synthetic_data_dir, mode, push_s=push_s, pull_s=pull_s, stages=warm.stages,
                                      task_time_s=times.task_duration_s)
+    placing = []  # the threads that placed pulled weights on the stages' devices
+    place = vw._stage_params_of  # pylint: disable=protected-access
+
+    def logged_place(s, flat):
+      placing.append(threading.current_thread().name)
+      return place(s, flat)
+
+    vw._stage_params_of = logged_place  # pylint: disable=protected-access
     stats = vw.run(n)
     assert stats.ps_channel == mode and vw.ps_channel_mode == mode
+    # (through the channel the last reply may be placed but left for a next run)
+    assert stats.num_pulls >= n - 1 and 2 * stats.num_pulls <= len(placing) <= 2 * (stats.num_pulls + 1)
+    # through the channel its thread places a reply's weights: the scheduler's install only adds on the devices
+    assert all(t.startswith("ps-channel") == (mode == "thread") for t in placing), placing
     walls[mode] = stats.wall_time_s
     assert stats.num_pushes == n and len(vw.ps.losses) == n
     if mode == "thread":

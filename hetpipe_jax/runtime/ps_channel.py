@@ -11,7 +11,9 @@ them in the order they were sent, so a pull request never reaches the PS before 
 (the PS answers it with weights that hold every wave the VW ended before asking, as over one ordered MPI channel);
 it reads the wave's losses back (the NaN check, the records' losses and the ``on_minibatch`` callbacks, in wave
 order), brings the update to the host, runs the fault-drill hook and pushes; between operations it polls the client
-for the reply to an outstanding pull, which the scheduler then takes without waiting (:meth:`PSChannel.poll_pull`).
+for the reply to an outstanding pull and places its stages' slices on their devices, so the scheduler takes it
+without waiting (:meth:`PSChannel.poll_pull`) and its install only adds the VW's own updates on the devices
+(:meth:`PSChannel.take_placed`).
 
 Where it runs (:meth:`hetpipe_jax.runtime.virtual_worker.VirtualWorker.ps_channel_mode`): HetPipe's per-minibatch
 update with one PS and every stage in this process; stage ranks, sharded PS, PipeDream and the all-reduce methods
@@ -50,6 +52,7 @@ class PSChannel:
     self._vw = vw
     self._ops: queue.SimpleQueue = queue.SimpleQueue()
     self._replies: collections.deque = collections.deque()  # pull replies polled, not yet taken by the scheduler
+    self._placed: dict[int, tuple] = {}  # id(reply's weights) -> (the weights, per stage its placed params or None)
     self._pull_outstanding = False
     self._error: BaseException | None = None
     self._thread: threading.Thread | None = None
@@ -95,6 +98,12 @@ class PSChannel:
     self._raise_error()
     return self._replies.popleft() if self._replies else None
 
+  def take_placed(self, flat) -> list | None:
+    """Per stage, the params the channel placed on its device from a reply's weights ``flat`` (None for a stage
+    not in this process), or None when it placed none for this array; each reply's are taken once."""
+    entry = self._placed.pop(id(flat), None)
+    return entry[1] if entry is not None and entry[0] is flat else None
+
   def flush(self) -> None:
     """Waits until every operation sent has been executed, then stops the thread (a run's end).
 
@@ -118,6 +127,7 @@ class PSChannel:
     if self._thread is not None:
       raise RuntimeError(f"[VW {self._vw.vw_id}] the PS channel is running")
     self._replies.clear()
+    self._placed.clear()
     self._pull_outstanding = False
 
   def _raise_error(self) -> None:
@@ -128,6 +138,8 @@ class PSChannel:
     reply = self._vw.ps.poll_pull()
     if reply is not None:
       self._pull_outstanding = False
+      flat = reply[1]
+      self._placed[id(flat)] = (flat, self._vw.place_pulled(flat))
       self._replies.append(reply)
 
   def _loop(self) -> None:

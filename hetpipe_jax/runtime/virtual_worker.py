@@ -452,6 +452,15 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
       flat = np.array(flat, np.float32, copy=True)
     return st.unravel(jax.device_put(flat, st.device), self._zeros[s])
 
+  def place_pulled(self, flat: np.ndarray) -> list:
+    """Per stage, its slice of pulled global weights ``flat`` (float32 ``[num_params]``) placed on its device as its
+    params tree (:meth:`_stage_params_of`); None for a stage not in this process. The PS channel thread prepares a
+    reply's install with it (:mod:`hetpipe_jax.runtime.ps_channel`)."""
+    out = [None] * len(self.stages)
+    for s in self.local_stages:
+      out[s] = self._stage_params_of(s, flat)
+    return out
+
   def end_wave(self, wave_id: int) -> bool:
     """Pushes wave ``wave_id``'s summed delta and losses to the PS and keeps the delta until the PS holds it.
 
@@ -558,9 +567,10 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
       self._install_pull_per_stage(vector_clock, flat, keep)
       return
     params = [None] * len(self.stages)
+    placed = self.ps_channel.take_placed(flat) if self.ps_channel is not None else None
     for s in self.local_stages:
       st = self.stages[s]
-      p = self._stage_params_of(s, flat)
+      p = placed[s] if placed is not None else self._stage_params_of(s, flat)
       for c in keep:
         p = st.add(p, self.own_waves[c][s])
       params[s] = st.add(p, self.wave_delta[s])
