@@ -856,6 +856,15 @@ MUTATIONS = (
              "    placed = None",
              ("tests/test_ps_channel.py::test_a_slow_ps_overlaps_compute_with_the_same_numerics",),
              "the scheduler's install places the pulled weights on the devices again (the channel's placement unused)"),
+    Mutation("pipedream_on_the_channel", "hetpipe_jax/runtime/virtual_worker.py",
+             'ps_channel == "thread" and self.method.name == "hetpipe" and ps is not None',
+             'ps_channel == "thread" and ps is not None',
+             ("tests/test_ps_channel.py::test_where_the_channel_runs",),
+             "PipeDream's VW gets a PS channel (its per-stage wave ends stay inline, its pulls would not)"),
+    Mutation("segment_keeps_stale_pull", "hetpipe_jax/runtime/virtual_worker.py",
+             "      self.ps_channel.drop_pulls()\n", "      pass\n",
+             ("tests/test_ps_channel.py::test_a_new_segment_installs_no_pull_of_the_last",),
+             "a new WSP segment installs a pull reply of the segment before the checkpoint barrier"),
 )
 
 

@@ -183,3 +183,57 @@ def test_pull_installed_mid_wave_through_the_channel(synthetic_data_dir, through
 def test_replay_of_recorded_versions_through_the_channel(synthetic_data_dir, through_the_channel):
   pipeline_tests.test_oracle2_replay_of_recorded_versions(synthetic_data_dir, 3, pipeline_tests.THREE_STAGES)
   pipeline_tests.test_each_stage_function_compiles_once(synthetic_data_dir)
+
+
+def test_where_the_channel_runs(synthetic_data_dir):
+  """HetPipe with one in-process PS: the channel thread (the default); inline where asked or where the VW's method
+  is not HetPipe's per-minibatch update (PipeDream, the flush methods keep their own wave ends); a bad value is
+  refused."""
+  assert build_vw(synthetic_data_dir, partition=TWO_STAGES, num_inflight=2,
+                  ps_channel="thread")[0].ps_channel_mode == "thread"
+  assert build_vw(synthetic_data_dir, partition=TWO_STAGES, num_inflight=2)[0].ps_channel_mode == "inline"
+  pipedream, *_ = build_vw(synthetic_data_dir, partition=TWO_STAGES, num_inflight=2, method="pipedream",
+                           ps_channel="thread")
+  assert pipedream.ps_channel_mode == "inline"
+  assert pipedream.run(4).ps_channel == "inline"
+  with pytest.raises(ValueError, match="ps_channel must be 'thread' or 'inline', got 'threads'"):
+    build_vw(synthetic_data_dir, partition=TWO_STAGES, num_inflight=2, ps_channel="threads")
+
+
+@pytest.mark.mpi
+def test_an_mpi_vw_pushes_through_its_channel_and_records_it(tmp_path, synthetic_data_dir):
+  """Under mpiexec (one PS, two VWs) each VW's PS operations ran on its channel thread, as summary.json records;
+  two PS shards keep them inline, recorded too."""
+  from tests.mpi_util import run_job  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  for shards, ranks, mode in ((1, 3, "thread"), (2, 4, "inline")):
+    workdir = tmp_path / f"run{shards}"
+    proc = run_job(workdir, ranks, {"data_dir": synthetic_data_dir, "num_minibatches": 8, "num_inflight": 2,
+                                    "staleness_bound": 1, "num_ps_shards": shards, "checkpoint_every_waves": 0})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    per_vw = json.loads((workdir / "summary.json").read_text())["per_vw"]
+    assert {v: (s["ps_channel"], s["ps_channel_s"] > 0) for v, s in per_vw.items()} == {
+        "0": (mode, mode == "thread"), "1": (mode, mode == "thread")}, per_vw
+
+
+def test_a_new_segment_installs_no_pull_of_the_last(synthetic_data_dir):
+  """A checkpoint barrier starts a new WSP segment (``begin_segment``; the PS's clocks restart, here a new server
+  from the barrier's weights): a pull reply the channel received in the segment before (one VW: the PS answers the
+  last wave end's pull at once) is not installed in the next, whose every install holds only its own waves."""
+  nm = 2
+  vw, *_ = build_vw(synthetic_data_dir, partition=TWO_STAGES, num_inflight=nm, staleness_bound=1,
+                    ps_channel="thread")
+  vw.run(2 * nm)
+  flat = vw.ps.server.weights.copy()
+  vw.begin_segment(flat)
+  vw.ps = param_server.LocalPSClient(param_server.ParameterServer(flat, 1), 0)
+  installs = []  # (pulled vector clock, waves pushed to the segment's PS then)
+  install = vw.install_pull
+
+  def logged_install(vector_clock, flat):
+    installs.append((tuple(vector_clock), vw.ps.server.state.pushed_waves[0]))
+    install(vector_clock, flat)
+
+  vw.install_pull = logged_install
+  vw.run(2 * nm)
+  assert installs and all(vc[0] <= pushed for vc, pushed in installs), installs

@@ -157,9 +157,9 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     self.task_time_s = task_time_s
     self.corrupt_update = corrupt_update
     self.ps_shards = ps_shards
-    self.ps_channel = (PSChannel(self) if ps_channel == "thread" and self.method.name == "hetpipe"
-                        and self.method.update != "stage" and ps is not None and ps_shards is None and link is None
-                        and remote is None and getattr(ps, "serves_other_threads", True) else None)
+    self.ps_channel = (PSChannel(self) if ps_channel == "thread" and self.method.name == "hetpipe" and ps is not None
+                       and ps_shards is None and link is None and remote is None
+                       and getattr(ps, "serves_other_threads", True) else None)
     self.own_flat: dict[int, np.ndarray] = {}  # sharded PS: wave -> host copy of the own wave's flat update
     self.optimizer = optimizer
     clip_norms = {st.grad_clip_norm for st in self.stages}
