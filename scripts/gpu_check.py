@@ -86,6 +86,9 @@ _WORK_DIR = flags.DEFINE_string("work_dir", None, "Intermediate files (each step
                                 "at most 8 files).")
 _STEP_TIMEOUT = flags.DEFINE_list("step_timeout_s", [], "Override step limits, e.g. main_job:300,profile:200 (the "
                                    "memory step's applies to each stage's process).")
+_PIPELINE_BOUNDS = flags.DEFINE_list("pipeline_staleness_bounds", ["0", "1"], "pipeline: the staleness bounds D run "
+                                      "(the first is the headline ratio; D >= 1 lets a wave's PS exchange overlap the "
+                                      "next wave's compute).")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "profile / pipeline: timed repetitions per measurement.")
 
 
@@ -358,14 +361,13 @@ def _plot_profile(result: dict, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
-def _build_vw(spec, stages, params0, tx, batch, task_log=None):
+def _build_vw(spec, stages, params0, tx, batch, staleness_bound: int = 0):
   from hetpipe_jax.ps import param_server
   from hetpipe_jax.runtime import virtual_worker
   from hetpipe_jax.runtime.param_layout import ParamLayout
   layout = ParamLayout.from_layer_params(params0)
   server = param_server.ParameterServer(layout.flatten(params0), 1)
-  del task_log
-  return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, NUM_INFLIGHT, 0,
+  return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, NUM_INFLIGHT, staleness_bound,
                                       param_server.LocalPSClient(server, 0), _gpt_data(spec, batch, 0),
                                       num_virtual_workers=1)
 
@@ -411,8 +413,11 @@ def step_pipeline(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
       batch //= 2
       del e
       gc.collect()
-  vw = _build_vw(spec, stages, params0, tx, batch)
-  stats = vw.run(n)
+  by_bound = {}
+  for bound in _PIPELINE_BOUNDS.value:  # D = 0 first: the headline; D >= 1 lets the PS channel overlap the exchange
+    stats = _build_vw(spec, stages, params0, tx, batch, int(bound)).run(n)
+    by_bound[int(bound)] = stats
+  stats = by_bound[int(_PIPELINE_BOUNDS.value[0])]
   # The whole model as one jitted training step (forward, loss, backward, Adam) on the same device.
   loss_fn = objectives.get_objective(spec.objective).loss
   params = jax.device_put(params0, device)
@@ -432,7 +437,8 @@ def step_pipeline(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
   result = {
       "model": spec.name, "batch_size": batch, "batch_size_requested": requested, "out_of_memory": out_of_memory,
       "sequence_length": spec.input_shape[0],
-      "partition": [list(r) for r in PARTITION], "num_inflight": NUM_INFLIGHT, "staleness_bound": 0,
+      "partition": [list(r) for r in PARTITION], "num_inflight": NUM_INFLIGHT,
+      "staleness_bound": int(_PIPELINE_BOUNDS.value[0]),
       "device": f"{device.platform}:{device.id} {device.device_kind}", "minibatches": n,
       "warm_up_s": warm_s, "runtime_wall_s": stats.wall_time_s,
       "runtime_minibatches_per_s": n / stats.wall_time_s,
@@ -453,6 +459,10 @@ def step_pipeline(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
               "HetPipe's per-minibatch stage updates and every wave's push to and pull from the in-process PS "
               "(device <-> host copies of the wave's update and the global weights)",
   }
+  result["by_staleness_bound"] = {
+      str(d): {"runtime_wall_s": st.wall_time_s, "useful_compute_ratio": n * step_s / st.wall_time_s,
+               "ps_channel": st.ps_channel, "ps_channel_busy_s": st.ps_channel_s, "wait_for_ps_s": st.wait_s,
+               "scheduler_thread_busy_s": st.host_busy_s} for d, st in by_bound.items()}
   if not cpu:
     result["goal"] = PIPELINE_GOAL
     result["goal_met"] = ratio >= PIPELINE_GOAL
@@ -616,6 +626,7 @@ def _run_child(step: str, out: pathlib.Path, work: pathlib.Path, cpu: bool, extr
   args = [sys.executable, os.path.abspath(__file__), f"--step={step}", f"--out={out}", f"--work_dir={work}",
           f"--main_epochs={_MAIN_EPOCHS.value}", f"--gpt_batch={_GPT_BATCH.value}",
           f"--pipeline_minibatches={_PIPELINE_MINIBATCHES.value}", f"--repeats={_REPEATS.value}",
+          f"--pipeline_staleness_bounds={','.join(_PIPELINE_BOUNDS.value)}",
           f"--step_timeout_s={','.join(f'{k}:{v}' for k, v in STEP_TIMEOUT_S.items())}", *extra]
   if cpu:
     args.append("--cpu")
