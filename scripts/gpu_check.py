@@ -405,6 +405,7 @@ def step_pipeline(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
       t0 = time.perf_counter()
       _build_vw(spec, stages, params0, tx, batch).run(2 * NUM_INFLIGHT)  # compiles every stage function
       warm_s = time.perf_counter() - t0
+      gc.collect()  # the warm-up VW's buffers leave the device
       break
     except Exception as e:  # pylint: disable=broad-except  # XlaRuntimeError; anything else is raised again
       if "RESOURCE_EXHAUSTED" not in str(e) or batch == 1:
@@ -413,11 +414,6 @@ def step_pipeline(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
       batch //= 2
       del e
       gc.collect()
-  by_bound = {}
-  for bound in _PIPELINE_BOUNDS.value:  # D = 0 first: the headline; D >= 1 lets the PS channel overlap the exchange
-    stats = _build_vw(spec, stages, params0, tx, batch, int(bound)).run(n)
-    by_bound[int(bound)] = stats
-  stats = by_bound[int(_PIPELINE_BOUNDS.value[0])]
   # The whole model as one jitted training step (forward, loss, backward, Adam) on the same device.
   loss_fn = objectives.get_objective(spec.objective).loss
   params = jax.device_put(params0, device)
@@ -431,6 +427,15 @@ def step_pipeline(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
 
   x, y = (jax.device_put(a, device) for a in _gpt_data(spec, batch, 0)(0))
   step_s = _median_s(lambda: train_step(params, opt_state, x, y), _REPEATS.value if not cpu else 3)
+  del params, opt_state, x, y, train_step  # free the whole model's buffers before the VWs run
+  gc.collect()
+  by_bound = {}
+  for bound in _PIPELINE_BOUNDS.value:  # D = 0 first: the headline; D >= 1 lets the PS channel overlap the exchange
+    vw = _build_vw(spec, stages, params0, tx, batch, int(bound))
+    by_bound[int(bound)] = vw.run(n)
+    del vw
+    gc.collect()  # the VW's weights, versions and optimizer states leave the device before the next one
+  stats = by_bound[int(_PIPELINE_BOUNDS.value[0])]
   per_task = lambda s: 1e6 * s / stats.num_tasks  # noqa: E731
   host_overhead = stats.host_busy_s - stats.update_s - stats.sync_s - stats.inject_s + stats.executor_book_s
   ratio = n * step_s / stats.wall_time_s
