@@ -4,6 +4,7 @@
       [--emulated_minibatches=60] [--stage_ms=40,80,60,50] [--noinstrument]
   .venv/bin/python scripts/bench_runtime.py --quick  # CI smoke (seconds): one short run per case
   .venv/bin/python scripts/bench_runtime.py --stage_ranks [--quick] [--stage_ranks_ms=60,60,60] [--runs=3]
+  .venv/bin/python scripts/bench_runtime.py --ps_channel [--quick] [--ps_channel_ms=50,50] [--stage_ms=...] [--runs=3]
 
 * ``host_overhead_us_per_task``: scheduling time per task: the VW loop's time outside sleeps, updates, pulls and
   injections, plus the executors' time booking their own completions and starting what they made ready
@@ -31,6 +32,13 @@
   overhead) and whether each is met.
 * ``machine``: CPU count, load average and the cores other processes kept busy during the benchmark (this machine
   is shared: ratios measured while it is busy are noisier and lower).
+
+``--ps_channel`` runs only ``ps_channel_vs_inline``: the emulated 4-stage VW (``--stage_ms``, Nm = ``--num_inflight``)
+with an in-process PS whose push and whose pull reply each take ``--ps_channel_ms`` (sleeps on the calling thread),
+for D = 0 and D = 1, trained with its PS operations on the PS channel thread (``ps_channel="thread"``,
+:mod:`hetpipe_jax.runtime.ps_channel`) and inline on the scheduler thread, alternating, ``--runs`` times each;
+``ratio`` is the median thread wall time over the median inline one, next to the compute-only wall time (the same
+VW with an instant PS) as the floor.
 
 ``--stage_ranks`` runs only ``stage_ranks_vs_one_process`` (issue 12): one VW of emulated devices (``--stage_ranks_ms``
 per stage, a third forward: every task >= 20 ms by default) trained under mpiexec twice, as one process
@@ -79,6 +87,9 @@ _STAGE_RANKS_MS = flags.DEFINE_list("stage_ranks_ms", ["60", "60", "60"], "Emula
 _STAGE_RANKS_MINIBATCHES = flags.DEFINE_integer("stage_ranks_minibatches", 60, "Minibatches per run of the "
                                                 "stage-ranks comparison (rounded down to whole waves).")
 _STAGE_RANKS_NM = flags.DEFINE_integer("stage_ranks_nm", 4, "Nm of the stage-ranks comparison's headline case.")
+_PS_CHANNEL = flags.DEFINE_bool("ps_channel", False, "Run only the PS-channel-vs-inline comparison (slow PS).")
+_PS_CHANNEL_MS = flags.DEFINE_list("ps_channel_ms", ["50", "50"], "The slow PS of --ps_channel: ms per push, ms per "
+                                   "pull reply.")
 _STAGE_MS = flags.DEFINE_list("stage_ms", ["40", "80", "60", "50"],
                               "Emulated per-stage ms of the 4-stage VW of emulated_vs_engine (half forward, half "
                               "backward: every task of a non-last stage lasts half its stage time, so >= 40 ms keeps "
@@ -95,11 +106,14 @@ SHORT_TASK_GOAL, LONG_TASK_GOAL, LONG_TASK_MS = 0.95, 0.98, 8.0  # issue 10: >= 
 HOST_OVERHEAD_GOAL_US = 20.0
 
 
-def _build(data_dir, batch_size, num_inflight, task_time_s=None, stages=None, method="hetpipe"):
+def _build(data_dir, batch_size, num_inflight, task_time_s=None, stages=None, method="hetpipe", staleness_bound=0,
+           ps_ms=(0.0, 0.0), ps_channel="thread"):
   """A 4-stage tiny-MLP VW with an in-process PS; pass ``stages`` from an earlier VW to reuse its compilations.
 
   ``method``: :mod:`hetpipe_jax.rules.methods` name; a flush method (gpipe, 1f1b_flush) runs ``num_inflight`` = M
-  micro-batches per step with one VW, so its all-reduce is the identity."""
+  micro-batches per step with one VW, so its all-reduce is the identity. ``ps_ms``: ms a push, and a pull's reply,
+  take on the calling thread (a slow PS); ``ps_channel``: the VW's ``ps_channel``."""
+  import time
   import jax
   import optax
   from hetpipe_jax.data import fashion_mnist, sharding
@@ -118,10 +132,25 @@ def _build(data_dir, batch_size, num_inflight, task_time_s=None, stages=None, me
   dataset = fashion_mnist.load_fashion_mnist(data_dir, expected_counts=None)
   source = sharding.ShardedMinibatches(dataset, 1, 0, batch_size, 0)
   server = param_server.ParameterServer(layout.flatten(params0), 1)
-  return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, num_inflight, 0,
-                                param_server.LocalPSClient(server, 0), source.get, num_virtual_workers=1,
+  push_s, pull_s = (t / 1e3 for t in ps_ms)
+
+  class SlowPSClient(param_server.LocalPSClient):
+    def push(self, *args):
+      time.sleep(push_s)
+      super().push(*args)
+
+    def poll_pull(self):
+      reply = super().poll_pull()
+      if reply is not None:
+        time.sleep(pull_s)
+      return reply
+
+  client = SlowPSClient(server, 0) if push_s or pull_s else param_server.LocalPSClient(server, 0)
+  return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, num_inflight, staleness_bound,
+                                client, source.get, num_virtual_workers=1,
                                 task_time_s=task_time_s, method=method,
-                                reducer=(lambda step, buf: buf) if methods.get_method(method).is_flush else None)
+                                reducer=(lambda step, buf: buf) if methods.get_method(method).is_flush else None,
+                                ps_channel=ps_channel)
 
 
 def host_overhead(data_dir, n, nm) -> dict:
@@ -270,6 +299,35 @@ def emulated_vs_engine(data_dir, n, nm, stage_ms, runs, warm, instrument, method
   return out
 
 
+def ps_channel_vs_inline(data_dir, n, nm, stage_ms, ps_ms, runs, warm) -> dict:
+  """Wall time of the emulated VW (``uniform_task_times(stage_ms, 0.5)``) with a slow PS (``ps_ms``: push, pull
+  reply) through the PS channel thread against inline, for D = 0 and D = 1 (module docstring); medians of ``runs``
+  alternating runs, and the compute-only floor (an instant PS, through the channel)."""
+  import statistics
+  from hetpipe_jax.sim import task_times
+  times = task_times.uniform_task_times([float(t) for t in stage_ms], fwd_fraction=0.5)
+  ps_ms = tuple(float(t) for t in ps_ms)
+  out = {"stage_ms": [float(t) for t in stage_ms], "num_inflight": nm, "num_minibatches": n, "runs": runs,
+         "push_ms": ps_ms[0], "pull_ms": ps_ms[1]}
+  for d in (0, 1):
+    walls = {"thread": [], "inline": [], "instant_ps": []}
+    busy = {"thread": [], "inline": []}
+    for _ in range(runs):
+      for mode in ("thread", "inline"):
+        vw = _build(data_dir, 32, nm, task_time_s=times.task_duration_s, stages=warm.stages, staleness_bound=d,
+                    ps_ms=ps_ms, ps_channel=mode)
+        stats = vw.run(n)
+        assert stats.ps_channel == mode, (stats.ps_channel, mode)
+        walls[mode].append(stats.wall_time_s)
+        busy[mode].append(stats.host_busy_s)
+      vw = _build(data_dir, 32, nm, task_time_s=times.task_duration_s, stages=warm.stages, staleness_bound=d)
+      walls["instant_ps"].append(vw.run(n).wall_time_s)
+    med = {k: statistics.median(v) for k, v in walls.items()}
+    out[f"D{d}"] = {"wall_s": med, "walls_s": walls, "ratio": med["thread"] / med["inline"],
+                    "scheduler_busy_s": {k: statistics.median(v) for k, v in busy.items()}}
+  return out
+
+
 def wakeup_latency(repeats: int = 300) -> dict:
   """This machine's floor for the host path, without JAX: how late a ``time.sleep`` of 1 and 2 ms returns (with
   the executors' 1 µs timer slack), and how long a ``queue.SimpleQueue`` hand-off takes to wake a thread blocked
@@ -407,6 +465,17 @@ def main(argv):
         tight = len(_STAGE_RANKS_MS.value)
         result["stage_ranks_vs_one_process_no_slack"] = stage_ranks_vs_one_process(
             data_dir, tmp, _STAGE_RANKS_MS.value, tight, n - n % tight, _RUNS.value)
+    result["machine"] = load.stop()
+    print(json.dumps(result, indent=2))
+    return
+  if _PS_CHANNEL.value:
+    n = 3 * nm if quick else _EMULATED_MINIBATCHES.value - _EMULATED_MINIBATCHES.value % nm
+    with tempfile.TemporaryDirectory(prefix="bench_ps_channel_") as tmp:
+      data_dir = synthetic.write_synthetic_fashion_mnist(tmp, 2048, 64)
+      warm = _build(data_dir, 32, nm)
+      warm.run(nm * 2)
+      result = {"quick": quick, "ps_channel_vs_inline": ps_channel_vs_inline(
+          data_dir, n, nm, _STAGE_MS.value, _PS_CHANNEL_MS.value, 1 if quick else _RUNS.value, warm)}
     result["machine"] = load.stop()
     print(json.dumps(result, indent=2))
     return

@@ -86,6 +86,9 @@ _WORK_DIR = flags.DEFINE_string("work_dir", None, "Intermediate files (each step
                                 "at most 8 files).")
 _STEP_TIMEOUT = flags.DEFINE_list("step_timeout_s", [], "Override step limits, e.g. main_job:300,profile:200 (the "
                                    "memory step's applies to each stage's process).")
+_PIPELINE_BOUNDS = flags.DEFINE_list("pipeline_staleness_bounds", ["0", "1"], "pipeline: the staleness bounds D run "
+                                      "(the first is the headline ratio; D >= 1 lets a wave's PS exchange overlap the "
+                                      "next wave's compute).")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "profile / pipeline: timed repetitions per measurement.")
 
 
@@ -358,14 +361,13 @@ def _plot_profile(result: dict, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
-def _build_vw(spec, stages, params0, tx, batch, task_log=None):
+def _build_vw(spec, stages, params0, tx, batch, staleness_bound: int = 0):
   from hetpipe_jax.ps import param_server
   from hetpipe_jax.runtime import virtual_worker
   from hetpipe_jax.runtime.param_layout import ParamLayout
   layout = ParamLayout.from_layer_params(params0)
   server = param_server.ParameterServer(layout.flatten(params0), 1)
-  del task_log
-  return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, NUM_INFLIGHT, 0,
+  return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, NUM_INFLIGHT, staleness_bound,
                                       param_server.LocalPSClient(server, 0), _gpt_data(spec, batch, 0),
                                       num_virtual_workers=1)
 
@@ -403,6 +405,7 @@ def step_pipeline(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
       t0 = time.perf_counter()
       _build_vw(spec, stages, params0, tx, batch).run(2 * NUM_INFLIGHT)  # compiles every stage function
       warm_s = time.perf_counter() - t0
+      gc.collect()  # the warm-up VW's buffers leave the device
       break
     except Exception as e:  # pylint: disable=broad-except  # XlaRuntimeError; anything else is raised again
       if "RESOURCE_EXHAUSTED" not in str(e) or batch == 1:
@@ -411,8 +414,6 @@ def step_pipeline(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
       batch //= 2
       del e
       gc.collect()
-  vw = _build_vw(spec, stages, params0, tx, batch)
-  stats = vw.run(n)
   # The whole model as one jitted training step (forward, loss, backward, Adam) on the same device.
   loss_fn = objectives.get_objective(spec.objective).loss
   params = jax.device_put(params0, device)
@@ -426,13 +427,23 @@ def step_pipeline(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
 
   x, y = (jax.device_put(a, device) for a in _gpt_data(spec, batch, 0)(0))
   step_s = _median_s(lambda: train_step(params, opt_state, x, y), _REPEATS.value if not cpu else 3)
+  del params, opt_state, x, y, train_step  # free the whole model's buffers before the VWs run
+  gc.collect()
+  by_bound = {}
+  for bound in _PIPELINE_BOUNDS.value:  # D = 0 first: the headline; D >= 1 lets the PS channel overlap the exchange
+    vw = _build_vw(spec, stages, params0, tx, batch, int(bound))
+    by_bound[int(bound)] = vw.run(n)
+    del vw
+    gc.collect()  # the VW's weights, versions and optimizer states leave the device before the next one
+  stats = by_bound[int(_PIPELINE_BOUNDS.value[0])]
   per_task = lambda s: 1e6 * s / stats.num_tasks  # noqa: E731
   host_overhead = stats.host_busy_s - stats.update_s - stats.sync_s - stats.inject_s + stats.executor_book_s
   ratio = n * step_s / stats.wall_time_s
   result = {
       "model": spec.name, "batch_size": batch, "batch_size_requested": requested, "out_of_memory": out_of_memory,
       "sequence_length": spec.input_shape[0],
-      "partition": [list(r) for r in PARTITION], "num_inflight": NUM_INFLIGHT, "staleness_bound": 0,
+      "partition": [list(r) for r in PARTITION], "num_inflight": NUM_INFLIGHT,
+      "staleness_bound": int(_PIPELINE_BOUNDS.value[0]),
       "device": f"{device.platform}:{device.id} {device.device_kind}", "minibatches": n,
       "warm_up_s": warm_s, "runtime_wall_s": stats.wall_time_s,
       "runtime_minibatches_per_s": n / stats.wall_time_s,
@@ -441,7 +452,8 @@ def step_pipeline(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
       "host_overhead_us_per_task": per_task(host_overhead),
       "scheduler_thread_busy_us_per_task": per_task(stats.host_busy_s),
       "weight_update_and_push_us_per_task": per_task(stats.update_s),
-      "wave_push_s": stats.push_s, "pull_install_s": stats.sync_s,
+      "wave_push_s": stats.push_s, "pull_install_s": stats.sync_s, "ps_channel": stats.ps_channel,
+      "ps_channel_busy_s": stats.ps_channel_s,
       "per_wave_push_ms": 1e3 * stats.push_s / (n // NUM_INFLIGHT),
       "per_wave_pull_install_ms": 1e3 * stats.sync_s / max(stats.num_pulls, 1), "num_pulls": stats.num_pulls,
       "wave_bytes": 4 * sum(int(np.prod(np.shape(a))) for a in jax.tree.leaves(params0)),
@@ -452,6 +464,10 @@ def step_pipeline(cpu: bool, out: pathlib.Path, work: pathlib.Path) -> dict:
               "HetPipe's per-minibatch stage updates and every wave's push to and pull from the in-process PS "
               "(device <-> host copies of the wave's update and the global weights)",
   }
+  result["by_staleness_bound"] = {
+      str(d): {"runtime_wall_s": st.wall_time_s, "useful_compute_ratio": n * step_s / st.wall_time_s,
+               "ps_channel": st.ps_channel, "ps_channel_busy_s": st.ps_channel_s, "wait_for_ps_s": st.wait_s,
+               "scheduler_thread_busy_s": st.host_busy_s} for d, st in by_bound.items()}
   if not cpu:
     result["goal"] = PIPELINE_GOAL
     result["goal_met"] = ratio >= PIPELINE_GOAL
@@ -615,6 +631,7 @@ def _run_child(step: str, out: pathlib.Path, work: pathlib.Path, cpu: bool, extr
   args = [sys.executable, os.path.abspath(__file__), f"--step={step}", f"--out={out}", f"--work_dir={work}",
           f"--main_epochs={_MAIN_EPOCHS.value}", f"--gpt_batch={_GPT_BATCH.value}",
           f"--pipeline_minibatches={_PIPELINE_MINIBATCHES.value}", f"--repeats={_REPEATS.value}",
+          f"--pipeline_staleness_bounds={','.join(_PIPELINE_BOUNDS.value)}",
           f"--step_timeout_s={','.join(f'{k}:{v}' for k, v in STEP_TIMEOUT_S.items())}", *extra]
   if cpu:
     args.append("--cpu")

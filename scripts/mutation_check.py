@@ -85,7 +85,7 @@ _UPDATES = (
     "                vw.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied\n"
     "              stats.push_s += time.perf_counter() - t_wave\n"
     "            if pull is not None:\n"
-    "              vw.ps.request_pull(pull)\n"
+    "              ps.request_pull(pull)\n"
     "          stats.update_s += time.perf_counter() - t\n")
 
 
@@ -928,6 +928,38 @@ MUTATIONS = (
              "  return min(candidates, key=lambda p: p.step_s)", "  return max(candidates, key=lambda p: p.step_s)",
              ("tests/test_fsdp.py::test_hetero_keeps_the_faster_of_its_two_memory_caps",),
              "the heterogeneous variant keeps the slower of its two memory caps on the examples"),
+    # issue: a VW's PS exchange off the scheduler thread (runtime/ps_channel.py)
+    Mutation("pull_request_overtakes_push", "hetpipe_jax/runtime/ps_channel.py",
+             '    self._ops.put(("pull", required_clock))',
+             "    self._vw.ps.request_pull(required_clock)\n    self._pull_outstanding = True",
+             ("tests/test_ps_channel.py::test_a_pull_request_never_overtakes_its_own_push",),
+             "a pull request goes to the client at once, ahead of the VW's pushes still on the channel"),
+    Mutation("wave_push_back_on_scheduler", "hetpipe_jax/runtime/virtual_worker.py",
+             "    if self.ps_channel is not None and self.ps_channel.running:", "    if False:",
+             ("tests/test_ps_channel.py::test_a_slow_ps_overlaps_compute_with_the_same_numerics",),
+             "the wave's push runs on the scheduler thread although the VW has a PS channel (no overlap)"),
+    Mutation("channel_error_dropped", "hetpipe_jax/runtime/ps_channel.py",
+             "        self._error = e\n", "        pass\n",
+             ("tests/test_ps_channel.py::test_an_error_on_the_channel_thread_stops_the_run",),
+             "an error on the PS channel thread (NaN loss, refused update) stops the channel but not the run"),
+    Mutation("run_end_ignores_channel_error", "hetpipe_jax/runtime/vw_driver.py",
+             "      channel.flush()", "      channel.stop()",
+             ("tests/test_ps_channel.py::test_an_error_on_the_channel_thread_stops_the_run",),
+             "the run's end waits for the channel but does not raise an error of its last pushes"),
+    Mutation("pull_placed_on_scheduler", "hetpipe_jax/runtime/virtual_worker.py",
+             "    placed = self.ps_channel.take_placed(flat) if self.ps_channel is not None else None",
+             "    placed = None",
+             ("tests/test_ps_channel.py::test_a_slow_ps_overlaps_compute_with_the_same_numerics",),
+             "the scheduler's install places the pulled weights on the devices again (the channel's placement unused)"),
+    Mutation("pipedream_on_the_channel", "hetpipe_jax/runtime/virtual_worker.py",
+             'ps_channel == "thread" and self.method.name == "hetpipe" and ps is not None',
+             'ps_channel == "thread" and ps is not None',
+             ("tests/test_ps_channel.py::test_where_the_channel_runs",),
+             "PipeDream's VW gets a PS channel (its per-stage wave ends stay inline, its pulls would not)"),
+    Mutation("segment_keeps_stale_pull", "hetpipe_jax/runtime/virtual_worker.py",
+             "      self.ps_channel.drop_pulls()\n", "      pass\n",
+             ("tests/test_ps_channel.py::test_a_new_segment_installs_no_pull_of_the_last",),
+             "a new WSP segment installs a pull reply of the segment before the checkpoint barrier"),
 )
 
 

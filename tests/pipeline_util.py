@@ -25,7 +25,8 @@ def tiny_config(**overrides):
 
 def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_bound=0, optimizer=None,
              batch_size=16, seed=0, pull_every_wave=True, num_vws=1, vw_id=0, server=None, client_factory=None,
-             ps_apply="on_receipt", dataset=None, method="hetpipe", vertical_sync=False, max_held=None, stages=None):
+             ps_apply="on_receipt", dataset=None, method="hetpipe", vertical_sync=False, max_held=None, stages=None,
+             ps_channel="inline"):
   """Returns ``(vw, source, initial per-layer params, optimizer, server)`` for an in-process VW.
 
   ``dataset``: an already loaded dataset (e.g. text windows for a GPT) instead of Fashion-MNIST from ``data_dir``.
@@ -33,6 +34,9 @@ def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_b
   ``client_factory(server, vw_id)`` builds the VW's PS client (default :class:`param_server.LocalPSClient`).
 
   ``stages``: an earlier VW's stages (same model, partition and optimizer) to reuse their compiled functions.
+
+  ``ps_channel``: the VW's ``ps_channel`` (``"inline"``: these tests' scenarios were written for PS calls on the
+  scheduler thread, e.g. a slow poll delaying it; tests/test_ps_channel.py reruns the oracles with ``"thread"``).
   """
   spec = models.get_model(model)
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(seed)))
@@ -48,7 +52,8 @@ def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_b
   client = (client_factory or param_server.LocalPSClient)(server, vw_id)
   vw = virtual_worker.VirtualWorker(vw_id, stages, layout, params0, tx, num_inflight, staleness_bound, client,
                                     source.get, num_virtual_workers=num_vws, pull_every_wave=pull_every_wave,
-                                    method=method, vertical_sync=vertical_sync, max_held=max_held)
+                                    method=method, vertical_sync=vertical_sync, max_held=max_held,
+                                    ps_channel=ps_channel)
   return vw, source, params0, tx, server
 
 

@@ -587,7 +587,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
   per_vw = {str(vw): {k: rep["stats"][k] for k in ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes",
                                                    "peak_inflight_per_stage", "max_concurrent_tasks", "num_tasks",
                                                    "num_overruns", "overrun_s", "host_busy_s", "update_s",
-                                                   "start_unix_s", "barrier_s")}
+                                                   "start_unix_s", "barrier_s", "ps_channel", "ps_channel_s")}
             | {"stage_devices": rep["stage_devices"]}
             for vw, rep in sorted(service.reports.items())}
   summary = {

@@ -166,6 +166,8 @@ class MPIPSClient:
     self._pull_requests: dict[int, tuple] = {}  # shard -> (request, header) of an outstanding pull's reply
     self._pull_parts: dict[int, tuple] = {}  # shard -> (vector clock, weights slice) received so far
     self._t0 = time.perf_counter()
+    # a VW's PS channel thread (hetpipe_jax.runtime.ps_channel) may make this client's calls, one thread at a time
+    self.serves_other_threads = MPI.Query_thread() >= MPI.THREAD_SERIALIZED
 
   @property
   def _pull_request(self):

@@ -54,6 +54,7 @@ from hetpipe_jax.runtime.flush_step import FlushStep
 from hetpipe_jax.runtime.linked_stages import LinkedStages
 from hetpipe_jax.runtime.param_layout import ParamLayout
 from hetpipe_jax.runtime.pipedream_updates import PerStageUpdates
+from hetpipe_jax.runtime.ps_channel import PSChannel
 from hetpipe_jax.runtime.stages import Stage
 from hetpipe_jax.runtime.vw_state import (  # noqa: F401 (re-exported: the VW's types)
     InFlightMinibatch, PSClient, VWStats, WeightVersion, host_copy)
@@ -100,9 +101,13 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
       activations and gradients to and from stages on other ranks); None: every stage is local.
     remote: stage ranks, on the driver: the :class:`hetpipe_jax.runtime.stage_ranks.RemoteStages` its actions send
       their version changes and remote tasks to; None on a stage rank and without stage ranks.
+    ps_channel: ``"thread"``: where the VW can (:attr:`ps_channel_mode`), its wave pushes and pulls run on a PS
+      channel thread during :meth:`run` (:mod:`hetpipe_jax.runtime.ps_channel`), else inline; ``"inline"``: on the
+      scheduler thread always (tests and benchmarks compare the two).
 
   Raises:
-    ValueError: ``num_inflight < 1``, ``staleness_bound < 0``, or ``vw_id`` not in ``[0, num_virtual_workers)``.
+    ValueError: ``num_inflight < 1``, ``staleness_bound < 0``, ``vw_id`` not in ``[0, num_virtual_workers)``, or
+      ``ps_channel`` not ``"thread"`` / ``"inline"``.
   """
 
   def __init__(self, vw_id: int, stages: Sequence[Stage], layout: ParamLayout, initial_layer_params: Sequence[Any],
@@ -116,8 +121,10 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
                reducer: Callable[[int, np.ndarray], np.ndarray | None] | None = None,
                on_step: Callable[[int, float], None] | None = None,
                vertical_sync: bool = False, max_held: Sequence[int] | None = None, link: Any = None,
-               remote: Any = None):
+               remote: Any = None, ps_channel: str = "thread"):
     self.method = methods.get_method(method)
+    if ps_channel not in ("thread", "inline"):
+      raise ValueError(f"ps_channel must be 'thread' or 'inline', got {ps_channel!r}")
     if max_held is not None and self.method.name != "hetpipe":
       raise ValueError(f"max_held (memory caps) is a HetPipe rule, not {method!r}'s")
     self.max_held = schedule.check_max_held(max_held, len(stages))
@@ -150,6 +157,9 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     self.task_time_s = task_time_s
     self.corrupt_update = corrupt_update
     self.ps_shards = ps_shards
+    self.ps_channel = (PSChannel(self) if ps_channel == "thread" and self.method.name == "hetpipe" and ps is not None
+                       and ps_shards is None and link is None and remote is None
+                       and getattr(ps, "serves_other_threads", True) else None)
     self.own_flat: dict[int, np.ndarray] = {}  # sharded PS: wave -> host copy of the own wave's flat update
     self.optimizer = optimizer
     clip_norms = {st.grad_clip_norm for st in self.stages}
@@ -198,6 +208,13 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     # Flush methods: per stage, its accumulated gradients of the current step on the host, float32 [its params]
     # (written by the stage's executor after its last backward of the step; read at the flush).
     self._step_flat: list = [None] * len(self.stages)
+
+  @property
+  def ps_channel_mode(self) -> str:
+    """``"thread"`` when the wave pushes and pulls of :meth:`run` go through a PS channel thread, else ``"inline"``:
+    requested (``ps_channel``) and HetPipe's per-minibatch update with one PS (its client usable from another
+    thread: an MPI client needs MPI_THREAD_SERIALIZED or more) and every stage in this process."""
+    return "inline" if self.ps_channel is None else "thread"
 
   def _new_sync(self, num_inflight: int, staleness_bound: int, pull_every_wave: bool):
     if self.method.sync == "allreduce":
@@ -435,6 +452,15 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
       flat = np.array(flat, np.float32, copy=True)
     return st.unravel(jax.device_put(flat, st.device), self._zeros[s])
 
+  def place_pulled(self, flat: np.ndarray) -> list:
+    """Per stage, its slice of pulled global weights ``flat`` (float32 ``[num_params]``) placed on its device as its
+    params tree (:meth:`_stage_params_of`); None for a stage not in this process. The PS channel thread prepares a
+    reply's install with it (:mod:`hetpipe_jax.runtime.ps_channel`)."""
+    out = [None] * len(self.stages)
+    for s in self.local_stages:
+      out[s] = self._stage_params_of(s, flat)
+    return out
+
   def end_wave(self, wave_id: int) -> bool:
     """Pushes wave ``wave_id``'s summed delta and losses to the PS and keeps the delta until the PS holds it.
 
@@ -450,31 +476,57 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
       return self._reduce_step(wave_id)
     if self.method.update == "stage":
       return self._push_stage_waves(wave_id)
-    loss_sum = self._read_losses()
-    if self.remote is not None:  # the stage ranks push their own parts to the shards (stage_ranks module)
-      self.remote.end_wave(wave_id)
-      flat = self._linked_wave_flat()
+    if self.ps_channel is not None and self.ps_channel.running:  # the channel thread pushes (ps_channel module)
+      self.ps_channel.push(wave_id, self.wave_delta, self._wave_losses)
+      self._wave_losses = []
+    elif self.remote is None and self.ps_shards is None:
+      self._push_wave(wave_id, self.wave_delta, self._wave_losses)
+      self._wave_losses = []
     else:
-      flat = self._flat_of(range(len(self.stages)), self.wave_delta)
-    if self.ps_shards is not None or self.remote is not None:
+      loss_sum = self._read_losses()
+      if self.remote is not None:  # the stage ranks push their own parts to the shards (stage_ranks module)
+        self.remote.end_wave(wave_id)
+        flat = self._linked_wave_flat()
+      else:
+        flat = self._flat_of(range(len(self.stages)), self.wave_delta)
       self.own_flat[wave_id] = flat.copy()  # the update as computed, before a fault drill can touch it
-    if self.corrupt_update is not None:  # fault drills only (config.debug_nan_update)
-      self.corrupt_update(wave_id, flat)
-    self.ps.push(wave_id, flat, loss_sum, self.num_inflight)
+      if self.corrupt_update is not None:  # fault drills only (config.debug_nan_update)
+        self.corrupt_update(wave_id, flat)
+      self.ps.push(wave_id, flat, loss_sum, self.num_inflight)
     self.stats.num_pushes += 1
     self.own_waves[wave_id] = self.wave_delta
     self.wave_delta = list(self._zeros)
     return False
 
-  def _read_losses(self) -> float:
-    """Reads the current wave's (step's) losses back into their records; returns their sum.
+  def _push_wave(self, wave_id: int, trees: Sequence[Any], wave_losses: list) -> None:
+    """Pushes wave ``wave_id`` to the one PS: its losses read back (:meth:`_read_losses`), its summed delta
+    (``trees``: per stage, on its device) brought to the host, the fault drill's hook, the push. Inline, or on the
+    PS channel thread (:mod:`hetpipe_jax.runtime.ps_channel`): it reads no state the scheduler changes.
+
+    Raises:
+      FloatingPointError: a loss of the wave is NaN or Inf.
+    """
+    loss_sum = self._read_losses(wave_losses)
+    flat = self._flat_of(range(len(self.stages)), trees)
+    if self.corrupt_update is not None:  # fault drills only (config.debug_nan_update)
+      self.corrupt_update(wave_id, flat)
+    self.ps.push(wave_id, flat, loss_sum, self.num_inflight)
+
+  def _read_losses(self, wave_losses: list | None = None) -> float:
+    """Reads a wave's (step's) losses back into their records and calls ``on_minibatch`` on each; returns their sum.
+
+    Args:
+      wave_losses: the wave's ``(record, loss array)`` pairs; None: the current wave's (then cleared).
 
     Raises:
       FloatingPointError: a loss is NaN or Inf.
     """
-    losses = jax.device_get([loss for _, loss in self._wave_losses])
+    current = wave_losses is None
+    if current:
+      wave_losses = self._wave_losses
+    losses = jax.device_get([loss for _, loss in wave_losses])
     loss_sum = 0.0
-    for (rec, _), loss in zip(self._wave_losses, losses):
+    for (rec, _), loss in zip(wave_losses, losses):
       rec.loss = float(loss)
       if not np.isfinite(rec.loss):
         raise FloatingPointError(f"[VW {self.vw_id}] loss is {rec.loss} at minibatch {rec.minibatch_id}: "
@@ -482,7 +534,8 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
       loss_sum += rec.loss
       if self.on_minibatch is not None:
         self.on_minibatch(rec)
-    self._wave_losses = []
+    if current:
+      self._wave_losses = []
     return loss_sum
 
   def install_pull(self, vector_clock: Sequence[int], flat: np.ndarray,
@@ -514,9 +567,10 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
       self._install_pull_per_stage(vector_clock, flat, keep)
       return
     params = [None] * len(self.stages)
+    placed = self.ps_channel.take_placed(flat) if self.ps_channel is not None else None
     for s in self.local_stages:
       st = self.stages[s]
-      p = self._stage_params_of(s, flat)
+      p = placed[s] if placed is not None else self._stage_params_of(s, flat)
       for c in keep:
         p = st.add(p, self.own_waves[c][s])
       params[s] = st.add(p, self.wave_delta[s])
@@ -557,6 +611,8 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     self.wave_delta = list(self._zeros)
     self.grad_acc = list(self._zeros)
     self._wave_losses = []
+    if self.ps_channel is not None:
+      self.ps_channel.drop_pulls()
     self._init_stage_state(self.stage_updates)
     self.sync = self._new_sync(self.num_inflight, self.staleness_bound, self.sync.pull_every_wave)
 

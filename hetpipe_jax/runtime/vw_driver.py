@@ -11,7 +11,10 @@ decisions out on real tensors. In virtual time the event engine is the driver in
 
 Threads: the local stages' executors book a completion that does not end its minibatch on their own thread (under the
 run's lock) and start the tasks it made ready; a minibatch's last task comes to this thread, which books it and applies
-the update together (the local staleness rule). Remote stages' completions (stage ranks) come through the queue.
+the update together (the local staleness rule). Remote stages' completions (stage ranks) come through the queue. The
+VW's PS channel thread (:mod:`hetpipe_jax.runtime.ps_channel`, where the VW has one) makes its pushes and pull
+requests in the order this thread sends them and polls the replies, which this thread installs; the run returns
+once the channel has made every push.
 """
 
 from __future__ import annotations
@@ -73,6 +76,12 @@ def run(vw: Any, num_minibatches: int, *, completion_log: list | None = None) ->
   # 0.1-0.3 s on this machine (scripts/bench_runtime.py reports the collections during its runs).
   gc.freeze()
   t0, stats.start_unix_s = clock_pair()  # the run's clock, which stage ranks share
+  # The VW's PS operations: through its PS channel thread (pushes and pulls off this thread, in order;
+  # hetpipe_jax.runtime.ps_channel) where it has one, else the client, inline.
+  channel = vw.ps_channel
+  ps = channel if channel is not None else vw.ps
+  stats.ps_channel = vw.ps_channel_mode
+  busy0 = channel.busy_s if channel is not None else 0.0
   if vw.remote is not None:  # stage ranks: they start their executors on the same clock
     vw.remote.begin_run(done, t0, stats.start_unix_s, num_minibatches)
   num_running = 0
@@ -146,11 +155,13 @@ def run(vw: Any, num_minibatches: int, *, completion_log: list | None = None) ->
                else vw.remote.executor(s) for s in range(num_stages)]
 
   try:
+    if channel is not None:
+      channel.start()
     with jax.transfer_guard("disallow"):
       while num_finished < num_minibatches:
         loop_start = time.perf_counter()
         # 1. PS replies (no PS under all-reduce BSP).
-        reply = vw.ps.poll_pull() if vw.ps is not None else None
+        reply = ps.poll_pull() if ps is not None else None
         if reply is not None:
           t = time.perf_counter()
           vw.sync.on_pull_reply(wsp.global_clock_of(reply[0]))
@@ -197,14 +208,14 @@ def run(vw: Any, num_minibatches: int, *, completion_log: list | None = None) ->
                 vw.sync.on_reduced(wave)  # the all-reduce is a blocking collective: the update is applied
               stats.push_s += time.perf_counter() - t_wave
             if pull is not None:
-              vw.ps.request_pull(pull)
+              ps.request_pull(pull)
           stats.update_s += time.perf_counter() - t
         # 5. Injection under the local rule and WSP (on the weights that include every completed minibatch); each
         # minibatch's first task starts as soon as its data is placed, before the next one is read.
         with lock:
           injected, pull, waiting = wsp.injection_step(rules, vw.sync, num_minibatches)
         if pull is not None:
-          vw.ps.request_pull(pull)
+          ps.request_pull(pull)
         if waiting:
           if wait_since is None:
             wait_since = time.perf_counter()
@@ -239,9 +250,14 @@ def run(vw: Any, num_minibatches: int, *, completion_log: list | None = None) ->
             pass
     if idle_since is not None:
       stats.idle_s += time.perf_counter() - idle_since
+    if channel is not None:  # every push sent is made and its records written before the run returns
+      channel.flush()
   finally:
     for ex in executors:
       ex.close()
+    if channel is not None:
+      channel.stop()
+      stats.ps_channel_s += channel.busy_s - busy0
     gc.unfreeze()
   stats.wall_time_s = time.perf_counter() - t0
   stats.peak_inflight_per_stage = list(rules.peak_held)

@@ -78,12 +78,16 @@ class VWStats:
   max_concurrent_tasks: int = 0
   num_tasks: int = 0
   host_busy_s: float = 0.0  # scheduler thread's time not blocked waiting for completions
-  push_s: float = 0.0  # of update_s: the wave ends (losses read back, the wave's update to the host and pushed)
+  # of update_s: the wave ends (losses read back, the wave's update to the host and pushed); through a PS channel
+  # thread (ps_channel = "thread"): handing the wave to it (the run end's wait for its last pushes is in wall_time_s)
+  push_s: float = 0.0
   update_s: float = 0.0  # ... of which applying minibatch updates and pushing waves (weights' compute/transfers)
   sync_s: float = 0.0  # ... of which installing pulled global weights
   inject_s: float = 0.0  # ... of which reading minibatches and placing them on stage devices
   dispatch_s: float = 0.0  # stage executors' time inside task dispatch calls
   executor_book_s: float = 0.0  # stage executors' time booking their completions and starting what they made ready
+  ps_channel: str = "inline"  # where the VW's PS operations ran: "thread" (ps_channel module) or "inline"
+  ps_channel_s: float = 0.0  # the PS channel thread's busy time (pushes, pull requests, polling replies)
   num_overruns: int = 0  # emulated tasks whose real work outlasted their target duration
   overrun_s: float = 0.0
 
