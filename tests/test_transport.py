@@ -173,7 +173,8 @@ class FakeComm:
 def fake_mpi(monkeypatch):
   """``from mpi4py import MPI`` gets a stub, so no MPI library is initialised."""
   module = types.ModuleType("mpi4py")
-  module.MPI = types.SimpleNamespace()
+  # MPI_THREAD_SERIALIZED = 2, MPI_THREAD_MULTIPLE = 3 (mpi4py's values): the client asks the thread level
+  module.MPI = types.SimpleNamespace(THREAD_SERIALIZED=2, Query_thread=lambda: 3)
   monkeypatch.setitem(sys.modules, "mpi4py", module)
   return module
 
