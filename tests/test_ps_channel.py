@@ -91,11 +91,11 @@ def test_a_slow_ps_overlaps_compute_with_the_same_numerics(synthetic_data_dir):
     stats = vw.run(n)
     assert stats.ps_channel == mode and vw.ps_channel_mode == mode
     # (through the channel the last reply may be placed but left for a next run)
-    # WSP at D = 1 with Nm = 1 and one VW: minibatch p's weights hold exactly waves 0..p-2 of the PS (at least p - 1
-    # by the bound, at most p - 1 because wave p - 1 is the VW's last completed one), whatever the timing; a reply can
-    # supersede an older one before the scheduler installs it, so the number of installs itself is not fixed.
-    assert [r.version_global_clock for r in vw.records] == [max(0, r.local_clock_at_injection - 1)
-                                                            for r in vw.records]
+    # WSP at D = 1 with Nm = 1 and one VW: a minibatch injected at local clock c (waves 0..c-1 done) runs on pulled
+    # weights of global clock c - 1 (the bound) or c (every wave it pushed), whatever the timing; a reply can supersede
+    # an older one before the scheduler installs it, so the number of installs itself is not fixed.
+    assert all(max(0, r.local_clock_at_injection - 1) <= r.version_global_clock <= r.local_clock_at_injection
+               for r in vw.records), [(r.local_clock_at_injection, r.version_global_clock) for r in vw.records]
     assert stats.num_pulls >= 1 and 2 * stats.num_pulls <= len(placing) <= 2 * (stats.num_pulls + 1)
     # through the channel its thread places a reply's weights: the scheduler's install only adds on the devices
     assert all(t.startswith("ps-channel") == (mode == "thread") for t in placing), placing
@@ -113,7 +113,9 @@ def test_a_slow_ps_overlaps_compute_with_the_same_numerics(synthetic_data_dir):
                                  versions)
     assert_params_close(vw.layer_params(), expected)
   assert walls["inline"] >= n * (t_mb + push_s), walls
-  assert walls["thread"] <= n * t_mb + push_s + pull_s + n * 0.015, walls
+  # Compared within this test (a loaded machine adds the same host work to both): the channel hides at least half of
+  # the pushes after the first two (inline pays all n; measured: about 0.8 s against 1.06 s).
+  assert walls["thread"] <= walls["inline"] - 0.5 * (n - 2) * push_s, walls
 
 
 def test_a_pull_request_never_overtakes_its_own_push(synthetic_data_dir):
