@@ -62,6 +62,19 @@ def _replay(spec, params0, batches, versions, partition=None, per_stage_clip=Fal
   return params, norms
 
 
+
+def _replay_two_vw_union(data_dir, batch, steps):
+  """The whole-model replay of 2 VWs' all-reduce steps: each step trains on the union of both VWs' minibatches k."""
+  spec = models.get_model("mlp_tiny")
+  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
+  dataset = fashion_mnist.load_fashion_mnist(data_dir, expected_counts=None)
+  sources = [sharding.ShardedMinibatches(dataset, 2, v, batch, 0) for v in range(2)]
+  batches = []
+  for k in range(steps):
+    parts = [s.get(k) for s in sources]
+    batches.append((np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])))
+  return _replay(spec, params0, batches, list(range(steps)))
+
 def _pipedream_replay(spec, partition, params0, batches, stage_versions):
   """PipeDream's per-stage updates (tests.pipeline_util.pipedream_replay) with the whole gradient of each minibatch
   first clipped by its global norm (optax), then each stage's own optimizer on its part."""
@@ -171,15 +184,7 @@ def test_virtual_time_allreduce_with_a_partition_per_vw_clips_globally_and_keeps
   assert summary["allreduce"]["replicas_identical"]
   config = json.loads((tmp_path / "config.json").read_text())
   assert config["grad_clip_norm"] == CLIP
-  spec = models.get_model("mlp_tiny")
-  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
-  dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
-  sources = [sharding.ShardedMinibatches(dataset, 2, v, batch, 0) for v in range(2)]
-  batches = []
-  for k in range(steps):
-    parts = [s.get(k) for s in sources]
-    batches.append((np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])))
-  want, norms = _replay(spec, params0, batches, list(range(steps)))
+  want, norms = _replay_two_vw_union(synthetic_data_dir, batch, steps)
   assert sum(g > CLIP for g in norms) >= 2 and sum(g < CLIP for g in norms) >= 1, norms
   assert_params_close(checkpoint.restore_weights(tmp_path / "checkpoint"), want, rtol=1e-5, atol=1e-6)
 
@@ -321,14 +326,6 @@ def test_mpi_allreduce_with_a_partition_per_vw_clips_globally(tmp_path, syntheti
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["allreduce"]["replicas_identical"] and summary["partitions"] == {"0": [[0, 2], [2, 4]],
                                                                                   "1": [[0, 3], [3, 4]]}
-  spec = models.get_model("mlp_tiny")
-  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
-  dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
-  sources = [sharding.ShardedMinibatches(dataset, 2, v, batch, 0) for v in range(2)]
-  batches = []
-  for k in range(steps):
-    parts = [s.get(k) for s in sources]
-    batches.append((np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])))
-  want, norms = _replay(spec, params0, batches, list(range(steps)))
+  want, norms = _replay_two_vw_union(synthetic_data_dir, batch, steps)
   assert sum(g > CLIP for g in norms) >= 2, norms
   assert_params_close(checkpoint.restore_weights(workdir / "checkpoint"), want, rtol=1e-5, atol=1e-6)
