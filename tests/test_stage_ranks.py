@@ -341,9 +341,14 @@ def test_stage_ranks_equal_the_replay_of_recorded_versions_with_lagging_pulls(sy
   records = [dataclasses.asdict(r) for r in driver.records]
   result = replay.replay(records, spec_of(), params0, tx, [source], nm, fixed_waves=[peer],
                          applied_order=server.state.applied)
-  layout = driver.layout
+  _assert_weights_equal_replay(driver, servers, server, result)
+
+
+def _assert_weights_equal_replay(driver, servers, server, result):
+  """The driver's and its stage ranks' final local weights, and the PS's global weights, equal the replay's."""
   final_local = result.local_weights(0, driver.version.vector_clock, driver.version.local_updates)
-  np.testing.assert_allclose(layout.flatten(_layer_params(driver, servers)), final_local, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(driver.layout.flatten(_layer_params(driver, servers)), final_local, rtol=1e-5,
+                             atol=1e-6)
   np.testing.assert_allclose(server.weights, result.final_global_weights(server.state.applied), rtol=1e-5, atol=1e-6)
 
 
@@ -372,10 +377,7 @@ def test_stage_ranks_clip_by_the_global_norm_over_every_rank(synthetic_data_dir,
   whole = optax.chain(optax.clip_by_global_norm(clip), tx)
   result = replay.replay(records, spec_of(), params0, whole, [source], nm, fixed_waves=[peer],
                          applied_order=server.state.applied)
-  layout = driver.layout
-  final_local = result.local_weights(0, driver.version.vector_clock, driver.version.local_updates)
-  np.testing.assert_allclose(layout.flatten(_layer_params(driver, servers)), final_local, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(server.weights, result.final_global_weights(server.state.applied), rtol=1e-5, atol=1e-6)
+  _assert_weights_equal_replay(driver, servers, server, result)
   # the clip was active: SGD's first update, -0.05 x the clipped gradient, has norm 0.05 x clip
   first = result.updates[0][0]
   assert float(np.linalg.norm(first)) == pytest.approx(0.05 * clip, rel=1e-4)
