@@ -14,8 +14,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from hetpipe_jax.runtime.stages import cross_entropy_loss
+
+def cross_entropy_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Mean softmax cross-entropy (nats). logits ``[b, classes]``, labels ``[b]`` int32 → scalar; also logits
+  ``[b, seq, vocab]`` with labels ``[b, seq]`` (the mean over every position: the next-token loss)."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
 def _classification_per_example(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:

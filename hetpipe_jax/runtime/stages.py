@@ -18,16 +18,11 @@ import optax
 
 from hetpipe_jax.models import ModelSpec, apply_layers
 from hetpipe_jax.runtime import grad_clip
+from hetpipe_jax.runtime.objectives import cross_entropy_loss, get_objective  # noqa: F401  (re-exported)
 from hetpipe_jax.runtime import optimizers
 from hetpipe_jax.rules.partition import validate_partition
 
 Params = Any  # list of per-layer params pytrees of one stage
-
-
-def cross_entropy_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Mean softmax cross-entropy (nats). logits ``[b, classes]``, labels ``[b]`` int32 → scalar; also logits
-  ``[b, seq, vocab]`` with labels ``[b, seq]`` (the mean over every position: the next-token loss)."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
 @dataclasses.dataclass
@@ -95,7 +90,6 @@ def build_stages(spec: ModelSpec, partition: Sequence[Sequence[int]], devices: S
   Raises:
     ValueError: bad partition, not one device per stage, an unknown ``spec.objective``, or ``grad_clip_norm < 0``.
   """
-  from hetpipe_jax.runtime.objectives import get_objective  # imports this module
   loss_fn = get_objective(spec.objective).loss
   ranges = validate_partition(partition, spec.num_layers)
   if len(devices) != len(ranges):
