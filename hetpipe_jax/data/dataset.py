@@ -11,12 +11,13 @@ ConfigDict, read-only) returns an :class:`ExampleDataset`.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
+from hetpipe_jax.data import text
+from hetpipe_jax.data.example_dataset import ExampleDataset  # noqa: F401  (the interface users import from here)
 from hetpipe_jax.data.fashion_mnist import DataError
 
 BUILTIN_DATASETS = ("fashion_mnist", "text")
@@ -24,34 +25,6 @@ BUILTIN_DATASETS = ("fashion_mnist", "text")
 
 class DatasetConfigError(DataError):
   """``config.dataset`` cannot be loaded or does not fit the model; the message names the setting and the fix."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ExampleDataset:
-  """A dataset as arrays (the interface a user factory returns).
-
-  Attributes:
-    train_inputs: ``[num_train, *example_shape]`` of the model's input dtype (float32 images, int32 tokens).
-    train_targets: int32 ``[num_train, ...]``: class labels ``[num_train]`` or next tokens ``[num_train, seq]``.
-    eval_inputs: ``[num_eval, *example_shape]``, held out: never trained on.
-    eval_targets: int32 ``[num_eval, ...]``.
-    description: JSON-serialisable facts about the data (source, counts, hashes), recorded in config.json as
-      ``dataset_info``.
-  """
-
-  train_inputs: np.ndarray
-  train_targets: np.ndarray
-  eval_inputs: np.ndarray
-  eval_targets: np.ndarray
-  description: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-  @property
-  def num_train(self) -> int:
-    return int(self.train_inputs.shape[0])
-
-  @property
-  def num_eval(self) -> int:
-    return int(self.eval_inputs.shape[0])
 
 
 _FIX = "give 'fashion_mnist', 'text', or 'package.module:factory' where factory(config) returns an ExampleDataset"
@@ -156,7 +129,6 @@ def load_dataset(config: Any, example_shape: tuple[int, ...], example_dtype: str
     dataset = fashion_mnist.load_fashion_mnist(config.data_dir or None,
                                                expected_counts=(60000, 10000) if config.check_counts else None)
   elif name == "text":
-    from hetpipe_jax.data import text
     if len(example_shape) != 1:
       raise DatasetConfigError(f"config.dataset='text' gives token sequences [n, seq_len], but config.model takes "
                                f"examples of shape {list(example_shape)}: use a language model (e.g. 'gpt_bytes')")

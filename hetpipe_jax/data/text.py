@@ -23,7 +23,7 @@ import pathlib
 from absl import logging
 import numpy as np
 
-from hetpipe_jax.data.dataset import ExampleDataset
+from hetpipe_jax.data.example_dataset import ExampleDataset
 from hetpipe_jax.data.fashion_mnist import DataError
 
 DEFAULT_TEXT_DIRS: tuple[pathlib.Path, ...] = (pathlib.Path("/usr/share/games/fortunes"),)
