@@ -71,8 +71,10 @@ def main(argv) -> None:
       from hetpipe_jax.jobs import virtual_job
       virtual_job.run(config, settings, _WORKDIR.value, resume=_RESUME.value)
     else:
-      from hetpipe_jax.jobs import mpi_job
-      mpi_job.run(config, settings, _WORKDIR.value, comm, resume=_RESUME.value)
+      from hetpipe_jax.jobs import allreduce_job, mpi_job
+      # the PS methods' job, or all-reduce BSP (one rank per VW, no PS: gpipe, 1f1b_flush, horovod)
+      job = mpi_job if settings.uses_ps else allreduce_job
+      job.run(config, settings, _WORKDIR.value, comm, resume=_RESUME.value)
   except (ConfigError, DataError, FileExistsError, BadUpdateError, ReplicasDivergedError) as e:
     # Every rank validates the same settings; rank 0 reports and its exit aborts the mpi_job. Another rank reports
     # only if it is still alive after a moment (its failure was its own, e.g. a data file missing on its node).

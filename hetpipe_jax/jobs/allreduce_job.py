@@ -1,7 +1,8 @@
 """One all-reduce BSP training job over MPI (gpipe, 1f1b_flush, horovod): one rank per VW, no parameter server.
 
-Runtime layer; :func:`hetpipe_jax.jobs.mpi_job.run` hands these methods here. Rank r runs VW r: every step its
-pipeline runs M micro-batches in the method's order (:mod:`hetpipe_jax.rules.methods`), then its accumulated
+Runtime layer; ``hetpipe_jax.train`` runs these methods here (:func:`run`); the PS methods' job is
+:mod:`hetpipe_jax.jobs.mpi_job`, whose set-up helpers this job shares. Rank r runs VW r: every step its pipeline
+runs M micro-batches in the method's order (:mod:`hetpipe_jax.rules.methods`), then its accumulated
 gradients (one contiguous float32 buffer in layer order, the step's loss sum last) are summed over all ranks with
 ``MPI.Allreduce`` on each reduction segment (:func:`hetpipe_jax.rules.allreduce.reduce_segments`: the stages when
 every VW has the same partition; MPICH's collective, in place on contiguous slices), and every rank applies the
@@ -24,6 +25,7 @@ import numpy as np
 
 from hetpipe_jax import models
 from hetpipe_jax.data import fashion_mnist, sharding
+from hetpipe_jax.jobs import mpi_job, rank_setup
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
 from hetpipe_jax.jobs.outputs import (RunOutputs, check_replicas_identical, check_workdir, settings_summary,
                                       weights_sha256)
@@ -71,7 +73,6 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
     ConfigError: invalid settings, or ``--resume`` (not supported for the all-reduce methods).
     fashion_mnist.DataError: missing or corrupt dataset files.
   """
-  from hetpipe_jax.jobs import mpi_job, rank_setup  # pylint: disable=g-import-not-at-top
   from hetpipe_jax.runtime.virtual_worker import VirtualWorker  # pylint: disable=g-import-not-at-top
 
   rank, world = comm.Get_rank(), comm.Get_size()

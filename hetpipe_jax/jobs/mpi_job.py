@@ -244,9 +244,8 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
       checkpoints (or checkpoints without it), a checkpoint of another model, nothing left to train.
     fashion_mnist.DataError: missing or corrupt dataset files.
   """
-  if not settings.uses_ps:  # all-reduce BSP: one rank per VW, no PS
-    from hetpipe_jax.jobs import allreduce_job  # pylint: disable=g-import-not-at-top
-    return allreduce_job.run(config, settings, workdir, comm, resume)
+  if not settings.uses_ps:
+    raise ConfigError(f"config.method={settings.method!r} has no PS: its job is hetpipe_jax.jobs.allreduce_job")
   settings = with_ps_shards(config, settings)  # sharded PS: ranks 0..S-1 (bad settings fail here, on every rank)
   settings = with_stage_ranks(config, settings, resume)  # stage ranks: ranks S+N.. (after the VWs' drivers)
   rank, world = comm.Get_rank(), comm.Get_size()
