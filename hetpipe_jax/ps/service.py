@@ -23,7 +23,7 @@ from hetpipe_jax.ps import transport
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.ps.shards import WaveAssembler
 from hetpipe_jax.ps.transport import Kind
-from hetpipe_jax.runtime.stage_executor import fine_timer_slack
+from hetpipe_jax.host_timers import fine_timer_slack
 
 IDLE_SLEEP_MIN_S, IDLE_SLEEP_MAX_S = 2e-5, 5e-4  # the service's poll back-off while no message arrives
 

@@ -17,34 +17,18 @@ on a GPU, where the host enqueues work asynchronously and the device runs it bac
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import queue
-import sys
 import threading
 import time
 from typing import Any, Callable
 
 import jax
 
+from hetpipe_jax.host_timers import fine_timer_slack  # noqa: F401  (re-exported: stage ranks, benchmarks)
 from hetpipe_jax.rules.schedule import Task
 
 OVERRUN_TOLERANCE_S = 1e-3  # lateness beyond an emulated task's end that counts as an overrun
-_PR_SET_TIMERSLACK = 29  # linux/prctl.h
-
-
-def fine_timer_slack() -> bool:
-  """Lets the calling thread's sleeps end within about a microsecond of their deadline (Linux; else a no-op).
-
-  Linux lets a normal thread's timers fire up to its "timer slack" late (50 µs by default) to batch wake-ups; an
-  emulated 2 ms task would end that much late on every sleep. Returns whether the slack was set.
-  """
-  if not sys.platform.startswith("linux"):
-    return False
-  try:
-    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0) == 0
-  except (OSError, AttributeError):
-    return False
 
 
 def clock_pair(tries: int = 5) -> tuple[float, float]:
