@@ -29,8 +29,9 @@ still run), results merged into ``<out>/gpu_check.json`` after every step:
   ``ratio = measured / model`` per stage (goal within +-20%).
 
 The three in-process measurements (profile, pipeline, memory) live in :mod:`scripts.gpu_measure`; this script holds
-the flags, the environment, test and main-job steps, and the orchestration. ``--cpu`` is the rehearsal CI runs: every step on CPU devices at smoke sizes (synthetic Fashion-MNIST, a GPT of the
-same layer structure at toy width), in well under a minute of work per step.
+the flags, the environment, test and main-job steps, and the orchestration. ``--cpu`` is the rehearsal CI runs: every
+step on CPU devices at smoke sizes (synthetic Fashion-MNIST, a GPT of the same layer structure at toy width), in well
+under a minute of work per step.
 
   scripts/gpu_check.sh [--cpu] [--out=DIR] [--steps=env,profile]     # the wrapper sets up carried wheels and data
   python scripts/gpu_check.py --out=DIR [--cpu] [--steps=...]
