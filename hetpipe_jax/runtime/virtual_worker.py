@@ -448,8 +448,8 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     elif flat.size != offsets[end] - offsets[start]:
       raise ValueError(f"[VW {self.vw_id}] stage {s} holds {offsets[end] - offsets[start]} floats, got {flat.size}")
     st = self.stages[s]
-    if st.device.platform == "cpu":  # a CPU device array may alias its numpy buffer (vw_state.host_copy)
-      flat = np.array(flat, np.float32, copy=True)
+    if st.device.platform == "cpu":  # a CPU device array may alias its numpy buffer
+      flat = host_copy(flat)
     return st.unravel(jax.device_put(flat, st.device), self._zeros[s])
 
   def place_pulled(self, flat: np.ndarray) -> list:
