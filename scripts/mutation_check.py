@@ -38,7 +38,7 @@ _BASELINE = flags.DEFINE_bool("baseline", True, "First run every named test on a
                               "without a mutation would make every mutation look caught (CI skips it: the suite itself "
                               "is the baseline there).")
 
-COPIED = ("hetpipe_jax", "tests", "experiments", "scripts", "pytest.ini", "README.md")
+COPIED = ("hetpipe_jax", "tests", "experiments", "scripts", "pytest.ini", "README.md", "docs")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,8 @@
-"""README.md's runnable blocks, as written, at smoke sizes: the README cannot drift from the code (issue 23).
+"""The runnable blocks of README.md and docs/usage.md, as written, at smoke sizes: the docs cannot drift from the code.
 
-Every command of every ```bash block is read from the README itself (lines joined at a trailing ``\\``, a heredoc
-with its body, a ``...`` line extending the block's previous command) and must match exactly one entry of
-:data:`HOW`, which says how it is checked:
+Every command of every ```bash block is read from the documents of :data:`DOCS` themselves, in that order (lines
+joined at a trailing ``\\``, a heredoc with its body, a ``...`` line extending the block's previous command) and
+must match exactly one entry of :data:`HOW`, which says how it is checked:
 
 * ``run``: run as written in a scratch directory (``.venv``, ``experiments`` and ``scripts`` linked from the
   repository), with smoke-size flags appended (absl: a later flag wins) and outputs kept in the scratch directory;
@@ -14,7 +14,7 @@ with its body, a ``...`` line extending the block's previous command) and must m
   (:mod:`tests.readme_check`);
 * ``skip``: run elsewhere, named.
 
-A README command no entry matches, or an entry no command matches, fails the test: a new or edited command must be
+A command no entry matches, or an entry no command matches, fails the test: a new or edited command must be
 classified here.
 """
 
@@ -31,6 +31,7 @@ import pytest
 
 from hetpipe_jax.paths import REPO_ROOT
 
+DOCS = ("README.md", "docs/usage.md")  # one sequence, in this order (later commands read what earlier ones wrote)
 TRAIN_SMOKE = ("--config.num_minibatches=4", "--config.progress=False", "--config.eval_every_epochs=0",
                "--config.check_counts=False")
 
@@ -50,7 +51,7 @@ class Command:
 
 
 def readme_commands(readme: str) -> list[Command]:
-  """Every command of every ```bash block of ``readme``, in order."""
+  """Every command of every ```bash block of ``readme`` (one document's text), in order."""
   blocks = re.findall(r"^```bash\n(.*?)^```", readme, flags=re.S | re.M)
   out: list[Command] = []
   for b, block in enumerate(blocks):
@@ -81,9 +82,14 @@ def readme_commands(readme: str) -> list[Command]:
   return out
 
 
+def doc_commands() -> list[Command]:
+  """Every command of every document of :data:`DOCS`, in order."""
+  return [c for doc in DOCS for c in readme_commands((REPO_ROOT / doc).read_text())]
+
+
 @dataclasses.dataclass(frozen=True)
 class How:
-  """How README commands matching ``pattern`` (a regex searched in the command's text) are checked."""
+  """How the commands matching ``pattern`` (a regex searched in the command's text) are checked."""
 
   pattern: str
   action: str  # "run", "dry_run", "validate", "skip"
@@ -145,7 +151,7 @@ HOW = (
 
 def _how(cmd: Command) -> How:
   hits = [h for h in HOW if re.search(h.pattern, cmd.text)]
-  assert len(hits) == 1, f"README command {cmd.text!r} matches {len(hits)} entries of HOW: classify it once"
+  assert len(hits) == 1, f"command {cmd.text!r} of {DOCS} matches {len(hits)} entries of HOW: classify it once"
   return hits[0]
 
 
@@ -163,22 +169,22 @@ def _world_and_train_args(argv: list[str]) -> tuple[int, list[str]]:
 
 
 def test_every_readme_command_is_classified_once():
-  commands = readme_commands((REPO_ROOT / "README.md").read_text())
+  commands = doc_commands()
   assert len(commands) >= 20
   used = {_how(c).pattern for c in commands}
   unused = sorted({h.pattern for h in HOW} - used)
-  assert not unused, f"entries of HOW no README command matches: {unused}"
+  assert not unused, f"entries of HOW no command of {DOCS} matches: {unused}"
   assert all(h.why for h in HOW if h.action == "skip")
 
 
 def test_readme_commands_run_as_written(tmp_path, synthetic_data_dir):
-  """Every README command, in README order, in one scratch directory (later commands read what earlier ones wrote:
-  plan.json, hosts), as :data:`HOW` says; each must exit 0 (validate: pass the job's checks)."""
+  """Every command of :data:`DOCS`, in their order, in one scratch directory (later commands read what earlier ones
+  wrote: plan.json, hosts), as :data:`HOW` says; each must exit 0 (validate: pass the job's checks)."""
   for name in (".venv", "experiments", "scripts"):
     (tmp_path / name).symlink_to(REPO_ROOT / name)
   fill = {"tmp": str(tmp_path), "data": str(synthetic_data_dir)}
   ran = []
-  for cmd in readme_commands((REPO_ROOT / "README.md").read_text()):
+  for cmd in doc_commands():
     how = _how(cmd)
     if how.action == "skip":
       continue
@@ -194,7 +200,7 @@ def test_readme_commands_run_as_written(tmp_path, synthetic_data_dir):
         at = argv.index("--") if "--" in argv else len(argv)
         argv = argv[:at] + ["--dry_run"] + argv[at:]
     proc = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"README command failed ({how.action}): {cmd.text}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"command of {DOCS} failed ({how.action}): {cmd.text}\n{proc.stderr[-3000:]}"
     ran.append((how.action, cmd.text))
   assert {a for a, _ in ran} == {"run", "dry_run", "validate"}
   # The chain a newcomer follows: the plan made above, its hostfile, the launch's table (issue 23 defect 1).

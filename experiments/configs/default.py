@@ -101,7 +101,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.progress = True  # progress bar on rank 0
   c.save_task_trace = False  # write per-task dispatch/completion times (tasks.jsonl)
   # Checkpoints (orbax, under <workdir>/checkpoints/): every this many global-clock ticks a consistent cut (a WSP
-  # barrier, WORKSPACE.md) and at the end; 0: only the final weights. `--resume` continues from the newest.
+  # barrier, docs/design.md) and at the end; 0: only the final weights. `--resume` continues from the newest.
   c.checkpoint_every_waves = 100
   c.checkpoint_max_to_keep = 3
   # Fault drill: "vw:wave" puts a NaN into that VW's update of that wave, which the PS must refuse ("" = none).

@@ -4,7 +4,7 @@
 (about 2.6 MB of English; every 20th 1 KiB block held out, its SHA-256 in config.json). Held-out loss is reported in
 bits per byte (``test_bits_per_byte``) beside the corpus's unigram entropy (``dataset_info``); target: >= 40 % below
 it within 15 minutes on a 2-core machine (measured: 2.61 bits/byte, 45.5 % below 4.79, in 10.1 minutes with set-up;
-WORKSPACE.md "Language model under HetPipe"). Run (from the repo root; ``CONFIG=... bash scripts/run_main.sh`` also
+docs/measurements/lm_fortunes.md). Run (from the repo root; ``CONFIG=... bash scripts/run_main.sh`` also
 installs ``fortunes``):
 
   CONFIG=experiments/configs/lm.py WORKDIR=runs/lm bash scripts/run_main.sh
@@ -22,7 +22,7 @@ def get_config():
   c.data_dir = ""  # "" -> /usr/share/games/fortunes; or comma-separated files / directories of your own text
   c.plan = ""  # no plan: 2 VWs x 2 stages, an even split of the 6 layers (0:3,3:6)
   c.partition = ""
-  # Nm = 1, D = 0: no stale gradient anywhere, which this model under Adam needs (measured, WORKSPACE.md "Language model under HetPipe"):
+  # Nm = 1, D = 0: no stale gradient anywhere, which this model under Adam needs (docs/measurements/lm_fortunes.md):
   # a gradient one update old (Nm = 2 inside a VW, or the other VW's latest minibatch missing under D = 1) cuts the
   # loss drop per minibatch sharply (600 minibatches: Nm 2, D 1 -> 4.50 bits/byte, Nm 1, D 1 -> 3.92, Nm 1, D 0 ->
   # 3.53). On 2 cores the two VWs' tasks already keep both cores busy, so pipelining inside a VW buys little

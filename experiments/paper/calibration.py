@@ -27,8 +27,8 @@ false``; RTX 2060, by 1%). The type's efficiency is the geometric mean of its ce
 time, one value shared by both models). :func:`horovod_images_per_s`
 then runs every cell through the engine at the fitted values and the residuals are reported (``calibration.json``).
 
-The Horovod cells are run on the paper's GPUs whatever our memory model says (it excludes the Quadro P4000 and RTX
-2060 for VGG-19 at batch 32, which the paper ran: a known pessimism of our memory model, WORKSPACE "Known limits").
+The Horovod cells are run on the paper's GPUs whatever our memory model says (before issue 28 it excluded the Quadro
+P4000 and RTX 2060 for VGG-19 at batch 32, which the paper ran: docs/measurements/memory_model.md).
 """
 
 from __future__ import annotations

@@ -20,11 +20,11 @@ Configurations (each for ``--seeds`` seeds; the seed picks the initial weights, 
 The cost model is the paper cluster's with one roofline efficiency per GPU type fitted by
 ``experiments/paper/calibration.py`` on the paper's Horovod throughputs (Table 4), as the throughput experiments use
 (``--calibrated=false``: the cost model's uncalibrated defaults). Horovod runs on the GPUs the paper used (our
-memory model admits the same ones since issue 28, WORKSPACE.md; a model that admitted fewer would make a Horovod
-plan on fewer GPUs): the results record the GPUs it admits and the plan's notes, and the Horovod timing plans here
-are the planner's Horovod plan extended to the paper's GPUs with their memory *not* checked. Optimiser: SGD at a
-constant learning rate per VW; Horovod averages the gradients of its N replicas, so it uses N times that rate (the
-linear scaling rule), which gives every configuration the same step per example.
+memory model admits the same ones since issue 28, docs/measurements/memory_model.md; a model that admitted fewer
+would make a Horovod plan on fewer GPUs): the results record the GPUs it admits and the plan's notes, and the Horovod
+timing plans here are the planner's Horovod plan extended to the paper's GPUs with their memory *not* checked.
+Optimiser: SGD at a constant learning rate per VW; Horovod averages the gradients of its N replicas, so it uses N
+times that rate (the linear scaling rule), which gives every configuration the same step per example.
 
 "X% faster" in §8.4 is the reduction of the time to the target accuracy, ``1 - T_a / T_b`` (the paper's numbers are
 consistent with it: 1 - (1 - 0.29)(1 - 0.28) = 0.49). Each speed-up is computed per seed (same seed in both

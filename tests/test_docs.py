@@ -1,0 +1,61 @@
+"""The docs stay short, true and made by the project: sizes, links, generated parts, measurement records.
+
+README.md's Gantt and compare table are made by ``scripts/make_docs.py`` (the project's own entry points); the
+check mode redraws the figure into a scratch directory and fails when README's table is not what ``compare``
+prints now. The commands of README.md and docs/usage.md are run by tests/test_readme.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from hetpipe_jax.paths import REPO_ROOT
+
+DOC_FILES = ("README.md", "WORKSPACE.md", "REPRODUCTION.md", *sorted(
+    str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "docs").rglob("*.md")))
+LIMITS = {"README.md": 120, "docs/design.md": 300}
+
+
+def test_readme_and_design_stay_within_their_sizes():
+  for name, limit in LIMITS.items():
+    lines = (REPO_ROOT / name).read_text().count("\n")
+    assert lines <= limit, f"{name} has {lines} lines, more than {limit}: move detail to docs/"
+
+
+def test_every_relative_link_of_the_docs_resolves():
+  bad = []
+  for name in DOC_FILES:
+    text = (REPO_ROOT / name).read_text()
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+      if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        continue
+      if not (REPO_ROOT / name).parent.joinpath(target.split("#")[0]).exists():
+        bad.append(f"{name}: {target}")
+  assert not bad, f"links to nothing: {bad}"
+
+
+def test_every_measurement_names_its_command_and_date():
+  records = sorted((REPO_ROOT / "docs" / "measurements").glob("*.md"))
+  assert len(records) >= 5
+  index = (REPO_ROOT / "docs" / "measurements" / "README.md").read_text()
+  for path in records:
+    if path.name == "README.md":
+      continue
+    text = path.read_text()
+    assert re.search(r"^Command: ", text, flags=re.M), f"{path.name} names no command (a line 'Command: ...')"
+    assert re.search(r"\b20\d\d-\d\d-\d\d\b", text), f"{path.name} has no date"
+    assert f"({path.name})" in index, f"docs/measurements/README.md does not list {path.name}"
+
+
+def test_make_docs_draws_the_gantt_and_readme_holds_the_compare_table(tmp_path):
+  env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([sys.executable, "scripts/make_docs.py", "--check", f"--out_dir={tmp_path}"], cwd=REPO_ROOT,
+                        env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+  png = tmp_path / "gantt_two_vws.png"
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+  assert (REPO_ROOT / "docs" / "figures" / "gantt_two_vws.png").exists()
