@@ -58,6 +58,12 @@ def command(module: str, args: tuple[str, ...]) -> str:
   return " ".join([".venv/bin/python -m", module, *args])
 
 
+def gantt_commands() -> tuple[str, str]:
+  """The planner's and the simulator's command lines that :func:`gantt` runs, as README names them."""
+  return (command("hetpipe_jax.plan", (*PLAN_ARGS, "--output=...")),
+          command("hetpipe_jax.simulate", ("--plan=...", *SIMULATE_ARGS, "--gantt=...")))
+
+
 def gantt(out_dir: str) -> str:
   """Plans ``hetpipe_paper_2vw`` and draws the engine's first waves of its two VWs; returns the PNG's path."""
   os.makedirs(out_dir, exist_ok=True)
@@ -97,6 +103,11 @@ def main(argv):
   print(f"wrote {png}")
   with open(README) as f:
     readme = f.read()
+  flat = " ".join(readme.split())  # README wraps its lines
+  for named in gantt_commands():
+    if named not in flat:
+      print(f"README.md does not name a command that draws its Gantt: {named!r}")
+      sys.exit(1)
   old, new = readme_block(readme), compare_block()
   if _CHECK.value:
     if old != new:
