@@ -13,7 +13,7 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # Model and data.
   # A registry name (hetpipe_jax.models.available_models()) or "package.module:factory", a zero-argument function
-  # returning a hetpipe_jax.models.ModelSpec (README, "Your own model and data").
+  # returning a hetpipe_jax.models.ModelSpec (docs/usage.md, "Your own model and data").
   c.model = "cnn"
   # "fashion_mnist" | "text" (byte-level windows of the model's context length; hetpipe_jax/data/text.py) |
   # "package.module:factory", factory(config) returning a hetpipe_jax.data.dataset.ExampleDataset.
