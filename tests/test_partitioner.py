@@ -177,8 +177,10 @@ def test_fewer_layers_than_gpus_is_an_error():
   rng = np.random.default_rng(0)
   cl = random_cluster(rng, 10**9)
   costs = cost_model.build_stage_costs(random_profile(rng, 2), cl)
-  with pytest.raises(ValueError, match="fewer than the 3 GPUs"):
-    partitioner.partition_dp(partitioner.PartitionProblem(costs, tuple(cl.gpus()[:3]), 1))
+  for solve in (partitioner.partition_dp, partitioner.min_max_stage_time_ms):
+    with pytest.raises(partitioner.InfeasiblePartitionError, match="fewer than the 3 GPUs") as info:
+      solve(partitioner.PartitionProblem(costs, tuple(cl.gpus()[:3]), 1))
+    assert info.value.best_attempt is None
 
 
 def test_evaluate_rejects_ranges_that_do_not_tile():

@@ -97,6 +97,19 @@ def test_a_model_no_allocation_fits_is_one_error_line(tmp_path):
   assert not out.exists()
 
 
+def test_a_model_with_fewer_layers_than_a_vws_gpus_is_one_error_line(tmp_path):
+  """ED with 2 VWs gives each VW 8 GPUs of the paper's cluster; the CNN has 7 layers, so no VW can be partitioned:
+  one `error:` line naming the settings and the fix, exit 2, no traceback, no plan written."""
+  out = tmp_path / "plan.json"
+  r = run_plan("--cluster=hetpipe_paper", "--model=cnn", "--batch_size=64", "--policy=ED", "--num_vws=2",
+               f"--output={out}")
+  assert r.returncode == 2, r.stderr
+  lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+  assert len(lines) == 1 and "--model=cnn" in lines[0] and "--num_vws=2" in lines[0], r.stderr
+  assert "7 layers, fewer than the 8 GPUs" in lines[0] and "more virtual workers" in lines[0]
+  assert "Traceback" not in r.stderr and not out.exists()
+
+
 def test_unknown_cluster():
   r = run_plan("--cluster=moon_base", "--model=vgg19_imagenet")
   assert r.returncode != 0 and "unknown cluster 'moon_base'" in r.stderr

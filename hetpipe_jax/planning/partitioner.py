@@ -94,7 +94,8 @@ class Partition:
 
 
 class InfeasiblePartitionError(ValueError):
-  """No partition fits in memory. ``best_attempt`` is the partition with the least relative memory overflow."""
+  """No partition exists: none fits in memory (``best_attempt``: the partition with the least relative memory
+  overflow), or the model has fewer layers than the VW has GPUs (``best_attempt`` None)."""
 
   def __init__(self, message: str, best_attempt: Partition | None):
     super().__init__(message)
@@ -255,6 +256,24 @@ def _cost_tables(problem: PartitionProblem, classes, held: Sequence[int]):
   return mid, last, mid_ratio, last_ratio
 
 
+def _check_stageable(problem: PartitionProblem) -> None:
+  """Every GPU of a VW needs a non-empty stage of contiguous layers (HetPipe §4).
+
+  Raises:
+    ValueError: no GPUs.
+    InfeasiblePartitionError: fewer layers than GPUs (no partition exists; the planner's callers report it as
+      "no plan" with the fix).
+  """
+  if not problem.gpus:
+    raise ValueError("a virtual worker needs at least one GPU")
+  n_layers = problem.costs.num_layers
+  if n_layers < len(problem.gpus):
+    raise InfeasiblePartitionError(
+        f"the model has {n_layers} layers, fewer than the {len(problem.gpus)} GPUs of the virtual worker (every GPU "
+        "needs a non-empty stage): give each virtual worker at most that many GPUs (more virtual workers, or "
+        "another allocation policy)", None)
+
+
 def partition_dp(problem: PartitionProblem) -> Partition:
   """Optimal partition of one virtual worker (exact; see the module docstring).
 
@@ -269,16 +288,11 @@ def partition_dp(problem: PartitionProblem) -> Partition:
     The :class:`Partition` minimising the maximum stage time (ties: least total time).
 
   Raises:
-    ValueError: no GPUs, or fewer layers than GPUs.
-    InfeasiblePartitionError: no ordering and cut fits every GPU's memory; the message names the best attempt's
-      stages, their GPUs and by how much each exceeds its memory.
+    ValueError: no GPUs.
+    InfeasiblePartitionError: fewer layers than GPUs (``best_attempt`` None), or no ordering and cut fits every
+      GPU's memory; the message names the best attempt's stages, their GPUs and by how much each exceeds its memory.
   """
-  if not problem.gpus:
-    raise ValueError("a virtual worker needs at least one GPU")
-  n_layers = problem.costs.num_layers
-  if n_layers < len(problem.gpus):
-    raise ValueError(f"the model has {n_layers} layers, fewer than the {len(problem.gpus)} GPUs of the virtual "
-                     "worker (every GPU needs a non-empty stage)")
+  _check_stageable(problem)
   if problem.schedule_memory:
     return _schedule_partition(problem)
   classes, counts, by_class = _classes(problem.gpus)
@@ -329,14 +343,10 @@ def min_max_stage_time_ms(problem: PartitionProblem) -> float:
   minibatch (the least any schedule peak can be), so the value stays a lower bound.
 
   Raises:
-    ValueError: no GPUs, or fewer layers than GPUs.
+    ValueError: no GPUs.
+    InfeasiblePartitionError: fewer layers than GPUs.
   """
-  if not problem.gpus:
-    raise ValueError("a virtual worker needs at least one GPU")
-  n_layers = problem.costs.num_layers
-  if n_layers < len(problem.gpus):
-    raise ValueError(f"the model has {n_layers} layers, fewer than the {len(problem.gpus)} GPUs of the virtual "
-                     "worker (every GPU needs a non-empty stage)")
+  _check_stageable(problem)
   classes, counts, _ = _classes(problem.gpus)
   # Schedule mode: every stage holds at least 1, so the least held counts bound every partition's memory from below.
   held = (1,) * len(problem.gpus) if problem.schedule_memory else _held(problem)
