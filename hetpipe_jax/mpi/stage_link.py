@@ -8,7 +8,7 @@ calls, nothing pickled. The receiver checks the header (:func:`check_header`); o
 rank with receives posted ahead (each stream carries minibatches 0, 1, ... in order: forwards and backwards run in
 minibatch order on every stage), so a send completes when the data is in its consumer's buffer, which is when the
 sending task completes. The control stream and the reports that use the same header are
-:mod:`hetpipe_jax.runtime.stage_ranks`'.
+:mod:`hetpipe_jax.mpi.stage_server`'.
 
 Wire kinds (``stage`` field: the sending stage for data, the task's stage for TASK / REPORT):
 

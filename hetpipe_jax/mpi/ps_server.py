@@ -19,10 +19,10 @@ from typing import Any, Callable
 from absl import logging
 import numpy as np
 
-from hetpipe_jax.ps import transport
+from hetpipe_jax.mpi import ps_client
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.ps.shards import WaveAssembler
-from hetpipe_jax.ps.transport import Kind
+from hetpipe_jax.mpi.ps_client import Kind
 from hetpipe_jax.host_timers import fine_timer_slack
 
 IDLE_SLEEP_MIN_S, IDLE_SLEEP_MAX_S = 2e-5, 5e-4  # the service's poll back-off while no message arrives
@@ -100,12 +100,12 @@ class ParameterServerService:
     optimizer states sent with SEGMENT in ``segment_opt``.
 
     Raises:
-      transport.ProtocolError: a malformed or unexpected message.
+      ps_client.ProtocolError: a malformed or unexpected message.
       BadUpdateError: a wave update with NaN/Inf or the wrong size (nothing of it is applied).
     """
     from mpi4py import MPI
     status = MPI.Status()
-    header = np.empty(transport.HEADER_SIZE, np.int64)
+    header = np.empty(ps_client.HEADER_SIZE, np.int64)
     self.segment_reports, self.segment_opt = {}, {}
     self.server.wave_offset = self.clock_offset
     kinds = ((Kind.PUSH, Kind.METRICS, Kind.PULL, Kind.DONE, Kind.SEGMENT, Kind.OPTSTATE) if self.lead else
@@ -115,7 +115,7 @@ class ParameterServerService:
     idle_s = IDLE_SLEEP_MIN_S
     while (len(self.reports) + len(self.segment_reports) < self.n or len(self.segment_opt) < self._opt_expected()
            or self._parts_outstanding()):
-      if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=transport.TAG_HEADER, status=status):
+      if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=ps_client.TAG_HEADER, status=status):
         self.sends = [(r, b) for r, b in self.sends if not r.Test()]
         # Large replies (rendezvous protocol) progress only while this rank calls into MPI: poll fast until sent.
         # Otherwise back off from 20 µs to 0.5 ms while idle: quick when messages come often (a small model's
@@ -125,17 +125,17 @@ class ParameterServerService:
         continue
       idle_s = IDLE_SLEEP_MIN_S
       src = status.Get_source()
-      self.comm.Recv(header, source=src, tag=transport.TAG_HEADER)
+      self.comm.Recv(header, source=src, tag=ps_client.TAG_HEADER)
       vw, wave, size = int(header[2]), int(header[3]), int(header[4])
       num_params = self.server.weights.size
       if self.parts is not None and 0 <= vw < len(self.parts):
         num_params = self.parts[vw].part_size(src, self.shard)
-      kind = transport.check_header(header, src, num_params=num_params, expect_kinds=kinds,
+      kind = ps_client.check_header(header, src, num_params=num_params, expect_kinds=kinds,
                                     first_vw_rank=self.first_vw_rank, vw_of_rank=self.vw_of_rank)
       if self.parts is not None and kind is not Kind.PUSH and src != self.parts[vw].driver:
-        raise transport.ProtocolError(f"rank {src} sent {kind.name} for VW {vw}; only its driver (rank "
+        raise ps_client.ProtocolError(f"rank {src} sent {kind.name} for VW {vw}; only its driver (rank "
                                       f"{self.parts[vw].driver}) does")
-      payload = transport.recv_payload(self.comm, src, kind, size) if kind is not Kind.PULL else None
+      payload = ps_client.recv_payload(self.comm, src, kind, size) if kind is not Kind.PULL else None
       if kind is Kind.PUSH:
         if self.assembler is not None:  # stage ranks: the whole wave once its last part arrived, else None
           payload = self.assembler.add(vw, wave, src, payload)
@@ -203,11 +203,11 @@ class ParameterServerService:
         replies = [(r, np.ascontiguousarray(weights[vw_parts.shard_pos[(r, self.shard)]]))
                    for r in vw_parts.receivers(self.shard)]
       for dest, part in replies:
-        header = transport.make_header(Kind.WEIGHTS, vw, self.server.global_clock, part.size)
-        transport.PS_BYTES.add(dest, part.nbytes)
-        self.sends.append((self.comm.Isend(header, dest=dest, tag=transport.TAG_HEADER), header))
-        self.sends.append((self.comm.Isend(part, dest=dest, tag=transport.TAG_DATA), part))
-        self.sends.append((self.comm.Isend(vc, dest=dest, tag=transport.TAG_DATA), vc))
+        header = ps_client.make_header(Kind.WEIGHTS, vw, self.server.global_clock, part.size)
+        ps_client.PS_BYTES.add(dest, part.nbytes)
+        self.sends.append((self.comm.Isend(header, dest=dest, tag=ps_client.TAG_HEADER), header))
+        self.sends.append((self.comm.Isend(part, dest=dest, tag=ps_client.TAG_DATA), part))
+        self.sends.append((self.comm.Isend(vc, dest=dest, tag=ps_client.TAG_DATA), vc))
 
   def _on_clock(self, clock: int) -> None:
     evaluated = False

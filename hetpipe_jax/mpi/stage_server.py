@@ -24,7 +24,7 @@ run loop (:func:`hetpipe_jax.runtime.vw_driver.run`) and every rule decision (``
   reports the squared norm of each backward's parameter gradient with its completion; the driver adds every stage's
   for minibatch p when p completes (:meth:`RemoteStages.sq_norms`) and sends the norm with p's ``UPDATE``.
 * **The PS, directly.** At ``END_WAVE`` w a stage rank pushes its stages' part of the wave to the shards holding
-  those layers itself (:class:`hetpipe_jax.ps.transport.StageRankPSClient`, parts by
+  those layers itself (:class:`hetpipe_jax.mpi.ps_client.StageRankPSClient`, parts by
   :class:`hetpipe_jax.ps.shards.VWParts`); a shard counts the VW's wave once every part arrived. The driver requests
   every pull (when, and at which clock: the WSP rules); each shard answers every rank holding some of its elements
   with its part and the driver with its part (possibly empty) and the shard's vector clock. The driver installs the
@@ -36,7 +36,7 @@ run loop (:func:`hetpipe_jax.runtime.vw_driver.run`) and every rule decision (``
 A rank that dies ends the whole job: ``mpiexec`` (hydra) kills every rank when one exits abnormally, and an exception
 on any rank aborts the world (``python -m mpi4py``), the same machinery as for VW ranks.
 
-The wire (headers, kinds, the activation/gradient link) is :mod:`hetpipe_jax.runtime.stage_wire`.
+The wire (headers, kinds, the activation/gradient link) is :mod:`hetpipe_jax.mpi.stage_link`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ import numpy as np
 from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.ps.shards import rebase_on_shards
 from hetpipe_jax.runtime.stage_executor import Completion, StageExecutor, clock_pair, fine_timer_slack
-from hetpipe_jax.runtime.stage_wire import (  # noqa: F401 (the wire's names, re-exported for callers)
+from hetpipe_jax.mpi.stage_link import (  # noqa: F401 (the wire's names, re-exported for callers)
     CONTROL_KINDS, HEADER_SIZE, POLL_MAX_S, POLL_MIN_S, RECEIVES_AHEAD, REPORT_SIZE, TAG_CONTROL, TAG_DATA, TAG_REPLY,
     TAG_REPORT, TASK_CODES, TASK_KINDS, Kind, PostedReceive, ProtocolError, SentMarker, StageLink, check_header,
     make_header, stage_boundaries, wait_all)
@@ -240,7 +240,7 @@ class RemoteStages:
   def on_pull(self, version_id: int, own_applied: Sequence[int]) -> None:
     """Tells every stage rank to install the next pull (the one the driver installs now) as version ``version_id``.
 
-    The ranks received their parts of it from the shards themselves (:class:`~hetpipe_jax.ps.transport.
+    The ranks received their parts of it from the shards themselves (:class:`~hetpipe_jax.mpi.ps_client.
     StageRankPSClient`); the command carries, per shard, how many of the VW's own waves its slice holds (the driver's
     copy of the shards' vector clocks), which each rank checks against the replies it holds before rebasing.
     """
@@ -330,7 +330,7 @@ class StageRankServer:
       local (its actions run them: dispatch, the update, the rebase).
     driver_rank: the VW's driver.
     labels_template: an example of one minibatch's labels (shape and dtype; used on the last stage's rank).
-    ps: this rank's :class:`hetpipe_jax.ps.transport.StageRankPSClient` (or an object with its ``push``,
+    ps: this rank's :class:`hetpipe_jax.mpi.ps_client.StageRankPSClient` (or an object with its ``push``,
       ``poll_pull`` and ``finish``) over :meth:`local_index_of` ``vw``: its parts of every wave to their shards, its
       parts of every pull from them.
     shard_index: per PS shard, its flat element indices (:attr:`hetpipe_jax.ps.shards.ShardLayout.index`).
