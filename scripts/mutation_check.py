@@ -457,11 +457,11 @@ MUTATIONS = (
              "    if best is None or b - a < best[0]:\n", "    if best is None:\n",
              ("tests/test_stage_executor.py::test_clock_pair_keeps_the_tightest_bracketed_reading",),
              "the run clock's pair is read once, however long the thread was away between its reads"),
-    Mutation("stage_header_check_disabled", "hetpipe_jax/mpi/stage_link.py",
+    Mutation("stage_header_check_disabled", "hetpipe_jax/mpi/wire.py",
              "  if wrong:\n", "  if False:\n",
              ("tests/test_stage_ranks.py::test_a_header_that_does_not_match_is_an_error_naming_both_ranks",
               "tests/test_stage_ranks.py::test_a_link_refuses_an_activation_whose_header_does_not_match"),
-             "a stage-rank header with the wrong kind, VW, minibatch, stage, version or size is accepted"),
+             "a header with the wrong kind, VW, minibatch, stage, version or size is accepted"),
     Mutation("stage_pull_slice_without_own_waves", "hetpipe_jax/mpi/stage_server.py",
              "    local, self.own_flat = rebase_on_shards(flat, self.own_flat, [int(c) for c in own_applied], "
              "self.shard_index)\n",

@@ -14,12 +14,12 @@ from hetpipe_jax.jobs.job_config import ConfigError, JobSettings
 
 
 def stage_link(config, settings, spec, partition, vw_id, num_mb, comm):
-  """This rank's :class:`hetpipe_jax.mpi.stage_server.StageLink` for VW ``vw_id`` (stage ranks)."""
+  """This rank's :class:`hetpipe_jax.mpi.stage_link.StageLink` for VW ``vw_id`` (stage ranks)."""
   from hetpipe_jax.mpi.rank_layout import stage_ranks_of_vw
-  from hetpipe_jax.mpi import stage_server
+  from hetpipe_jax.mpi.stage_link import StageLink, stage_boundaries
   ranks = stage_ranks_of_vw(settings.num_ps_shards, settings.stage_groups, vw_id)
-  return stage_server.StageLink(comm, vw_id, ranks, stage_server.stage_boundaries(spec, partition, config.batch_size),
-                               num_mb, ahead=settings.num_inflight + 1)
+  return StageLink(comm, vw_id, ranks, stage_boundaries(spec, partition, config.batch_size), num_mb,
+                   ahead=settings.num_inflight + 1)
 
 
 def rank_devices_of(config, comm):

@@ -11,8 +11,7 @@ from typing import Any
 
 import numpy as np
 
-
-TAG_SHARD_FINAL = 13  # a non-lead shard's applied log and weights, to rank 0 at the end
+from hetpipe_jax.mpi.wire import TAG_SHARD_FINAL
 
 
 def ps_byte_matrix(comm) -> np.ndarray | None:

@@ -8,15 +8,15 @@ run loop (:func:`hetpipe_jax.runtime.vw_driver.run`) and every rule decision (``
   minibatch p at version V", with the emulated duration) when the driver submits it, and the driver's listener
   thread posts the task's completion on the run's queue when the rank ``REPORT``\\ s it (its device times on the
   driver's clock; a last stage's loss). FIFO order per stage, Nm and WSP are decided once, by the driver.
-* **Activations and gradients** go stage rank to stage rank (:class:`StageLink`): one int64 header (:func:`make_header`:
-  kind, VW, minibatch, stage, weight version, size) then one contiguous numpy payload, non-blocking ``Isend`` /
-  ``Irecv`` (nothing pickled). Receives are posted ahead (each stream carries minibatches 0, 1, ... in order: forwards
-  and backwards run in minibatch order on every stage), so a send completes when the data is in its consumer's
-  buffer, which is when the sending task completes (as in one process, where it waits for the ``device_put``). The
-  receiver checks the header (:func:`check_header`); one that does not match is a :class:`ProtocolError` naming both
-  ranks.
+* **Activations and gradients** go stage rank to stage rank (:class:`hetpipe_jax.mpi.stage_link.StageLink`): one
+  int64 header (:func:`hetpipe_jax.mpi.wire.make_header`: kind, VW, minibatch, stage, weight version, size) then one
+  contiguous numpy payload, non-blocking ``Isend`` / ``Irecv`` (nothing pickled). Receives are posted ahead (each
+  stream carries minibatches 0, 1, ... in order: forwards and backwards run in minibatch order on every stage), so a
+  send completes when the data is in its consumer's buffer, which is when the sending task completes (as in one
+  process, where it waits for the ``device_put``). The receiver checks the header
+  (:func:`hetpipe_jax.mpi.wire.check_header`); one that does not match is a ``ProtocolError`` naming both ranks.
 * **Version changes** reach every stage rank as one in-order stream from the driver (``INJECT`` p at version V,
-  ``UPDATE`` p → V+1, with p's global gradient norm when clipping, ``PULL`` → V+1: install the next pull,
+  ``UPDATE`` p → V+1, with p's global gradient norm when clipping, ``PULL_INSTALL`` → V+1: install the next pull,
   ``END_WAVE`` w). A stage rank applies them in that order
   (:class:`StageRankServer`), so its stages hold the driver's versions, and a task waits until its minibatch's
   version has been applied there (:class:`VersionStore`): one consistent weight version per minibatch on every stage.
@@ -28,15 +28,16 @@ run loop (:func:`hetpipe_jax.runtime.vw_driver.run`) and every rule decision (``
   :class:`hetpipe_jax.ps.shards.VWParts`); a shard counts the VW's wave once every part arrived. The driver requests
   every pull (when, and at which clock: the WSP rules); each shard answers every rank holding some of its elements
   with its part and the driver with its part (possibly empty) and the shard's vector clock. The driver installs the
-  pull when its own replies are in and sends ``PULL`` with, per shard, the VW's entry of that shard's vector clock;
-  the rank takes the next reply from each of its shards (in request order), checks it holds the same entries, and
-  rebases its stages (:func:`hetpipe_jax.ps.shards.rebase_on_shards`, the driver's rule) before it
+  pull when its own replies are in and sends ``PULL_INSTALL`` with, per shard, the VW's entry of that shard's vector
+  clock; the rank takes the next reply from each of its shards (in request order), checks it holds the same entries,
+  and rebases its stages (:func:`hetpipe_jax.ps.shards.rebase_on_shards`, the driver's rule) before it
   installs the new version. No weight or delta of a stage rank's layers passes through the driver.
 
 A rank that dies ends the whole job: ``mpiexec`` (hydra) kills every rank when one exits abnormally, and an exception
 on any rank aborts the world (``python -m mpi4py``), the same machinery as for VW ranks.
 
-The wire (headers, kinds, the activation/gradient link) is :mod:`hetpipe_jax.mpi.stage_link`.
+The wire (headers, kinds, the poll back-off) is :mod:`hetpipe_jax.mpi.wire`, the activation/gradient link
+:mod:`hetpipe_jax.mpi.stage_link`.
 """
 
 from __future__ import annotations
@@ -53,13 +54,12 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from hetpipe_jax.rules.schedule import Task, TaskKind
+from hetpipe_jax.mpi import wire
+from hetpipe_jax.mpi.stage_link import RECEIVES_AHEAD, REPORT_SIZE, TASK_CODES, TASK_KINDS, PostedReceive, StageLink
+from hetpipe_jax.mpi.wire import CONTROL_KINDS, TAG_CONTROL, TAG_REPLY, TAG_REPORT, Kind, ProtocolError
 from hetpipe_jax.ps.shards import rebase_on_shards
+from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.runtime.stage_executor import Completion, StageExecutor, clock_pair, fine_timer_slack
-from hetpipe_jax.mpi.stage_link import (  # noqa: F401 (the wire's names, re-exported for callers)
-    CONTROL_KINDS, HEADER_SIZE, POLL_MAX_S, POLL_MIN_S, RECEIVES_AHEAD, REPORT_SIZE, TAG_CONTROL, TAG_DATA, TAG_REPLY,
-    TAG_REPORT, TASK_CODES, TASK_KINDS, Kind, PostedReceive, ProtocolError, SentMarker, StageLink, check_header,
-    make_header, stage_boundaries, wait_all)
 from hetpipe_jax.runtime.vw_state import InFlightMinibatch
 
 
@@ -182,7 +182,7 @@ class RemoteStages:
   # -- the control stream
   def _control(self, rank: int, kind: Kind, payload: np.ndarray | None = None, **fields: int) -> None:
     size = 0 if payload is None else int(payload.size)
-    header = make_header(kind, self.vw_id, size=size, **fields)
+    header = wire.make_header(kind, self.vw_id, size=size, **fields)
     if size:
       payload = np.ascontiguousarray(payload)
     with self._send_lock:
@@ -246,12 +246,12 @@ class RemoteStages:
     """
     payload = np.asarray(own_applied, np.int64)
     for r in self.followers:
-      self._control(r, Kind.PULL, payload, version=version_id)
+      self._control(r, Kind.PULL_INSTALL, payload, version=version_id)
 
   def end_wave(self, wave: int) -> None:
     """Ends wave ``wave`` on every stage rank: each pushes its stages' wave delta to their shards itself."""
     for r in self.followers:
-      self._control(r, Kind.END_WAVE, minibatch=wave)
+      self._control(r, Kind.END_WAVE, wave=wave)
 
   def stop(self, num_pulls: int = 0) -> dict[int, dict]:
     """Stops every stage rank; returns each one's final report (rank -> its JSON).
@@ -263,11 +263,11 @@ class RemoteStages:
       self._control(r, Kind.STOP, arg0=num_pulls)
     reports = {}
     for r in self.followers:
-      header = np.empty(HEADER_SIZE, np.int64)
-      wait_all([self.comm.Irecv(header, source=r, tag=TAG_REPLY)])
-      check_header(header, source=r, dest=self.rank, kinds=(Kind.STOPPED,), vw=self.vw_id)
-      payload = np.empty(int(header[6]), np.uint8)
-      wait_all([self.comm.Irecv(payload, source=r, tag=TAG_REPLY)])
+      header = np.empty(wire.HEADER_SIZE, np.int64)
+      wire.wait_all([self.comm.Irecv(header, source=r, tag=TAG_REPLY)])
+      size = wire.check_header(header, source=r, dest=self.rank, kinds=(Kind.STOPPED,), vw=self.vw_id).size
+      payload = np.empty(size, np.uint8)
+      wire.wait_all([self.comm.Irecv(payload, source=r, tag=TAG_REPLY)])
       reports[r] = json.loads(payload.tobytes().decode())
     self._stop.set()
     if self._listener is not None:
@@ -278,7 +278,7 @@ class RemoteStages:
           request.Cancel()
           request.Wait()
     with self._send_lock:
-      wait_all([r for r, _ in self._sends])
+      wire.wait_all([r for r, _ in self._sends])
       self._sends = []
     self.link.close()
     return reports
@@ -286,17 +286,18 @@ class RemoteStages:
   def _listen(self) -> None:
     """The listener thread: each stage rank's completion reports, in its order, posted on the run's queue."""
     fine_timer_slack()
-    pause = POLL_MIN_S
+    backoff = wire.Backoff()
     try:
       while not self._stop.is_set():
         got = False
         for r, posted in self._reports.items():
           while posted and posted[0].header_request.Test():
             p = posted.popleft()
-            check_header(p.header, source=r, dest=self.rank, kinds=(Kind.REPORT,), vw=self.vw_id, size=REPORT_SIZE)
-            wait_all([p.payload_request])
+            h = wire.check_header(p.header, source=r, dest=self.rank, kinds=(Kind.REPORT,), vw=self.vw_id,
+                                  size=REPORT_SIZE)
+            wire.wait_all([p.payload_request])
             posted.append(PostedReceive(self.comm, r, TAG_REPORT, p.index + RECEIVES_AHEAD, (REPORT_SIZE,), np.float64))
-            _, _, _, minibatch, stage, _, _, code, _ = (int(x) for x in p.header)
+            minibatch, stage, code = h.minibatch, h.stage, h.arg0
             start, end, overrun, dispatch, submit, device_end, loss, sq_norm = (float(x) for x in p.payload)
             if not np.isnan(sq_norm):  # clipping: this backward's part of its minibatch's squared norm
               with self._sq_norms_cv:
@@ -308,10 +309,9 @@ class RemoteStages:
             self.num_reports += 1
             got = True
         if got:
-          pause = POLL_MIN_S
+          backoff.reset()
         else:
-          time.sleep(pause)
-          pause = min(2 * pause, POLL_MAX_S)
+          backoff.wait()
     except BaseException as e:  # pylint: disable=broad-except
       with self._sq_norms_cv:
         self._listener_error = e
@@ -365,7 +365,7 @@ class StageRankServer:
 
   def _send(self, kind: Kind, tag: int, payload: np.ndarray | None = None, **fields: int) -> None:
     size = 0 if payload is None else int(payload.size)
-    header = make_header(kind, self.vw_id, size=size, **fields)
+    header = wire.make_header(kind, self.vw_id, size=size, **fields)
     with self._lock:
       self._sends.append((self.comm.Isend(header, dest=self.driver, tag=tag), header))
       if size:
@@ -386,27 +386,25 @@ class StageRankServer:
     control = collections.deque()  # received control messages: (header, payload request or None, payload)
     pending = self._post_header()
     fine_timer_slack()
-    pause = POLL_MIN_S
+    backoff = wire.Backoff()
     try:
       while not (self.stopping and not control and not self.events and self.num_reported == self.num_submitted):
         progressed = False
         while pending[0].Test():  # control headers, in order; a payload's receive is posted before the next header's
-          header = pending[1]
-          kind = check_header(header, source=self.driver, dest=self.rank, kinds=CONTROL_KINDS, vw=self.vw_id)
-          size = int(header[6])
+          h = wire.check_header(pending[1], source=self.driver, dest=self.rank, kinds=CONTROL_KINDS, vw=self.vw_id)
           request = payload = None
-          if size:
-            payload = self._payload_buffer(kind, size)
+          if h.size:
+            payload = self._payload_buffer(h.kind, h.size)
             request = self.comm.Irecv(payload, source=self.driver, tag=TAG_CONTROL)
-          control.append((kind, header, request, payload))
+          control.append((h, request, payload))
           pending = self._post_header()
           progressed = True
         while control:
-          kind, header, request, payload = control[0]
-          if kind is not Kind.PULL and request is not None and not request.Test():
+          h, request, payload = control[0]
+          if h.kind is not Kind.PULL_INSTALL and request is not None and not request.Test():
             break  # a small payload (labels, the start) still arriving
           control.popleft()
-          self._on_control(kind, header, request, payload)
+          self._on_control(h, request, payload)
           progressed = True
         while self.events and self._apply(self.events[0]):
           self.events.popleft()
@@ -414,10 +412,9 @@ class StageRankServer:
         if not self.errors.empty():
           raise self.errors.get()
         if progressed:
-          pause = POLL_MIN_S
+          backoff.reset()
         else:
-          time.sleep(pause)
-          pause = min(2 * pause, POLL_MAX_S)
+          backoff.wait()
     except BaseException as e:
       self.store.fail(e)
       raise
@@ -433,12 +430,12 @@ class StageRankServer:
               "version_waits": self.store.num_waits, "version_wait_s": self.store.wait_s,
               "tasks": self.num_reported}
     self._send(Kind.STOPPED, TAG_REPLY, np.frombuffer(json.dumps(report).encode(), np.uint8).copy())
-    wait_all([r for r, _ in self._sends])
+    wire.wait_all([r for r, _ in self._sends])
     self.vw.link.close()
     return report
 
   def _post_header(self) -> tuple:
-    header = np.empty(HEADER_SIZE, np.int64)
+    header = np.empty(wire.HEADER_SIZE, np.int64)
     return self.comm.Irecv(header, source=self.driver, tag=TAG_CONTROL), header
 
   def _payload_buffer(self, kind: Kind, size: int) -> np.ndarray:
@@ -455,15 +452,15 @@ class StageRankServer:
                             f"expected {1 if self.vw.grad_clip_norm else 'none'} (the global gradient norm when "
                             "clipping)")
       return np.empty(size, np.float64)
-    if kind is Kind.PULL:
+    if kind is Kind.PULL_INSTALL:
       if size != len(self.shard_index):
-        raise ProtocolError(f"rank {self.rank} received a PULL naming {size} shards from rank {self.driver}; there "
-                            f"are {len(self.shard_index)}")
+        raise ProtocolError(f"rank {self.rank} received a PULL_INSTALL naming {size} shards from rank {self.driver}; "
+                            f"there are {len(self.shard_index)}")
       return np.empty(size, np.int64)
     raise ProtocolError(f"rank {self.rank} received a {kind.name} with a payload of {size} from rank {self.driver}")
 
-  def _on_control(self, kind: Kind, header: np.ndarray, request, payload) -> None:
-    _, _, _, minibatch, stage, version, size, arg0, arg1 = (int(x) for x in header)
+  def _on_control(self, h: wire.Header, request, payload) -> None:
+    kind, minibatch, stage, version, arg0, arg1 = h.kind, h.minibatch, h.stage, h.version, h.arg0, h.arg1
     if kind is Kind.START:
       start_unix_s = float(payload[0])
       now, now_unix_s = clock_pair()
@@ -490,14 +487,14 @@ class StageRankServer:
       self.executors[stage].submit(task, functools.partial(self._run_task, task, mb, version),
                                    None if arg1 < 0 else arg1 / 1e9)
       self.num_submitted += 1
-    elif kind in (Kind.UPDATE, Kind.PULL):
+    elif kind in (Kind.UPDATE, Kind.PULL_INSTALL):
       if version != self.announced + 1:
         raise ProtocolError(f"rank {self.rank}: {kind.name} to version {version} from rank {self.driver}, but the "
                             f"stream's last version is {self.announced}")
       self.announced = version
       self.events.append((kind, minibatch, version, request, payload))
     elif kind is Kind.END_WAVE:
-      self.events.append((kind, minibatch, version, None, None))
+      self.events.append((kind, h.wave, version, None, None))
     else:  # STOP
       self.stopping = True
       self.num_pulls = arg0
@@ -519,7 +516,7 @@ class StageRankServer:
                             "no global gradient norm, and this rank clips by it")
       self.vw.apply_update(mb, None if payload is None else float(payload[0]))
       del self.inflight[minibatch], self.versions[minibatch]
-    elif kind is Kind.PULL:
+    elif kind is Kind.PULL_INSTALL:
       if self.pull_reply is None:
         self.pull_reply = self.ps.poll_pull()
       if self.pull_reply is None or not request.Test():
