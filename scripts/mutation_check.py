@@ -448,7 +448,7 @@ MUTATIONS = (
              "        t = time.perf_counter()",
              ("tests/test_stage_ranks.py::test_a_task_waits_until_its_version_has_been_applied",),
              "a stage rank runs a task whose weight version has not arrived on the latest version it holds"),
-    Mutation("control_stream_sent_without_its_lock", "hetpipe_jax/mpi/stage_server.py",
+    Mutation("control_stream_sent_without_its_lock", "hetpipe_jax/mpi/stage_client.py",
              "    with self._send_lock:\n      self._sends.append((self.comm.Isend(header, dest=rank, tag=TAG_CONTROL)",
              "    if True:\n      self._sends.append((self.comm.Isend(header, dest=rank, tag=TAG_CONTROL)",
              ("tests/test_stage_ranks.py::test_control_messages_from_two_threads_arrive_whole",),

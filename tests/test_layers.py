@@ -15,7 +15,7 @@ from hetpipe_jax.paths import REPO_ROOT
 
 PURE_PACKAGES = ("rules", "planning", "sim", "data")
 PURE_MODULES = ("hetpipe_jax.paths", "hetpipe_jax.jobs.job_config", "hetpipe_jax.mpi", "hetpipe_jax.mpi.rank_devices",
-                "hetpipe_jax.mpi.rank_layout")
+                "hetpipe_jax.mpi.rank_layout", "hetpipe_jax.mpi.wire")
 HEAVY = ["jax", "jaxlib", "flax", "optax", "mpi4py", "orbax"]
 
 

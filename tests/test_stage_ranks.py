@@ -17,6 +17,7 @@ from hetpipe_jax import models
 from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs import job_config
 from hetpipe_jax.mpi import rank_layout
+from hetpipe_jax.mpi import stage_client
 from hetpipe_jax.mpi import stage_link
 from hetpipe_jax.mpi import stage_server
 from hetpipe_jax.mpi import wire
@@ -140,7 +141,7 @@ def test_control_messages_from_two_threads_arrive_whole():
     return request
 
   driver.Isend = slow_isend
-  remote = stage_server.RemoteStages(driver, 0, types.SimpleNamespace(stage_ranks=[0, 1], is_local=lambda s: s == 0))
+  remote = stage_client.RemoteStages(driver, 0, types.SimpleNamespace(stage_ranks=[0, 1], is_local=lambda s: s == 0))
   rounds = 150
 
   def send_pulls():
@@ -234,7 +235,7 @@ def _linked_vw(data_dir, *, ranks, num_inflight, staleness_bound, tx, num_vws, p
     comm = world.comm(rank)
     link = stage_link.StageLink(comm, 0, ranks, boundaries, num_mb, ahead=num_inflight + 1)
     driver = rank == ranks[0]
-    remote = stage_server.RemoteStages(comm, 0, link) if driver else None
+    remote = stage_client.RemoteStages(comm, 0, link) if driver else None
     stages = stages_lib.build_stages(spec, THREE_STAGES, devices, tx, grad_clip_norm=grad_clip_norm)
     return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, num_inflight, staleness_bound,
                                         client if driver else None, source.get if driver else None,
@@ -413,7 +414,7 @@ def test_a_remote_stage_task_is_a_command_with_its_version(synthetic_data_dir):
   nanoseconds) on the control stream, after the minibatch's INJECT."""
   world = FakeWorld()
   link = stage_link.StageLink(world.comm(1), 0, [1, 2], [None, ((2, 3), np.dtype(np.float32))], 4, ahead=2)
-  remote = stage_server.RemoteStages(world.comm(1), 0, link)
+  remote = stage_client.RemoteStages(world.comm(1), 0, link)
   remote.on_inject(3, 7, np.arange(2, dtype=np.int32))
   remote.start_task(Task(1, TaskKind.FORWARD_BACKWARD, 3), 7, 0.025)
   got = []

@@ -380,7 +380,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
 
   link = remote = None
   if settings.stage_groups:  # stage ranks: this rank runs the VW's first stage group and drives the others
-    from hetpipe_jax.mpi.stage_server import RemoteStages
+    from hetpipe_jax.mpi.stage_client import RemoteStages
     link = rank_setup.stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
     remote = RemoteStages(comm, vw_id, link)
   devices = rank_setup.stage_devices(settings, vw_id, link, restricted)
