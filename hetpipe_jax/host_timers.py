@@ -1,7 +1,7 @@
 """Host timers: a thread's sleeps end within about a microsecond of their deadline (Linux timer slack).
 
 Standard library only, below every layer: the stage executors (:mod:`hetpipe_jax.runtime.stage_executor`), the stage
-ranks and the parameter-server service (:mod:`hetpipe_jax.ps.service`) set it on their threads.
+ranks and the parameter-server service (:mod:`hetpipe_jax.mpi.ps_server`) set it on their threads.
 """
 
 from __future__ import annotations

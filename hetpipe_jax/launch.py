@@ -12,7 +12,7 @@ machinefile: one ``host:1`` line per rank, in rank order) and runs
 (``--dry_run``: prints it and exits). Each rank sees only its plan GPUs: the command passes the per-rank table
 ``-genv HETPIPE_RANK_DEVICES '<ids>;<ids>;...'`` (a VW rank: its stages' node-local GPU indices; a shard: ``-``; also
 written to ``<workdir>/ranks.devices``), and ``hetpipe_jax.train`` sets ``CUDA_VISIBLE_DEVICES`` from it before jax
-starts (:mod:`hetpipe_jax.rank_devices`; on CPU nothing changes, config.json records the table). ``--stage_ranks`` adds ``--config.stage_ranks=True`` (and the grouping): a VW's
+starts (:mod:`hetpipe_jax.mpi.rank_devices`; on CPU nothing changes, config.json records the table). ``--stage_ranks`` adds ``--config.stage_ranks=True`` (and the grouping): a VW's
 stages run on separate ranks, each on its own node's host, so ED and HD VWs, which span nodes, map onto a real
 cluster (ranks ``S..S+N-1``: each VW's driver and first stage; then one rank per further stage, or per further node
 of the VW with ``--stage_rank_grouping=node``). The plan's node i runs on the hostfile's host i (MPICH syntax,
@@ -40,7 +40,7 @@ import time
 
 from absl import app, flags
 
-from hetpipe_jax import rank_devices
+from hetpipe_jax.mpi import rank_devices
 
 _PLAN = flags.DEFINE_string("plan", None, "Plan JSON (python -m hetpipe_jax.plan).")
 _HOSTFILE = flags.DEFINE_string("hostfile", "", "MPICH hostfile (host[:slots] per line); '' = every node on "
@@ -67,26 +67,27 @@ def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_
   hostfile slots).
 
   Raises:
-    hetpipe_jax.planning.rank_map.LaunchError: unreadable plan or hostfile, or a mapping that cannot run (too few
+    hetpipe_jax.mpi.rank_layout.LaunchError: unreadable plan or hostfile, or a mapping that cannot run (too few
       hosts, a VW across hosts without stage ranks, more ranks on a host than its slots).
   """
   from hetpipe_jax.jobs.job_config import plan_nodes
   from hetpipe_jax.paths import repo_path
-  from hetpipe_jax.planning import plan_format, rank_map
+  from hetpipe_jax.mpi import rank_layout
+  from hetpipe_jax.planning import plan_format
   try:
     plan = plan_format.load_plan(str(repo_path(plan_path)))
   except (OSError, ValueError) as e:
-    raise rank_map.LaunchError(f"--plan={plan_path}: {e}") from None
+    raise rank_layout.LaunchError(f"--plan={plan_path}: {e}") from None
   host_slots: dict[str, int] = {}
   if hostfile:
     try:
-      host_slots = rank_map.hostfile_slots(pathlib.Path(hostfile).read_text())
+      host_slots = rank_layout.hostfile_slots(pathlib.Path(hostfile).read_text())
     except OSError as e:
-      raise rank_map.LaunchError(f"--hostfile={hostfile}: {e}") from None
+      raise rank_layout.LaunchError(f"--hostfile={hostfile}: {e}") from None
   nodes = plan_nodes(plan)
   shards = len(nodes) if num_ps_shards is None else num_ps_shards
-  slots = rank_map.map_ranks(plan, nodes, shards, list(host_slots), stage_rank_grouping)
-  rank_map.check_slots(slots, host_slots, oversubscribe)
+  slots = rank_layout.map_ranks(plan, nodes, shards, list(host_slots), stage_rank_grouping)
+  rank_layout.check_slots(slots, host_slots, oversubscribe)
   if not mpiexec:
     local = pathlib.Path(sys.executable).parent / "mpiexec"
     mpiexec = str(local) if local.exists() else "mpiexec"
@@ -97,18 +98,18 @@ def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_
   if stage_rank_grouping is not None:
     argv += ["--config.stage_ranks=True", f"--config.stage_rank_grouping={stage_rank_grouping}"]
   argv += extra
-  return rank_map.format_table(slots), rank_map.machinefile(slots), argv
+  return rank_layout.format_table(slots), rank_layout.machinefile(slots), argv
 
 
 def device_table(slots) -> str:
-  """Per rank, the plan GPUs it may see (:mod:`hetpipe_jax.rank_devices`: a VW rank its stages' node-local GPU
+  """Per rank, the plan GPUs it may see (:mod:`hetpipe_jax.mpi.rank_devices`: a VW rank its stages' node-local GPU
   indices, a shard none), as ``HETPIPE_RANK_DEVICES``'s text (the plan's device indices, checked when it was
   read: :func:`hetpipe_jax.planning.plan_format.validate_plan`)."""
   return rank_devices.format_table([tuple(dict.fromkeys(slot.devices)) for slot in slots])
 
 
 def main(argv) -> None:
-  from hetpipe_jax.planning.rank_map import LaunchError
+  from hetpipe_jax.mpi.rank_layout import LaunchError
   extra = [a for a in argv[1:] if a != "--"]
   workdir = _WORKDIR.value or f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}"
   try:

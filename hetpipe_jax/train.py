@@ -50,7 +50,7 @@ def main(argv) -> None:
   from hetpipe_jax.jobs.job_config import ConfigError, resolve_settings
   from hetpipe_jax.ps.param_server import BadUpdateError
   from hetpipe_jax.jobs.outputs import ReplicasDivergedError
-  from hetpipe_jax import rank_devices
+  from hetpipe_jax.mpi import rank_devices
   comm = MPI.COMM_WORLD
   rank = comm.Get_rank()
   logging.set_verbosity(logging.INFO if rank == 0 else logging.WARNING)

@@ -4,8 +4,8 @@
   .venv/bin/python scripts/bench_ps.py --quick  # CI smoke (seconds): 1 KB and 1 MB, 1 and 2 shards
 
 For every model size (float32 bytes of the whole weight vector) and shard count S, it launches ``mpiexec -n S+1``
-(ranks 0..S-1: PS shards running the real service loop, :class:`hetpipe_jax.ps.service.ParameterServerService`;
-rank S: one VW's :class:`hetpipe_jax.ps.transport.MPIPSClient`) and times, in the same processes:
+(ranks 0..S-1: PS shards running the real service loop, :class:`hetpipe_jax.mpi.ps_server.ParameterServerService`;
+rank S: one VW's :class:`hetpipe_jax.mpi.ps_client.MPIPSClient`) and times, in the same processes:
 
 * ``ps``: one wave = push the update (every shard its slice, applied on receipt) + pull the weights (every shard
   answers its slice) + assemble them;
@@ -40,9 +40,9 @@ def _worker(sizes_kb: list[int], seconds: float) -> None:
   import numpy as np
   from mpi4py import MPI
   from hetpipe_jax.ps.param_server import ParameterServer
-  from hetpipe_jax.ps.service import ParameterServerService
+  from hetpipe_jax.mpi.ps_server import ParameterServerService
   from hetpipe_jax.ps.shards import ShardLayout
-  from hetpipe_jax.ps.transport import MPIPSClient
+  from hetpipe_jax.mpi.ps_client import MPIPSClient
   comm = MPI.COMM_WORLD
   rank, world = comm.Get_rank(), comm.Get_size()
   num_shards = world - 1

@@ -10,7 +10,8 @@ import pytest
 
 from hetpipe_jax.jobs.job_config import plan_nodes
 from hetpipe_jax.paths import REPO_ROOT
-from hetpipe_jax.planning import plan_format, rank_map
+from hetpipe_jax.mpi import rank_layout
+from hetpipe_jax.planning import plan_format
 
 ED_LOCAL = "experiments/plans/local_cpu_2node_mlp_tiny_ed_local.json"
 ED4 = "experiments/plans/local_cpu_4node_mlp_tiny_ed.json"  # 4 nodes x 2 CPU "GPUs": 2 VWs x 4 stages, one per node
@@ -26,28 +27,28 @@ def _launch(*args, timeout=240):
 
 
 def test_hostfile_syntax_and_node_mapping():
-  assert rank_map.read_hostfile("# cluster\nnodeA:4\nnodeB\n\nnodeA:2  # again\n") == ["nodeA", "nodeB"]
-  with pytest.raises(rank_map.LaunchError, match="line 1 'a b': expected MPICH syntax"):
-    rank_map.read_hostfile("a b\n")
-  assert rank_map.node_hosts(["n0", "n1"], []) == {"n0": "localhost", "n1": "localhost"}
-  assert rank_map.node_hosts(["n0", "n1"], ["h0", "h1", "h2"]) == {"n0": "h0", "n1": "h1"}
-  with pytest.raises(rank_map.LaunchError, match="2 hosts for a plan with 3 nodes"):
-    rank_map.node_hosts(["a", "b", "c"], ["h0", "h1"])
+  assert rank_layout.read_hostfile("# cluster\nnodeA:4\nnodeB\n\nnodeA:2  # again\n") == ["nodeA", "nodeB"]
+  with pytest.raises(rank_layout.LaunchError, match="line 1 'a b': expected MPICH syntax"):
+    rank_layout.read_hostfile("a b\n")
+  assert rank_layout.node_hosts(["n0", "n1"], []) == {"n0": "localhost", "n1": "localhost"}
+  assert rank_layout.node_hosts(["n0", "n1"], ["h0", "h1", "h2"]) == {"n0": "h0", "n1": "h1"}
+  with pytest.raises(rank_layout.LaunchError, match="2 hosts for a plan with 3 nodes"):
+    rank_layout.node_hosts(["a", "b", "c"], ["h0", "h1"])
 
 
 def test_ranks_follow_the_jobs_layout():
   plan = plan_format.load_plan(ED_LOCAL)
-  slots = rank_map.map_ranks(plan, plan_nodes(plan), 2, ["localhost"])
+  slots = rank_layout.map_ranks(plan, plan_nodes(plan), 2, ["localhost"])
   assert [(s.rank, s.role, s.nodes, s.host) for s in slots] == [
       (0, "ps shard 0 (lead)", ("n0",), "localhost"), (1, "ps shard 1", ("n1",), "localhost"),
       (2, "VW 0", ("n0", "n1"), "localhost"), (3, "VW 1", ("n0", "n1"), "localhost")]
-  assert rank_map.machinefile(slots) == "localhost:1\n" * 4
+  assert rank_layout.machinefile(slots) == "localhost:1\n" * 4
   # An ED VW spans both nodes: on two hosts it would need stage ranks, which the launcher says plainly.
-  with pytest.raises(rank_map.LaunchError, match="VW 0's stages run on nodes n0, n1, mapped to different hosts"):
-    rank_map.map_ranks(plan, plan_nodes(plan), 2, ["h0", "h1"])
+  with pytest.raises(rank_layout.LaunchError, match="VW 0's stages run on nodes n0, n1, mapped to different hosts"):
+    rank_layout.map_ranks(plan, plan_nodes(plan), 2, ["h0", "h1"])
   # NP: one VW per node maps onto its own host.
   np_plan = plan_format.load_plan(NP_CPU)
-  slots = rank_map.map_ranks(np_plan, plan_nodes(np_plan), 1, ["h0"])
+  slots = rank_layout.map_ranks(np_plan, plan_nodes(np_plan), 1, ["h0"])
   assert [s.host for s in slots] == ["h0"] * 3 and slots[1].devices == tuple(np_plan.virtual_workers[0].devices)
 
 
@@ -56,7 +57,7 @@ def test_stage_ranks_map_every_stage_to_its_nodes_host():
   stage follows (or one per further node with the node grouping, HD: two stages per node)."""
   plan = plan_format.load_plan(ED4)
   hosts = ["h0", "h1", "h2", "h3"]
-  slots = rank_map.map_ranks(plan, plan_nodes(plan), 4, hosts, "gpu")
+  slots = rank_layout.map_ranks(plan, plan_nodes(plan), 4, hosts, "gpu")
   assert len(slots) == 4 + 2 + 6
   host_of = dict(zip(plan_nodes(plan), hosts))
   for s in slots[4:]:
@@ -65,7 +66,7 @@ def test_stage_ranks_map_every_stage_to_its_nodes_host():
   vw0 = plan.virtual_workers[0]
   assert [s.nodes[0] for s in slots if s.role.startswith("VW 0")] == [g.split("/")[0] for g in vw0.gpus]
   hd = plan_format.load_plan(HD4)
-  slots = rank_map.map_ranks(hd, plan_nodes(hd), 4, hosts, "node")
+  slots = rank_layout.map_ranks(hd, plan_nodes(hd), 4, hosts, "node")
   assert [(s.rank, s.role, s.nodes) for s in slots[4:]] == [
       (4, "VW 0 stages 0,1", ("n0",)), (5, "VW 1 stages 0,1", ("n1",)), (6, "VW 0 stages 2,3", ("n2",)),
       (7, "VW 1 stages 2,3", ("n3",))]
@@ -119,7 +120,7 @@ def test_rank_devices_restrict_cuda_on_gpu_and_change_nothing_on_cpu():
   """HETPIPE_RANK_DEVICES on a rank: GPU: CUDA_VISIBLE_DEVICES = its GPUs (a shard: none, on the host's CPU), a
   stage's plan GPU becomes its place among them; CPU: the environment is untouched, the table still returned; a
   malformed table or one of the wrong length is an error naming the variable."""
-  from hetpipe_jax import rank_devices
+  from hetpipe_jax.mpi import rank_devices
   env = {"HETPIPE_RANK_DEVICES": "-;2,3;1"}
   got = rank_devices.apply(1, 3, "gpu", env)
   assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and got.gpus == (2, 3) and got.local_index(3) == 1
@@ -201,8 +202,8 @@ def _check_stage_rank_run(workdir, plan_path, grouping, num_minibatches):
   summary = json.loads((workdir / "summary.json").read_text())
   config = json.loads((workdir / "config.json").read_text())
   assert config["stage_ranks"] is True and config["stage_rank_grouping"] == grouping
-  groups = [rank_map.stage_groups([g.split("/")[0] for g in vw.gpus], grouping) for vw in plan.virtual_workers]
-  assert summary["stage_rank_of_stage"] == [rank_map.stage_ranks_of_vw(4, groups, v) for v in range(2)]
+  groups = [rank_layout.stage_groups([g.split("/")[0] for g in vw.gpus], grouping) for vw in plan.virtual_workers]
+  assert summary["stage_rank_of_stage"] == [rank_layout.stage_ranks_of_vw(4, groups, v) for v in range(2)]
   assert summary["num_ps_shards"] == 4 and summary["ps_placement"] == "local"
   nm = summary["num_inflight"]
   num_waves = num_minibatches // nm
@@ -341,20 +342,20 @@ def test_a_gpus_device_index_defaults_to_its_index_on_its_node(tmp_path):
 def test_hostfile_slots_limit_the_ranks_on_each_host_unless_oversubscribed(tmp_path):
   """Issue 23 defect 5: a host gets at most its hostfile slots (``host`` alone: 1; a host on several lines: their
   sum); more is refused naming the host, its slots and its ranks, unless ``--oversubscribe``."""
-  assert rank_map.hostfile_slots("a:3\nb\n# c:9\na:2  # again\n") == {"a": 5, "b": 1}
-  with pytest.raises(rank_map.LaunchError, match="line 1 'a:0': a host needs at least 1 slot"):
-    rank_map.hostfile_slots("a:0\n")
+  assert rank_layout.hostfile_slots("a:3\nb\n# c:9\na:2  # again\n") == {"a": 5, "b": 1}
+  with pytest.raises(rank_layout.LaunchError, match="line 1 'a:0': a host needs at least 1 slot"):
+    rank_layout.hostfile_slots("a:0\n")
   plan = plan_format.load_plan(ED4)  # 4 nodes; with stage ranks: per host 1 shard + 2 ranks of the VWs' stages
-  slots = rank_map.map_ranks(plan, plan_nodes(plan), 4, ["h0", "h1", "h2", "h3"], "gpu")
+  slots = rank_layout.map_ranks(plan, plan_nodes(plan), 4, ["h0", "h1", "h2", "h3"], "gpu")
   per_host = {h: [s.rank for s in slots if s.host == h] for h in ("h0", "h1", "h2", "h3")}
   assert {h: len(r) for h, r in per_host.items()} == {"h0": 3, "h1": 3, "h2": 3, "h3": 3}
-  rank_map.check_slots(slots, {"h0": 3, "h1": 3, "h2": 3, "h3": 3})  # exactly enough
+  rank_layout.check_slots(slots, {"h0": 3, "h1": 3, "h2": 3, "h3": 3})  # exactly enough
   ranks = ", ".join(map(str, per_host["h2"]))
-  with pytest.raises(rank_map.LaunchError,
+  with pytest.raises(rank_layout.LaunchError,
                      match=rf"host h2 has 2 slots in the hostfile but the plan puts 3 ranks on it \(ranks {ranks}\)"
                            r".*--oversubscribe"):
-    rank_map.check_slots(slots, {"h0": 3, "h1": 3, "h2": 2, "h3": 3})
-  rank_map.check_slots(slots, {"h0": 1, "h1": 1, "h2": 1, "h3": 1}, oversubscribe=True)
+    rank_layout.check_slots(slots, {"h0": 3, "h1": 3, "h2": 2, "h3": 3})
+  rank_layout.check_slots(slots, {"h0": 1, "h1": 1, "h2": 1, "h3": 1}, oversubscribe=True)
   # The issue's case through the CLI: two 1-slot hosts for a plan needing 3 ranks on each.
   hosts = tmp_path / "hosts"
   hosts.write_text("node-a:1\nnode-b:1\n")

@@ -1,8 +1,8 @@
 """The two-layer rule (STYLE.md): the pure packages never load jax, flax, optax, mpi4py or orbax, even transitively.
 
 The test walks the packages, so a module added to ``rules/``, ``planning/``, ``sim/`` or ``data/`` is covered
-without editing this file; ``jobs.job_config`` (settings checked before any import of jax) is the one pure module
-of a runtime package.
+without editing this file; ``jobs.job_config`` (settings checked before any import of jax) and ``mpi``'s rank layout
+and device table (read by the launcher and by ``train`` before jax starts) are the pure modules of runtime packages.
 """
 
 import json
@@ -14,7 +14,8 @@ import hetpipe_jax
 from hetpipe_jax.paths import REPO_ROOT
 
 PURE_PACKAGES = ("rules", "planning", "sim", "data")
-PURE_MODULES = ("hetpipe_jax.paths", "hetpipe_jax.jobs.job_config", "hetpipe_jax.rank_devices")
+PURE_MODULES = ("hetpipe_jax.paths", "hetpipe_jax.jobs.job_config", "hetpipe_jax.mpi", "hetpipe_jax.mpi.rank_devices",
+                "hetpipe_jax.mpi.rank_layout", "hetpipe_jax.mpi.wire")
 HEAVY = ["jax", "jaxlib", "flax", "optax", "mpi4py", "orbax"]
 
 
@@ -29,7 +30,7 @@ def pure_modules() -> list[str]:
 
 def test_every_package_is_listed_as_pure_or_runtime():
   packages = {m.name for m in pkgutil.iter_modules(hetpipe_jax.__path__) if m.ispkg}
-  assert packages == set(PURE_PACKAGES) | {"models", "runtime", "ps", "jobs"}
+  assert packages == set(PURE_PACKAGES) | {"models", "runtime", "ps", "jobs", "mpi"}
 
 
 def test_pure_packages_load_no_runtime_packages():

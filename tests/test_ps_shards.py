@@ -11,6 +11,7 @@ import pytest
 from hetpipe_jax import models
 from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs import checkpoint, job_config
+from hetpipe_jax.mpi import wire
 from hetpipe_jax.planning import plan_format, ps_placement
 from hetpipe_jax.ps.shards import ShardLayout, VWParts, WaveAssembler
 from tests.mpi_util import read_jsonl, run_job
@@ -280,19 +281,19 @@ def test_bench_ps_quick():
 
 def test_headers_from_shard_and_vw_ranks_are_checked_naming_the_ranks():
   """With S shards, rank r hosts VW r - S; a mismatched VW id or a slice of the wrong size names the ranks."""
-  from hetpipe_jax.ps import transport
-  from hetpipe_jax.ps.transport import Kind
-  ok = transport.make_header(Kind.PUSH, 1, 0, 7)
-  assert transport.check_header(ok, 3, num_params=7, expect_kinds=(Kind.PUSH,), first_vw_rank=2) is Kind.PUSH
-  with pytest.raises(transport.ProtocolError, match="rank 3 claims to be VW 0 \\(rank r hosts VW r-2\\)"):
-    transport.check_header(transport.make_header(Kind.PUSH, 0, 0, 7), 3, num_params=7, expect_kinds=(Kind.PUSH,),
+  from hetpipe_jax.mpi import ps_client
+  from hetpipe_jax.mpi.wire import Kind
+  ok = wire.make_header(Kind.PUSH, 1, wave=0, size=7)
+  assert ps_client.check_header(ok, 3, num_params=7, expect_kinds=(Kind.PUSH,), first_vw_rank=2).kind is Kind.PUSH
+  with pytest.raises(ps_client.ProtocolError, match="rank 3 claims to be VW 0 \\(rank r hosts VW r-2\\)"):
+    ps_client.check_header(wire.make_header(Kind.PUSH, 0, size=7), 3, num_params=7, expect_kinds=(Kind.PUSH,),
                            first_vw_rank=2)
-  with pytest.raises(transport.ProtocolError, match="PUSH from rank 2 carries 9 elements, expected 7"):
-    transport.check_header(transport.make_header(Kind.PUSH, 0, 0, 9), 2, num_params=7, expect_kinds=(Kind.PUSH,),
+  with pytest.raises(ps_client.ProtocolError, match="PUSH from rank 2 carries 9 elements, expected 7"):
+    ps_client.check_header(wire.make_header(Kind.PUSH, 0, size=9), 2, num_params=7, expect_kinds=(Kind.PUSH,),
                            first_vw_rank=2)
   # a shard's reply (rank 1 < S) is not a VW: its VW field names the receiver
-  weights = transport.make_header(Kind.WEIGHTS, 1, 0, 7)
-  assert transport.check_header(weights, 1, num_params=7, expect_kinds=(Kind.WEIGHTS,), first_vw_rank=2) \
+  weights = wire.make_header(Kind.WEIGHTS, 1, wave=0, size=7)
+  assert ps_client.check_header(weights, 1, num_params=7, expect_kinds=(Kind.WEIGHTS,), first_vw_rank=2).kind \
       is Kind.WEIGHTS
 
 
@@ -319,19 +320,19 @@ class _FakeComm:
 
 def test_served_pulls_are_counted_per_destination_rank():
   """The PS bytes of a pull reply are counted for the VW's rank (rank first_vw_rank + vw)."""
-  from hetpipe_jax.ps import transport
+  from hetpipe_jax.mpi import ps_client
   from hetpipe_jax.ps.param_server import ParameterServer
-  from hetpipe_jax.ps.service import ParameterServerService
+  from hetpipe_jax.mpi.ps_server import ParameterServerService
   server = ParameterServer(np.zeros(5, np.float32), 2)
   comm = _FakeComm()
   service = ParameterServerService(comm, server, num_minibatches_per_vw=0, num_inflight=1, evaluate=None,
                                    eval_every_waves=0, log_every_waves=1, log_metrics=lambda line: None,
                                    progress=False, first_vw_rank=3, lead=False)
-  before = dict(transport.PS_BYTES.sent)
+  before = dict(ps_client.PS_BYTES.sent)
   service._serve_pulls([1])  # pylint: disable=protected-access
-  assert [(d, t) for d, t, _ in comm.sent] == [(4, transport.TAG_HEADER), (4, transport.TAG_DATA),
-                                                (4, transport.TAG_DATA)]
-  assert transport.PS_BYTES.sent.get(4, 0) - before.get(4, 0) == 5 * 4
+  assert [(d, t) for d, t, _ in comm.sent] == [(4, wire.TAG_PS_HEADER), (4, wire.TAG_PS_DATA),
+                                                (4, wire.TAG_PS_DATA)]
+  assert ps_client.PS_BYTES.sent.get(4, 0) - before.get(4, 0) == 5 * 4
 
 
 class _LiveSendComm:
@@ -366,9 +367,8 @@ def test_a_pull_reply_carries_the_weights_as_answered_while_later_pushes_land(ps
   """The PS answers VW 1's pull, then applies more pushes before the reply's send completes (MPI may read a send's
   buffer until then; in virtual time the reply is installed pull_s later): the reply must carry the global weights
   and vector clock of the moment it was answered, not the live weights."""
-  from hetpipe_jax.ps import transport
   from hetpipe_jax.ps.param_server import ParameterServer
-  from hetpipe_jax.ps.service import ParameterServerService
+  from hetpipe_jax.mpi.ps_server import ParameterServerService
   server = ParameterServer(np.zeros(4, np.float32), 2, ps_apply)
   server.push(0, 0, np.full(4, 1.0, np.float32))
   server.push(1, 0, np.full(4, 2.0, np.float32))
@@ -381,8 +381,8 @@ def test_a_pull_reply_carries_the_weights_as_answered_while_later_pushes_land(ps
   server.push(1, 1, np.full(4, 1000.0, np.float32))
   assert server.weights.tolist() == [1103.0] * 4  # the pushes landed before the reply left
   sent = comm.complete()
-  assert [(d, t) for d, t, _ in sent] == [(2, transport.TAG_HEADER), (2, transport.TAG_DATA), (2, transport.TAG_DATA)]
-  assert int(sent[0][2][3]) == 1  # the header's global clock
+  assert [(d, t) for d, t, _ in sent] == [(2, wire.TAG_PS_HEADER), (2, wire.TAG_PS_DATA), (2, wire.TAG_PS_DATA)]
+  assert int(sent[0][2][wire.FIELDS.index("wave")]) == 1  # the header's global clock
   np.testing.assert_array_equal(sent[1][2], [3.0] * 4)
   assert sent[2][2].tolist() == [1, 1]
 
@@ -390,8 +390,8 @@ def test_a_pull_reply_carries_the_weights_as_answered_while_later_pushes_land(ps
 def test_a_sharded_pull_holds_the_element_wise_minimum_of_its_shards_vector_clocks():
   """VW 0's client of two PS shards whose replies carry different vector clocks: the pull's vector clock is, per VW,
   the minimum over shards (what every layer holds); each shard's own vector clock and slice are kept apart."""
-  from hetpipe_jax.ps import transport
-  from hetpipe_jax.ps.transport import Kind, MPIPSClient
+  from hetpipe_jax.mpi.ps_client import MPIPSClient
+  from hetpipe_jax.mpi.wire import Kind
   from tests.fake_mpi import FakeWorld
   shards = ShardLayout.build([0, 2, 5, 6], [0, 1, 0], 2)  # shard 0: elements 0, 1, 5; shard 1: 2, 3, 4
   world = FakeWorld()
@@ -401,9 +401,10 @@ def test_a_sharded_pull_holds_the_element_wise_minimum_of_its_shards_vector_cloc
   replies = {0: ((3, 1), [0.0, 1.0, 5.0]), 1: ((2, 4), [2.0, 3.0, 4.0])}
   for shard, (vc, part) in replies.items():
     comm = world.comm(shard)
-    comm.Isend(transport.make_header(Kind.WEIGHTS, 0, min(vc), len(part)), dest=2, tag=transport.TAG_HEADER)
-    comm.Isend(np.array(part, np.float32), dest=2, tag=transport.TAG_DATA)
-    comm.Isend(np.array(vc, np.int64), dest=2, tag=transport.TAG_DATA)
+    comm.Isend(wire.make_header(Kind.WEIGHTS, 0, wave=min(vc), size=len(part)), dest=2,
+               tag=wire.TAG_PS_HEADER)
+    comm.Isend(np.array(part, np.float32), dest=2, tag=wire.TAG_PS_DATA)
+    comm.Isend(np.array(vc, np.int64), dest=2, tag=wire.TAG_PS_DATA)
     if shard == 0:
       assert client.poll_pull() is None  # shard 1 has not answered
   vector_clock, flat, per_shard = client.poll_pull()
@@ -413,11 +414,11 @@ def test_a_sharded_pull_holds_the_element_wise_minimum_of_its_shards_vector_cloc
 
 
 def test_rank0_assembles_the_final_weights_from_every_shard():
-  from hetpipe_jax.jobs import shard_ranks
+  from hetpipe_jax.mpi import ps_shards
   shards = ShardLayout.build([0, 3, 5, 9], [0, 1, 2], 3)
   w0 = np.zeros(9, np.float32)
   comm = _FakeComm([(1, [2]), (1, [[0, 1], [0, 0]]), (1, [4, 5]), (2, [2]), (2, [[0, 0], [0, 1]]), (2, [6, 7, 8, 9])])
-  flat, logs = shard_ranks.gather_shards(comm, shards, w0, np.array([1, 2, 3], np.float32),
+  flat, logs = ps_shards.gather_shards(comm, shards, w0, np.array([1, 2, 3], np.float32),
                                          [(0, 1), (0, 0)])
   np.testing.assert_array_equal(flat, np.arange(1, 10, dtype=np.float32))
   assert logs == [[(0, 1), (0, 0)], [(0, 1), (0, 0)], [(0, 0), (0, 1)]]

@@ -16,13 +16,16 @@ import pytest
 from hetpipe_jax import models
 from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs import job_config
-from hetpipe_jax.planning import rank_map
+from hetpipe_jax.mpi import rank_layout
+from hetpipe_jax.mpi import stage_client
+from hetpipe_jax.mpi import stage_link
+from hetpipe_jax.mpi import stage_server
+from hetpipe_jax.mpi import wire
+from hetpipe_jax.mpi.ps_client import MPIPSClient, StageRankPSClient
+from hetpipe_jax.mpi.ps_server import ParameterServerService
 from hetpipe_jax.ps import param_server
-from hetpipe_jax.ps.service import ParameterServerService
 from hetpipe_jax.ps.shards import ShardLayout, VWParts
-from hetpipe_jax.ps.transport import MPIPSClient, StageRankPSClient
 from hetpipe_jax.rules.schedule import Task, TaskKind
-from hetpipe_jax.runtime import stage_ranks
 from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime import virtual_worker
 from hetpipe_jax.runtime.param_layout import ParamLayout
@@ -42,17 +45,17 @@ def _settings(**overrides):
 
 # ------------------------------------------------------------------------------------------------ layout, settings
 def test_stage_groups_and_the_rank_layout():
-  assert rank_map.stage_groups(["a", "b", "a"], "gpu") == ((0,), (1,), (2,))
-  assert rank_map.stage_groups(["a", "a", "b", "b"], "node") == ((0, 1), (2, 3))
-  assert rank_map.stage_groups(["a", "b", "a"], "node") == ((0, 2), (1,))
+  assert rank_layout.stage_groups(["a", "b", "a"], "gpu") == ((0,), (1,), (2,))
+  assert rank_layout.stage_groups(["a", "a", "b", "b"], "node") == ((0, 1), (2, 3))
+  assert rank_layout.stage_groups(["a", "b", "a"], "node") == ((0, 2), (1,))
   groups = [((0,), (1,), (2,)), ((0, 1), (2,))]
   # shards 0-1, drivers 2-3 (each VW's group 0), then VW 0's further groups, then VW 1's
-  assert rank_map.stage_rank_layout(2, groups) == [(2, 0, (0,)), (3, 1, (0, 1)), (4, 0, (1,)), (5, 0, (2,)),
+  assert rank_layout.stage_rank_layout(2, groups) == [(2, 0, (0,)), (3, 1, (0, 1)), (4, 0, (1,)), (5, 0, (2,)),
                                                    (6, 1, (2,))]
-  assert rank_map.stage_ranks_of_vw(2, groups, 0) == [2, 4, 5]
-  assert rank_map.stage_ranks_of_vw(2, groups, 1) == [3, 3, 6]
-  with pytest.raises(rank_map.LaunchError, match="grouping 'rack'"):
-    rank_map.stage_groups(["a"], "rack")
+  assert rank_layout.stage_ranks_of_vw(2, groups, 0) == [2, 4, 5]
+  assert rank_layout.stage_ranks_of_vw(2, groups, 1) == [3, 3, 6]
+  with pytest.raises(rank_layout.LaunchError, match="grouping 'rack'"):
+    rank_layout.stage_groups(["a"], "rack")
 
 
 def test_stage_rank_settings_world_size_and_refusals():
@@ -79,43 +82,44 @@ def test_stage_rank_settings_world_size_and_refusals():
 
 # ------------------------------------------------------------------------------------------------ the header
 def test_a_header_that_does_not_match_is_an_error_naming_both_ranks():
-  h = stage_ranks.make_header(stage_ranks.Kind.ACTIVATION, 1, minibatch=5, stage=0, version=7, size=64)
-  ok = dict(source=2, dest=6, kinds=(stage_ranks.Kind.ACTIVATION,), vw=1, minibatch=5, stage=0, version=7, size=64)
-  assert stage_ranks.check_header(h, **ok) is stage_ranks.Kind.ACTIVATION
+  h = wire.make_header(wire.Kind.ACTIVATION, 1, minibatch=5, stage=0, version=7, size=64)
+  ok = dict(source=2, dest=6, kinds=(wire.Kind.ACTIVATION,), vw=1, minibatch=5, stage=0, version=7, size=64)
+  assert wire.check_header(h, **ok).kind is wire.Kind.ACTIVATION
   for field, value, words in (("version", 8, "version 7 (expected 8)"), ("size", 32, "size 64 (expected 32)"),
                               ("minibatch", 4, "minibatch 5 (expected 4)"), ("vw", 0, "vw 1 (expected 0)"),
                               ("stage", 1, "stage 0 (expected 1)")):
-    with pytest.raises(stage_ranks.ProtocolError, match=rf"rank 6 received from rank 2 a ACTIVATION header that "
-                                                        rf"does not match: {re.escape(words)}"):
-      stage_ranks.check_header(h, **{**ok, field: value})
-  with pytest.raises(stage_ranks.ProtocolError, match=r"rank 6 received from rank 2 a ACTIVATION header that does "
-                                                      r"not match: kind ACTIVATION \(expected GRADIENT\)"):
-    stage_ranks.check_header(h, **{**ok, "kinds": (stage_ranks.Kind.GRADIENT,)})
+    with pytest.raises(wire.ProtocolError, match=rf"rank 6 received from rank 2 a ACTIVATION header that "
+                                                rf"does not match: {re.escape(words)}"):
+      wire.check_header(h, **{**ok, field: value})
+  with pytest.raises(wire.ProtocolError, match=r"rank 6 received from rank 2 a ACTIVATION header that does "
+                                              r"not match: kind ACTIVATION \(expected GRADIENT\)"):
+    wire.check_header(h, **{**ok, "kinds": (wire.Kind.GRADIENT,)})
   bad = h.copy()
   bad[0] = 1234
-  with pytest.raises(stage_ranks.ProtocolError, match="rank 6 received from rank 2 a message with bad magic"):
-    stage_ranks.check_header(bad, **ok)
+  with pytest.raises(wire.ProtocolError, match="rank 6 received from rank 2 a message with bad magic"):
+    wire.check_header(bad, **ok)
 
 
 
-@pytest.mark.parametrize("field, value, words", [(5, 99, "version 99 (expected 3)"), (1, 2, "kind GRADIENT"),
-                                                 (6, 7, "size 7 (expected 64)")])
+@pytest.mark.parametrize("field, value, words", [("version", 99, "version 99 (expected 3)"),
+                                                 ("kind", int(wire.Kind.GRADIENT), "kind GRADIENT"),
+                                                 ("size", 7, "size 7 (expected 64)")])
 def test_a_link_refuses_an_activation_whose_header_does_not_match(field, value, words):
   """Stage 0 on rank 1 sends minibatch 0's activation to stage 1 on rank 2; a header altered in flight (weight
   version, kind, size) is refused by the receiving stage with both ranks named."""
   world = FakeWorld()
   boundaries = [((4, 3), np.dtype(np.float32)), ((4, 16), np.dtype(np.float32))]
-  sender = stage_ranks.StageLink(world.comm(1), 0, [1, 2], boundaries, 4, ahead=2)
-  receiver = stage_ranks.StageLink(world.comm(2), 0, [1, 2], boundaries, 4, ahead=2)
+  sender = stage_link.StageLink(world.comm(1), 0, [1, 2], boundaries, 4, ahead=2)
+  receiver = stage_link.StageLink(world.comm(2), 0, [1, 2], boundaries, 4, ahead=2)
 
   def tamper(src, dst, tag, data):
-    if data.dtype == np.int64 and data.size == stage_ranks.HEADER_SIZE:
-      data[field] = value
+    if data.dtype == np.int64 and data.size == wire.HEADER_SIZE:
+      data[wire.FIELDS.index(field)] = value
     return data
 
   world.tamper = tamper
   sender.send_activation(0, 0, 3, np.ones((4, 16), np.float32)).block_until_ready()
-  with pytest.raises(stage_ranks.ProtocolError, match=rf"rank 2 received from rank 1 .*{re.escape(words)}"):
+  with pytest.raises(wire.ProtocolError, match=rf"rank 2 received from rank 1 .*{re.escape(words)}"):
     receiver.recv_activation(1, 0, 3)
   world.tamper = None  # an unaltered message goes through
   sender.send_activation(0, 1, 3, np.full((4, 16), 2.0, np.float32)).block_until_ready()
@@ -137,7 +141,7 @@ def test_control_messages_from_two_threads_arrive_whole():
     return request
 
   driver.Isend = slow_isend
-  remote = stage_ranks.RemoteStages(driver, 0, types.SimpleNamespace(stage_ranks=[0, 1], is_local=lambda s: s == 0))
+  remote = stage_client.RemoteStages(driver, 0, types.SimpleNamespace(stage_ranks=[0, 1], is_local=lambda s: s == 0))
   rounds = 150
 
   def send_pulls():
@@ -151,19 +155,19 @@ def test_control_messages_from_two_threads_arrive_whole():
     remote.start_task(Task(1, TaskKind.FORWARD, p), 0, None)
     time.sleep(1e-4)
   pulls.join()
-  stream = list(world.messages[(0, 1, stage_ranks.TAG_CONTROL)])
+  stream = list(world.messages[(0, 1, wire.TAG_CONTROL)])
   kinds, i = [], 0
   while i < len(stream):
     header = stream[i]
-    assert header.dtype == np.int64 and header.size == stage_ranks.HEADER_SIZE, (i, header)
-    kind = stage_ranks.check_header(header, source=0, dest=1, kinds=(stage_ranks.Kind.PULL, stage_ranks.Kind.TASK),
-                                    vw=0)
+    assert header.dtype == np.int64 and header.size == wire.HEADER_SIZE, (i, header)
+    kind = wire.check_header(header, source=0, dest=1, kinds=(wire.Kind.PULL_INSTALL, wire.Kind.TASK), vw=0).kind
     kinds.append(kind)
-    if kind is stage_ranks.Kind.PULL:
-      np.testing.assert_array_equal(stream[i + 1], [header[5], header[5] + 1])  # its own payload, next
+    if kind is wire.Kind.PULL_INSTALL:
+      version = header[wire.FIELDS.index("version")]
+      np.testing.assert_array_equal(stream[i + 1], [version, version + 1])  # its own payload, next
       i += 1
     i += 1
-  assert kinds.count(stage_ranks.Kind.PULL) == kinds.count(stage_ranks.Kind.TASK) == rounds
+  assert kinds.count(wire.Kind.PULL_INSTALL) == kinds.count(wire.Kind.TASK) == rounds
   switches = sum(a is not b for a, b in zip(kinds, kinds[1:]))
   assert switches >= rounds // 4, switches  # the two threads did send side by side
 
@@ -173,7 +177,7 @@ def test_a_task_waits_until_its_version_has_been_applied():
   """A stage rank's executor asks for version 2 while the rank holds only version 1 (its weights still arriving):
   it waits, and runs on version 2's weights once they are installed, never on version 1's."""
   v = virtual_worker.WeightVersion(("w1",), 1, (0,), 1)
-  store = stage_ranks.VersionStore(v)
+  store = stage_server.VersionStore(v)
   got = []
   t = threading.Thread(target=lambda: got.append(store.get(2).params))
   t.start()
@@ -184,7 +188,7 @@ def test_a_task_waits_until_its_version_has_been_applied():
   assert got == [("w2",)] and store.num_waits == 1 and store.wait_s >= 0.25
   assert store.get(1).params == ("w1",)
   store.keep_only({2})
-  with pytest.raises(stage_ranks.ProtocolError, match="weight version 1 was dropped"):
+  with pytest.raises(wire.ProtocolError, match="weight version 1 was dropped"):
     store.get(1)
 
 
@@ -213,7 +217,7 @@ def _linked_vw(data_dir, *, ranks, num_inflight, staleness_bound, tx, num_vws, p
   source = sharding.ShardedMinibatches(dataset, num_vws, 0, batch_size, 0)
   world = FakeWorld()
   devices = jax.devices()[:len(THREE_STAGES)]
-  boundaries = stage_ranks.stage_boundaries(spec, THREE_STAGES, batch_size)
+  boundaries = stage_link.stage_boundaries(spec, THREE_STAGES, batch_size)
   offsets = layout.layer_offsets
   ranges = [(offsets[a], offsets[b]) for a, b in THREE_STAGES]
   shard_layout = ShardLayout.single(layout.num_params, spec.num_layers)
@@ -229,9 +233,9 @@ def _linked_vw(data_dir, *, ranks, num_inflight, staleness_bound, tx, num_vws, p
 
   def make(rank):
     comm = world.comm(rank)
-    link = stage_ranks.StageLink(comm, 0, ranks, boundaries, num_mb, ahead=num_inflight + 1)
+    link = stage_link.StageLink(comm, 0, ranks, boundaries, num_mb, ahead=num_inflight + 1)
     driver = rank == ranks[0]
-    remote = stage_ranks.RemoteStages(comm, 0, link) if driver else None
+    remote = stage_client.RemoteStages(comm, 0, link) if driver else None
     stages = stages_lib.build_stages(spec, THREE_STAGES, devices, tx, grad_clip_norm=grad_clip_norm)
     return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, num_inflight, staleness_bound,
                                         client if driver else None, source.get if driver else None,
@@ -242,8 +246,8 @@ def _linked_vw(data_dir, *, ranks, num_inflight, staleness_bound, tx, num_vws, p
   servers = []
   for r in sorted(set(ranks) - {ranks[0]}):
     vw = make(r)
-    ps = StageRankPSClient(world.comm(r), parts[0], stage_ranks.StageRankServer.local_index_of(vw), num_vws)
-    servers.append(stage_ranks.StageRankServer(world.comm(r), vw, ranks[0], source.get(0)[1], ps,
+    ps = StageRankPSClient(world.comm(r), parts[0], stage_server.StageRankServer.local_index_of(vw), num_vws)
+    servers.append(stage_server.StageRankServer(world.comm(r), vw, ranks[0], source.get(0)[1], ps,
                                                shard_layout.index))
   job = {"server": server, "service": service, "client": client, "parts": parts, "world": world}
   return driver, servers, source, params0, world, job
@@ -333,10 +337,10 @@ def test_stage_ranks_equal_the_replay_of_recorded_versions_with_lagging_pulls(sy
     assert len(x.store) <= 2  # only versions an in-flight minibatch holds, and the latest
     assert world.sent[(x.rank, 0, 12)] == num_waves  # its wave parts, straight to the shard (PUSH payloads)
   # activations / gradients went rank to rank, never through the driver for stages it does not hold
-  data = {(src, dst) for (src, dst, tag) in world.sent if tag >= stage_ranks.TAG_DATA}
+  data = {(src, dst) for (src, dst, tag) in world.sent if tag >= wire.TAG_STAGE_DATA}
   assert data == {(ranks[s], ranks[s + 1]) for s in range(2) if ranks[s] != ranks[s + 1]} | \
       {(ranks[s + 1], ranks[s]) for s in range(2) if ranks[s] != ranks[s + 1]}
-  assert not any(tag == stage_ranks.TAG_REPLY and src != ranks[0] and world.sent[(src, dst, tag)] > 2
+  assert not any(tag == wire.TAG_REPLY and src != ranks[0] and world.sent[(src, dst, tag)] > 2
                  for (src, dst, tag) in world.sent)  # only the final report (header, payload) goes to the driver
   records = [dataclasses.asdict(r) for r in driver.records]
   result = replay.replay(records, spec_of(), params0, tx, [source], nm, fixed_waves=[peer],
@@ -409,28 +413,29 @@ def test_a_remote_stage_task_is_a_command_with_its_version(synthetic_data_dir):
   """The driver decides: a remote stage's task reaches its rank as TASK (stage, kind, minibatch, version, emulated
   nanoseconds) on the control stream, after the minibatch's INJECT."""
   world = FakeWorld()
-  link = stage_ranks.StageLink(world.comm(1), 0, [1, 2], [None, ((2, 3), np.dtype(np.float32))], 4, ahead=2)
-  remote = stage_ranks.RemoteStages(world.comm(1), 0, link)
+  link = stage_link.StageLink(world.comm(1), 0, [1, 2], [None, ((2, 3), np.dtype(np.float32))], 4, ahead=2)
+  remote = stage_client.RemoteStages(world.comm(1), 0, link)
   remote.on_inject(3, 7, np.arange(2, dtype=np.int32))
   remote.start_task(Task(1, TaskKind.FORWARD_BACKWARD, 3), 7, 0.025)
   got = []
   for _ in range(3):
-    buf = np.empty(stage_ranks.HEADER_SIZE if len(got) != 1 else 2, np.int64 if len(got) != 1 else np.int32)
-    req = world.comm(2).Irecv(buf, source=1, tag=stage_ranks.TAG_CONTROL)
+    buf = np.empty(wire.HEADER_SIZE if len(got) != 1 else 2, np.int64 if len(got) != 1 else np.int32)
+    req = world.comm(2).Irecv(buf, source=1, tag=wire.TAG_CONTROL)
     assert req.Test()
     got.append(buf)
-  assert stage_ranks.check_header(got[0], source=1, dest=2, kinds=(stage_ranks.Kind.INJECT,), vw=0, minibatch=3,
-                                  version=7, size=2)
+  assert wire.check_header(got[0], source=1, dest=2, kinds=(wire.Kind.INJECT,), vw=0, minibatch=3, version=7,
+                           size=2)
   np.testing.assert_array_equal(got[1], [0, 1])  # the labels, to the last stage's rank
-  stage_ranks.check_header(got[2], source=1, dest=2, kinds=(stage_ranks.Kind.TASK,), vw=0, minibatch=3, stage=1,
-                           version=7, arg0=stage_ranks.TASK_CODES[TaskKind.FORWARD_BACKWARD], arg1=25_000_000)
+  wire.check_header(got[2], source=1, dest=2, kinds=(wire.Kind.TASK,), vw=0, minibatch=3, stage=1, version=7,
+                    arg0=stage_link.TASK_CODES[TaskKind.FORWARD_BACKWARD], arg1=25_000_000)
 
 
 def test_a_gpu_rank_table_must_give_every_rank_its_stages_gpus():
   """On GPU the launcher's table is checked against the job's layout on every rank before any work: the 4-node ED
   plan with stage ranks (VW v on GPU v of every node) accepts the launcher's table and refuses one that gives a stage
   rank another GPU, naming HETPIPE_RANK_DEVICES and the rank."""
-  from hetpipe_jax import launch, rank_devices
+  from hetpipe_jax import launch
+  from hetpipe_jax.mpi import rank_devices
   from hetpipe_jax.jobs import rank_setup
   plan_path = "experiments/plans/local_cpu_4node_mlp_tiny_ed.json"
   settings = _settings(plan=plan_path, platform="gpu", stage_ranks=True, checkpoint_every_waves=0)

@@ -771,7 +771,7 @@ def ps_layer_shards(settings: JobSettings, partitions: Sequence[Partition], has_
 
 def with_stage_ranks(config: Any, settings: JobSettings, resume: bool = False) -> JobSettings:
   """Resolves stage ranks (``config.stage_ranks``): a VW's stages on separate MPI ranks, grouped by
-  :func:`hetpipe_jax.planning.rank_map.stage_groups` (``config.stage_rank_grouping``: ``"gpu"``, one rank per stage;
+  :func:`hetpipe_jax.mpi.rank_layout.stage_groups` (``config.stage_rank_grouping``: ``"gpu"``, one rank per stage;
   ``"node"``, the VW's stages on one plan node in one rank). Call after :func:`with_ps_shards` (it sets the stages'
   nodes). Off: ``settings`` unchanged (one process per VW).
 
@@ -781,7 +781,7 @@ def with_stage_ranks(config: Any, settings: JobSettings, resume: bool = False) -
   """
   if not config.get("stage_ranks", False):
     return settings
-  from hetpipe_jax.planning import rank_map
+  from hetpipe_jax.mpi import rank_layout
   if config.checkpoint_every_waves > 0:
     raise ConfigError(f"config.checkpoint_every_waves={config.checkpoint_every_waves} with config.stage_ranks=True: "
                       "checkpoint barriers are not supported with stage ranks yet; set "
@@ -790,5 +790,5 @@ def with_stage_ranks(config: Any, settings: JobSettings, resume: bool = False) -
     raise ConfigError("--resume with config.stage_ranks=True is not supported yet (stage ranks write no checkpoints "
                       "with optimizer states): resume without stage ranks")
   grouping = config.get("stage_rank_grouping", "gpu")
-  groups = tuple(rank_map.stage_groups(nodes, grouping) for nodes in settings.vw_stage_nodes)
+  groups = tuple(rank_layout.stage_groups(nodes, grouping) for nodes in settings.vw_stage_nodes)
   return dataclasses.replace(settings, stage_groups=groups)

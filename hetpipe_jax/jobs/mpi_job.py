@@ -1,6 +1,6 @@
 """One HetPipe training job over MPI: ranks 0..S-1 run the parameter-server shards (S = config.num_ps_shards, rank 0
 the lead: outputs, evaluation, checkpoints), ranks S..S+N-1 run one VW each (with ``config.stage_ranks``: each VW's
-driver and first stage group; the VWs' further stage groups run on ranks S+N.., :mod:`hetpipe_jax.runtime.stage_ranks`).
+driver and first stage group; the VWs' further stage groups run on ranks S+N.., :mod:`hetpipe_jax.mpi.stage_server`).
 
 Runtime layer; :mod:`hetpipe_jax.train` is its thin absl entry point. Everything that can be checked is checked on
 every rank before training starts (settings, world size, model, partition, devices, data), so bad input ends every
@@ -25,7 +25,7 @@ from hetpipe_jax.data import dataset as dataset_lib
 from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs import rank_setup
 from hetpipe_jax.jobs import resume as resume_lib
-from hetpipe_jax.jobs import shard_ranks
+from hetpipe_jax.mpi import ps_shards
 from hetpipe_jax.jobs.job_config import (ConfigError, JobSettings, check_devices, check_partitions, check_world_size,
                                          emulated_task_times, ps_layer_shards, resolved_config, with_ps_shards,
                                          with_stage_ranks)
@@ -292,10 +292,10 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
     return _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, workdir, comm, point, shards,
                    restricted)
   if rank < num_shards:
-    shard_ranks.run_shard(config, settings, flat0, shards, rank, comm, partitions, offsets)
+    ps_shards.run_shard(settings, config.ps_apply, flat0, shards, rank, comm, partitions, offsets)
     return None
   if rank >= num_shards + settings.num_virtual_workers:  # a stage rank
-    from hetpipe_jax.planning.rank_map import stage_rank_layout
+    from hetpipe_jax.mpi.rank_layout import stage_rank_layout
     vw_id = next(v for r, v, _ in stage_rank_layout(num_shards, settings.stage_groups) if r == rank)
     _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, partitions, vw_id, comm, shards,
                     restricted)
@@ -309,10 +309,10 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
 def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, partitions, vw_id, comm,
                     shards, restricted) -> None:
   """A stage rank: runs its stages of VW ``vw_id`` as the VW's driver commands
-  (:class:`hetpipe_jax.runtime.stage_ranks.StageRankServer`), pushes and pulls its stages' parts of every shard
-  (:class:`hetpipe_jax.ps.transport.StageRankPSClient`), then joins the job's final collective."""
-  from hetpipe_jax.ps.transport import StageRankPSClient
-  from hetpipe_jax.runtime.stage_ranks import StageRankServer
+  (:class:`hetpipe_jax.mpi.stage_server.StageRankServer`), pushes and pulls its stages' parts of every shard
+  (:class:`hetpipe_jax.mpi.ps_client.StageRankPSClient`), then joins the job's final collective."""
+  from hetpipe_jax.mpi.ps_client import StageRankPSClient
+  from hetpipe_jax.mpi.stage_server import StageRankServer
   partition = partitions[vw_id]
   from hetpipe_jax.runtime.virtual_worker import VirtualWorker
   link = rank_setup.stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
@@ -323,13 +323,13 @@ def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, part
                      settings.staleness_bound, None, None, num_virtual_workers=settings.num_virtual_workers,
                      method=settings.method, link=link)
   source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
-  ps = StageRankPSClient(comm, rank_setup.vw_parts(settings, shards, partitions, layout.layer_offsets)[vw_id],
+  ps = StageRankPSClient(comm, ps_shards.vw_parts(settings, shards, partitions, layout.layer_offsets)[vw_id],
                          StageRankServer.local_index_of(vw), settings.num_virtual_workers)
   server = StageRankServer(comm, vw, settings.num_ps_shards + vw_id, source.get(0)[1], ps, shards.index)
   logging.info("[VW %d] stage rank %d: stages %s on %s", vw_id, comm.Get_rank(), vw.local_stages,
                [str(devices[s]) for s in vw.local_stages])
   server.serve()
-  shard_ranks.ps_byte_matrix(comm)
+  ps_shards.ps_byte_matrix(comm)
 
 
 def _segments(config, settings, num_mb: int, point) -> tuple[int, int, list[tuple[int, int]]]:
@@ -376,11 +376,11 @@ _STAT_SUMS = ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes", "num
 def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, vw_id, comm, task_times,
             point, shards, partitions, restricted) -> None:
   from hetpipe_jax.runtime.virtual_worker import VirtualWorker
-  from hetpipe_jax.ps.transport import MPIPSClient
+  from hetpipe_jax.mpi.ps_client import MPIPSClient
 
   link = remote = None
   if settings.stage_groups:  # stage ranks: this rank runs the VW's first stage group and drives the others
-    from hetpipe_jax.runtime.stage_ranks import RemoteStages
+    from hetpipe_jax.mpi.stage_client import RemoteStages
     link = rank_setup.stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
     remote = RemoteStages(comm, vw_id, link)
   devices = rank_setup.stage_devices(settings, vw_id, link, restricted)
@@ -388,7 +388,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
   stages = build_stages(config, spec, partition, devices, optimizer)
   source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
   sharded = shards if settings.num_ps_shards > 1 else None
-  parts = rank_setup.vw_parts(settings, shards, partitions, layout.layer_offsets)
+  parts = ps_shards.vw_parts(settings, shards, partitions, layout.layer_offsets)
   client = MPIPSClient(comm, vw_id, layout.num_params, settings.num_virtual_workers, shards=sharded,
                        first_vw_rank=settings.num_ps_shards, parts=parts[vw_id] if parts else None)
   nm = settings.num_inflight
@@ -460,7 +460,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
       "tasks": vw.task_log if config.save_task_trace else [],
   })
   client.finish(num_mb // nm, report)
-  shard_ranks.ps_byte_matrix(comm)
+  ps_shards.ps_byte_matrix(comm)
   logging.info("[VW %d] done: %.1f s, wait %.2f s, idle %.2f s", vw_id, totals["wall_time_s"], totals["wait_s"],
                totals["idle_s"])
 
@@ -470,7 +470,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
   from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
   from hetpipe_jax.jobs.evaluation import Evaluator
   from hetpipe_jax.ps.param_server import ParameterServer
-  from hetpipe_jax.ps.service import ParameterServerService
+  from hetpipe_jax.mpi.ps_server import ParameterServerService
   from hetpipe_jax.rules import wsp
   from hetpipe_jax.runtime import opt_state, optimizers
 
@@ -493,7 +493,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
   server = ParameterServer(shards.gather(flat0, 0), n, config.ps_apply)  # shard 0's slice (all of it when S = 1)
   clock0, total, segs = _segments(config, settings, num_mb, point)
   start_mb = point.minibatch_start if point else 0
-  parts = rank_setup.vw_parts(settings, shards, partitions, layout.layer_offsets)
+  parts = ps_shards.vw_parts(settings, shards, partitions, layout.layer_offsets)
   service = ParameterServerService(comm, server, num_minibatches_per_vw=num_mb, num_inflight=nm,
                                    evaluate=evaluator.evaluate, eval_every_waves=eval_every,
                                    log_every_waves=config.log_every_waves, log_metrics=outputs.log_metrics,
@@ -571,8 +571,8 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
       store.close()
     service.close()
   wall = time.perf_counter() - t0
-  final_flat, shard_logs = shard_ranks.gather_shards(comm, shards, flat0, server.weights, applied)
-  byte_matrix = shard_ranks.ps_byte_matrix(comm)
+  final_flat, shard_logs = ps_shards.gather_shards(comm, shards, flat0, server.weights, applied)
+  byte_matrix = ps_shards.ps_byte_matrix(comm)
   final = evaluator.evaluate(final_flat)
   service.last_eval = final
   service.log_metrics(total, evaluated=True)
@@ -611,7 +611,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
       "ps_shards": {"layer_shards": list(shards.layer_shards), "shard_nodes": list(settings.shard_nodes),
                     "floats_per_shard": [shards.size(s) for s in range(shards.num_shards)],
                     "first_vw_rank": settings.num_ps_shards},
-      "ps_bytes": shard_ranks.ps_bytes_summary(byte_matrix, settings, partitions, layout.layer_offsets, shards,
+      "ps_bytes": ps_shards.ps_bytes_summary(byte_matrix, settings, partitions, layout.layer_offsets, shards,
                                                total - clock0, parts),
       **rank_setup.stage_rank_fields(settings),
       **({"stage_rank_stats": {str(vw): rep["stage_ranks"] for vw, rep in sorted(service.reports.items())}}

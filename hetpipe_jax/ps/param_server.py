@@ -1,6 +1,6 @@
 """The parameter server: global weights updated by wave updates under WSP, on receipt or clock-aligned (HetPipe §5).
 
-Runtime layer (numpy only; the MPI loop lives in :mod:`hetpipe_jax.ps.service`). The bookkeeping (which waves are
+Runtime layer (numpy only; the MPI loop lives in :mod:`hetpipe_jax.mpi.ps_server`). The bookkeeping (which waves are
 applied, the global clock, pending pulls) is the pure :class:`hetpipe_jax.rules.wsp.ParameterServerState`; this class
 adds the tensors.
 """

@@ -19,7 +19,7 @@ Planning layer: pure Python. Terms (see WORKSPACE.md glossary):
   ``0..c-D-1``, i.e. weights pulled at global clock >= c - D. D = 0 is BSP with pipelining.
 
 Each rule lives here once and every driver calls it: the MPI runtime (``vw_driver.run`` and
-``ps.service``), the event engine (``engine.Engine``) and virtual time (the engine driving ``VirtualWorker``'s
+``mpi.ps_server``), the event engine (``engine.Engine``) and virtual time (the engine driving ``VirtualWorker``'s
 actions). Per VW: :func:`injection_step` (local Nm rule + run length + WSP gate, and the pull it triggers) and
 :class:`VWSyncState` (clocks, wave-end push and pull); after a pull, :func:`own_waves_after_pull`. For the PS:
 :class:`ParameterServerState` (waves applied once in a fixed order, pending pulls answered in arrival order).

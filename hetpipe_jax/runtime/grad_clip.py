@@ -14,7 +14,7 @@ When each method learns ``n`` and applies the clipped update (one rule, these th
   at once (:meth:`~hetpipe_jax.runtime.virtual_worker.VirtualWorker.apply_update`). Minibatch p completes with stage
   0's backward, the last of its tasks, so by then every stage's gradient of p exists: the driver adds the stages'
   squared norms and every stage applies its clipped update of p. With stage ranks, a stage rank reports its stages'
-  squared norms with its backward's completion (``REPORT``'s last field, :mod:`hetpipe_jax.runtime.stage_wire`) and
+  squared norms with its backward's completion (``REPORT``'s last field, :mod:`hetpipe_jax.mpi.stage_link`) and
   the driver sends ``n`` with p's ``UPDATE``.
 * **PipeDream** (per-stage updates): without clipping a stage applies its update right after its own backward. With
   clipping that is too early for every stage but stage 0 (n needs stage 0's backward of p, which comes last), so each

@@ -1,23 +1,13 @@
-"""MPI wire protocol between VWs (ranks S..S+N-1) and the parameter-server shards (ranks 0..S-1; S = 1: rank 0).
+"""The PS protocol over MPI: a VW's client (:class:`MPIPSClient`), a stage rank's (:class:`StageRankPSClient`), the
+PS side's header check and payload receive, and the PS bytes each rank sends (:data:`PS_BYTES`).
 
-Runtime layer. Every message is a fixed int64 header ``[MAGIC, kind, vw_id, wave, size]`` on ``TAG_HEADER``
-followed, when ``size > 0``, by one contiguous numpy payload on ``TAG_DATA`` (upper-case mpi4py calls, never
-pickled arrays). The receiver checks the header against the sender's rank and the expected payload size.
+Runtime layer (numpy; mpi4py is imported by the client that first uses it). VWs are ranks S..S+N-1, the
+parameter-server shards ranks 0..S-1 (S = 1: rank 0). Messages are :mod:`hetpipe_jax.mpi.wire`'s: a header on
+``TAG_PS_HEADER`` followed, when ``size > 0``, by one contiguous numpy payload on ``TAG_PS_DATA``; the kinds and
+fields of PUSH, METRICS, PULL, WEIGHTS, DONE, SEGMENT and OPTSTATE are in its table. The receiver checks the header
+against the sender's rank and the payload size the kind allows (:func:`check_header`).
 
-=========  ======================  =================  ==========================
-kind       direction               ``wave`` field     payload
-=========  ======================  =================  ==========================
-PUSH       VW → PS                 wave id            float32 ``[num_params]``
-METRICS    VW → PS                 wave id            float64 ``[METRICS_SIZE]``
-PULL       VW → PS                 required clock     none
-WEIGHTS    PS → VW                 global clock       float32 ``[num_params]``, then int64 ``[N]``
-DONE       VW → PS                 waves done         uint8 JSON (records, stats)
-SEGMENT    VW → PS                 waves done         uint8 JSON (the segment's records, stats; a checkpoint
-                                                      barrier, see :mod:`hetpipe_jax.jobs.resume`)
-OPTSTATE   VW → PS                 waves done         uint8: the VW's optimizer state by layer, leaves' bytes
-=========  ======================  =================  ==========================
-
-A WEIGHTS reply is followed by a second payload on ``TAG_DATA``: the weights' vector clock (per VW, how many of its
+A WEIGHTS reply is followed by a second payload on ``TAG_PS_DATA``: the weights' vector clock (per VW, how many of its
 waves they hold; HetPipe §5 under ``ps_apply="on_receipt"``), whose minimum must equal the header's global clock.
 
 Stage ranks (:class:`hetpipe_jax.ps.shards.VWParts`): a VW's ranks each PUSH their part of a shard's slice (their
@@ -28,41 +18,24 @@ driver only. Sizes are then the part's.
 
 from __future__ import annotations
 
-import enum
 import json
 import time
 from typing import Callable
 
 import numpy as np
 
-MAGIC = 0x48455450  # "HETP"
-HEADER_SIZE = 5
-TAG_HEADER = 11
-TAG_DATA = 12
+from hetpipe_jax.mpi import wire
+from hetpipe_jax.mpi.wire import Kind, ProtocolError  # noqa: F401 (ProtocolError: what the checks raise)
+
 METRICS_SIZE = 3  # [wave loss sum, minibatches in the wave, VW seconds since start]
-
-
-class Kind(enum.IntEnum):
-  PUSH = 1
-  METRICS = 2
-  PULL = 3
-  WEIGHTS = 4
-  DONE = 5
-  SEGMENT = 6
-  OPTSTATE = 7
-
-
-class ProtocolError(RuntimeError):
-  """A malformed or unexpected message."""
-
-
-def make_header(kind: Kind, vw_id: int, wave: int, size: int) -> np.ndarray:
-  return np.array([MAGIC, int(kind), vw_id, wave, size], dtype=np.int64)
+BARRIER_MAX_S = 2e-4  # a checkpoint barrier's longest poll pause (it waits for every VW's segment)
 
 
 def check_header(header: np.ndarray, source_rank: int, *, num_params: int, expect_kinds: tuple[Kind, ...],
-                 first_vw_rank: int = 1, vw_of_rank: dict[int, int] | None = None) -> Kind:
-  """Validates a received header; returns its kind.
+                 first_vw_rank: int = 1, vw_of_rank: dict[int, int] | None = None,
+                 dest: int | None = None) -> wire.Header:
+  """Checks a header of the PS protocol (:func:`hetpipe_jax.mpi.wire.check_header`, then what the PS protocol
+  adds); returns its fields.
 
   Args:
     header: the int64 header received.
@@ -71,20 +44,15 @@ def check_header(header: np.ndarray, source_rank: int, *, num_params: int, expec
     expect_kinds: the kinds the receiver accepts now.
     first_vw_rank: rank of VW 0 (= the number of PS shards; ranks below it are shards).
     vw_of_rank: stage ranks: every VW rank's VW (drivers and stage ranks); None: rank r hosts VW r - first_vw_rank.
+    dest: the receiving rank (named in the error).
 
   Raises:
-    ProtocolError: bad magic, unknown or unexpected kind, a VW id that does not match the sender's rank, a
-      negative wave, or a payload size that the kind does not allow.
+    ProtocolError: what :func:`hetpipe_jax.mpi.wire.check_header` refuses (bad magic or wire version, unknown or
+      unexpected kind), a VW id that does not match the sender's rank, a negative wave, or a payload size that the
+      kind does not allow.
   """
-  magic, kind_value, vw_id, wave, size = (int(v) for v in header)
-  if magic != MAGIC:
-    raise ProtocolError(f"message from rank {source_rank} has bad magic {magic:#x}")
-  try:
-    kind = Kind(kind_value)
-  except ValueError:
-    raise ProtocolError(f"message from rank {source_rank} has unknown kind {kind_value}") from None
-  if kind not in expect_kinds:
-    raise ProtocolError(f"rank {source_rank} sent {kind.name}, expected one of {[k.name for k in expect_kinds]}")
+  h = wire.check_header(header, source=source_rank, dest=dest, kinds=expect_kinds)
+  kind, vw_id, wave, size = h.kind, h.vw, h.wave, h.size
   if vw_of_rank is not None:
     if source_rank >= first_vw_rank and vw_of_rank.get(source_rank) != vw_id:
       raise ProtocolError(f"rank {source_rank} claims to be VW {vw_id} (it serves VW {vw_of_rank.get(source_rank)})")
@@ -97,7 +65,7 @@ def check_header(header: np.ndarray, source_rank: int, *, num_params: int, expec
   expected = {Kind.PUSH: num_params, Kind.WEIGHTS: num_params, Kind.METRICS: METRICS_SIZE, Kind.PULL: 0}.get(kind)
   if expected is not None and size != expected:
     raise ProtocolError(f"{kind.name} from rank {source_rank} carries {size} elements, expected {expected}")
-  return kind
+  return h
 
 
 class ByteCounts:
@@ -160,7 +128,7 @@ class MPIPSClient:
     self.num_shards = 1 if shards is None else shards.num_shards
     self.first_vw_rank = first_vw_rank
     self.parts = parts
-    self.rank = comm.Get_rank() if parts is not None else None
+    self.rank = comm.Get_rank() if parts is not None else first_vw_rank + vw_id
     self.num_pulls_requested = 0
     self._sends: list = []  # (request, buffer)
     self._pull_requests: dict[int, tuple] = {}  # shard -> (request, header) of an outstanding pull's reply
@@ -197,8 +165,8 @@ class MPIPSClient:
     self._reap()
 
   def _expect_weights(self, shard: int) -> None:
-    header = np.empty(HEADER_SIZE, np.int64)
-    self._pull_requests[shard] = (self.comm.Irecv(header, source=shard, tag=TAG_HEADER), header)
+    header = np.empty(wire.HEADER_SIZE, np.int64)
+    self._pull_requests[shard] = (self.comm.Irecv(header, source=shard, tag=wire.TAG_PS_HEADER), header)
 
   def request_pull(self, required_clock: int) -> None:
     if self._pull_requests or self._pull_parts:
@@ -217,12 +185,12 @@ class MPIPSClient:
         continue
       del self._pull_requests[shard]
       size = self._shard_size(shard)
-      check_header(header, shard, num_params=size, expect_kinds=(Kind.WEIGHTS,), first_vw_rank=self.first_vw_rank)
+      clock = check_header(header, shard, num_params=size, expect_kinds=(Kind.WEIGHTS,),
+                           first_vw_rank=self.first_vw_rank, dest=self.rank).wave
       weights = np.empty(size, np.float32)
-      self.comm.Recv(weights, source=shard, tag=TAG_DATA)
+      self.comm.Recv(weights, source=shard, tag=wire.TAG_PS_DATA)
       vector_clock = np.empty(self.num_virtual_workers, np.int64)
-      self.comm.Recv(vector_clock, source=shard, tag=TAG_DATA)
-      clock = int(header[3])
+      self.comm.Recv(vector_clock, source=shard, tag=wire.TAG_PS_DATA)
       if int(vector_clock.min()) != clock or int(vector_clock.max()) < 0:
         raise ProtocolError(f"WEIGHTS from rank {shard} for VW {self.vw_id} at global clock {clock} carry vector "
                             f"clock {vector_clock.tolist()} (its minimum must be the global clock)")
@@ -248,9 +216,7 @@ class MPIPSClient:
 
   def drain_pull(self) -> None:
     """Waits for the reply to an outstanding pull and drops it (a segment's end: the barrier's weights follow)."""
-    while self._pull_requests:
-      if self.poll_pull() is None:
-        time.sleep(1e-4)
+    wire.poll_until(lambda: not self._pull_requests or self.poll_pull() is not None)
 
   def barrier(self, num_waves: int, report: dict, opt_state: np.ndarray | None) -> tuple[tuple[int, ...], np.ndarray]:
     """A checkpoint barrier: sends the segment's report (and the optimizer state, when a checkpoint is due) and
@@ -269,11 +235,7 @@ class MPIPSClient:
     if opt_state is not None:
       self._isend(Kind.OPTSTATE, num_waves, opt_state)
     self._expect_weights(0)
-    while True:
-      reply = self.poll_pull()
-      if reply is not None:
-        return reply
-      time.sleep(2e-4)
+    return wire.poll_until(self.poll_pull, wire.Backoff(max_s=BARRIER_MAX_S))
 
   def send_opt_state(self, num_waves: int, opt_state: np.ndarray) -> None:
     """Sends the VW's optimizer state (uint8 bytes) for the checkpoint at the run's end (before :meth:`finish`)."""
@@ -286,11 +248,13 @@ class MPIPSClient:
     self._isend(Kind.DONE, num_waves, payload)
     for shard in range(1, self.num_shards):
       self._isend(Kind.DONE, num_waves, None, dest=shard)
-    while self._sends or self._pull_requests:
-      if self._pull_requests and self.poll_pull() is not None:
-        continue
+
+    def finished() -> bool:
+      if self._pull_requests:
+        self.poll_pull()
       self._reap()
-      time.sleep(1e-4)
+      return not self._sends and not self._pull_requests
+    wire.poll_until(finished)
 
 
 def isend_message(comm, sends: list, vw_id: int, kind: Kind, wave: int, payload: np.ndarray | None,
@@ -299,13 +263,13 @@ def isend_message(comm, sends: list, vw_id: int, kind: Kind, wave: int, payload:
   pairs are appended to ``sends``, which keeps the buffers alive until sent). A PUSH payload's bytes are counted in
   :data:`PS_BYTES` (the job's ``ps_bytes``)."""
   size = 0 if payload is None else payload.size
-  header = make_header(kind, vw_id, wave, size)
-  sends.append((comm.Isend(header, dest=dest, tag=TAG_HEADER), header))
+  header = wire.make_header(kind, vw_id, wave=wave, size=size)
+  sends.append((comm.Isend(header, dest=dest, tag=wire.TAG_PS_HEADER), header))
   if size:
     payload = np.ascontiguousarray(payload)
     if kind is Kind.PUSH:
       PS_BYTES.add(dest, payload.nbytes)
-    sends.append((comm.Isend(payload, dest=dest, tag=TAG_DATA), payload))
+    sends.append((comm.Isend(payload, dest=dest, tag=wire.TAG_PS_DATA), payload))
 
 
 def push_parts(isend: Callable, parts, rank: int, wave_id: int, values: np.ndarray,
@@ -368,8 +332,8 @@ class StageRankPSClient:
 
   def _post(self) -> None:
     for shard in self.shards:
-      header = np.empty(HEADER_SIZE, np.int64)
-      self._posted[shard] = (self.comm.Irecv(header, source=shard, tag=TAG_HEADER), header)
+      header = np.empty(wire.HEADER_SIZE, np.int64)
+      self._posted[shard] = (self.comm.Irecv(header, source=shard, tag=wire.TAG_PS_HEADER), header)
 
   def _isend(self, kind: Kind, wave: int, payload: np.ndarray, dest: int) -> None:
     isend_message(self.comm, self._sends, self.vw_id, kind, wave, payload, dest)
@@ -391,15 +355,14 @@ class StageRankPSClient:
       if shard in self._got or not request.Test():
         continue
       size = self.parts.part_size(self.rank, shard)
-      check_header(header, shard, num_params=size, expect_kinds=(Kind.WEIGHTS,),
-                   first_vw_rank=self.parts.num_shards)
-      if int(header[2]) != self.vw_id:
-        raise ProtocolError(f"WEIGHTS from rank {shard} for VW {int(header[2])} reached rank {self.rank} (VW "
-                            f"{self.vw_id})")
+      h = check_header(header, shard, num_params=size, expect_kinds=(Kind.WEIGHTS,),
+                       first_vw_rank=self.parts.num_shards, dest=self.rank)
+      if h.vw != self.vw_id:
+        raise ProtocolError(f"WEIGHTS from rank {shard} for VW {h.vw} reached rank {self.rank} (VW {self.vw_id})")
       part = np.empty(size, np.float32)
-      self.comm.Recv(part, source=shard, tag=TAG_DATA)
+      self.comm.Recv(part, source=shard, tag=wire.TAG_PS_DATA)
       vector_clock = np.empty(self.num_virtual_workers, np.int64)
-      self.comm.Recv(vector_clock, source=shard, tag=TAG_DATA)
+      self.comm.Recv(vector_clock, source=shard, tag=wire.TAG_PS_DATA)
       self._got[shard] = (tuple(int(c) for c in vector_clock), part)
     if len(self._got) < len(self.shards):
       return None
@@ -414,16 +377,18 @@ class StageRankPSClient:
   def finish(self, num_pulls: int) -> None:
     """Drops the replies of pulls the driver requested but never installed (``num_pulls`` requested in all), cancels
     the receive posted for a further one and completes every send."""
-    while self.num_pulls_received < num_pulls:
-      if self.poll_pull() is None:
-        time.sleep(1e-4)
+
+    def drained() -> bool:
+      if self.num_pulls_received < num_pulls:
+        self.poll_pull()
+      return self.num_pulls_received >= num_pulls
+    wire.poll_until(drained)
     for request, _ in self._posted.values():
       request.Cancel()
       request.Wait()
     self._posted = {}
-    while self._sends:
-      self._sends = [(r, b) for r, b in self._sends if not r.Test()]
-      time.sleep(1e-4)
+    wire.wait_all([r for r, _ in self._sends])
+    self._sends = []
 
 
 def recv_payload(comm, source: int, kind: Kind, size: int) -> np.ndarray:
@@ -432,5 +397,5 @@ def recv_payload(comm, source: int, kind: Kind, size: int) -> np.ndarray:
            Kind.SEGMENT: np.uint8, Kind.OPTSTATE: np.uint8}[kind]
   buf = np.empty(size, dtype)
   if size:
-    comm.Recv(buf, source=source, tag=TAG_DATA)
+    comm.Recv(buf, source=source, tag=wire.TAG_PS_DATA)
   return buf

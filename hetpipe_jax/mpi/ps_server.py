@@ -1,13 +1,13 @@
 """The parameter server's MPI service loop (rank 0, or every PS shard): pushes, pulls, evaluation and metrics lines
 (HetPipe §5).
 
-Runtime layer. Polls for headers with ``Iprobe`` and sleeps when idle, backing off from 20 µs to 0.5 ms with a 1 µs
-timer slack (MPICH's blocking receives spin, and the machine's cores belong to the VWs; a fixed 0.5 ms sleep with the
-kernel's default slack cost 2-2.5 ms per push + pull on this machine, ``scripts/bench_ps.py``), applies wave updates
-(on receipt, or clock-aligned) through :class:`ParameterServer`, answers pulls once the global clock allows (pending
-ones are kept by :class:`hetpipe_jax.rules.wsp.ParameterServerState`), evaluates the global weights every
-``eval_every_waves`` clock ticks and writes ``metrics.jsonl`` lines through the run's
-:class:`~hetpipe_jax.jobs.outputs.RunOutputs`.
+Runtime layer. Polls for headers with ``Iprobe`` and sleeps when idle (:class:`hetpipe_jax.mpi.wire.Backoff`, from
+20 µs to 0.5 ms, with a 1 µs timer slack: MPICH's blocking receives spin, and the machine's cores belong to the VWs;
+a fixed 0.5 ms sleep with the kernel's default slack cost 2-2.5 ms per push + pull on this machine,
+``scripts/bench_ps.py``), applies wave updates (on receipt, or clock-aligned) through :class:`ParameterServer`,
+answers pulls once the global clock allows (pending ones are kept by
+:class:`hetpipe_jax.rules.wsp.ParameterServerState`), evaluates the global weights every ``eval_every_waves`` clock
+ticks and writes ``metrics.jsonl`` lines through the run's :class:`~hetpipe_jax.jobs.outputs.RunOutputs`.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from typing import Any, Callable
 from absl import logging
 import numpy as np
 
-from hetpipe_jax.ps import transport
+from hetpipe_jax.host_timers import fine_timer_slack
+from hetpipe_jax.mpi import ps_client
+from hetpipe_jax.mpi import wire
+from hetpipe_jax.mpi.wire import Kind
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.ps.shards import WaveAssembler
-from hetpipe_jax.ps.transport import Kind
-from hetpipe_jax.host_timers import fine_timer_slack
 
-IDLE_SLEEP_MIN_S, IDLE_SLEEP_MAX_S = 2e-5, 5e-4  # the service's poll back-off while no message arrives
+IDLE_MAX_S = 5e-4  # the service's longest poll pause while no message arrives (the cores belong to the VWs)
 
 
 class ParameterServerService:
@@ -100,42 +101,42 @@ class ParameterServerService:
     optimizer states sent with SEGMENT in ``segment_opt``.
 
     Raises:
-      transport.ProtocolError: a malformed or unexpected message.
+      wire.ProtocolError: a malformed or unexpected message.
       BadUpdateError: a wave update with NaN/Inf or the wrong size (nothing of it is applied).
     """
     from mpi4py import MPI
     status = MPI.Status()
-    header = np.empty(transport.HEADER_SIZE, np.int64)
+    header = np.empty(wire.HEADER_SIZE, np.int64)
     self.segment_reports, self.segment_opt = {}, {}
     self.server.wave_offset = self.clock_offset
     kinds = ((Kind.PUSH, Kind.METRICS, Kind.PULL, Kind.DONE, Kind.SEGMENT, Kind.OPTSTATE) if self.lead else
              (Kind.PUSH, Kind.PULL, Kind.DONE))
     self.done_waves: dict[int, int] = {}  # VW -> waves it did (its DONE)
     fine_timer_slack()  # sleeps end within ~1 µs of their deadline, not the kernel's default 50 µs slack
-    idle_s = IDLE_SLEEP_MIN_S
+    backoff = wire.Backoff(max_s=IDLE_MAX_S)
     while (len(self.reports) + len(self.segment_reports) < self.n or len(self.segment_opt) < self._opt_expected()
            or self._parts_outstanding()):
-      if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=transport.TAG_HEADER, status=status):
+      if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=wire.TAG_PS_HEADER, status=status):
         self.sends = [(r, b) for r, b in self.sends if not r.Test()]
         # Large replies (rendezvous protocol) progress only while this rank calls into MPI: poll fast until sent.
         # Otherwise back off from 20 µs to 0.5 ms while idle: quick when messages come often (a small model's
         # waves), few wake-ups when they do not (the cores are the VWs').
-        time.sleep(IDLE_SLEEP_MIN_S if self.sends else idle_s)
-        idle_s = min(2 * idle_s, IDLE_SLEEP_MAX_S)
+        backoff.wait(busy=bool(self.sends))
         continue
-      idle_s = IDLE_SLEEP_MIN_S
+      backoff.reset()
       src = status.Get_source()
-      self.comm.Recv(header, source=src, tag=transport.TAG_HEADER)
-      vw, wave, size = int(header[2]), int(header[3]), int(header[4])
+      self.comm.Recv(header, source=src, tag=wire.TAG_PS_HEADER)
+      vw = wire.check_header(header, source=src, dest=self.shard, kinds=kinds).vw  # its part's size depends on it
       num_params = self.server.weights.size
       if self.parts is not None and 0 <= vw < len(self.parts):
         num_params = self.parts[vw].part_size(src, self.shard)
-      kind = transport.check_header(header, src, num_params=num_params, expect_kinds=kinds,
-                                    first_vw_rank=self.first_vw_rank, vw_of_rank=self.vw_of_rank)
+      h = ps_client.check_header(header, src, num_params=num_params, expect_kinds=kinds,
+                                 first_vw_rank=self.first_vw_rank, vw_of_rank=self.vw_of_rank, dest=self.shard)
+      kind, wave, size = h.kind, h.wave, h.size
       if self.parts is not None and kind is not Kind.PUSH and src != self.parts[vw].driver:
-        raise transport.ProtocolError(f"rank {src} sent {kind.name} for VW {vw}; only its driver (rank "
-                                      f"{self.parts[vw].driver}) does")
-      payload = transport.recv_payload(self.comm, src, kind, size) if kind is not Kind.PULL else None
+        raise wire.ProtocolError(f"rank {src} sent {kind.name} for VW {vw}; only its driver (rank "
+                                 f"{self.parts[vw].driver}) does")
+      payload = ps_client.recv_payload(self.comm, src, kind, size) if kind is not Kind.PULL else None
       if kind is Kind.PUSH:
         if self.assembler is not None:  # stage ranks: the whole wave once its last part arrived, else None
           payload = self.assembler.add(vw, wave, src, payload)
@@ -177,9 +178,8 @@ class ParameterServerService:
     return self.n if self.expect_opt_state else 0
 
   def flush_sends(self) -> None:
-    while self.sends:
-      self.sends = [(r, b) for r, b in self.sends if not r.Test()]
-      time.sleep(1e-4)
+    wire.wait_all([r for r, _ in self.sends])
+    self.sends = []
 
   def release_barrier(self) -> None:
     """Ends a checkpoint barrier: sends every VW the global weights (they hold every VW's waves so far)."""
@@ -203,11 +203,11 @@ class ParameterServerService:
         replies = [(r, np.ascontiguousarray(weights[vw_parts.shard_pos[(r, self.shard)]]))
                    for r in vw_parts.receivers(self.shard)]
       for dest, part in replies:
-        header = transport.make_header(Kind.WEIGHTS, vw, self.server.global_clock, part.size)
-        transport.PS_BYTES.add(dest, part.nbytes)
-        self.sends.append((self.comm.Isend(header, dest=dest, tag=transport.TAG_HEADER), header))
-        self.sends.append((self.comm.Isend(part, dest=dest, tag=transport.TAG_DATA), part))
-        self.sends.append((self.comm.Isend(vc, dest=dest, tag=transport.TAG_DATA), vc))
+        header = wire.make_header(Kind.WEIGHTS, vw, wave=self.server.global_clock, size=part.size)
+        ps_client.PS_BYTES.add(dest, part.nbytes)
+        self.sends.append((self.comm.Isend(header, dest=dest, tag=wire.TAG_PS_HEADER), header))
+        self.sends.append((self.comm.Isend(part, dest=dest, tag=wire.TAG_PS_DATA), part))
+        self.sends.append((self.comm.Isend(vc, dest=dest, tag=wire.TAG_PS_DATA), vc))
 
   def _on_clock(self, clock: int) -> None:
     evaluated = False

@@ -1,6 +1,6 @@
-"""The sharded parameter server's ranks in an MPI job: a non-lead shard's run, the lead's gathering of every shard's
-slice and log at the end, and the run's PS traffic per rank pair and across nodes (HetPipe §8.1's parameter
-placement).
+"""The sharded parameter server's ranks in an MPI job: which rank moves which part of each shard (stage ranks), a
+non-lead shard's run, the lead's gathering of every shard's slice and log at the end, and the run's PS traffic per
+rank pair and across nodes (HetPipe §8.1's parameter placement).
 
 Runtime layer; used by :mod:`hetpipe_jax.jobs.mpi_job`.
 """
@@ -11,32 +11,40 @@ from typing import Any
 
 import numpy as np
 
-from hetpipe_jax.jobs.job_config import JobSettings
-from hetpipe_jax.jobs.rank_setup import vw_parts
-
-
-TAG_SHARD_FINAL = 13  # a non-lead shard's applied log and weights, to rank 0 at the end
+from hetpipe_jax.mpi.wire import TAG_SHARD_FINAL
 
 
 def ps_byte_matrix(comm) -> np.ndarray | None:
   """Every rank's PS payload bytes summed on rank 0: int64 ``[world, world]``, bytes sent from rank i to rank j
-  (wave updates and pulled weights; :data:`hetpipe_jax.ps.transport.PS_BYTES`). A collective: every rank calls it
+  (wave updates and pulled weights; :data:`hetpipe_jax.mpi.ps_client.PS_BYTES`). A collective: every rank calls it
   once, at its end."""
   from mpi4py import MPI
-  from hetpipe_jax.ps import transport
+  from hetpipe_jax.mpi import ps_client
   rank, world = comm.Get_rank(), comm.Get_size()
-  row = transport.PS_BYTES.matrix_row(rank, world)
+  row = ps_client.PS_BYTES.matrix_row(rank, world)
   total = np.zeros_like(row) if rank == 0 else None
   comm.Reduce(row, total, op=MPI.SUM, root=0)
   return total
 
 
-def run_shard(config, settings, flat0, shards, rank, comm, partitions, offsets) -> None:
+def vw_parts(settings, shards, partitions, layer_offsets) -> list | None:
+  """Stage ranks: per VW, which of its ranks pushes and receives which part of each shard
+  (:class:`hetpipe_jax.ps.shards.VWParts`); None without stage ranks (a VW's rank moves all of its bytes)."""
+  from hetpipe_jax.mpi.rank_layout import stage_ranks_of_vw
+  from hetpipe_jax.ps.shards import VWParts
+  if not settings.stage_groups:
+    return None
+  return [VWParts.build(shards, v, stage_ranks_of_vw(settings.num_ps_shards, settings.stage_groups, v),
+                        [(int(layer_offsets[a]), int(layer_offsets[b])) for a, b in partitions[v]])
+          for v in range(settings.num_virtual_workers)]
+
+
+def run_shard(settings, ps_apply: str, flat0, shards, rank, comm, partitions, offsets) -> None:
   """A non-lead PS shard (rank 1..S-1): applies its slice of every wave update on receipt (its own order), answers
   pulls with its slice, then sends rank 0 its application log and final slice."""
   from hetpipe_jax.ps.param_server import ParameterServer
-  from hetpipe_jax.ps.service import ParameterServerService
-  server = ParameterServer(shards.gather(flat0, rank), settings.num_virtual_workers, config.ps_apply)
+  from hetpipe_jax.mpi.ps_server import ParameterServerService
+  server = ParameterServer(shards.gather(flat0, rank), settings.num_virtual_workers, ps_apply)
   service = ParameterServerService(comm, server, num_minibatches_per_vw=0, num_inflight=settings.num_inflight,
                                    evaluate=None, eval_every_waves=0, log_every_waves=1,
                                    log_metrics=lambda line: None, progress=False,
@@ -70,17 +78,17 @@ def gather_shards(comm, shards, flat0: np.ndarray, lead_weights: np.ndarray,
   return flat, logs
 
 
-def rank_nodes(settings: JobSettings) -> dict[int, str]:
+def rank_nodes(settings) -> dict[int, str]:
   """Stage ranks: every PS and VW rank's (plan) node: a shard's from ``shard_nodes``, a VW rank's the node of its
   stage group (a group's stages share a node: ``gpu`` grouping holds one stage, ``node`` grouping one node's)."""
-  from hetpipe_jax.planning.rank_map import stage_rank_layout
+  from hetpipe_jax.mpi.rank_layout import stage_rank_layout
   nodes = {s: settings.shard_nodes[s] for s in range(settings.num_ps_shards)}
   for rank, v, stages in stage_rank_layout(settings.num_ps_shards, settings.stage_groups):
     nodes[rank] = settings.vw_stage_nodes[v][stages[0]]
   return nodes
 
 
-def ps_bytes_summary(matrix: np.ndarray, settings: JobSettings, partitions, layer_offsets, shards,
+def ps_bytes_summary(matrix: np.ndarray, settings, partitions, layer_offsets, shards,
                      num_waves: int, parts: list | None = None) -> dict[str, Any]:
   """The run's PS traffic, counted by the transport per rank pair, and the part of it that crosses (mapped) nodes.
 

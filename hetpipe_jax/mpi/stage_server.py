@@ -4,19 +4,20 @@ Runtime layer. The VW's driver rank (``S + v``, running its first stage group) k
 run loop (:func:`hetpipe_jax.runtime.vw_driver.run`) and every rule decision (``PipelineRules``,
 ``injection_step``, ``VWSyncState``); this module carries them to the stage ranks:
 
-* **Tasks.** A remote stage's executor (:class:`RemoteStageExecutor`) sends its rank ``TASK`` ("start task X of
-  minibatch p at version V", with the emulated duration) when the driver submits it, and the driver's listener
-  thread posts the task's completion on the run's queue when the rank ``REPORT``\\ s it (its device times on the
-  driver's clock; a last stage's loss). FIFO order per stage, Nm and WSP are decided once, by the driver.
-* **Activations and gradients** go stage rank to stage rank (:class:`StageLink`): one int64 header (:func:`make_header`:
-  kind, VW, minibatch, stage, weight version, size) then one contiguous numpy payload, non-blocking ``Isend`` /
-  ``Irecv`` (nothing pickled). Receives are posted ahead (each stream carries minibatches 0, 1, ... in order: forwards
-  and backwards run in minibatch order on every stage), so a send completes when the data is in its consumer's
-  buffer, which is when the sending task completes (as in one process, where it waits for the ``device_put``). The
-  receiver checks the header (:func:`check_header`); one that does not match is a :class:`ProtocolError` naming both
-  ranks.
+* **Tasks.** A remote stage's executor (:class:`hetpipe_jax.mpi.stage_client.RemoteStageExecutor`) sends its rank
+  ``TASK`` ("start task X of minibatch p at version V", with the emulated duration) when the driver submits it, and
+  the driver's listener thread posts the task's completion on the run's queue when the rank ``REPORT``\\ s it (its
+  device times on the driver's clock; a last stage's loss). FIFO order per stage, Nm and WSP are decided once, by
+  the driver.
+* **Activations and gradients** go stage rank to stage rank (:class:`hetpipe_jax.mpi.stage_link.StageLink`): one
+  int64 header (:func:`hetpipe_jax.mpi.wire.make_header`: kind, VW, minibatch, stage, weight version, size) then one
+  contiguous numpy payload, non-blocking ``Isend`` / ``Irecv`` (nothing pickled). Receives are posted ahead (each
+  stream carries minibatches 0, 1, ... in order: forwards and backwards run in minibatch order on every stage), so a
+  send completes when the data is in its consumer's buffer, which is when the sending task completes (as in one
+  process, where it waits for the ``device_put``). The receiver checks the header
+  (:func:`hetpipe_jax.mpi.wire.check_header`); one that does not match is a ``ProtocolError`` naming both ranks.
 * **Version changes** reach every stage rank as one in-order stream from the driver (``INJECT`` p at version V,
-  ``UPDATE`` p → V+1, with p's global gradient norm when clipping, ``PULL`` → V+1: install the next pull,
+  ``UPDATE`` p → V+1, with p's global gradient norm when clipping, ``PULL_INSTALL`` → V+1: install the next pull,
   ``END_WAVE`` w). A stage rank applies them in that order
   (:class:`StageRankServer`), so its stages hold the driver's versions, and a task waits until its minibatch's
   version has been applied there (:class:`VersionStore`): one consistent weight version per minibatch on every stage.
@@ -24,19 +25,21 @@ run loop (:func:`hetpipe_jax.runtime.vw_driver.run`) and every rule decision (``
   reports the squared norm of each backward's parameter gradient with its completion; the driver adds every stage's
   for minibatch p when p completes (:meth:`RemoteStages.sq_norms`) and sends the norm with p's ``UPDATE``.
 * **The PS, directly.** At ``END_WAVE`` w a stage rank pushes its stages' part of the wave to the shards holding
-  those layers itself (:class:`hetpipe_jax.ps.transport.StageRankPSClient`, parts by
+  those layers itself (:class:`hetpipe_jax.mpi.ps_client.StageRankPSClient`, parts by
   :class:`hetpipe_jax.ps.shards.VWParts`); a shard counts the VW's wave once every part arrived. The driver requests
   every pull (when, and at which clock: the WSP rules); each shard answers every rank holding some of its elements
   with its part and the driver with its part (possibly empty) and the shard's vector clock. The driver installs the
-  pull when its own replies are in and sends ``PULL`` with, per shard, the VW's entry of that shard's vector clock;
-  the rank takes the next reply from each of its shards (in request order), checks it holds the same entries, and
-  rebases its stages (:func:`hetpipe_jax.ps.shards.rebase_on_shards`, the driver's rule) before it
+  pull when its own replies are in and sends ``PULL_INSTALL`` with, per shard, the VW's entry of that shard's vector
+  clock; the rank takes the next reply from each of its shards (in request order), checks it holds the same entries,
+  and rebases its stages (:func:`hetpipe_jax.ps.shards.rebase_on_shards`, the driver's rule) before it
   installs the new version. No weight or delta of a stage rank's layers passes through the driver.
 
 A rank that dies ends the whole job: ``mpiexec`` (hydra) kills every rank when one exits abnormally, and an exception
 on any rank aborts the world (``python -m mpi4py``), the same machinery as for VW ranks.
 
-The wire (headers, kinds, the activation/gradient link) is :mod:`hetpipe_jax.runtime.stage_wire`.
+The wire (headers, kinds, the poll back-off) is :mod:`hetpipe_jax.mpi.wire`, the activation/gradient link
+:mod:`hetpipe_jax.mpi.stage_link`, the driver's side (:class:`~hetpipe_jax.mpi.stage_client.RemoteStages`)
+:mod:`hetpipe_jax.mpi.stage_client`; this module is a stage rank's side.
 """
 
 from __future__ import annotations
@@ -48,18 +51,17 @@ import json
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 
-from hetpipe_jax.rules.schedule import Task, TaskKind
+from hetpipe_jax.mpi import wire
+from hetpipe_jax.mpi.stage_link import TASK_CODES, TASK_KINDS
+from hetpipe_jax.mpi.wire import CONTROL_KINDS, TAG_CONTROL, TAG_REPLY, TAG_REPORT, Kind, ProtocolError
 from hetpipe_jax.ps.shards import rebase_on_shards
+from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.runtime.stage_executor import Completion, StageExecutor, clock_pair, fine_timer_slack
-from hetpipe_jax.runtime.stage_wire import (  # noqa: F401 (the wire's names, re-exported for callers)
-    CONTROL_KINDS, HEADER_SIZE, POLL_MAX_S, POLL_MIN_S, RECEIVES_AHEAD, REPORT_SIZE, TAG_CONTROL, TAG_DATA, TAG_REPLY,
-    TAG_REPORT, TASK_CODES, TASK_KINDS, Kind, PostedReceive, ProtocolError, SentMarker, StageLink, check_header,
-    make_header, stage_boundaries, wait_all)
 from hetpipe_jax.runtime.vw_state import InFlightMinibatch
 
 
@@ -121,206 +123,6 @@ class VersionStore:
       return len(self._versions)
 
 
-# ---------------------------------------------------------------------------------------------- the driver's side
-class RemoteStageExecutor:
-  """The driver's executor of a stage that runs on another rank: submitting a task sends the rank its command
-  (``dispatch``, :meth:`VirtualWorker.dispatch` of a remote stage's task, does), on the thread that started the
-  task (the scheduler's, or a local executor's that booked a completion: :meth:`RemoteStages._control` sends each
-  message whole); the completion arrives through :class:`RemoteStages`' listener."""
-
-  def __init__(self, stage_id: int):
-    self.stage_id = stage_id
-
-  def submit(self, task: Task, dispatch: Callable[[], Any], duration_s: float | None = None) -> None:
-    del task, duration_s  # the command carries the emulated duration (dispatch computes it)
-    dispatch()
-
-  def close(self) -> None:
-    pass
-
-
-class RemoteStages:
-  """The driver's side of its VW's stage ranks: their executors and the version-change stream (the ranks push and
-  pull their own parts at the PS).
-
-  Args:
-    comm: the MPI communicator.
-    vw_id: the VW.
-    link: this rank's :class:`StageLink` (it knows which stages are local).
-  """
-
-  def __init__(self, comm, vw_id: int, link: StageLink):
-    self.comm = comm
-    self.vw_id = vw_id
-    self.link = link
-    self.rank = comm.Get_rank()
-    self.stage_ranks = link.stage_ranks
-    self.followers = sorted(set(self.stage_ranks) - {self.rank})
-    self._sends: list = []
-    # The control stream is sent from the scheduler's thread (inject, update, pull, wave end) and from the local
-    # executors' threads (a completion booked there starts a remote stage's task): one message (header, then its
-    # payload) leaves whole, or a rank would take another message's header as a payload (MPI's truncation error).
-    self._send_lock = threading.Lock()
-    self._done: queue.SimpleQueue | None = None
-    self._t0 = 0.0
-    self._stop = threading.Event()
-    self._listener: threading.Thread | None = None
-    self._reports: dict[int, collections.deque] = {}
-    self.num_reports = 0
-    # Clipping by the global norm: (minibatch, stage) -> the squared norm of a remote stage's gradient, as its rank
-    # reported it with the backward's completion (the listener thread writes, the scheduler's reads: sq_norms).
-    self._sq_norms: dict[tuple[int, int], float] = {}
-    self._sq_norms_cv = threading.Condition()
-    self._listener_error: BaseException | None = None
-
-  def is_local(self, stage: int) -> bool:
-    return self.link.is_local(stage)
-
-  def executor(self, stage: int) -> RemoteStageExecutor:
-    return RemoteStageExecutor(stage)
-
-  # -- the control stream
-  def _control(self, rank: int, kind: Kind, payload: np.ndarray | None = None, **fields: int) -> None:
-    size = 0 if payload is None else int(payload.size)
-    header = make_header(kind, self.vw_id, size=size, **fields)
-    if size:
-      payload = np.ascontiguousarray(payload)
-    with self._send_lock:
-      self._sends.append((self.comm.Isend(header, dest=rank, tag=TAG_CONTROL), header))
-      if size:
-        self._sends.append((self.comm.Isend(payload, dest=rank, tag=TAG_CONTROL), payload))
-      self._sends = [(r, b) for r, b in self._sends if not r.Test()]  # progresses them now
-
-  def begin_run(self, done: queue.SimpleQueue, t0: float, start_unix_s: float, num_minibatches: int) -> None:
-    """Tells every stage rank the run's start (their executors share the driver's clock) and starts listening for
-    their completions, posted on ``done``."""
-    if self._listener is not None:
-      raise RuntimeError("stage ranks run one VirtualWorker.run per job")
-    self._done, self._t0 = done, t0
-    for r in self.followers:
-      self._control(r, Kind.START, np.array([start_unix_s], np.float64), minibatch=num_minibatches)
-      self._reports[r] = collections.deque(
-          PostedReceive(self.comm, r, TAG_REPORT, i, (REPORT_SIZE,), np.float64) for i in range(RECEIVES_AHEAD))
-    self._listener = threading.Thread(target=self._listen, name=f"vw{self.vw_id}-stage-reports", daemon=True)
-    self._listener.start()
-
-  def on_inject(self, minibatch: int, version_id: int, labels: np.ndarray) -> None:
-    last = self.stage_ranks[-1]
-    for r in self.followers:
-      self._control(r, Kind.INJECT, np.asarray(labels, np.int32) if r == last else None, minibatch=minibatch,
-                    version=version_id)
-
-  def start_task(self, task: Task, version_id: int, duration_s: float | None) -> None:
-    ns = -1 if duration_s is None else int(round(duration_s * 1e9))
-    self._control(self.stage_ranks[task.stage_id], Kind.TASK, minibatch=task.minibatch_id, stage=task.stage_id,
-                  version=version_id, arg0=TASK_CODES[task.kind], arg1=ns)
-
-  def on_update(self, minibatch: int, version_id: int, norm: float | None = None) -> None:
-    """Tells every stage rank to apply minibatch ``minibatch``'s update as version ``version_id``; ``norm``: its
-    global gradient norm when clipping (sent as the payload), else None."""
-    payload = None if norm is None else np.array([norm], np.float64)
-    for r in self.followers:
-      self._control(r, Kind.UPDATE, payload, minibatch=minibatch, version=version_id)
-
-  def sq_norms(self, minibatch: int, stages: Sequence[int]) -> list[float]:
-    """The squared gradient norms of ``stages`` (remote) for ``minibatch``, as their ranks reported them with their
-    backwards' completions; waits for reports still on their way (a stage's backward of p ends before stage 0's).
-
-    Raises:
-      RuntimeError: the listener failed while waiting.
-    """
-    keys = [(minibatch, s) for s in stages]
-    with self._sq_norms_cv:
-      while not all(k in self._sq_norms for k in keys):
-        if self._listener_error is not None:
-          raise RuntimeError("the stage ranks' report listener failed") from self._listener_error
-        self._sq_norms_cv.wait(timeout=0.5)
-      return [self._sq_norms.pop(k) for k in keys]
-
-  def on_pull(self, version_id: int, own_applied: Sequence[int]) -> None:
-    """Tells every stage rank to install the next pull (the one the driver installs now) as version ``version_id``.
-
-    The ranks received their parts of it from the shards themselves (:class:`~hetpipe_jax.ps.transport.
-    StageRankPSClient`); the command carries, per shard, how many of the VW's own waves its slice holds (the driver's
-    copy of the shards' vector clocks), which each rank checks against the replies it holds before rebasing.
-    """
-    payload = np.asarray(own_applied, np.int64)
-    for r in self.followers:
-      self._control(r, Kind.PULL, payload, version=version_id)
-
-  def end_wave(self, wave: int) -> None:
-    """Ends wave ``wave`` on every stage rank: each pushes its stages' wave delta to their shards itself."""
-    for r in self.followers:
-      self._control(r, Kind.END_WAVE, minibatch=wave)
-
-  def stop(self, num_pulls: int = 0) -> dict[int, dict]:
-    """Stops every stage rank; returns each one's final report (rank -> its JSON).
-
-    Args:
-      num_pulls: pulls the driver requested in the run (each rank takes the replies of those it never installed).
-    """
-    for r in self.followers:
-      self._control(r, Kind.STOP, arg0=num_pulls)
-    reports = {}
-    for r in self.followers:
-      header = np.empty(HEADER_SIZE, np.int64)
-      wait_all([self.comm.Irecv(header, source=r, tag=TAG_REPLY)])
-      check_header(header, source=r, dest=self.rank, kinds=(Kind.STOPPED,), vw=self.vw_id)
-      payload = np.empty(int(header[6]), np.uint8)
-      wait_all([self.comm.Irecv(payload, source=r, tag=TAG_REPLY)])
-      reports[r] = json.loads(payload.tobytes().decode())
-    self._stop.set()
-    if self._listener is not None:
-      self._listener.join()
-    for posted in self._reports.values():
-      for p in posted:
-        for request in (p.header_request, p.payload_request):
-          request.Cancel()
-          request.Wait()
-    with self._send_lock:
-      wait_all([r for r, _ in self._sends])
-      self._sends = []
-    self.link.close()
-    return reports
-
-  def _listen(self) -> None:
-    """The listener thread: each stage rank's completion reports, in its order, posted on the run's queue."""
-    fine_timer_slack()
-    pause = POLL_MIN_S
-    try:
-      while not self._stop.is_set():
-        got = False
-        for r, posted in self._reports.items():
-          while posted and posted[0].header_request.Test():
-            p = posted.popleft()
-            check_header(p.header, source=r, dest=self.rank, kinds=(Kind.REPORT,), vw=self.vw_id, size=REPORT_SIZE)
-            wait_all([p.payload_request])
-            posted.append(PostedReceive(self.comm, r, TAG_REPORT, p.index + RECEIVES_AHEAD, (REPORT_SIZE,), np.float64))
-            _, _, _, minibatch, stage, _, _, code, _ = (int(x) for x in p.header)
-            start, end, overrun, dispatch, submit, device_end, loss, sq_norm = (float(x) for x in p.payload)
-            if not np.isnan(sq_norm):  # clipping: this backward's part of its minibatch's squared norm
-              with self._sq_norms_cv:
-                self._sq_norms[(minibatch, stage)] = sq_norm
-                self._sq_norms_cv.notify_all()
-            self._done.put(Completion(Task(stage, TASK_KINDS[code], minibatch), start, end, overrun,
-                                      dispatch_s=dispatch, submit_s=submit, device_end_s=device_end,
-                                      loss=None if np.isnan(loss) else loss))
-            self.num_reports += 1
-            got = True
-        if got:
-          pause = POLL_MIN_S
-        else:
-          time.sleep(pause)
-          pause = min(2 * pause, POLL_MAX_S)
-    except BaseException as e:  # pylint: disable=broad-except
-      with self._sq_norms_cv:
-        self._listener_error = e
-        self._sq_norms_cv.notify_all()
-      # the scheduler re-raises it (as a failed task of stage -1)
-      self._done.put(Completion(Task(-1, TaskKind.FORWARD, -1), 0.0, 0.0, error=e))
-
-
-# ---------------------------------------------------------------------------------------------- a stage rank's side
 class StageRankServer:
   """A stage rank: runs its stages' tasks as the driver commands and applies the driver's version changes in order.
 
@@ -330,7 +132,7 @@ class StageRankServer:
       local (its actions run them: dispatch, the update, the rebase).
     driver_rank: the VW's driver.
     labels_template: an example of one minibatch's labels (shape and dtype; used on the last stage's rank).
-    ps: this rank's :class:`hetpipe_jax.ps.transport.StageRankPSClient` (or an object with its ``push``,
+    ps: this rank's :class:`hetpipe_jax.mpi.ps_client.StageRankPSClient` (or an object with its ``push``,
       ``poll_pull`` and ``finish``) over :meth:`local_index_of` ``vw``: its parts of every wave to their shards, its
       parts of every pull from them.
     shard_index: per PS shard, its flat element indices (:attr:`hetpipe_jax.ps.shards.ShardLayout.index`).
@@ -365,7 +167,7 @@ class StageRankServer:
 
   def _send(self, kind: Kind, tag: int, payload: np.ndarray | None = None, **fields: int) -> None:
     size = 0 if payload is None else int(payload.size)
-    header = make_header(kind, self.vw_id, size=size, **fields)
+    header = wire.make_header(kind, self.vw_id, size=size, **fields)
     with self._lock:
       self._sends.append((self.comm.Isend(header, dest=self.driver, tag=tag), header))
       if size:
@@ -386,27 +188,25 @@ class StageRankServer:
     control = collections.deque()  # received control messages: (header, payload request or None, payload)
     pending = self._post_header()
     fine_timer_slack()
-    pause = POLL_MIN_S
+    backoff = wire.Backoff()
     try:
       while not (self.stopping and not control and not self.events and self.num_reported == self.num_submitted):
         progressed = False
         while pending[0].Test():  # control headers, in order; a payload's receive is posted before the next header's
-          header = pending[1]
-          kind = check_header(header, source=self.driver, dest=self.rank, kinds=CONTROL_KINDS, vw=self.vw_id)
-          size = int(header[6])
+          h = wire.check_header(pending[1], source=self.driver, dest=self.rank, kinds=CONTROL_KINDS, vw=self.vw_id)
           request = payload = None
-          if size:
-            payload = self._payload_buffer(kind, size)
+          if h.size:
+            payload = self._payload_buffer(h.kind, h.size)
             request = self.comm.Irecv(payload, source=self.driver, tag=TAG_CONTROL)
-          control.append((kind, header, request, payload))
+          control.append((h, request, payload))
           pending = self._post_header()
           progressed = True
         while control:
-          kind, header, request, payload = control[0]
-          if kind is not Kind.PULL and request is not None and not request.Test():
+          h, request, payload = control[0]
+          if h.kind is not Kind.PULL_INSTALL and request is not None and not request.Test():
             break  # a small payload (labels, the start) still arriving
           control.popleft()
-          self._on_control(kind, header, request, payload)
+          self._on_control(h, request, payload)
           progressed = True
         while self.events and self._apply(self.events[0]):
           self.events.popleft()
@@ -414,10 +214,9 @@ class StageRankServer:
         if not self.errors.empty():
           raise self.errors.get()
         if progressed:
-          pause = POLL_MIN_S
+          backoff.reset()
         else:
-          time.sleep(pause)
-          pause = min(2 * pause, POLL_MAX_S)
+          backoff.wait()
     except BaseException as e:
       self.store.fail(e)
       raise
@@ -433,12 +232,12 @@ class StageRankServer:
               "version_waits": self.store.num_waits, "version_wait_s": self.store.wait_s,
               "tasks": self.num_reported}
     self._send(Kind.STOPPED, TAG_REPLY, np.frombuffer(json.dumps(report).encode(), np.uint8).copy())
-    wait_all([r for r, _ in self._sends])
+    wire.wait_all([r for r, _ in self._sends])
     self.vw.link.close()
     return report
 
   def _post_header(self) -> tuple:
-    header = np.empty(HEADER_SIZE, np.int64)
+    header = np.empty(wire.HEADER_SIZE, np.int64)
     return self.comm.Irecv(header, source=self.driver, tag=TAG_CONTROL), header
 
   def _payload_buffer(self, kind: Kind, size: int) -> np.ndarray:
@@ -455,15 +254,15 @@ class StageRankServer:
                             f"expected {1 if self.vw.grad_clip_norm else 'none'} (the global gradient norm when "
                             "clipping)")
       return np.empty(size, np.float64)
-    if kind is Kind.PULL:
+    if kind is Kind.PULL_INSTALL:
       if size != len(self.shard_index):
-        raise ProtocolError(f"rank {self.rank} received a PULL naming {size} shards from rank {self.driver}; there "
-                            f"are {len(self.shard_index)}")
+        raise ProtocolError(f"rank {self.rank} received a PULL_INSTALL naming {size} shards from rank {self.driver}; "
+                            f"there are {len(self.shard_index)}")
       return np.empty(size, np.int64)
     raise ProtocolError(f"rank {self.rank} received a {kind.name} with a payload of {size} from rank {self.driver}")
 
-  def _on_control(self, kind: Kind, header: np.ndarray, request, payload) -> None:
-    _, _, _, minibatch, stage, version, size, arg0, arg1 = (int(x) for x in header)
+  def _on_control(self, h: wire.Header, request, payload) -> None:
+    kind, minibatch, stage, version, arg0, arg1 = h.kind, h.minibatch, h.stage, h.version, h.arg0, h.arg1
     if kind is Kind.START:
       start_unix_s = float(payload[0])
       now, now_unix_s = clock_pair()
@@ -490,14 +289,14 @@ class StageRankServer:
       self.executors[stage].submit(task, functools.partial(self._run_task, task, mb, version),
                                    None if arg1 < 0 else arg1 / 1e9)
       self.num_submitted += 1
-    elif kind in (Kind.UPDATE, Kind.PULL):
+    elif kind in (Kind.UPDATE, Kind.PULL_INSTALL):
       if version != self.announced + 1:
         raise ProtocolError(f"rank {self.rank}: {kind.name} to version {version} from rank {self.driver}, but the "
                             f"stream's last version is {self.announced}")
       self.announced = version
       self.events.append((kind, minibatch, version, request, payload))
     elif kind is Kind.END_WAVE:
-      self.events.append((kind, minibatch, version, None, None))
+      self.events.append((kind, h.wave, version, None, None))
     else:  # STOP
       self.stopping = True
       self.num_pulls = arg0
@@ -519,7 +318,7 @@ class StageRankServer:
                             "no global gradient norm, and this rank clips by it")
       self.vw.apply_update(mb, None if payload is None else float(payload[0]))
       del self.inflight[minibatch], self.versions[minibatch]
-    elif kind is Kind.PULL:
+    elif kind is Kind.PULL_INSTALL:
       if self.pull_reply is None:
         self.pull_reply = self.ps.poll_pull()
       if self.pull_reply is None or not request.Test():

@@ -1,6 +1,7 @@
 """Which MPI rank runs what, on which host and GPUs: a plan's PS shards and VWs mapped onto a hostfile.
 
-Planning layer: standard library only (the launcher, :mod:`hetpipe_jax.launch`, prints and runs it).
+Pure: standard library only (the job's settings, :mod:`hetpipe_jax.jobs.job_config`, use it; the launcher,
+:mod:`hetpipe_jax.launch`, prints and runs it).
 
 Ranks follow the MPI job's layout (:mod:`hetpipe_jax.jobs.mpi_job`): ranks ``0..S-1`` are the parameter-server
 shards (shard i on the plan's node ``i mod #nodes``, one shard per node by default, HetPipe §8.1), ranks
