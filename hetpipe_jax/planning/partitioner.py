@@ -293,6 +293,7 @@ def partition_dp(problem: PartitionProblem) -> Partition:
       GPU's memory; the message names the best attempt's stages, their GPUs and by how much each exceeds its memory.
   """
   _check_stageable(problem)
+  n_layers = problem.costs.num_layers
   if problem.schedule_memory:
     return _schedule_partition(problem)
   classes, counts, by_class = _classes(problem.gpus)
@@ -347,6 +348,7 @@ def min_max_stage_time_ms(problem: PartitionProblem) -> float:
     InfeasiblePartitionError: fewer layers than GPUs.
   """
   _check_stageable(problem)
+  n_layers = problem.costs.num_layers
   classes, counts, _ = _classes(problem.gpus)
   # Schedule mode: every stage holds at least 1, so the least held counts bound every partition's memory from below.
   held = (1,) * len(problem.gpus) if problem.schedule_memory else _held(problem)
