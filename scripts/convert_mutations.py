@@ -8,9 +8,13 @@ and shared lines dropped), plus neighbouring code lines where the differing ones
 that name. Each conversion is checked: applying it must give the same code lines as the old entry's text
 replacement. Entries already anchored on code (their second argument is not a ``.py`` path) are kept verbatim;
 ``MANUAL`` holds hand conversions for entries the rules above cannot make. Prints what it converted, by hand or
-not, and what it could not; replaces the ``MUTATIONS = (...)`` statement of ``--out`` (exit 1 if any failed).
+not, and what it could not; replaces the ``MUTATIONS = (...)`` statement of ``--into`` (exit 1 if any failed).
 
-  .venv/bin/python scripts/convert_mutations.py --old=OLD_mutation_check.py [--out=scripts/mutation_check.py]
+Given several files (``--old=a.py,b.py``, e.g. each branch's mutation_check.py after a merge in which branches moved
+different code), each entry takes the first of its versions that applies to the current code; entries only later
+files have come after the first file's.
+
+  .venv/bin/python scripts/convert_mutations.py --old=OLD_mutation_check.py[,...] [--into=scripts/mutation_check.py]
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 from hetpipe_jax.paths import REPO_ROOT  # pylint: disable=wrong-import-position
 from scripts import mutation_check as mc  # pylint: disable=wrong-import-position
 
-_OLD = flags.DEFINE_string("old", "scripts/mutation_check.py", "A mutation_check.py with old-format MUTATIONS.")
-_OUT = flags.DEFINE_string("out", "scripts/mutation_check.py", "The new-format mutation_check.py whose MUTATIONS "
+_OLD = flags.DEFINE_list("old", ["scripts/mutation_check.py"], "mutation_check.py files with old-format (or new) "
+                         "MUTATIONS: each entry takes the first of its versions that applies to the code (merges: "
+                         "one file per branch).")
+_OUT = flags.DEFINE_string("into", "scripts/mutation_check.py", "The new-format mutation_check.py whose MUTATIONS "
                            "statement is replaced ('-': print the statement).")
 _ROOT = flags.DEFINE_string("root", str(REPO_ROOT), "The repository whose code the old entries apply to.")
 
@@ -44,11 +50,13 @@ class ConversionError(ValueError):
 
 
 def read_entries(path: pathlib.Path) -> tuple[list, str, ast.Assign]:
-  """The ``MUTATIONS`` entries of ``path``: (call node, evaluated arguments or None, comment lines before it).
+  """The ``MUTATIONS`` entries of ``path``: (call node, evaluated arguments, old format?, comment lines before it).
 
   Returns:
-    (entries, the file's text, the MUTATIONS statement); an entry's arguments are None when it is already in the
-    new format.
+    (entries, the file's text, the MUTATIONS statement).
+
+  Raises:
+    ValueError: the file has no ``MUTATIONS = (...)`` statement.
   """
   text = path.read_text()
   tree = ast.parse(text)
@@ -73,7 +81,7 @@ def read_entries(path: pathlib.Path) -> tuple[list, str, ast.Assign]:
     previous_end = call.end_lineno
     args = [eval(compile(ast.Expression(a), str(path), "eval"), {}, dict(names)) for a in call.args]
     old_format = isinstance(args[1], str) and args[1].endswith(".py")
-    entries.append((call, args if old_format else None, comments))
+    entries.append((call, args, old_format, comments))
   return entries, text, statement
 
 
@@ -215,35 +223,63 @@ def render(name: str, where: str, old: str, new: str, call: ast.Call, text: str)
   return "\n".join(out)
 
 
+def _one(args: list, old_format: bool, index: mc.Index) -> tuple[str, tuple[str, str, str] | None]:
+  """How one version of an entry converts: ("kept" with None, or "auto"/"manual" with (where, old, new)).
+
+  Raises:
+    ValueError, OSError, KeyError: this version does not apply to the code.
+  """
+  name = args[0]
+  if not old_format:
+    mc.locate(mc.Mutation(*args), index)
+    return "kept", None
+  converted = MANUAL[name] if name in MANUAL else convert(name, args[1], args[2], args[3], index)
+  check(name, args[1], args[2], args[3], converted, index)
+  return ("manual" if name in MANUAL else "auto"), converted
+
+
 def main(argv) -> None:
   del argv
   index = mc.Index(pathlib.Path(_ROOT.value))
-  entries, text, statement = read_entries(pathlib.Path(_OLD.value))
-  blocks, auto, manual, kept, failed, with_prose = [], [], [], [], [], []
-  for call, args, comments in entries:
-    if args is None:  # already anchored on code
+  files = [read_entries(pathlib.Path(p)) for p in _OLD.value]
+  versions: dict[str, list] = {}  # name -> every file's version of it, in --old's order
+  order = []  # names: the first file's, then those only later files have
+  for entries, text, _ in files:
+    for call, args, old_format, comments in entries:
+      if args[0] not in versions:
+        versions[args[0]] = []
+        order.append((args[0], comments))
+      versions[args[0]].append((call, args, old_format, text))
+  blocks, failed, with_prose = [], [], []
+  counts = {"auto": [], "manual": [], "kept": []}
+  for name, comments in order:
+    errors = []
+    for call, args, old_format, text in versions[name]:
+      try:
+        how, converted = _one(args, old_format, index)
+      except (ValueError, OSError, KeyError) as e:
+        errors.append(str(e))
+        continue
+      counts[how].append(name)
+      if how == "kept":
+        blocks.append("\n".join(comments + [" " * call.col_offset + ast.get_source_segment(text, call) + ","]))
+      else:
+        source_text = (index.root / args[1]).read_text()
+        if non_code_in_old(source_text, args[1], args[2]):
+          with_prose.append(name)
+        blocks.append("\n".join(comments + [render(name, *converted, call, text)]))
+      break
+    else:
+      failed.append(f"{name}: {' | '.join(errors)}")
+      call, _, _, text = versions[name][0]
       blocks.append("\n".join(comments + [" " * call.col_offset + ast.get_source_segment(text, call) + ","]))
-      kept.append(ast.literal_eval(call.args[0]))
-      continue
-    name, path, old, new = args[:4]
-    try:
-      if path in index.sources and (index.root / path).read_text().count(old) == 1 and non_code_in_old(
-          (index.root / path).read_text(), path, old):
-        with_prose.append(name)
-      converted = MANUAL[name] if name in MANUAL else convert(name, path, old, new, index)
-      check(name, path, old, new, converted, index)
-    except (ValueError, OSError, KeyError) as e:
-      failed.append(f"{name}: {e}")
-      blocks.append("\n".join(comments + [" " * call.col_offset + ast.get_source_segment(text, call) + ","]))
-      continue
-    (manual if name in MANUAL else auto).append(name)
-    blocks.append("\n".join(comments + [render(name, *converted, call, text)]))
+  _, text, statement = files[0]
   tail = [line for line in text.split("\n")[statement.value.elts[-1].end_lineno:statement.end_lineno - 1]
           if line.strip().startswith("#")]
   statement_text = "\n".join(["MUTATIONS = ("] + blocks + tail + [")"])
-  print(f"converted automatically: {len(auto)}; by hand (MANUAL): {len(manual)}; already anchored on code: "
-        f"{len(kept)}; failed: {len(failed)}; old entries whose text had docstring or comment lines: "
-        f"{len(with_prose)}", file=sys.stderr)
+  print(f"converted automatically: {len(counts['auto'])}; by hand (MANUAL): {len(counts['manual'])}; already "
+        f"anchored on code: {len(counts['kept'])}; failed: {len(failed)}; converted entries whose old text had "
+        f"docstring or comment lines: {len(with_prose)}", file=sys.stderr)
   for line in failed:
     print(f"  cannot convert {line}", file=sys.stderr)
   if _OUT.value == "-":

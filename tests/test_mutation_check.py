@@ -13,6 +13,7 @@ import pytest
 from absl import app
 
 from hetpipe_jax.paths import REPO_ROOT
+from scripts import convert_mutations as cm
 from scripts import mutation_check as mc
 
 _MODULE = '''"""A module."""
@@ -104,6 +105,33 @@ def test_a_moved_module_does_not_break_a_mutation(tmp_path):
   (moved / where).rename(moved / "hetpipe_jax" / "elsewhere" / "renamed.py")
   assert mc.apply(m, moved).path == "hetpipe_jax/elsewhere/renamed.py"
   assert (moved / "hetpipe_jax/elsewhere/renamed.py").read_text() == (expected / where).read_text()
+
+
+def test_the_converter_keeps_only_code_lines(tmp_path):
+  """An old-format entry (path + exact text, docstrings and comments included) becomes its scope and code lines."""
+  path = "hetpipe_jax/pkg/mod.py"
+  _package(tmp_path, "pkg/mod.py", _MODULE + "\n\ndef g():\n  a = 1\n  a = 1\n  return a\n")
+  index = mc.Index(tmp_path)
+  cases = [  # (old, new, expected (where, old, new))
+      ('def clock(c, d):\n  """The clock.\n', 'def clock(c, d):\n  """The clock.\n', None),
+      ("    keep = x  # the pulled value\n    if x:\n      keep = x + 1\n",
+       "    keep = x  # the pulled value\n    if x:\n      keep = x + 2  # wrong\n", ("Worker.pull", "keep = x + 1",
+                                                                                 "keep = x + 2")),
+      ('  # return max(0, c - d) is the rule\n  return max(0, c - d)', '  return 0', ("clock", "return max(0, c - d)",
+                                                                                   "return 0")),
+      ("    if x:\n      keep = x + 1\n", "    if x:\n      pass\n    keep = x + 1\n",
+       ("Worker.pull", "  keep = x + 1", "  pass\nkeep = x + 1")),
+      ("  a = 1\n  return a", "  a = 2\n  return a", ("g", "a = 1\na = 1", "a = 1\na = 2")),  # needs a neighbour
+      ("    keep = x  # the pulled value", "    keep = x  # the value", None),  # changes no code
+  ]
+  for old, new, expected in cases:
+    if expected is None:
+      with pytest.raises(cm.ConversionError):
+        cm.convert("m", path, old, new, index)
+      continue
+    converted = cm.convert("m", path, old, new, index)
+    assert converted == expected, (old, converted)
+    cm.check("m", path, old, new, converted, index)  # the same code as the old entry's text replacement
 
 
 def test_every_mutation_applies_and_names_tests_that_exist():
