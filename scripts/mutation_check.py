@@ -105,6 +105,7 @@ class Source:
   """One parsed file: its lines, each line's code text and its scopes.
 
   Attributes:
+    path: the file, relative to the root searched.
     lines: the physical lines (without their newline).
     code: per line (0-based) the code with indentation and trailing comment stripped, or None for a blank line, a
       comment line, or a line of a docstring or other string-only statement.
