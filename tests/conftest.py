@@ -22,6 +22,8 @@ def pytest_configure(config):
   config.addinivalue_line("markers", "slow: takes more than ~20 s")
   config.addinivalue_line("markers", "mpi: launches mpiexec")
   config.addinivalue_line("markers", "gpu: needs a GPU")
+  config.addinivalue_line("markers", "mutation: the full mutation check (CI's own step; pytest.ini leaves it out, "
+                          "-m mutation runs it)")
 
 
 @pytest.fixture(scope="session")
