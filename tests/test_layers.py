@@ -1,6 +1,6 @@
 """The two-layer rule (STYLE.md): the pure packages never load jax, flax, optax, mpi4py or orbax, even transitively.
 
-The test walks the packages, so a module added to ``rules/``, ``planning/``, ``sim/`` or ``data/`` is covered
+The test walks the packages, so a module added to ``rules/``, ``costs/``, ``planning/``, ``sim/`` or ``data/`` is covered
 without editing this file; ``jobs.job_config`` (settings checked before any import of jax) is the one pure module
 of a runtime package.
 """
@@ -13,7 +13,7 @@ import sys
 import hetpipe_jax
 from hetpipe_jax.paths import REPO_ROOT
 
-PURE_PACKAGES = ("rules", "planning", "sim", "data")
+PURE_PACKAGES = ("rules", "costs", "planning", "sim", "data")
 PURE_MODULES = ("hetpipe_jax.paths", "hetpipe_jax.jobs.job_config", "hetpipe_jax.rank_devices")
 HEAVY = ["jax", "jaxlib", "flax", "optax", "mpi4py", "orbax"]
 

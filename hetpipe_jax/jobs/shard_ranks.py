@@ -13,6 +13,10 @@ import numpy as np
 
 from hetpipe_jax.jobs.job_config import JobSettings
 from hetpipe_jax.jobs.rank_setup import vw_parts
+from hetpipe_jax.planning.rank_map import stage_rank_layout
+from hetpipe_jax.ps import transport
+from hetpipe_jax.ps.param_server import ParameterServer
+from hetpipe_jax.ps.service import ParameterServerService
 
 
 TAG_SHARD_FINAL = 13  # a non-lead shard's applied log and weights, to rank 0 at the end
@@ -23,7 +27,6 @@ def ps_byte_matrix(comm) -> np.ndarray | None:
   (wave updates and pulled weights; :data:`hetpipe_jax.ps.transport.PS_BYTES`). A collective: every rank calls it
   once, at its end."""
   from mpi4py import MPI
-  from hetpipe_jax.ps import transport
   rank, world = comm.Get_rank(), comm.Get_size()
   row = transport.PS_BYTES.matrix_row(rank, world)
   total = np.zeros_like(row) if rank == 0 else None
@@ -34,8 +37,6 @@ def ps_byte_matrix(comm) -> np.ndarray | None:
 def run_shard(config, settings, flat0, shards, rank, comm, partitions, offsets) -> None:
   """A non-lead PS shard (rank 1..S-1): applies its slice of every wave update on receipt (its own order), answers
   pulls with its slice, then sends rank 0 its application log and final slice."""
-  from hetpipe_jax.ps.param_server import ParameterServer
-  from hetpipe_jax.ps.service import ParameterServerService
   server = ParameterServer(shards.gather(flat0, rank), settings.num_virtual_workers, config.ps_apply)
   service = ParameterServerService(comm, server, num_minibatches_per_vw=0, num_inflight=settings.num_inflight,
                                    evaluate=None, eval_every_waves=0, log_every_waves=1,
@@ -73,7 +74,6 @@ def gather_shards(comm, shards, flat0: np.ndarray, lead_weights: np.ndarray,
 def rank_nodes(settings: JobSettings) -> dict[int, str]:
   """Stage ranks: every PS and VW rank's (plan) node: a shard's from ``shard_nodes``, a VW rank's the node of its
   stage group (a group's stages share a node: ``gpu`` grouping holds one stage, ``node`` grouping one node's)."""
-  from hetpipe_jax.planning.rank_map import stage_rank_layout
   nodes = {s: settings.shard_nodes[s] for s in range(settings.num_ps_shards)}
   for rank, v, stages in stage_rank_layout(settings.num_ps_shards, settings.stage_groups):
     nodes[rank] = settings.vw_stage_nodes[v][stages[0]]

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hetpipe_jax.planning.cluster import ClusterSpec, Gpu
-from hetpipe_jax.planning.profile_format import ModelProfile
+from hetpipe_jax.costs.cluster import ClusterSpec, Gpu
+from hetpipe_jax.costs.profile_format import ModelProfile
 from hetpipe_jax.rules import allreduce
 
 
