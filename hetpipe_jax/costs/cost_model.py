@@ -1,6 +1,6 @@
 """Cost model of a pipeline stage: time and memory on a GPU type (HetPipe §4 "Model Partitioning", §7).
 
-Planning layer: standard library and numpy only.
+Costs layer: standard library and numpy only.
 
 Time. A stage running layers ``[i, j)`` on a GPU of type ``t`` takes, per minibatch,
 ``compute_ms(i, j, t) + recv_ms(boundary i, link to the previous stage) + recv_ms(boundary j, link to the next

@@ -1,6 +1,6 @@
 """Fully sharded data parallelism (ZeRO-3 / PyTorch FSDP / ``jax.sharding`` over a data axis): time, memory, split.
 
-Planning layer: standard library and numpy only. Method ``fsdp`` of :mod:`hetpipe_jax.rules.methods`.
+Costs layer: standard library and numpy only. Method ``fsdp`` of :mod:`hetpipe_jax.rules.methods`.
 
 Setting. Every GPU g of the cluster runs the whole model on its own ``b_g`` examples of a step's global batch
 ``B = N x batch`` (the examples per step of Horovod with one worker per GPU) and holds a shard ``f_g`` of every

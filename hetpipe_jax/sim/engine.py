@@ -1,6 +1,6 @@
 """Discrete-event engine: N virtual workers and the parameter server in virtual time (HetPipe §4, §5, §8).
 
-Planning layer: standard library only. The engine executes exactly the rules the runtime (``vw_driver.run``)
+Simulation layer: standard library only. The engine executes exactly the rules the runtime (``vw_driver.run``)
 executes, through the same pure objects: per VW a :class:`schedule.PipelineRules`
 (which task a stage runs next, Nm in flight) and a :class:`wsp.VWSyncState` (may a minibatch be injected, what to
 push and pull), and one :class:`wsp.ParameterServerState` for the PS. Only time is simulated:
