@@ -11,7 +11,7 @@ cost model and the engine (issue 26).
    largest absolute and relative difference of the final weights (pass: within ``--rtol`` / ``--atol``), which
    collectives XLA compiled in, and the fraction of the state one device holds.
 2. Timing. The model's layers are profiled on this host (``runtime.profiler``, measured, one device at a time) at
-   ``--batch_size``; the cost model (:mod:`hetpipe_jax.planning.fsdp_cost`, variant ``even``) and the engine (method
+   ``--batch_size``; the cost model (:mod:`hetpipe_jax.costs.fsdp_cost`, variant ``even``) and the engine (method
    ``fsdp``) predict the step on ``--num_devices`` devices of the ``local_cpu`` cluster's type (one node, its
    host-memcpy link); the sharded step is timed (median of ``--steps`` after ``--warmup``). Reported: measured /
    predicted (goal: within 10%). Each device runs single-threaded (``--single_thread``, XLA's Eigen pool off) so that
@@ -105,10 +105,10 @@ def replay_oracle(spec, optimizer, params, batches):
 
 def predict_step_s(profile, num_devices: int, shared_nic: bool = True) -> dict:
   """The cost model's and the engine's step on ``num_devices`` devices of local_cpu's type, one node."""
-  from hetpipe_jax.planning import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-  from hetpipe_jax.planning import fsdp_cost  # pylint: disable=g-import-not-at-top
+  from hetpipe_jax.costs import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from hetpipe_jax.costs import fsdp_cost  # pylint: disable=g-import-not-at-top
   from hetpipe_jax.sim import engine  # pylint: disable=g-import-not-at-top
-  from hetpipe_jax.sim import task_times  # pylint: disable=g-import-not-at-top
+  from hetpipe_jax.costs import task_times  # pylint: disable=g-import-not-at-top
   base = cluster_lib.load_cluster("local_cpu")
   d = {"name": f"local_cpu_{num_devices}", "gpu_types": [vars(t) for t in base.gpu_types.values()],
        "nodes": [{"name": "host", "gpus": ["cpu"] * num_devices}], "intra_node_link": vars(base.intra_node_link),

@@ -13,9 +13,9 @@ import json
 
 from absl import app, flags, logging
 
+from hetpipe_jax.costs import cluster as cluster_lib
+from hetpipe_jax.costs import cost_model
 from hetpipe_jax.models import load_model
-from hetpipe_jax.planning import cluster as cluster_lib
-from hetpipe_jax.planning import cost_model
 from hetpipe_jax.runtime import profiler, xla_memory
 
 _MODELS = flags.DEFINE_string("models", "cnn:64,gpt_tiny:8", "comma-separated model:batch pairs")

@@ -52,12 +52,12 @@ if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a
 
 from absl import app, flags, logging  # noqa: E402
 
+from hetpipe_jax.costs import task_times  # noqa: E402
 from hetpipe_jax.jobs.job_config import parse_stage_ms  # noqa: E402
 from hetpipe_jax.paths import REPO_ROOT  # noqa: E402
 from hetpipe_jax.rules import methods  # noqa: E402
 from hetpipe_jax.sim import engine  # noqa: E402
 from hetpipe_jax.sim import engine_report  # noqa: E402
-from hetpipe_jax.sim import task_times  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False, "Fewer minibatches per VW and 10 of the 12 cases (about 3 minutes).")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Seconds-long end-to-end check (CI): only the SMOKE case, a few waves, no "

@@ -22,8 +22,10 @@ import time
 from absl import app
 from absl import flags
 
-from hetpipe_jax.planning import cluster as cluster_lib
-from hetpipe_jax.sim import compare as compare_lib
+from hetpipe_jax import models
+from hetpipe_jax.costs import cluster as cluster_lib
+from hetpipe_jax.planning import compare as compare_lib
+from hetpipe_jax.profiles import get_profile
 
 _CLUSTER = flags.DEFINE_string("cluster", "hetpipe_paper", "Cluster name (experiments/clusters/<name>.json) or path.")
 _MODEL = flags.DEFINE_string("model", "vgg19_imagenet", "Registered model name (a saved profile, or one is made).")
@@ -46,7 +48,6 @@ _SMOKE = flags.DEFINE_bool("smoke", False, "Seconds-long check: local_cpu, cnn, 
 
 def main(argv):
   del argv
-  from hetpipe_jax.profiles import get_profile  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
   cluster_name, model, batch, num_vws, waves = (_CLUSTER.value, _MODEL.value, _BATCH.value, _NUM_VWS.value,
                                                 _WAVES.value)
@@ -60,7 +61,7 @@ def main(argv):
   table, every = compare_lib.compare(cluster, profile, config)
   title = (f"{model} on {cluster.name}, batch {batch}, {num_vws} VWs (HetPipe/PipeDream D={_D.value}); "
            f"{'shared' if _SHARED_NIC.value else 'per-link (no shared)'} NICs; predicted by the event engine")
-  unit = compare_lib.example_unit(model)
+  unit = models.example_unit(model)
   print(compare_lib.format_table(every if _ALL.value else table, title, unit))
   for r in every:
     for note in r.notes:

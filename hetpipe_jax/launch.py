@@ -40,7 +40,12 @@ import time
 
 from absl import app, flags
 
+from hetpipe_jax.jobs.job_config import plan_nodes
 from hetpipe_jax.mpi import rank_devices
+from hetpipe_jax.mpi import rank_layout
+from hetpipe_jax.mpi.rank_layout import LaunchError
+from hetpipe_jax.paths import REPO_ROOT, repo_path
+from hetpipe_jax.planning import plan_format
 
 _PLAN = flags.DEFINE_string("plan", None, "Plan JSON (python -m hetpipe_jax.plan).")
 _HOSTFILE = flags.DEFINE_string("hostfile", "", "MPICH hostfile (host[:slots] per line); '' = every node on "
@@ -70,10 +75,6 @@ def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_
     hetpipe_jax.mpi.rank_layout.LaunchError: unreadable plan or hostfile, or a mapping that cannot run (too few
       hosts, a VW across hosts without stage ranks, more ranks on a host than its slots).
   """
-  from hetpipe_jax.jobs.job_config import plan_nodes
-  from hetpipe_jax.paths import repo_path
-  from hetpipe_jax.mpi import rank_layout
-  from hetpipe_jax.planning import plan_format
   try:
     plan = plan_format.load_plan(str(repo_path(plan_path)))
   except (OSError, ValueError) as e:
@@ -109,7 +110,6 @@ def device_table(slots) -> str:
 
 
 def main(argv) -> None:
-  from hetpipe_jax.mpi.rank_layout import LaunchError
   extra = [a for a in argv[1:] if a != "--"]
   workdir = _WORKDIR.value or f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}"
   try:
@@ -133,7 +133,6 @@ def main(argv) -> None:
   (pathlib.Path(workdir) / "ranks.hosts").write_text(hostlines)
   (pathlib.Path(workdir) / "ranks.devices").write_text(device_lines)
   env = dict(os.environ)
-  from hetpipe_jax.paths import REPO_ROOT
   env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(REPO_ROOT)
   sys.exit(subprocess.run(command, env=env, check=False).returncode)
 

@@ -14,13 +14,13 @@ from absl import app
 from absl import flags
 
 from hetpipe_jax import profiles
+from hetpipe_jax.costs import cluster as cluster_lib
+from hetpipe_jax.costs import cost_model
+from hetpipe_jax.costs import profile_format
 from hetpipe_jax.planning import allocator
-from hetpipe_jax.planning import cluster as cluster_lib
-from hetpipe_jax.planning import cost_model
 from hetpipe_jax.planning import partitioner
 from hetpipe_jax.planning import plan_format
 from hetpipe_jax.planning import planner
-from hetpipe_jax.planning import profile_format
 
 _CLUSTER = flags.DEFINE_string("cluster", "local_cpu", "Cluster name (experiments/clusters/<name>.json) or path.")
 _MODEL = flags.DEFINE_string("model", None, "Registered model name.")
@@ -38,7 +38,7 @@ _INFLIGHT_MEMORY = flags.DEFINE_enum(
     "inflight_memory", "conservative", ["conservative", "schedule"],
     "hetpipe: minibatches each stage is counted to hold in memory: 'conservative' Nm on every non-last stage (safe "
     "whatever the task times); 'schedule' each stage's peak under the schedule rules at the plan's task times (safe "
-    "only at those times; hetpipe_jax.planning.inflight_memory). Recorded in the plan's cost_model.")
+    "only at those times; hetpipe_jax.sim.inflight_memory). Recorded in the plan's cost_model.")
 _MAX_VW_GPUS = flags.DEFINE_integer(
     "max_vw_gpus", None, "--policy=auto: the largest virtual worker searched (unset: ceil(GPUs / num_vws) + 1); the "
     "value used is recorded in the plan's allocation_search.")

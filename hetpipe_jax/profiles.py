@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 
-from hetpipe_jax.planning import cluster as cluster_lib
-from hetpipe_jax.planning import profile_format
+from hetpipe_jax.costs import cluster as cluster_lib
+from hetpipe_jax.costs import profile_format
 
 
 def get_profile(model: str, batch_size: int, cluster: cluster_lib.ClusterSpec,

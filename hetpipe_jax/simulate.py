@@ -16,11 +16,11 @@ import os
 from absl import app
 from absl import flags
 
-from hetpipe_jax.planning import cluster as cluster_lib
+from hetpipe_jax.costs import cluster as cluster_lib
 from hetpipe_jax.planning import plan_format
+from hetpipe_jax.planning import plan_times
 from hetpipe_jax.sim import engine
 from hetpipe_jax.sim import engine_report
-from hetpipe_jax.sim import task_times
 from hetpipe_jax.sim import trace
 
 _PLAN = flags.DEFINE_string("plan", None, "Plan JSON written by hetpipe_jax.plan.")
@@ -49,8 +49,8 @@ def main(argv):
   del argv
   plan = plan_format.load_plan(_PLAN.value)
   cluster = cluster_lib.load_cluster(_CLUSTER.value or plan.cluster)
-  profile = task_times.profile_for_plan(plan, _PROFILE.value)
-  times = task_times.task_times_from_plan(plan, profile, cluster)
+  profile = plan_times.profile_for_plan(plan, _PROFILE.value)
+  times = plan_times.task_times_from_plan(plan, profile, cluster)
   records = bool(_RECORDS.value or _TRACE.value or _GANTT.value)
   config = engine.EngineConfig(num_waves=_NUM_WAVES.value, num_inflight=plan.num_inflight,
                                staleness_bound=_D.value, pull_every_wave=_PULL_EVERY_WAVE.value, records=records,

@@ -17,6 +17,12 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from hetpipe_jax.data.fashion_mnist import DataError
+from hetpipe_jax.jobs.job_config import ConfigError, resolve_settings
+from hetpipe_jax.jobs.outputs import ReplicasDivergedError
+from hetpipe_jax.mpi import rank_devices
+from hetpipe_jax.ps.param_server import BadUpdateError
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Job config file (ml_collections).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics, summary and checkpoint.")
 _PLAN = flags.DEFINE_string("plan", None, "Plan JSON from `python -m hetpipe_jax.plan` (same as --config.plan).")
@@ -46,11 +52,6 @@ def _set_platform(config, settings) -> None:
 def main(argv) -> None:
   del argv
   from mpi4py import MPI
-  from hetpipe_jax.data.fashion_mnist import DataError
-  from hetpipe_jax.jobs.job_config import ConfigError, resolve_settings
-  from hetpipe_jax.ps.param_server import BadUpdateError
-  from hetpipe_jax.jobs.outputs import ReplicasDivergedError
-  from hetpipe_jax.mpi import rank_devices
   comm = MPI.COMM_WORLD
   rank = comm.Get_rank()
   logging.set_verbosity(logging.INFO if rank == 0 else logging.WARNING)

@@ -32,11 +32,12 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 
 import numpy as np  # pylint: disable=wrong-import-position
 
-from hetpipe_jax.planning import cluster as cluster_lib  # pylint: disable=wrong-import-position
+from hetpipe_jax.costs import cluster as cluster_lib  # pylint: disable=wrong-import-position
+from hetpipe_jax.costs import profile_format  # pylint: disable=wrong-import-position
+from hetpipe_jax.costs import task_times  # pylint: disable=wrong-import-position
+from hetpipe_jax.planning import plan_times  # pylint: disable=wrong-import-position
 from hetpipe_jax.planning import planner  # pylint: disable=wrong-import-position
-from hetpipe_jax.planning import profile_format  # pylint: disable=wrong-import-position
 from hetpipe_jax.sim import engine  # pylint: disable=wrong-import-position
-from hetpipe_jax.sim import task_times  # pylint: disable=wrong-import-position
 
 
 _QUICK = flags.DEFINE_bool("quick", False, "Small cases, one run, no targets (a seconds-long smoke run).")
@@ -116,7 +117,7 @@ def main(argv):
   paper = cluster_lib.load_cluster("hetpipe_paper")
   profile = profile_format.load_profile(profile_format.default_profile_path("resnet152_imagenet", 32, "cpu", False))
   plan = planner.make_plan(paper, profile, planner.PlannerConfig(policy="ED", num_vws=4))
-  paper_times = task_times.task_times_from_plan(plan, profile, paper)
+  paper_times = plan_times.task_times_from_plan(plan, profile, paper)
   rng = np.random.default_rng(0)
   big_times = [task_times.uniform_task_times(list(rng.uniform(50.0, 200.0, size=4)), send_ms=2.0, push_ms=40.0,
                                              pull_ms=40.0) for _ in range(16 if quick else 256)]

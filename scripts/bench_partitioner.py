@@ -24,11 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # pylint: disable=wrong-import-position
 from bench_util import timed  # pylint: disable=wrong-import-position
 
-from hetpipe_jax.planning import cluster as cluster_lib  # pylint: disable=wrong-import-position
-from hetpipe_jax.planning import cost_model  # pylint: disable=wrong-import-position
+from hetpipe_jax.costs import cluster as cluster_lib  # pylint: disable=wrong-import-position
+from hetpipe_jax.costs import cost_model  # pylint: disable=wrong-import-position
+from hetpipe_jax.costs import profile_format  # pylint: disable=wrong-import-position
 from hetpipe_jax.planning import partitioner  # pylint: disable=wrong-import-position
 from hetpipe_jax.planning import planner  # pylint: disable=wrong-import-position
-from hetpipe_jax.planning import profile_format  # pylint: disable=wrong-import-position
 
 
 _QUICK = flags.DEFINE_bool("quick", False, "One repeat per case (a seconds-long smoke run; timings are noisier).")

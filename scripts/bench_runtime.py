@@ -232,7 +232,7 @@ def emulated_vs_engine(data_dir, n, nm, stage_ms, runs, warm, instrument, method
   import time
   from hetpipe_jax.sim import engine
   from hetpipe_jax.sim import engine_report
-  from hetpipe_jax.sim import task_times
+  from hetpipe_jax.costs import task_times
   stage_ms = [float(t) for t in stage_ms]
   times = task_times.uniform_task_times(stage_ms, fwd_fraction=0.5)
   report = engine.run([times], engine.EngineConfig(num_waves=n // nm, num_inflight=nm, staleness_bound=0,
@@ -304,7 +304,7 @@ def ps_channel_vs_inline(data_dir, n, nm, stage_ms, ps_ms, runs, warm) -> dict:
   reply) through the PS channel thread against inline, for D = 0 and D = 1 (module docstring); medians of ``runs``
   alternating runs, and the compute-only floor (an instant PS, through the channel)."""
   import statistics
-  from hetpipe_jax.sim import task_times
+  from hetpipe_jax.costs import task_times
   times = task_times.uniform_task_times([float(t) for t in stage_ms], fwd_fraction=0.5)
   ps_ms = tuple(float(t) for t in ps_ms)
   out = {"stage_ms": [float(t) for t in stage_ms], "num_inflight": nm, "num_minibatches": n, "runs": runs,
@@ -424,7 +424,7 @@ def stage_ranks_vs_one_process(data_dir, tmp, stage_ms, nm: int, n: int, runs: i
   import statistics
   from hetpipe_jax.sim import engine
   from hetpipe_jax.sim import engine_report
-  from hetpipe_jax.sim import task_times
+  from hetpipe_jax.costs import task_times
   stage_ms = [float(x) for x in stage_ms]
   times = task_times.uniform_task_times(stage_ms)  # the job's emulate_stage_ms rule
   report = engine.run([times], engine.EngineConfig(num_waves=n // nm, num_inflight=nm, staleness_bound=0))

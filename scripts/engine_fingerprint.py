@@ -34,7 +34,7 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 from hetpipe_jax.rules.records import MinibatchRecord  # pylint: disable=wrong-import-position
 from hetpipe_jax.rules import wsp  # pylint: disable=wrong-import-position
 from hetpipe_jax.sim import engine  # pylint: disable=wrong-import-position
-from hetpipe_jax.sim import task_times  # pylint: disable=wrong-import-position
+from hetpipe_jax.costs import task_times  # pylint: disable=wrong-import-position
 
 _QUICK = flags.DEFINE_bool("quick", False, "16 random cases, no large ones (a seconds-long run).")
 _PER_CASE = flags.DEFINE_bool("per_case", False, "Also print each case's hash.")

@@ -34,7 +34,7 @@ def gpt_spec(cpu: bool):
 
 def cluster_for(device):
   """The cluster file whose GPU type describes ``device`` (None when there is none)."""
-  from hetpipe_jax.planning import cluster
+  from hetpipe_jax.costs import cluster
   if device.platform == "cpu":
     return cluster.load_cluster("local_cpu")
   kind = device.device_kind
@@ -60,7 +60,7 @@ def _profile_table(prof, costs, gpu, config) -> tuple[list[dict], float | None]:
   """Per layer: measured ms (``prof``) against the roofline of ``costs``' FLOPs and bytes at efficiency 1 and at
   the fitted efficiency (``costs``: a cost-analysis profile of the same model and batch)."""
   import dataclasses
-  from hetpipe_jax.planning import cost_model
+  from hetpipe_jax.costs import cost_model
   rows, fitted = [], None
   if gpu is not None:
     ideal = dataclasses.replace(gpu, measured_device_kind=None, roofline_efficiency=1.0)
@@ -87,10 +87,10 @@ def _cpu_cost_profile(model: str, batch: int, cpu: bool, work: pathlib.Path):
   """The cost-analysis profile the planner uses for a GPU it has not measured (XLA's CPU backend: it counts every
   dot's FLOPs, where the GPU backend's cost analysis leaves out cuBLAS / cuDNN custom calls), made in a CPU-only
   process."""
-  from hetpipe_jax.planning import profile_format
+  from hetpipe_jax.costs import profile_format
   path = work / f"costs_{model}_b{batch}.json"
   code = ("import sys; sys.path.insert(0, '.'); from scripts import gpu_measure; from hetpipe_jax.runtime import "
-          "profiler; from hetpipe_jax.planning import profile_format as pf; "
+          "profiler; from hetpipe_jax.costs import profile_format as pf; "
           f"spec = gpu_measure.spec_named({model!r}, {cpu}); "
           f"pf.save_profile(profiler.profile_model(spec, {batch}, measure=False, optimizer='adam'), {str(path)!r})")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -110,7 +110,7 @@ def step_profile(cpu: bool, out: pathlib.Path, work: pathlib.Path, batch: int, r
   """The profile step (module docstring of ``gpu_check``): per-layer times against the roofline, fitted efficiency."""
   import jax
   from hetpipe_jax import models
-  from hetpipe_jax.planning import cost_model, profile_format
+  from hetpipe_jax.costs import cost_model, profile_format
   from hetpipe_jax.runtime import profiler
   device = jax.devices()[0]
   clus = cluster_for(device)
@@ -291,7 +291,7 @@ def step_memory_stage(cpu: bool, batch: int, s: int) -> dict:
   import numpy as np
   import optax
   from hetpipe_jax import models
-  from hetpipe_jax.planning import cluster, cost_model
+  from hetpipe_jax.costs import cluster, cost_model
   from hetpipe_jax.runtime import profiler
   from hetpipe_jax.runtime import stages as stages_lib
   spec = gpt_spec(cpu)

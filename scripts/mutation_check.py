@@ -667,10 +667,10 @@ MUTATIONS = (
              ("tests/test_timing_plan.py::test_a_timing_plan_that_does_not_describe_the_run_is_refused",),
              "a timing plan made for another Nm times the run (its schedule of versions is not the plan's)"),
     Mutation("timing_plan_drops_ps_times", "timing_plan_task_times",
-             "return task_times.task_times_from_plan(plan, task_times.profile_for_plan(plan),\n"
-             "                                       cluster_lib.load_cluster(plan.cluster))",
-             "return [dataclasses.replace(t, push_s=0.0, pull_s=0.0) for t in task_times.task_times_from_plan(\n"
-             "    plan, task_times.profile_for_plan(plan), cluster_lib.load_cluster(plan.cluster))]",
+             "return plan_times_lib.task_times_from_plan(plan, plan_times_lib.profile_for_plan(plan),\n"
+             "                                           cluster_lib.load_cluster(plan.cluster))",
+             "return [dataclasses.replace(t, push_s=0.0, pull_s=0.0) for t in plan_times_lib.task_times_from_plan(\n"
+             "    plan, plan_times_lib.profile_for_plan(plan), cluster_lib.load_cluster(plan.cluster))]",
              ("tests/test_timing_plan.py::test_timing_plan_gives_the_plans_own_task_times",),
              "the timing plan's task times lose the PS push and pull (a different schedule of versions)"),
     Mutation("allreduce_step_stamped_at_its_start", "AllReduceHooks.on_allreduce",

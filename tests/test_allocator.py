@@ -3,13 +3,14 @@
 
 import pytest
 
+from hetpipe_jax.costs import cluster as cluster_lib
+from hetpipe_jax.costs import cost_model
+from hetpipe_jax.costs import profile_format
 from hetpipe_jax.planning import allocator
 from hetpipe_jax.planning import auto_allocation
-from hetpipe_jax.planning import cluster as cluster_lib
-from hetpipe_jax.planning import cost_model
 from hetpipe_jax.planning import inflight
-from hetpipe_jax.planning import profile_format
 from hetpipe_jax.planning import ps_placement
+from hetpipe_jax.planning import system_plan
 
 PAPER = cluster_lib.load_cluster("hetpipe_paper")
 
@@ -88,7 +89,7 @@ def test_auto_is_the_best_of_all_allocations(memory_gib):
   totals = []
   for c in candidates:
     try:
-      totals.append(allocator.plan_system(costs, c, "x").predicted_total_minibatches_per_s)
+      totals.append(system_plan.plan_system(costs, c, "x").predicted_total_minibatches_per_s)
     except allocator.AllocationError:
       totals.append(0.0)
   auto = allocator.allocate(cl, costs, "auto", 2)
@@ -167,7 +168,7 @@ def exhaustive_best(cl, costs, num_vws, max_size=None):
     if max_size is not None and max(len(v) for v in vws) > max_size:
       continue
     try:
-      total = allocator.plan_system(costs, vws, "x", planners=planners).predicted_total_minibatches_per_s
+      total = system_plan.plan_system(costs, vws, "x", planners=planners).predicted_total_minibatches_per_s
     except allocator.AllocationError:
       continue
     if total > best * (1 + 1e-9):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hetpipe_jax.planning import cluster as cluster_lib
+from hetpipe_jax.costs import cluster as cluster_lib
 
 
 def paper_dict():

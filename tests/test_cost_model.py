@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from hetpipe_jax.planning import cluster as cluster_lib
-from hetpipe_jax.planning import cost_model
-from hetpipe_jax.planning import profile_format
+from hetpipe_jax.costs import cluster as cluster_lib
+from hetpipe_jax.costs import cost_model
+from hetpipe_jax.costs import profile_format
+from hetpipe_jax.costs import task_times
 from hetpipe_jax.sim import engine
-from hetpipe_jax.sim import task_times
 
 
 def tiny_profile(measured=False):

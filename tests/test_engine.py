@@ -6,15 +6,16 @@ import json
 import numpy as np
 import pytest
 
+from hetpipe_jax.costs import cluster as cluster_lib
+from hetpipe_jax.costs import cost_model
+from hetpipe_jax.costs import profile_format
+from hetpipe_jax.costs import task_times
 from hetpipe_jax.jobs import outputs
-from hetpipe_jax.planning import cluster as cluster_lib
-from hetpipe_jax.planning import cost_model
+from hetpipe_jax.planning import plan_times
 from hetpipe_jax.planning import planner
-from hetpipe_jax.planning import profile_format
 from hetpipe_jax.rules import wsp
 from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.sim import engine
-from hetpipe_jax.sim import task_times
 
 REL = 1e-9  # virtual-time arithmetic is exact up to float rounding
 
@@ -64,16 +65,16 @@ def test_task_times_from_plan_sum_to_the_plans_stage_times():
   cluster = cluster_lib.load_cluster("hetpipe_paper")
   profile = profile_format.load_profile(profile_format.default_profile_path("resnet152_imagenet", 32, "cpu", False))
   plan = planner.make_plan(cluster, profile, planner.PlannerConfig(policy="HD", num_vws=4))
-  times = task_times.task_times_from_plan(plan, profile, cluster)
+  times = plan_times.task_times_from_plan(plan, profile, cluster)
   for vw, tt in zip(plan.virtual_workers, times):
     got = [tt.stage_time_s(s) * 1e3 for s in range(tt.num_stages)]
     np.testing.assert_allclose(got, vw.stage_time_ms, rtol=1e-6)
     assert all(b > f for f, b in zip(tt.forward_s, tt.backward_s))  # backward costs more than forward
-    remote, local = task_times.ps_transfer_bytes(plan, profile, cluster, vw.vw_id)
+    remote, local = plan_times.ps_transfer_bytes(plan, profile, cluster, vw.vw_id)
     assert remote + local == sum(l.param_bytes for l in profile.layers)
     assert tt.push_s == tt.pull_s > cluster.inter_node_link.transfer_time_s(remote) > 0
   with pytest.raises(ValueError, match="cluster 'local_cpu' is not the plan's cluster"):
-    task_times.task_times_from_plan(plan, profile, cluster_lib.load_cluster("local_cpu"))
+    plan_times.task_times_from_plan(plan, profile, cluster_lib.load_cluster("local_cpu"))
 
 
 # ----------------------------------------------------------------------------------------- closed forms

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
+from hetpipe_jax.costs import task_times
 from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.sim import engine
-from hetpipe_jax.sim import task_times
 
 
 def one_stage(fb_ms, push_ms=0.0):

@@ -9,13 +9,13 @@ import itertools
 import numpy as np
 import pytest
 
-from hetpipe_jax.planning import cluster as cluster_lib
-from hetpipe_jax.planning import fsdp_cost
-from hetpipe_jax.planning import profile_format
+from hetpipe_jax.costs import cluster as cluster_lib
+from hetpipe_jax.costs import fsdp_cost
+from hetpipe_jax.costs import profile_format
+from hetpipe_jax.costs import task_times as task_times_lib
+from hetpipe_jax.planning import compare
 from hetpipe_jax.rules import methods
-from hetpipe_jax.sim import compare
 from hetpipe_jax.sim import engine
-from hetpipe_jax.sim import task_times as task_times_lib
 
 GB = 1e9
 

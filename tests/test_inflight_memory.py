@@ -1,4 +1,4 @@
-"""The schedule-based in-flight memory bound (``planning/inflight_memory``, ``CostModelConfig.inflight_memory``).
+"""The schedule-based in-flight memory bound (``sim/inflight_memory``, ``CostModelConfig.inflight_memory``).
 
 Oracles written apart from the code: an event simulation of HetPipe §4's rules written here from the rules' text
 (per stage an in-order device fed FIFO as tasks become ready; a stage holds a minibatch from its forward's dispatch
@@ -12,14 +12,14 @@ import itertools
 import numpy as np
 import pytest
 
-from hetpipe_jax.planning import cluster as cluster_lib
-from hetpipe_jax.planning import cost_model
-from hetpipe_jax.planning import inflight_memory
+from hetpipe_jax.costs import cluster as cluster_lib
+from hetpipe_jax.costs import cost_model
+from hetpipe_jax.costs import profile_format
+from hetpipe_jax.costs import task_times
 from hetpipe_jax.planning import partition_check
 from hetpipe_jax.planning import partitioner
-from hetpipe_jax.planning import profile_format
 from hetpipe_jax.sim import engine
-from hetpipe_jax.sim import task_times
+from hetpipe_jax.sim import inflight_memory
 from tests import test_partitioner as tp
 
 

@@ -15,15 +15,17 @@ import pytest
 
 from experiments.configs import default, tiny
 from hetpipe_jax import models
+from hetpipe_jax.costs import cluster as cluster_lib
+from hetpipe_jax.costs import profile_format
 from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs import checkpoint, job_config, mpi_job, virtual_job
 from hetpipe_jax.jobs.job_config import ConfigError
-from hetpipe_jax.planning import cluster as cluster_lib
-from hetpipe_jax.planning import plan_format, planner, profile_format
+from hetpipe_jax.planning import plan_format, planner
+from hetpipe_jax.planning import plan_times
 from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.runtime.param_layout import ParamLayout
 from hetpipe_jax.runtime.stage_executor import OVERRUN_TOLERANCE_S
-from hetpipe_jax.sim import engine, task_times
+from hetpipe_jax.sim import engine
 from tests.mpi_util import check_task_trace, excess_over_stage_ms, read_jsonl, run_job, vw_start_times
 from tests.replay import read_applied_order, replay_final_weights
 
@@ -251,7 +253,7 @@ def test_emulate_plan_pads_every_task_to_the_plans_cost_model(tmp_path, syntheti
                  config="experiments/configs/default.py")
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = json.loads((workdir / "summary.json").read_text())
-  times = task_times.task_times_from_plan(plan, task_times.profile_for_plan(plan),
+  times = plan_times.task_times_from_plan(plan, plan_times.profile_for_plan(plan),
                                           cluster_lib.load_cluster(plan.cluster))
   traces = check_task_trace(workdir, num_vws, times[0].num_stages, mb)
   for v, (vw_times, trace) in enumerate(zip(times, traces)):
@@ -280,7 +282,7 @@ def test_virtual_mode_from_a_plan_runs_the_engines_schedule_of_the_plans_task_ti
   settings = job_config.resolve_settings(config)
   plan = settings.plan
   summary = virtual_job.run(config, settings, str(tmp_path))
-  times = task_times.task_times_from_plan(plan, task_times.profile_for_plan(plan),
+  times = plan_times.task_times_from_plan(plan, plan_times.profile_for_plan(plan),
                                           cluster_lib.load_cluster(plan.cluster))
   report = engine.run(times, engine.EngineConfig(num_waves=4 // plan.num_inflight, num_inflight=plan.num_inflight,
                                                  staleness_bound=config.staleness_bound))

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
+from hetpipe_jax.costs import task_times
 from hetpipe_jax.planning import plan_format
 from hetpipe_jax.rules import schedule
 from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.sim import engine
-from hetpipe_jax.sim import task_times
 
 F, B, FB = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.FORWARD_BACKWARD
 
@@ -103,7 +103,8 @@ def test_engine_refuses_caps_for_another_number_of_vws():
 
 # ------------------------------------------------------------------------------------------------ plans
 def test_memory_caps_come_from_schedule_plans_at_their_nm():
-  from hetpipe_jax.planning import planner, cluster as cluster_lib, cost_model, profile_format
+  from hetpipe_jax.costs import cluster as cluster_lib, cost_model, profile_format
+  from hetpipe_jax.planning import planner
   cluster = cluster_lib.load_cluster("hetpipe_paper")
   prof = profile_format.load_profile(profile_format.default_profile_path("resnet152_imagenet", 32, "cpu", False))
   plans = {m: planner.make_plan(cluster, prof, planner.PlannerConfig(

@@ -15,7 +15,7 @@ from experiments.paper import common
 from hetpipe_jax.models import imagenet
 from hetpipe_jax.models import load_model
 from hetpipe_jax.models import layers as layers_lib
-from hetpipe_jax.planning import cost_model
+from hetpipe_jax.costs import cost_model
 from hetpipe_jax.runtime import profiler
 
 # HetPipe §8.3, Table 4 and Figure 4 (TensorFlow 1.12, fp32, batch 32 per GPU, §8.1): Horovod (the whole model on

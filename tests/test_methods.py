@@ -9,20 +9,22 @@ import time
 import numpy as np
 import pytest
 
+from hetpipe_jax import models
+from hetpipe_jax.costs import allreduce_cost
+from hetpipe_jax.costs import cluster as cluster_lib
+from hetpipe_jax.costs import cost_model
+from hetpipe_jax.costs import profile_format
+from hetpipe_jax.costs import task_times
 from hetpipe_jax.paths import REPO_ROOT
-from hetpipe_jax.planning import allreduce_cost
-from hetpipe_jax.planning import cluster as cluster_lib
-from hetpipe_jax.planning import cost_model
+from hetpipe_jax.planning import compare
 from hetpipe_jax.planning import method_planner
 from hetpipe_jax.planning import plan_format
+from hetpipe_jax.planning import plan_times
 from hetpipe_jax.planning import planner
-from hetpipe_jax.planning import profile_format
 from hetpipe_jax.rules import allreduce
 from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import schedule
-from hetpipe_jax.sim import compare
 from hetpipe_jax.sim import engine
-from hetpipe_jax.sim import task_times
 
 REL = 1e-9
 
@@ -285,7 +287,7 @@ def test_plans_record_the_method_and_round_trip(paper, tmp_path, method):
   plan_format.write_plan(plan, path)
   back = plan_format.load_plan(path)
   assert back == plan
-  times = task_times.task_times_from_plan(plan, prof, cluster)
+  times = plan_times.task_times_from_plan(plan, prof, cluster)
   if methods.get_method(method).is_flush:
     assert plan.num_inflight in method_planner.microbatch_candidates(32)
     vws = [([cluster.gpu(g) for g in vw.gpus], vw.partition) for vw in plan.virtual_workers]
@@ -363,5 +365,5 @@ def test_compare_gpt2_medium_on_the_paper_cluster_reports_sequences():
   assert rows["hetpipe ED/local"].memory_fits and rows["hetpipe ED/local"].images_per_s > 0
   horovod = table[-3]
   assert horovod.method == "horovod" and horovod.gpus_used == 4 and len(horovod.notes) == 12
-  assert compare.example_unit("gpt2_medium") == "sequences" and compare.example_unit("vgg19_imagenet") == "images"
+  assert models.example_unit("gpt2_medium") == "sequences" and models.example_unit("vgg19_imagenet") == "images"
   assert "| sequences/s |" in compare.format_table(table, unit="sequences")

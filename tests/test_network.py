@@ -14,15 +14,16 @@ import sys
 import pytest
 
 from hetpipe_jax.paths import REPO_ROOT
-from hetpipe_jax.planning import allreduce_cost
-from hetpipe_jax.planning import cluster as cluster_lib
+from hetpipe_jax.costs import allreduce_cost
+from hetpipe_jax.costs import cluster as cluster_lib
 from hetpipe_jax.planning import plan_format
-from hetpipe_jax.planning import profile_format
+from hetpipe_jax.costs import profile_format
 from hetpipe_jax.rules.network import Leg, NicState
 from hetpipe_jax.planning import planner
-from hetpipe_jax.sim import compare
+from hetpipe_jax.planning import compare
 from hetpipe_jax.sim import engine
-from hetpipe_jax.sim import task_times
+from hetpipe_jax.costs import task_times
+from hetpipe_jax.planning import plan_times
 
 REL = 1e-9
 
@@ -223,13 +224,13 @@ def test_engine_all_reduce_uses_the_shared_nic_time_only_when_the_rule_is_on():
 def test_plan_task_times_name_nodes_and_ps_legs(name):
   plan = plan_format.load_plan(str(REPO_ROOT / f"experiments/plans/{name}.json"))
   cluster = cluster_lib.load_cluster(plan.cluster)
-  profile = task_times.profile_for_plan(plan)
-  times = task_times.task_times_from_plan(plan, profile, cluster)
+  profile = plan_times.profile_for_plan(plan)
+  times = plan_times.task_times_from_plan(plan, profile, cluster)
   for vw, t in zip(plan.virtual_workers, times):
     assert t.stage_nodes == tuple(cluster.gpu(g).node for g in vw.gpus)
     assert sum(leg.seconds for leg in t.push_legs) == pytest.approx(t.push_s, rel=1e-12)
     assert [(l.dst, l.src, l.seconds) for l in t.pull_legs] == [tuple(l) for l in t.push_legs]
-    remote, local = task_times.ps_transfer_bytes(plan, profile, cluster, vw.vw_id)
+    remote, local = plan_times.ps_transfer_bytes(plan, profile, cluster, vw.vw_id)
     inter_legs = [l for l in t.push_legs if l.inter_node]
     # Each inter-node leg is its bytes over the inter-node link: their bytes add up to the VW's remote bytes.
     bw = cluster.inter_node_link.bandwidth_bytes_per_s * cluster.inter_node_link.efficiency

@@ -16,11 +16,11 @@ from experiments.paper import common
 from experiments.paper import paper_tables as pt
 from experiments.paper import reproduction
 from experiments.paper import waiting as waiting_lib
+from hetpipe_jax.costs import cluster as cluster_lib
 from hetpipe_jax.paths import REPO_ROOT
 from hetpipe_jax.planning import allocator
-from hetpipe_jax.planning import cluster as cluster_lib
+from hetpipe_jax.planning import compare as compare_lib
 from hetpipe_jax.planning import planner
-from hetpipe_jax.sim import compare as compare_lib
 
 
 def _run(args, timeout=240):

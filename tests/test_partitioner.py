@@ -5,11 +5,11 @@ import itertools
 import numpy as np
 import pytest
 
-from hetpipe_jax.planning import cluster as cluster_lib
-from hetpipe_jax.planning import cost_model
+from hetpipe_jax.costs import cluster as cluster_lib
+from hetpipe_jax.costs import cost_model
+from hetpipe_jax.costs import profile_format
 from hetpipe_jax.planning import partition_check
 from hetpipe_jax.planning import partitioner
-from hetpipe_jax.planning import profile_format
 
 
 def random_cluster(rng: np.random.Generator, capacity_bytes: int) -> cluster_lib.ClusterSpec:

@@ -209,7 +209,7 @@ def test_emulated_devices_never_finish_early(synthetic_data_dir):
 
 
 def test_measured_peak_inflight_obeys_cost_model_bound(synthetic_data_dir):
-  from hetpipe_jax.planning import cost_model
+  from hetpipe_jax.costs import cost_model
   target = {0: 0.002, 1: 0.002, 2: 0.012}  # a slow last stage makes the earlier stages hold the most
   vw, *_ = build_vw(synthetic_data_dir, partition=THREE_STAGES, num_inflight=4)
   vw.task_time_s = lambda task: target[task.stage_id]

@@ -3,8 +3,8 @@
 import jax
 import pytest
 
+from hetpipe_jax.costs import profile_format
 from hetpipe_jax.models import get_model
-from hetpipe_jax.planning import profile_format
 from hetpipe_jax.runtime import profiler
 
 

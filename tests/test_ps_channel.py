@@ -10,8 +10,8 @@ import optax
 import pytest
 
 from hetpipe_jax import models
+from hetpipe_jax.costs import task_times
 from hetpipe_jax.ps import param_server
-from hetpipe_jax.sim import task_times
 from tests import test_pipeline as pipeline_tests
 from tests.pipeline_util import assert_params_close, build_vw, sequential_replay
 

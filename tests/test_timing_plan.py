@@ -10,12 +10,13 @@ import json
 import pytest
 
 from experiments.configs import paper_virtual, tiny
+from hetpipe_jax.costs import cluster as cluster_lib
 from hetpipe_jax.jobs import job_config, virtual_job
 from hetpipe_jax.jobs.job_config import ConfigError
 from hetpipe_jax.paths import REPO_ROOT
-from hetpipe_jax.planning import cluster as cluster_lib
 from hetpipe_jax.planning import plan_format
-from hetpipe_jax.sim import engine, task_times
+from hetpipe_jax.planning import plan_times
+from hetpipe_jax.sim import engine
 from tests.mpi_util import read_jsonl
 
 TIMING_PLAN = "experiments/plans/hetpipe_paper_cnn_b64_ed.json"  # cnn on the paper's cluster: 4 VWs x 4 stages
@@ -83,7 +84,7 @@ def test_a_proxy_model_under_a_timing_plan_runs_the_engines_schedule(tmp_path, s
               eval_every_epochs=0.0, staleness_bound=0)
   summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
   plan = plan_format.load_plan(str(REPO_ROOT / SMALL_TIMING_PLAN))
-  times = task_times.task_times_from_plan(plan, task_times.profile_for_plan(plan),
+  times = plan_times.task_times_from_plan(plan, plan_times.profile_for_plan(plan),
                                           cluster_lib.load_cluster(plan.cluster))
   report = engine.run(times, engine.EngineConfig(num_waves=2, num_inflight=plan.num_inflight, staleness_bound=0,
                                                  pull_every_wave=False, ps_apply="on_receipt"))

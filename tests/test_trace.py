@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from hetpipe_jax.costs import task_times
 from hetpipe_jax.paths import REPO_ROOT
 from hetpipe_jax.sim import engine
-from hetpipe_jax.sim import task_times
 from hetpipe_jax.sim import trace
 
 

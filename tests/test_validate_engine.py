@@ -6,9 +6,9 @@ import math
 import pytest
 
 from experiments import validate_engine as ve
+from hetpipe_jax.costs import task_times
 from hetpipe_jax.sim import engine
 from hetpipe_jax.sim import engine_report
-from hetpipe_jax.sim import task_times
 
 
 def test_steady_rates_default_is_the_engine_reports_and_the_validation_uses_it():

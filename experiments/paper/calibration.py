@@ -4,7 +4,7 @@ r"""Calibration protocol: one roofline efficiency per GPU type, fitted on the pa
       [--write_cluster=/tmp/hetpipe_paper_calibrated.json]   # then: python -m hetpipe_jax.compare --cluster=<it>
 
 **What is calibrated.** The cost model's only free compute parameter is the roofline efficiency (achieved / peak
-FLOP/s and memory bandwidth, :mod:`hetpipe_jax.planning.cost_model`); the cluster file's default (0.5 for every
+FLOP/s and memory bandwidth, :mod:`hetpipe_jax.costs.cost_model`); the cluster file's default (0.5 for every
 type) is a guess. We fit one efficiency per GPU type (4 numbers) and nothing else: links, latencies, memory and the
 engine keep their documented defaults.
 
@@ -18,7 +18,7 @@ shapes) is a **prediction**.
 
 **Fitting procedure** (:func:`fit`): Table 4's columns add one GPU type at a time (V, then R, Q, G). Walk them in
 order; in a column with types fitted so far, each cell's paper rate gives the step time, minus our all-reduce time
-(:func:`hetpipe_jax.planning.allreduce_cost.allreduce_time_s`) the compute time ``T_needed`` of the slowest GPU,
+(:func:`hetpipe_jax.costs.allreduce_cost.allreduce_time_s`) the compute time ``T_needed`` of the slowest GPU,
 taken to be the new type: ``e_cell = T_new(e = 1) / T_needed``, with ``T(e = 1)`` the roofline time of the whole
 model at efficiency 1 (``cost_model.layer_times_ms``; the roofline scales exactly as ``1 / e`` when compute and
 memory efficiency are equal). When the types fitted before are already slower than ``T_needed``, the cell only bounds
@@ -48,13 +48,13 @@ from absl import app, flags  # noqa: E402
 
 from experiments.paper import common  # noqa: E402
 from experiments.paper import paper_tables as pt  # noqa: E402
-from hetpipe_jax.planning import allreduce_cost  # noqa: E402
-from hetpipe_jax.planning import cluster as cluster_lib  # noqa: E402
-from hetpipe_jax.planning import cost_model  # noqa: E402
-from hetpipe_jax.planning.cluster import ClusterSpec, Gpu  # noqa: E402
-from hetpipe_jax.planning.profile_format import ModelProfile  # noqa: E402
+from hetpipe_jax.costs import allreduce_cost  # noqa: E402
+from hetpipe_jax.costs import cluster as cluster_lib  # noqa: E402
+from hetpipe_jax.costs import cost_model  # noqa: E402
+from hetpipe_jax.costs import task_times as task_times_lib  # noqa: E402
+from hetpipe_jax.costs.cluster import ClusterSpec, Gpu  # noqa: E402
+from hetpipe_jax.costs.profile_format import ModelProfile  # noqa: E402
 from hetpipe_jax.sim import engine  # noqa: E402
-from hetpipe_jax.sim import task_times as task_times_lib  # noqa: E402
 
 # (method, model, Table 4 column): the paper cells the cost model is fitted on. Everything else is a prediction.
 CALIBRATION_CELLS = tuple(("horovod", model, col) for model, _, col, _ in pt.table4_cells("horovod"))

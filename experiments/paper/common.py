@@ -12,19 +12,19 @@ import json
 import os
 from typing import Any, Sequence
 
+from hetpipe_jax.costs import cluster as cluster_lib
+from hetpipe_jax.costs import cost_model
+from hetpipe_jax.costs import profile_format
+from hetpipe_jax.costs.cluster import ClusterSpec
 from hetpipe_jax.paths import REPO_ROOT
-from hetpipe_jax.planning import cluster as cluster_lib
-from hetpipe_jax.planning import cost_model
-from hetpipe_jax.planning import profile_format
-from hetpipe_jax.planning.cluster import ClusterSpec
-from hetpipe_jax.sim import compare as compare_lib
+from hetpipe_jax.planning import compare as compare_lib
 
 RESULTS_DIR = str(REPO_ROOT / "experiments" / "paper" / "results")
 CLUSTER = "hetpipe_paper"
 PYTHON = ".venv/bin/python"
 # The in-flight memory count of the HetPipe predictions (``CostModelConfig.inflight_memory``): each stage's peak under
 # the schedule rules at the plan's task times (the engine runs exactly those times, so the bound is safe for what is
-# predicted; ``hetpipe_jax.planning.inflight_memory``). Plans that run keep the planner's default, "conservative".
+# predicted; ``hetpipe_jax.sim.inflight_memory``). Plans that run keep the planner's default, "conservative".
 INFLIGHT_MEMORY = "schedule"
 
 

@@ -151,7 +151,8 @@ def horovod_plan(cluster, profile, nodes: tuple[str, ...]):
   Returns:
     ``(plan, our_gpus, notes)``: the plan to time, the GPUs our memory model admits, and the planner's notes.
   """
-  from hetpipe_jax.planning import cost_model, planner, plan_format, profile_format
+  from hetpipe_jax.costs import cost_model, profile_format
+  from hetpipe_jax.planning import planner, plan_format
   base = planner.make_plan(cluster, profile, planner.PlannerConfig(method="horovod"))
   ours = [vw.gpus[0] for vw in base.virtual_workers]
   cfg = cost_model.CostModelConfig(**{**base.cost_model, "method": "horovod"})
@@ -181,7 +182,7 @@ def timing_clusters(out_dir: pathlib.Path, calibrated: bool) -> tuple[dict[str, 
   paper's Horovod throughputs (Table 4), as the throughput experiments use; else the cost model's defaults.
   ``hetpipe_paper_vrq`` is ``hetpipe_paper`` without node G (its four RTX 2060s), Figure 5's 12 GPUs.
   """
-  from hetpipe_jax.planning import cluster as cluster_lib
+  from hetpipe_jax.costs import cluster as cluster_lib
   efficiency = None
   if calibrated:
     from experiments.paper import calibration  # pylint: disable=g-import-not-at-top
@@ -210,8 +211,9 @@ def make_timing_plans(confs, out_dir: pathlib.Path, clusters: dict[str, str]) ->
   """Plans every configuration's paper-scale timing (written to ``out_dir/plans``) on ``clusters`` (name -> file,
   :func:`timing_clusters`); returns per name the plan path and what the results record about it."""
   from hetpipe_jax import profiles
-  from hetpipe_jax.planning import cluster as cluster_lib, planner, plan_format
-  from hetpipe_jax.sim import task_times
+  from hetpipe_jax.costs import cluster as cluster_lib
+  from hetpipe_jax.planning import planner, plan_format
+  from hetpipe_jax.planning import plan_times
   out: dict[str, dict] = {}
   for c in confs:
     cluster = cluster_lib.load_cluster(clusters[c.cluster])
@@ -225,7 +227,7 @@ def make_timing_plans(confs, out_dir: pathlib.Path, clusters: dict[str, str]) ->
     path = out_dir / "plans" / f"{c.name}_{c.timing_model}_{c.cluster}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     plan_format.write_plan(plan, str(path))
-    times = task_times.task_times_from_plan(plan, profile, cluster)
+    times = plan_times.task_times_from_plan(plan, profile, cluster)
     try:  # relative to the repository root when inside it (the committed results name no machine's paths)
       shown = str(path.resolve().relative_to(REPO_ROOT))
     except ValueError:

@@ -33,11 +33,11 @@ from absl import app, flags  # noqa: E402
 from experiments.paper import calibration  # noqa: E402
 from experiments.paper import common  # noqa: E402
 from experiments.paper import paper_tables as pt  # noqa: E402
+from hetpipe_jax.costs import allreduce_cost  # noqa: E402
 from hetpipe_jax.planning import allocator  # noqa: E402
-from hetpipe_jax.planning import allreduce_cost  # noqa: E402
+from hetpipe_jax.planning import compare as compare_lib  # noqa: E402
+from hetpipe_jax.planning import plan_times  # noqa: E402
 from hetpipe_jax.planning import planner  # noqa: E402
-from hetpipe_jax.sim import compare as compare_lib  # noqa: E402
-from hetpipe_jax.sim import task_times as task_times_lib  # noqa: E402
 
 
 BARS = (("NP", "default"), ("ED", "default"), ("HD", "default"), ("ED", "local"))
@@ -85,7 +85,7 @@ def run(results_dir: str, quick: bool, staleness_bound: int = 0) -> str:
       plan = planner.make_plan(cluster, profile, pc)
       contended = compare_lib.run_plan(plan, profile, cluster, dataclasses.replace(config, ps_link_contention=True),
                                        "ED", "default")
-      times = task_times_lib.task_times_from_plan(plan, profile, cluster)
+      times = plan_times.task_times_from_plan(plan, profile, cluster)
       diagnostics = {"ED_one_shared_ps_link_images_per_s": contended.images_per_s,
                      "ED_one_shared_ps_link_bottleneck": contended.bottleneck,
                      "ED_ps_push_plus_pull_s_per_wave": times[0].push_s + times[0].pull_s,

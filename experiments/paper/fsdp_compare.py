@@ -4,11 +4,11 @@ r"""HetPipe against the 2026 baseline, fully sharded data parallelism (ZeRO-3 / 
 
 For VGG-19 and ResNet-152 (batch 32) and GPT-2 medium and large (batch 2 x 1,024 tokens) on ``hetpipe_paper`` (16
 GPUs, 4 VWs) and ``hetpipe_paper_x4`` (64 GPUs, 16 VWs), both with the calibrated efficiencies
-(:mod:`experiments.paper.calibration`), ``compare`` (:mod:`hetpipe_jax.sim.compare`: every method planned and run by
-the event engine, D = 0, HetPipe §5's pull policy, shared NICs) gives one row per method: HetPipe's best allocation
+(:mod:`experiments.paper.calibration`), ``compare`` (:mod:`hetpipe_jax.planning.compare`: every method planned and
+run by the event engine, D = 0, HetPipe §5's pull policy, shared NICs) gives one row per method: HetPipe's best allocation
 (the fastest of NP / ED / HD / auto x PS placement), PipeDream, GPipe and 1F1B-flush (their fastest allocation),
 Horovod (the GPUs that hold the model), and fsdp with even shards (ZeRO-3) and with shards by memory and examples by
-speed (:mod:`hetpipe_jax.planning.fsdp_cost`), each without or, when that does not fit, with activation
+speed (:mod:`hetpipe_jax.costs.fsdp_cost`), each without or, when that does not fit, with activation
 checkpointing (``+ remat``). Examples per step differ by method (a VW's minibatch, Horovod's and fsdp's ``batch`` per
 GPU), so the rates compare throughput, not convergence. Every number is a prediction; none is in the paper.
 """
@@ -26,8 +26,9 @@ from absl import app, flags  # noqa: E402
 
 from experiments.paper import calibration  # noqa: E402
 from experiments.paper import common  # noqa: E402
-from hetpipe_jax.planning import cluster as cluster_lib  # noqa: E402
-from hetpipe_jax.sim import compare as compare_lib  # noqa: E402
+from hetpipe_jax import models  # noqa: E402
+from hetpipe_jax.costs import cluster as cluster_lib  # noqa: E402
+from hetpipe_jax.planning import compare as compare_lib  # noqa: E402
 
 MODELS = (("vgg19_imagenet", 32, "VGG-19"), ("resnet152_imagenet", 32, "ResNet-152"),
           ("gpt2_medium", 2, "GPT-2 medium"), ("gpt2_large", 2, "GPT-2 large"))
@@ -66,7 +67,7 @@ def run(results_dir: str, quick: bool, clusters: tuple[str, ...] = ()) -> str:
                                          num_waves=8 if quick else 20)
       table, _ = compare_lib.compare(cluster, profile, config)
       rows = method_rows(table)
-      unit = compare_lib.example_unit(model)
+      unit = models.example_unit(model)
       lines = [f"**{name}** (batch {batch}) on `{cluster_name}` ({len(cluster.gpus())} GPUs, {num_vws} VWs for the "
                "pipelined methods)", "",
                f"| method | allocation | GPUs | {unit}/s | vs HetPipe | bottleneck | memory |",

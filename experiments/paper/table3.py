@@ -4,7 +4,7 @@ r"""HetPipe Table 3 / Figure 3: the 7 distinct virtual workers of NP / ED / HD, 
 
 For each VW of Table 3 (VVVV, RRRR, GGGG, QQQQ, VRGQ, VVQQ, RRGG) and each model: the VW alone on the calibrated
 ``hetpipe_paper`` cluster (:mod:`experiments.paper.calibration`), planned at every Nm from 1 to its Max_m (capped by
-``--max_nm``; partitions re-made for each Nm's memory, ``allocator.plan_system(num_inflight=Nm)``) and run by the
+``--max_nm``; partitions re-made for each Nm's memory, ``system_plan.plan_system(num_inflight=Nm)``) and run by the
 engine with its PS (D = 0, HetPipe §5's pull policy, engine defaults otherwise). Reported as the paper's Figure 3:
 throughput normalised to Nm = 1, the absolute Nm = 1 images/s, and the maximum average GPU utilisation among the
 VW's stages; an Nm that does not fit memory is marked "X" (the paper leaves those bars out, §8.2).
@@ -27,13 +27,13 @@ from absl import app, flags  # noqa: E402
 from experiments.paper import calibration  # noqa: E402
 from experiments.paper import common  # noqa: E402
 from experiments.paper import paper_tables as pt  # noqa: E402
-from hetpipe_jax.planning import allocator  # noqa: E402
-from hetpipe_jax.planning import cost_model  # noqa: E402
+from hetpipe_jax.costs import cost_model  # noqa: E402
+from hetpipe_jax.planning import compare as compare_lib  # noqa: E402
 from hetpipe_jax.planning import plan_format  # noqa: E402
+from hetpipe_jax.planning import plan_times  # noqa: E402
 from hetpipe_jax.planning import ps_placement  # noqa: E402
-from hetpipe_jax.sim import compare as compare_lib  # noqa: E402
+from hetpipe_jax.planning import system_plan  # noqa: E402
 from hetpipe_jax.sim import engine  # noqa: E402
-from hetpipe_jax.sim import task_times as task_times_lib  # noqa: E402
 
 
 
@@ -52,11 +52,11 @@ def single_vw_plan(cluster, profile, gpus, num_inflight: int) -> plan_format.Pla
   """One VW on ``gpus`` at Nm = ``num_inflight`` (the planner's partition for that Nm; default PS placement).
 
   Raises:
-    allocator.AllocationError: it does not fit memory at that Nm.
+    system_plan.AllocationError: it does not fit memory at that Nm.
   """
   config = common.cost_config()
   costs = cost_model.build_stage_costs(profile, cluster, config)
-  system = allocator.plan_system(costs, [gpus], "single VW", num_inflight, num_inflight=num_inflight)
+  system = system_plan.plan_system(costs, [gpus], "single VW", num_inflight, num_inflight=num_inflight)
   parts = [vw.partition for vw in system.virtual_workers]
   placements = [ps_placement.place(p, cluster, profile, parts, num_inflight) for p in ps_placement.PLACEMENTS]
   plan = plan_format.make_plan(system, cluster, profile, placements, "default", config)
@@ -80,10 +80,10 @@ def run(results_dir: str, quick: bool, max_nm: int) -> str:
       for nm in range(1, top + 1):
         try:
           plan = single_vw_plan(cluster, profile, gpus, nm)
-        except allocator.AllocationError:
+        except system_plan.AllocationError:
           series[nm] = None  # does not fit memory: the paper leaves the bar out
           continue
-        times = task_times_lib.task_times_from_plan(plan, profile, cluster)
+        times = plan_times.task_times_from_plan(plan, profile, cluster)
         report = engine.run(times, engine.EngineConfig(
             num_waves=config.num_waves, num_inflight=nm, staleness_bound=config.staleness_bound,
             pull_every_wave=config.pull_every_wave, records=False), gpu_ids=[list(plan.virtual_workers[0].gpus)])

@@ -31,8 +31,8 @@ from absl import app, flags  # noqa: E402
 from experiments.paper import calibration  # noqa: E402
 from experiments.paper import common  # noqa: E402
 from experiments.paper import paper_tables as pt  # noqa: E402
+from hetpipe_jax.planning import compare as compare_lib  # noqa: E402
 from hetpipe_jax.planning import planner  # noqa: E402
-from hetpipe_jax.sim import compare as compare_lib  # noqa: E402
 
 
 

@@ -33,11 +33,11 @@ if str(pathlib.Path(__file__).resolve().parents[2]) not in sys.path:  # run as a
 from absl import app, flags  # noqa: E402
 
 from experiments.paper import common  # noqa: E402
+from hetpipe_jax.costs import cluster as cluster_lib  # noqa: E402
 from hetpipe_jax.paths import repo_path  # noqa: E402
-from hetpipe_jax.planning import cluster as cluster_lib  # noqa: E402
 from hetpipe_jax.planning import plan_format  # noqa: E402
+from hetpipe_jax.planning import plan_times  # noqa: E402
 from hetpipe_jax.sim import engine  # noqa: E402
-from hetpipe_jax.sim import task_times as task_times_lib  # noqa: E402
 
 PLAN = "experiments/paper/results/plans/fig6_d0_vgg19_imagenet_hetpipe_paper.json"
 PAPER_WAIT_D4_OVER_D0, PAPER_IDLE_OVER_WAIT = 0.62, 0.18
@@ -52,7 +52,7 @@ def plan_task_times(plan_path: str = PLAN) -> tuple[list, int]:
   """The timing plan's per-VW task times and its Nm."""
   plan = plan_format.load_plan(str(repo_path(plan_path)))
   cluster = cluster_lib.load_cluster(str(repo_path(plan.cluster)))
-  return task_times_lib.task_times_from_plan(plan, task_times_lib.profile_for_plan(plan), cluster), plan.num_inflight
+  return plan_times.task_times_from_plan(plan, plan_times.profile_for_plan(plan), cluster), plan.num_inflight
 
 
 def waiting(times, num_inflight: int, staleness_bound: int, cv: float, seed: int, num_waves: int,

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from hetpipe_jax.data import fashion_mnist
 from hetpipe_jax.data import text
 from hetpipe_jax.data.example_dataset import ExampleDataset  # noqa: F401  (the interface users import from here)
 from hetpipe_jax.data.fashion_mnist import DataError
@@ -125,7 +126,6 @@ def load_dataset(config: Any, example_shape: tuple[int, ...], example_dtype: str
   name = config.get("dataset", "fashion_mnist")
   check_dataset_name(name)
   if name == "fashion_mnist":
-    from hetpipe_jax.data import fashion_mnist
     dataset = fashion_mnist.load_fashion_mnist(config.data_dir or None,
                                                expected_counts=(60000, 10000) if config.check_counts else None)
   elif name == "text":

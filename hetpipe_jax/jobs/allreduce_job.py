@@ -26,11 +26,13 @@ import numpy as np
 from hetpipe_jax import models
 from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs import mpi_job, rank_setup
+from hetpipe_jax.jobs.evaluation import Evaluator
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
 from hetpipe_jax.jobs.outputs import (RunOutputs, check_replicas_identical, check_workdir, settings_summary,
                                       weights_sha256)
 from hetpipe_jax.rules import allreduce
 from hetpipe_jax.runtime.param_layout import ParamLayout
+from hetpipe_jax.runtime.virtual_worker import VirtualWorker
 
 
 class MPIAllReducer:
@@ -73,7 +75,6 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
     ConfigError: invalid settings, or ``--resume`` (not supported for the all-reduce methods).
     fashion_mnist.DataError: missing or corrupt dataset files.
   """
-  from hetpipe_jax.runtime.virtual_worker import VirtualWorker  # pylint: disable=g-import-not-at-top
 
   rank, world = comm.Get_rank(), comm.Get_size()
   if resume:
@@ -114,7 +115,6 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   state: dict[str, Any] = {"losses": [], "loss": float("nan")}
   eval_every = mpi_job.eval_every_waves(config, settings, dataset.num_train)
   if rank == 0:
-    from hetpipe_jax.jobs.evaluation import Evaluator  # pylint: disable=g-import-not-at-top
     outputs = RunOutputs(workdir)
     outputs.write_config(resolved_config(config, settings, partitions, checkpoint_every_waves=0,
                                          **mpi_job.data_config_fields(spec, dataset),

@@ -9,7 +9,14 @@ import dataclasses
 import json
 from typing import Any, Mapping, Sequence
 
+from hetpipe_jax.costs import cluster as cluster_lib
+from hetpipe_jax.costs import task_times
+from hetpipe_jax.data.dataset import DatasetConfigError, check_dataset_name
+from hetpipe_jax.mpi import rank_layout
 from hetpipe_jax.paths import repo_path
+from hetpipe_jax.planning import plan_format
+from hetpipe_jax.planning import plan_times as plan_times_lib
+from hetpipe_jax.planning.ps_placement import PLACEMENTS, assign_layers, gpu_node
 from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import partition as partition_rules
 from hetpipe_jax.rules import wsp
@@ -237,7 +244,6 @@ def _check_scalars(config: Any) -> None:
   if config.checkpoint_max_to_keep < 1:
     raise ConfigError(f"config.checkpoint_max_to_keep={config.checkpoint_max_to_keep} must be >= 1")
   parse_debug_nan_update(config.debug_nan_update)
-  from hetpipe_jax.data.dataset import DatasetConfigError, check_dataset_name  # pure (numpy)
   try:
     check_dataset_name(config.get("dataset", "fashion_mnist"))
   except DatasetConfigError as e:
@@ -369,7 +375,6 @@ def _settings_from_plan(config: Any, plan: Any) -> JobSettings:
       raise ConfigError(f"config.stage_devices={config.stage_devices!r} but the plan places virtual worker "
                         f"{vw.vw_id} on devices {list(planned)}: {fix}")
     vws.append(VWLayout(partition, planned))
-  from hetpipe_jax.planning import plan_format  # pylint: disable=g-import-not-at-top  (lazy, as load_plan)
   caps = plan_format.memory_caps(plan, num_inflight)
   if caps is not None:
     sources["memory_caps"] = "plan (inflight_memory='schedule': each stage holds at most its held_per_stage)"
@@ -527,7 +532,6 @@ def load_plan(config: Any) -> Any:
   """
   if not config.plan:
     return None
-  from hetpipe_jax.planning import plan_format
   try:
     return plan_format.load_plan(str(repo_path(config.plan)), expected_model=config.model)
   except (OSError, ValueError) as e:
@@ -570,15 +574,13 @@ def timing_plan_task_times(config: Any, settings: JobSettings) -> list:
   (Nm, or M for the flush methods) and batch size; its model may differ from ``config.model``.
 
   Returns:
-    Per VW a :class:`hetpipe_jax.sim.task_times.VWTaskTimes` (seconds), :func:`task_times.task_times_from_plan`.
+    Per VW a :class:`hetpipe_jax.costs.task_times.VWTaskTimes` (seconds),
+    :func:`hetpipe_jax.planning.plan_times.task_times_from_plan`.
 
   Raises:
     ConfigError: ``config.plan`` is also set, the file is missing or invalid, or the timing plan's schedule differs
       from the run's (the message names both values and the fix).
   """
-  from hetpipe_jax.planning import cluster as cluster_lib
-  from hetpipe_jax.planning import plan_format
-  from hetpipe_jax.sim import task_times
   name = f"config.timing_plan={config.timing_plan!r}"
   if settings.plan is not None:
     raise ConfigError(f"{name} and config.plan={config.plan!r}: a timing plan times a run laid out by the config "
@@ -598,15 +600,15 @@ def timing_plan_task_times(config: Any, settings: JobSettings) -> list:
       raise ConfigError(f"{name} has {field}={want} but the run has config.{field}={got}: the timing plan must "
                         f"describe the run's schedule; set --config.{field}={want} or plan the timing again")
   try:
-    return task_times.task_times_from_plan(plan, task_times.profile_for_plan(plan),
-                                           cluster_lib.load_cluster(plan.cluster))
+    return plan_times_lib.task_times_from_plan(plan, plan_times_lib.profile_for_plan(plan),
+                                               cluster_lib.load_cluster(plan.cluster))
   except (OSError, ValueError) as e:
     raise ConfigError(f"{name}: {e}") from None
 
 
 def emulated_task_times(config: Any, settings: JobSettings, *, plan_times: bool | None = None,
                         virtual: bool = False) -> list | None:
-  """Per-VW :class:`hetpipe_jax.sim.task_times.VWTaskTimes` for emulated devices, or None when not emulating.
+  """Per-VW :class:`hetpipe_jax.costs.task_times.VWTaskTimes` for emulated devices, or None when not emulating.
 
   ``config.emulate_stage_ms`` gives synthetic per-stage times of one minibatch (a third forward, two thirds
   backward; the flush methods' tasks are micro-batches, each ``1 / M`` of it);
@@ -616,7 +618,6 @@ def emulated_task_times(config: Any, settings: JobSettings, *, plan_times: bool 
   Raises:
     ConfigError: two sources set, plan times without a plan, a timing plan outside virtual time, or malformed times.
   """
-  from hetpipe_jax.sim import task_times
   use_plan = config.emulate_plan if plan_times is None else plan_times
   if config.get("timing_plan", ""):
     if not virtual:
@@ -641,11 +642,10 @@ def emulated_task_times(config: Any, settings: JobSettings, *, plan_times: bool 
     return None
   if settings.plan is None:
     raise ConfigError("config.emulate_plan needs config.plan (the plan's GPU types give the task times)")
-  from hetpipe_jax.planning import cluster as cluster_lib
   plan = settings.plan
   try:
-    profile = task_times.profile_for_plan(plan)
-    return task_times.task_times_from_plan(plan, profile, cluster_lib.load_cluster(plan.cluster))
+    profile = plan_times_lib.profile_for_plan(plan)
+    return plan_times_lib.task_times_from_plan(plan, profile, cluster_lib.load_cluster(plan.cluster))
   except (OSError, ValueError) as e:
     raise ConfigError(f"config.emulate_plan: {e}") from None
 
@@ -653,7 +653,6 @@ def emulated_task_times(config: Any, settings: JobSettings, *, plan_times: bool 
 def plan_nodes(plan: Any) -> list[str]:
   """The plan's nodes in shard order: its ``ps_placement["shard_nodes"]`` (the cluster's node order), or for older
   plans the nodes in order of first appearance among the VWs' GPUs."""
-  from hetpipe_jax.planning.ps_placement import gpu_node
   names = plan.ps_placement.get("shard_nodes")
   if names:
     return list(names)
@@ -678,7 +677,6 @@ def with_ps_shards(config: Any, settings: JobSettings) -> JobSettings:
       than the plan's node count; with more than one shard, periodic checkpoints or evaluations (not supported
       yet: they need every shard's weights on one rank during the run).
   """
-  from hetpipe_jax.planning.ps_placement import PLACEMENTS, gpu_node
   plan = settings.plan
   nodes = plan_nodes(plan) if plan is not None else ["host"]
   given = config.get("num_ps_shards")
@@ -744,7 +742,6 @@ def ps_layer_shards(settings: JobSettings, partitions: Sequence[Partition], has_
     ConfigError: ``default`` placement leaves a shard without parameters (the message names the shards and the
       most that hold some).
   """
-  from hetpipe_jax.planning.ps_placement import assign_layers
   num = settings.num_ps_shards
   per_vw = []
   for part, nodes in zip(partitions, settings.vw_stage_nodes):
@@ -781,7 +778,6 @@ def with_stage_ranks(config: Any, settings: JobSettings, resume: bool = False) -
   """
   if not config.get("stage_ranks", False):
     return settings
-  from hetpipe_jax.mpi import rank_layout
   if config.checkpoint_every_waves > 0:
     raise ConfigError(f"config.checkpoint_every_waves={config.checkpoint_every_waves} with config.stage_ranks=True: "
                       "checkpoint barriers are not supported with stage ranks yet; set "

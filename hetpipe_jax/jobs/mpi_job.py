@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from absl import logging
+import flax
 import jax
 import numpy as np
 import optax
@@ -25,15 +26,29 @@ from hetpipe_jax.data import dataset as dataset_lib
 from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs import rank_setup
 from hetpipe_jax.jobs import resume as resume_lib
-from hetpipe_jax.mpi import ps_shards
+from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
+from hetpipe_jax.jobs.evaluation import Evaluator
 from hetpipe_jax.jobs.job_config import (ConfigError, JobSettings, check_devices, check_partitions, check_world_size,
                                          emulated_task_times, ps_layer_shards, resolved_config, with_ps_shards,
                                          with_stage_ranks)
-from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, settings_summary
+from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, settings_summary, weights_sha256
+from hetpipe_jax.mpi import ps_shards
+from hetpipe_jax.mpi.ps_client import MPIPSClient, StageRankPSClient
+from hetpipe_jax.mpi.ps_server import ParameterServerService
+from hetpipe_jax.mpi.rank_layout import stage_rank_layout
+from hetpipe_jax.mpi.stage_client import RemoteStages
+from hetpipe_jax.mpi.stage_server import StageRankServer
+from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.ps.shards import ShardLayout
 from hetpipe_jax.rules import methods
+from hetpipe_jax.rules import wsp
+from hetpipe_jax.runtime import opt_state
+from hetpipe_jax.runtime import optimizers
 from hetpipe_jax.runtime import stages as stages_lib
+from hetpipe_jax.runtime.objectives import get_objective
 from hetpipe_jax.runtime.param_layout import ParamLayout
+from hetpipe_jax.runtime.virtual_worker import VirtualWorker
+from hetpipe_jax.sim import trace
 
 
 def make_optimizer(config: Any, num_minibatches: int, spec: models.ModelSpec | None = None) -> Any:
@@ -63,7 +78,6 @@ def make_optimizer(config: Any, num_minibatches: int, spec: models.ModelSpec | N
   Raises:
     ConfigError: ``muon`` without a model, or for a model with no 2-D hidden weights.
   """
-  from hetpipe_jax.runtime import optimizers  # pylint: disable=g-import-not-at-top
   lr = config.learning_rate
   if config.lr_schedule == "cosine":
     lr = optax.cosine_decay_schedule(config.learning_rate, num_minibatches)
@@ -103,7 +117,6 @@ def _muon_layer_shapes(config: Any, spec: models.ModelSpec | None) -> list:
   Raises:
     ConfigError: no model, or a model where the rule gives Muon no parameter.
   """
-  from hetpipe_jax.runtime import optimizers  # pylint: disable=g-import-not-at-top
   if spec is None:
     raise ConfigError("config.optimizer='muon' decides its parameters per layer of the model: pass the model")
   shapes = jax.eval_shape(lambda: models.init_layer_params(spec, jax.random.key(config.seed)))
@@ -188,7 +201,6 @@ def load_data(config: Any, spec: models.ModelSpec) -> Any:
 
 def data_config_fields(spec: models.ModelSpec, dataset: Any) -> dict:
   """What config.json adds about the model's objective and the data (both jobs record it)."""
-  from hetpipe_jax.runtime.objectives import get_objective
   objective = get_objective(spec.objective)
   return {"objective": objective.name, "loss_unit": objective.loss_unit,
           "dataset_info": dataset_lib.dataset_description(dataset)}
@@ -216,8 +228,6 @@ def replay_fields(flat0: np.ndarray, seed: int, resumed_at_clock: int | None = N
     seed: ``config.seed``.
     resumed_at_clock: a resumed run's checkpoint (its weights are the start, not W0's rule).
   """
-  import flax  # pylint: disable=g-import-not-at-top
-  from hetpipe_jax.jobs.outputs import weights_sha256  # pylint: disable=g-import-not-at-top
   rule = (INITIAL_WEIGHTS_RULE if resumed_at_clock is None else
           f"the global weights of checkpoints/{resumed_at_clock} (resumed at global clock {resumed_at_clock})")
   return {"replay": {"initial_weights_sha256": weights_sha256(flat0), "initial_weights_num_params": int(flat0.size),
@@ -295,7 +305,6 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
     ps_shards.run_shard(settings, config.ps_apply, flat0, shards, rank, comm, partitions, offsets)
     return None
   if rank >= num_shards + settings.num_virtual_workers:  # a stage rank
-    from hetpipe_jax.mpi.rank_layout import stage_rank_layout
     vw_id = next(v for r, v, _ in stage_rank_layout(num_shards, settings.stage_groups) if r == rank)
     _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, partitions, vw_id, comm, shards,
                     restricted)
@@ -311,10 +320,7 @@ def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, part
   """A stage rank: runs its stages of VW ``vw_id`` as the VW's driver commands
   (:class:`hetpipe_jax.mpi.stage_server.StageRankServer`), pushes and pulls its stages' parts of every shard
   (:class:`hetpipe_jax.mpi.ps_client.StageRankPSClient`), then joins the job's final collective."""
-  from hetpipe_jax.mpi.ps_client import StageRankPSClient
-  from hetpipe_jax.mpi.stage_server import StageRankServer
   partition = partitions[vw_id]
-  from hetpipe_jax.runtime.virtual_worker import VirtualWorker
   link = rank_setup.stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
   devices = rank_setup.stage_devices(settings, vw_id, link, restricted)
   optimizer = make_optimizer(config, num_mb, spec)
@@ -375,12 +381,9 @@ _STAT_SUMS = ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes", "num
 
 def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, vw_id, comm, task_times,
             point, shards, partitions, restricted) -> None:
-  from hetpipe_jax.runtime.virtual_worker import VirtualWorker
-  from hetpipe_jax.mpi.ps_client import MPIPSClient
 
   link = remote = None
   if settings.stage_groups:  # stage ranks: this rank runs the VW's first stage group and drives the others
-    from hetpipe_jax.mpi.stage_client import RemoteStages
     link = rank_setup.stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
     remote = RemoteStages(comm, vw_id, link)
   devices = rank_setup.stage_devices(settings, vw_id, link, restricted)
@@ -467,12 +470,6 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
 
 def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, workdir, comm, point,
             shards, restricted) -> dict:
-  from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
-  from hetpipe_jax.jobs.evaluation import Evaluator
-  from hetpipe_jax.ps.param_server import ParameterServer
-  from hetpipe_jax.mpi.ps_server import ParameterServerService
-  from hetpipe_jax.rules import wsp
-  from hetpipe_jax.runtime import opt_state, optimizers
 
   n, nm = settings.num_virtual_workers, settings.num_inflight
   meta = point.meta if point else {}
@@ -638,8 +635,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
 
 def _write_runtime_trace(reports: dict, num_inflight: int, out: pathlib.Path) -> None:
   """tasks.jsonl, a Chrome trace (Perfetto) and a Figure-1-style Gantt PNG of every VW's measured tasks."""
-  from hetpipe_jax.sim import gantt
-  from hetpipe_jax.sim import trace
+  from hetpipe_jax.sim import gantt  # matplotlib only when drawing
   events = []
   with open(out / "tasks.jsonl", "w", encoding="utf-8") as f:
     for vw in sorted(reports):

@@ -16,11 +16,15 @@ Runtime layer (json, orbax through :mod:`hetpipe_jax.jobs.checkpoint`, matplotli
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
+
+from hetpipe_jax.jobs import checkpoint
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, config_to_json, format_partitions, optimizer_summary
 from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import records as records_lib
@@ -36,8 +40,6 @@ class ReplicasDivergedError(RuntimeError):
 def weights_sha256(flat: Any) -> str:
   """SHA-256 (hex) of flat float32 weights in the layer-ordered layout (little-endian bytes): config.json's
   ``initial_weights_sha256`` and summary.json's replica digests."""
-  import hashlib  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   return hashlib.sha256(np.ascontiguousarray(flat, dtype="<f4").tobytes()).hexdigest()
 
 
@@ -158,7 +160,6 @@ class RunOutputs:
 
   def save_checkpoint(self, layer_params: list[Any]) -> pathlib.Path:
     """Saves the final global weights in ``checkpoint/`` (orbax); returns its path."""
-    from hetpipe_jax.jobs import checkpoint
     return checkpoint.save_weights(self.dir / "checkpoint", layer_params)
 
   def finish(self, summary: Mapping[str, Any]) -> None:

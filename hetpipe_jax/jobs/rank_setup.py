@@ -11,12 +11,13 @@ import os
 import jax
 
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings
+from hetpipe_jax.mpi import rank_devices
+from hetpipe_jax.mpi.rank_layout import stage_rank_layout, stage_ranks_of_vw
+from hetpipe_jax.mpi.stage_link import StageLink, stage_boundaries
 
 
 def stage_link(config, settings, spec, partition, vw_id, num_mb, comm):
   """This rank's :class:`hetpipe_jax.mpi.stage_link.StageLink` for VW ``vw_id`` (stage ranks)."""
-  from hetpipe_jax.mpi.rank_layout import stage_ranks_of_vw
-  from hetpipe_jax.mpi.stage_link import StageLink, stage_boundaries
   ranks = stage_ranks_of_vw(settings.num_ps_shards, settings.stage_groups, vw_id)
   return StageLink(comm, vw_id, ranks, stage_boundaries(spec, partition, config.batch_size), num_mb,
                    ahead=settings.num_inflight + 1)
@@ -25,7 +26,6 @@ def stage_link(config, settings, spec, partition, vw_id, num_mb, comm):
 def rank_devices_of(config, comm):
   """This rank's GPU restriction from the launcher (:mod:`hetpipe_jax.mpi.rank_devices`; applied by ``train`` before
   jax started), or None. Read once per rank by the job, which passes it on."""
-  from hetpipe_jax.mpi import rank_devices
   return rank_devices.apply(comm.Get_rank(), comm.Get_size(), config.platform, environ=dict(os.environ))
 
 
@@ -36,8 +36,6 @@ def check_rank_devices(settings: JobSettings, table) -> None:
   Raises:
     ConfigError: a rank whose stages use a GPU its entry lacks (the message names ``HETPIPE_RANK_DEVICES``).
   """
-  from hetpipe_jax.mpi import rank_devices
-  from hetpipe_jax.mpi.rank_layout import stage_rank_layout
   needed = [()] * len(table)
   groups = settings.stage_groups or [(tuple(range(len(v.devices))),) for v in settings.vws]
   for r, v, stages in stage_rank_layout(settings.num_ps_shards if settings.uses_ps else 0, groups):
@@ -84,7 +82,6 @@ def stage_devices(settings, vw_id: int, link, restricted=None) -> list:
 
 def stage_rank_fields(settings: JobSettings) -> dict:
   """What config.json and summary.json record about stage ranks: per VW, its stage groups and each stage's rank."""
-  from hetpipe_jax.mpi.rank_layout import stage_ranks_of_vw
   if not settings.stage_groups:
     return {}
   return {"stage_rank_groups": [[list(g) for g in groups] for groups in settings.stage_groups],

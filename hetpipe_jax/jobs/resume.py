@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from absl import logging
 import numpy as np
 
+from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, parse_debug_nan_update
 from hetpipe_jax.paths import REPO_ROOT
 
@@ -134,7 +135,6 @@ def load_resume_point(workdir: str | pathlib.Path, settings: JobSettings, partit
   Raises:
     ConfigError: no readable checkpoint, or one from another model.
   """
-  from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints  # pylint: disable=g-import-not-at-top
   store = TrainingCheckpoints(workdir)
   try:
     got = store.restore_latest()

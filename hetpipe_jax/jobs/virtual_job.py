@@ -17,21 +17,22 @@ import numpy as np
 
 from hetpipe_jax import models
 from hetpipe_jax.data import sharding
+from hetpipe_jax.jobs import resume as resume_lib
+from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
 from hetpipe_jax.jobs.evaluation import Evaluator
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
 from hetpipe_jax.jobs.mpi_job import (build_stages, data_config_fields, eval_every_waves, load_data, make_optimizer,
                                       minibatches_per_vw, prepare, replay_fields)
-from hetpipe_jax.jobs import resume as resume_lib
-from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
 from hetpipe_jax.jobs.outputs import (RunOutputs, check_replicas_identical, check_workdir, settings_summary,
                                       weights_sha256)
-from hetpipe_jax.rules import wsp
 from hetpipe_jax.ps.param_server import ParameterServer
+from hetpipe_jax.rules import wsp
 from hetpipe_jax.runtime import virtual_time
 from hetpipe_jax.runtime.param_layout import ParamLayout
 from hetpipe_jax.runtime.virtual_worker import VirtualWorker
 from hetpipe_jax.sim import engine as engine_lib
 from hetpipe_jax.sim import engine_report
+from hetpipe_jax.sim import trace
 
 
 def _virtual_task_times(config, settings):
@@ -221,8 +222,7 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
   extra = outputs.write_minibatches(records)
   applied_fields = outputs.write_ps_applied(applied, n)
   if config.save_task_trace:
-    from hetpipe_jax.sim import gantt
-    from hetpipe_jax.sim import trace
+    from hetpipe_jax.sim import gantt  # matplotlib only when drawing
     trace.write_trace(trace.report_trace(report), str(outputs.dir / "trace.json"))
     gantt.plot_report(report, str(outputs.dir / "gantt.png"))
   ckpt = outputs.save_checkpoint(layout.unflatten(server.weights))
@@ -347,8 +347,7 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
   records = [dict(rec.__dict__) for vw in vws for rec in vw.records]
   extra = outputs.write_minibatches(records)
   if config.save_task_trace:
-    from hetpipe_jax.sim import gantt
-    from hetpipe_jax.sim import trace
+    from hetpipe_jax.sim import gantt  # matplotlib only when drawing
     trace.write_trace(trace.report_trace(report), str(outputs.dir / "trace.json"))
     gantt.plot_report(report, str(outputs.dir / "gantt.png"))
   ckpt = outputs.save_checkpoint(layout.unflatten(final_flat))

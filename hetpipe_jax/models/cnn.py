@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from hetpipe_jax.models import ModelSpec, register_model
 from hetpipe_jax.models.layers import ConvReLU, Dense, Flatten, MaxPool, relu
+from hetpipe_jax.models.spec import ModelSpec
 
 
-@register_model("cnn")
 def cnn() -> ModelSpec:
   """conv32 → pool → conv64 → pool → flatten → dense256 → dense10 (the 2-conv benchmark family)."""
   layers = (
@@ -21,7 +20,6 @@ def cnn() -> ModelSpec:
   return ModelSpec("cnn", layers, (28, 28, 1), 10)
 
 
-@register_model("cnn_small")
 def cnn_small() -> ModelSpec:
   """A narrower variant of ``cnn`` (16/32 channels) for quick runs."""
   layers = (

@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from hetpipe_jax.models import ModelSpec, register_model
+from hetpipe_jax.models.spec import ModelSpec
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -88,13 +88,11 @@ def gpt(name: str, *, vocab_size: int, seq_len: int, d_model: int, num_heads: in
   return ModelSpec(name, layers, (seq_len,), vocab_size, input_dtype="int32", objective="next_token")
 
 
-@register_model("gpt_tiny")
 def gpt_tiny() -> ModelSpec:
   """Byte-level, 16 tokens, d_model 32, 2 heads, 2 blocks (4 layers): for tests."""
   return gpt("gpt_tiny", vocab_size=256, seq_len=16, d_model=32, num_heads=2, num_blocks=2)
 
 
-@register_model("gpt_bytes")
 def gpt_bytes() -> ModelSpec:
   """Byte-level, 64 tokens, d_model 128, 4 heads, 4 blocks (6 layers, ~0.84 M parameters): the CPU LM config's."""
   return gpt("gpt_bytes", vocab_size=256, seq_len=64, d_model=128, num_heads=4, num_blocks=4)
@@ -104,7 +102,6 @@ GPT2_VOCAB = 50257
 GPT2_CONTEXT = 1024
 
 
-@register_model("gpt2_small")
 def gpt2_small() -> ModelSpec:
   """GPT-2 small shapes (Radford et al. 2019, Table 2: 12 blocks, d_model 768, 12 heads, ~163 M parameters with an
   untied head, 124 M tied), vocabulary 50,257, context 1,024. For planning and the GPU check
@@ -112,7 +109,6 @@ def gpt2_small() -> ModelSpec:
   return gpt("gpt2_small", vocab_size=GPT2_VOCAB, seq_len=GPT2_CONTEXT, d_model=768, num_heads=12, num_blocks=12)
 
 
-@register_model("gpt2_medium")
 def gpt2_medium() -> ModelSpec:
   """GPT-2 medium shapes (Radford et al. 2019, Table 2: 24 blocks, d_model 1024, 16 heads, ~355 M parameters with
   an untied head), BPE vocabulary 50,257, context 1,024. For planning (XLA cost analysis); tokens are BPE ids here,
@@ -120,7 +116,6 @@ def gpt2_medium() -> ModelSpec:
   return gpt("gpt2_medium", vocab_size=GPT2_VOCAB, seq_len=GPT2_CONTEXT, d_model=1024, num_heads=16, num_blocks=24)
 
 
-@register_model("gpt2_large")
 def gpt2_large() -> ModelSpec:
   """GPT-2 large shapes (36 blocks, d_model 1280, 20 heads, ~774 M parameters with an untied head), vocabulary
   50,257, context 1,024. For planning (XLA cost analysis)."""

@@ -13,8 +13,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from hetpipe_jax.models import ModelSpec, register_model
 from hetpipe_jax.models.layers import ConvReLU, Dense, Flatten, GlobalAvgPool, MaxPool, relu
+from hetpipe_jax.models.spec import ModelSpec
 
 IMAGENET_SHAPE = (224, 224, 3)
 IMAGENET_CLASSES = 1000
@@ -84,7 +84,6 @@ class Bottleneck(nn.Module):
     return nn.remat(NormAddReLU)(project)(y, x)
 
 
-@register_model("resnet152_imagenet")
 def resnet152_imagenet() -> ModelSpec:
   """Stem, 50 bottleneck blocks (3, 8, 36, 3), global average pool, dense 1000: 53 layers."""
   layers = [ResNetStem(64)]
@@ -95,7 +94,6 @@ def resnet152_imagenet() -> ModelSpec:
   return ModelSpec("resnet152_imagenet", tuple(layers), IMAGENET_SHAPE, IMAGENET_CLASSES)
 
 
-@register_model("vgg19_imagenet")
 def vgg19_imagenet() -> ModelSpec:
   """16 3x3 conv+ReLU layers, 5 max pools, flatten, dense 4096, 4096, 1000: 25 layers (~548 MiB of params)."""
   layers = []

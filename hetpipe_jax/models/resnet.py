@@ -9,8 +9,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from hetpipe_jax.models import ModelSpec, register_model
 from hetpipe_jax.models.layers import Dense, GlobalAvgPool
+from hetpipe_jax.models.spec import ModelSpec
 
 
 class ResidualBlock(nn.Module):
@@ -39,7 +39,6 @@ class Stem(nn.Module):
     return nn.relu(nn.GroupNorm(num_groups=8)(nn.Conv(self.features, (3, 3), padding="SAME")(x)))
 
 
-@register_model("resnet")
 def resnet() -> ModelSpec:
   layers = (
       Stem(32),

@@ -11,7 +11,12 @@ from typing import Any
 
 import numpy as np
 
+from hetpipe_jax.mpi import ps_client
+from hetpipe_jax.mpi.ps_server import ParameterServerService
+from hetpipe_jax.mpi.rank_layout import stage_rank_layout, stage_ranks_of_vw
 from hetpipe_jax.mpi.wire import TAG_SHARD_FINAL
+from hetpipe_jax.ps.param_server import ParameterServer
+from hetpipe_jax.ps.shards import VWParts
 
 
 def ps_byte_matrix(comm) -> np.ndarray | None:
@@ -19,7 +24,6 @@ def ps_byte_matrix(comm) -> np.ndarray | None:
   (wave updates and pulled weights; :data:`hetpipe_jax.mpi.ps_client.PS_BYTES`). A collective: every rank calls it
   once, at its end."""
   from mpi4py import MPI
-  from hetpipe_jax.mpi import ps_client
   rank, world = comm.Get_rank(), comm.Get_size()
   row = ps_client.PS_BYTES.matrix_row(rank, world)
   total = np.zeros_like(row) if rank == 0 else None
@@ -30,8 +34,6 @@ def ps_byte_matrix(comm) -> np.ndarray | None:
 def vw_parts(settings, shards, partitions, layer_offsets) -> list | None:
   """Stage ranks: per VW, which of its ranks pushes and receives which part of each shard
   (:class:`hetpipe_jax.ps.shards.VWParts`); None without stage ranks (a VW's rank moves all of its bytes)."""
-  from hetpipe_jax.mpi.rank_layout import stage_ranks_of_vw
-  from hetpipe_jax.ps.shards import VWParts
   if not settings.stage_groups:
     return None
   return [VWParts.build(shards, v, stage_ranks_of_vw(settings.num_ps_shards, settings.stage_groups, v),
@@ -42,8 +44,6 @@ def vw_parts(settings, shards, partitions, layer_offsets) -> list | None:
 def run_shard(settings, ps_apply: str, flat0, shards, rank, comm, partitions, offsets) -> None:
   """A non-lead PS shard (rank 1..S-1): applies its slice of every wave update on receipt (its own order), answers
   pulls with its slice, then sends rank 0 its application log and final slice."""
-  from hetpipe_jax.ps.param_server import ParameterServer
-  from hetpipe_jax.mpi.ps_server import ParameterServerService
   server = ParameterServer(shards.gather(flat0, rank), settings.num_virtual_workers, ps_apply)
   service = ParameterServerService(comm, server, num_minibatches_per_vw=0, num_inflight=settings.num_inflight,
                                    evaluate=None, eval_every_waves=0, log_every_waves=1,
@@ -81,7 +81,6 @@ def gather_shards(comm, shards, flat0: np.ndarray, lead_weights: np.ndarray,
 def rank_nodes(settings) -> dict[int, str]:
   """Stage ranks: every PS and VW rank's (plan) node: a shard's from ``shard_nodes``, a VW rank's the node of its
   stage group (a group's stages share a node: ``gpu`` grouping holds one stage, ``node`` grouping one node's)."""
-  from hetpipe_jax.mpi.rank_layout import stage_rank_layout
   nodes = {s: settings.shard_nodes[s] for s in range(settings.num_ps_shards)}
   for rank, v, stages in stage_rank_layout(settings.num_ps_shards, settings.stage_groups):
     nodes[rank] = settings.vw_stage_nodes[v][stages[0]]

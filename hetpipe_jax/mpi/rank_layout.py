@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
+from hetpipe_jax.planning.ps_placement import gpu_node
+
 
 class LaunchError(ValueError):
   """The plan cannot be mapped onto the hosts; the message names the problem and the fix."""
@@ -179,7 +181,6 @@ def map_ranks(plan: Any, nodes: Sequence[str], num_ps_shards: int, hosts: Sequen
     LaunchError: ``num_ps_shards < 1``, too few hosts, or (without stage ranks) a VW whose stages' nodes map to
       different hosts.
   """
-  from hetpipe_jax.planning.ps_placement import gpu_node
   if num_ps_shards < 1:
     raise LaunchError(f"--num_ps_shards={num_ps_shards} must be >= 1")
   host_of = node_hosts(nodes, hosts)

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from hetpipe_jax import models
 from hetpipe_jax.mpi import wire
 from hetpipe_jax.mpi.wire import Kind, ProtocolError
 from hetpipe_jax.rules.schedule import TaskKind
@@ -166,7 +167,6 @@ def _data_tag(kind: Kind, receiving_stage: int) -> int:
 def stage_boundaries(spec: Any, partition: Sequence[Sequence[int]], batch_size: int) -> list[tuple]:
   """Per stage, the ``(shape, dtype)`` of its input activation (index 0: the model's input), from ``jax.eval_shape``
   (no computation)."""
-  from hetpipe_jax import models  # pylint: disable=g-import-not-at-top
   params = jax.eval_shape(lambda: models.init_layer_params(spec, jax.random.key(0)))
   x = jax.ShapeDtypeStruct((batch_size, *spec.input_shape), np.dtype(spec.input_dtype))
   out = []

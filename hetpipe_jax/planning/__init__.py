@@ -1,1 +1,1 @@
-"""Cluster, profiles, cost model, partitioner, Nm, allocation, PS placement, plan files (no jax)."""
+"""Partitioner, Nm, allocation (NP / ED / HD / auto), PS placement, plan files and their task times (no jax)."""

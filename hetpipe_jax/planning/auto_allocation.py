@@ -21,11 +21,11 @@ from typing import Sequence
 
 import numpy as np
 
+from hetpipe_jax.costs.cluster import ClusterSpec, Gpu
+from hetpipe_jax.costs.cost_model import StageCosts
 from hetpipe_jax.planning import inflight
-from hetpipe_jax.planning.allocator import (AllocationError, SystemPlan, node_contents, plan_system, shape_key,
-                                             vw_planner)
-from hetpipe_jax.planning.cluster import ClusterSpec, Gpu
-from hetpipe_jax.planning.cost_model import StageCosts
+from hetpipe_jax.planning.system_plan import (AllocationError, SystemPlan, node_contents, plan_system, shape_key,
+                                               vw_planner)
 
 TARGET_STEP = 0.02  # auto: each round of the descent lowers the target total by 2 % ...
 MAX_TARGET_ROUNDS = 20  # ... for at most 20 rounds (to 0.67 x the packing bound); then the plain search

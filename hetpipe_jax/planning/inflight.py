@@ -20,8 +20,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from hetpipe_jax.planning.cluster import Gpu
-from hetpipe_jax.planning.cost_model import INTER, INTRA, MS_PER_S, StageCosts
+from hetpipe_jax.costs.cluster import Gpu
+from hetpipe_jax.costs.cost_model import INTER, INTRA, MS_PER_S, StageCosts
 from hetpipe_jax.planning.partitioner import (InfeasiblePartitionError, Partition, PartitionProblem,
                                               min_max_stage_time_ms, partition_dp)
 

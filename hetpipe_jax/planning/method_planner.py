@@ -2,7 +2,7 @@
 
 Planning layer: standard library and numpy only. Each method's memory model is the cost model's
 (``CostModelConfig.method``); this module chooses what the method leaves open and returns the allocator's
-:class:`~hetpipe_jax.planning.allocator.SystemPlan`, so :func:`hetpipe_jax.planning.planner.make_plan` writes every
+:class:`~hetpipe_jax.planning.system_plan.SystemPlan`, so :func:`hetpipe_jax.planning.planner.make_plan` writes every
 method's plan in one format (``Plan.method``).
 
 * ``pipedream``: Nm defaults to PipeDream's NOAM for the VW (``ceil(#GPUs / #GPUs of the input stage)`` = S for a
@@ -24,13 +24,13 @@ import dataclasses
 import math
 from typing import Sequence
 
-from hetpipe_jax.planning import allreduce_cost
-from hetpipe_jax.planning import cost_model
+from hetpipe_jax.costs import allreduce_cost
+from hetpipe_jax.costs import cost_model
+from hetpipe_jax.costs.cluster import ClusterSpec, Gpu
+from hetpipe_jax.costs.profile_format import ModelProfile, micro_batch_profile
 from hetpipe_jax.planning import inflight
-from hetpipe_jax.planning.allocator import AllocationError, SystemPlan, VirtualWorkerPlan
-from hetpipe_jax.planning.cluster import ClusterSpec, Gpu
 from hetpipe_jax.planning.partitioner import InfeasiblePartitionError, PartitionProblem, partition_dp
-from hetpipe_jax.planning.profile_format import ModelProfile, micro_batch_profile
+from hetpipe_jax.planning.system_plan import AllocationError, SystemPlan, VirtualWorkerPlan
 from hetpipe_jax.rules import methods
 
 MAX_MICROBATCHES = 32

@@ -24,11 +24,11 @@ from typing import Sequence
 
 import numpy as np
 
-from hetpipe_jax.planning import cost_model
-from hetpipe_jax.planning import inflight_memory
-from hetpipe_jax.planning.cluster import Gpu
-from hetpipe_jax.planning.cost_model import INTER, INTRA, StageCosts
+from hetpipe_jax.costs import cost_model
+from hetpipe_jax.costs.cluster import Gpu
+from hetpipe_jax.costs.cost_model import INTER, INTRA, StageCosts
 from hetpipe_jax.rules import methods
+from hetpipe_jax.sim import inflight_memory
 
 GIB = float(2**30)
 
@@ -43,7 +43,7 @@ class PartitionProblem:
     num_inflight: Nm, minibatches in flight (sets the memory each stage needs).
     held_per_stage: per stage position, the minibatches the stage is counted to hold (``[S]``); None: the cost
       model's rule (``costs.config.inflight_memory``: the method's closed form, or with ``"schedule"`` each
-      partition's own schedule peaks, :mod:`hetpipe_jax.planning.inflight_memory`).
+      partition's own schedule peaks, :mod:`hetpipe_jax.sim.inflight_memory`).
   """
 
   costs: StageCosts
@@ -281,7 +281,7 @@ def partition_dp(problem: PartitionProblem) -> Partition:
     problem: costs, the virtual worker's GPUs and Nm.
 
   With ``inflight_memory="schedule"`` (and no ``held_per_stage``) each stage is counted to hold its own schedule
-  peak (:func:`hetpipe_jax.planning.inflight_memory.self_consistent_partition`: exact for the held counts it ends
+  peak (:func:`hetpipe_jax.sim.inflight_memory.self_consistent_partition`: exact for the held counts it ends
   with, a search over those counts; its largest stage time is at most the conservative optimum's).
 
   Returns:

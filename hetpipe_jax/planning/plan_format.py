@@ -13,12 +13,12 @@ import dataclasses
 import json
 from typing import Any, Sequence
 
+from hetpipe_jax.costs.cluster import ClusterSpec, node_local_index
+from hetpipe_jax.costs.cost_model import CostModelConfig
+from hetpipe_jax.costs.profile_format import ModelProfile
 from hetpipe_jax.paths import write_json
-from hetpipe_jax.planning.allocator import SystemPlan
-from hetpipe_jax.planning.cluster import ClusterSpec, node_local_index
-from hetpipe_jax.planning.cost_model import CostModelConfig
-from hetpipe_jax.planning.profile_format import ModelProfile
 from hetpipe_jax.planning.ps_placement import Placement
+from hetpipe_jax.planning.system_plan import SystemPlan
 from hetpipe_jax.rules import methods
 from hetpipe_jax.rules.partition import validate_partition
 
@@ -116,7 +116,7 @@ def make_plan(system: SystemPlan, cluster: ClusterSpec, profile: ModelProfile, p
 def memory_caps(plan: Plan, num_inflight: int) -> tuple[tuple[int, ...], ...] | None:
   """Per VW, per stage, the most minibatches a stage may hold when ``plan`` runs at Nm = ``num_inflight``: the
   plan's ``held_per_stage`` when its memory was counted with ``inflight_memory="schedule"`` (each stage's peak
-  under the schedule rules at the plan's task times, below Nm; :mod:`hetpipe_jax.planning.inflight_memory`) for a
+  under the schedule rules at the plan's task times, below Nm; :mod:`hetpipe_jax.sim.inflight_memory`) for a
   ``hetpipe`` plan run at the plan's own Nm. Enforced by ``schedule.PipelineRules`` (runtime, engine, virtual
   time), they make that memory count hold whatever the task times and WSP waits. None otherwise: the
   conservative count (Nm on every stage) needs no cap, and caps counted at another Nm do not apply.
@@ -179,7 +179,7 @@ def validate_plan(plan: Plan) -> None:
 
 def _devices(vw: dict[str, Any]) -> tuple[int, ...]:
   """A VW entry's device index per stage; ``null`` (plans written before GPUs had a default index) is the GPU's
-  index within its node (:func:`hetpipe_jax.planning.cluster.node_local_index`, the planner's default)."""
+  index within its node (:func:`hetpipe_jax.costs.cluster.node_local_index`, the planner's default)."""
   devices, gpus = list(vw["devices"]), list(vw["gpus"])
   if len(devices) != len(gpus):
     return tuple(devices)  # validate_plan names the mismatch

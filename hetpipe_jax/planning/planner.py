@@ -9,14 +9,14 @@ from __future__ import annotations
 import dataclasses
 
 from hetpipe_jax.planning import allocator
-from hetpipe_jax.planning import cost_model
-from hetpipe_jax.planning import allreduce_cost
+from hetpipe_jax.costs import cost_model
+from hetpipe_jax.costs import allreduce_cost
 from hetpipe_jax.planning import inflight
 from hetpipe_jax.planning import method_planner
 from hetpipe_jax.planning import plan_format
 from hetpipe_jax.planning import ps_placement
-from hetpipe_jax.planning.cluster import ClusterSpec
-from hetpipe_jax.planning.profile_format import ModelProfile
+from hetpipe_jax.costs.cluster import ClusterSpec
+from hetpipe_jax.costs.profile_format import ModelProfile
 from hetpipe_jax.rules import methods
 
 MIB = float(2**20)
@@ -69,7 +69,7 @@ def _make_method_plan(cluster: ClusterSpec, profile: ModelProfile, config: Plann
   """Plans a method other than HetPipe (:mod:`method_planner`)."""
   if methods.get_method(config.method).sharded:
     raise ValueError(f"method {config.method!r} has no plan file: it is planned by "
-                     "hetpipe_jax.planning.fsdp_cost.plan_fsdp (hetpipe_jax.compare lists it)")
+                     "hetpipe_jax.costs.fsdp_cost.plan_fsdp (hetpipe_jax.compare lists it)")
   cost = dataclasses.replace(config.cost, method=config.method, remat=config.remat)
   if config.method == "horovod":
     mp = method_planner.plan_horovod(cluster, profile, cost, config.num_inflight or 1)

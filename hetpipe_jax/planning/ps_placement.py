@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from hetpipe_jax.planning.cluster import ClusterSpec
+from hetpipe_jax.costs.cluster import ClusterSpec
+from hetpipe_jax.costs.profile_format import ModelProfile
 from hetpipe_jax.planning.partitioner import Partition
-from hetpipe_jax.planning.profile_format import ModelProfile
 
 PLACEMENTS = ("default", "local")
 

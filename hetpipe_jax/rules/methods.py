@@ -29,7 +29,7 @@ fsdp       one stage (every GPU runs the whole model on its  one update per step
 ========== ================================================ ===================== ===========================
 
 ``fsdp`` (fully sharded data parallelism: ZeRO-3, PyTorch FSDP, ``jax.sharding`` over a data axis) is in the table
-for the cost model (:mod:`hetpipe_jax.planning.fsdp_cost`), the engine and ``compare``; its runtime is one host's
+for the cost model (:mod:`hetpipe_jax.costs.fsdp_cost`), the engine and ``compare``; its runtime is one host's
 ``jax.sharding`` step (``experiments/fsdp_validate.py``), not the MPI / virtual-time harness (``hetpipe_jax.train``
 trains :data:`HARNESS_METHODS`). In the engine it runs as ``horovod`` does (one-stage VWs, one per GPU, all-reduce
 BSP: every step waits for the slowest GPU, then the step's collectives), with the collectives' exposed time in
@@ -197,7 +197,7 @@ def stage_order(method: Method, num_stages: int, num_inflight: int, num_minibatc
 def max_held_per_stage(method: Method, num_stages: int, num_inflight: int) -> list[int]:
   """Most (micro-)batches each stage holds at once (forward done, backward not) under the method's order.
 
-  ``hetpipe``: Nm on every non-last stage (:func:`hetpipe_jax.planning.cost_model.max_inflight_per_stage`, the safe
+  ``hetpipe``: Nm on every non-last stage (:func:`hetpipe_jax.costs.cost_model.max_inflight_per_stage`, the safe
   bound of the FIFO rule). Static orders: K_s on stage s (it starts forward ``p + K_s`` only after backward p);
   the last stage holds 1 (its FB task).
   """

@@ -9,7 +9,7 @@ server (PS) shards on other nodes, and the rings of an all-reduce that span node
 
 Model (:class:`NicState`): a NIC is full duplex (InfiniBand is), so it is two resources, its send side and its
 receive side. A transfer from node A to node B is a *leg* ``(A, B, seconds)`` whose ``seconds`` is the link's
-``LinkSpec.transfer_time_s`` of its bytes (latency + bytes / achieved bandwidth, :mod:`hetpipe_jax.planning.cluster`);
+``LinkSpec.transfer_time_s`` of its bytes (latency + bytes / achieved bandwidth, :mod:`hetpipe_jax.costs.cluster`);
 it holds A's send side and B's receive side for those seconds, and starts when both are free and its data is ready.
 Legs are served one at a time per side, first come first served in the order they are requested (the order of
 events in virtual time; ties in creation order), without back-filling an earlier gap. A leg inside one node
@@ -26,7 +26,7 @@ when it starts), so the event engine stays one event per transfer and determinis
 message queued behind a large one (processor sharing would let it through sooner).
 
 The all-reduce of the all-reduce methods applies the same rule in closed form
-(:func:`hetpipe_jax.planning.allreduce_cost.allreduce_time_s`): the rings that cross a node's NIC are served one
+(:func:`hetpipe_jax.costs.allreduce_cost.allreduce_time_s`): the rings that cross a node's NIC are served one
 after another, like the segments one GPU holds.
 
 Used by the event engine (:mod:`hetpipe_jax.sim.engine`, ``EngineConfig.shared_nic``, on by default for every

@@ -7,7 +7,7 @@ divides (:func:`leaf_sharding`; a leaf with no such axis, e.g. a scalar step cou
 The step computes the mean loss over the global batch and its gradient, constrains the gradient to the parameters'
 sharding and applies the optimizer shard by shard. Nothing else is written by hand: XLA's SPMD partitioner inserts
 the all-gathers of the parameters where the forward and backward need them and the reduce-scatter of the
-gradients, the collectives the cost model (:mod:`hetpipe_jax.planning.fsdp_cost`) counts.
+gradients, the collectives the cost model (:mod:`hetpipe_jax.costs.fsdp_cost`) counts.
 
 Numerics: the step is one optimizer step on the mean gradient of the global batch, so a plain one-device optax loop
 on the same batches (the replay oracle of ``experiments/fsdp_validate.py``, written apart) gives the same weights up

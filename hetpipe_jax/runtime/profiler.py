@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hetpipe_jax.costs import profile_format
 from hetpipe_jax.models import ModelSpec, load_model
-from hetpipe_jax.planning import profile_format
 
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "sgd": lambda: optax.sgd(0.1),

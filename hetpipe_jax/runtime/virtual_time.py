@@ -22,10 +22,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from hetpipe_jax.costs.task_times import VWTaskTimes
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.runtime.virtual_worker import VirtualWorker
 from hetpipe_jax.sim import engine as engine_lib
-from hetpipe_jax.sim.task_times import VWTaskTimes
 
 
 class RecordingPSClient:

@@ -40,16 +40,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetpipe_jax.ps.shards import rebase_on_shards
 from hetpipe_jax.rules import allreduce
 from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import schedule
 from hetpipe_jax.rules import wsp
 from hetpipe_jax.rules.records import MinibatchRecord, ShardedMinibatchRecord
 from hetpipe_jax.rules.schedule import Task, TaskKind
-from hetpipe_jax.ps.shards import rebase_on_shards
+from hetpipe_jax.runtime import grad_clip
+from hetpipe_jax.runtime import opt_state
 from hetpipe_jax.runtime import optimizers
 from hetpipe_jax.runtime import vw_driver
-from hetpipe_jax.runtime import grad_clip
 from hetpipe_jax.runtime.flush_step import FlushStep
 from hetpipe_jax.runtime.linked_stages import LinkedStages
 from hetpipe_jax.runtime.param_layout import ParamLayout
@@ -623,7 +624,6 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
   def opt_state_by_layer(self) -> tuple[list[np.ndarray], list[list[Any]]]:
     """The VW's optimizer state split by layer (:func:`hetpipe_jax.runtime.opt_state.split_by_layer`), all its layers
     in order; the shared scalars are stage 0's (every stage updates once per minibatch, so they agree)."""
-    from hetpipe_jax.runtime import opt_state  # pylint: disable=g-import-not-at-top
     host_states, host_params = jax.device_get((self.opt_states, list(self.version.params)))
     scalars, per_layer = None, []
     for state, params in zip(host_states, host_params):
@@ -638,7 +638,6 @@ class VirtualWorker(FlushStep, PerStageUpdates, LinkedStages):
     Raises:
       ValueError: the parts do not fit this model and optimizer.
     """
-    from hetpipe_jax.runtime import opt_state  # pylint: disable=g-import-not-at-top
     states = []
     for st, params in zip(self.stages, jax.device_get(list(self.version.params))):
       start, end = st.layer_range

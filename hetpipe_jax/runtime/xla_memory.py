@@ -6,7 +6,7 @@ temporary and aliased bytes; the stage's peak is the largest program's ``argumen
 the stage's persistent buffers that are not among that program's arguments (optimizer state and the gradient
 accumulator during the forward and backward). The forward's outputs include the VJP residuals the stage keeps
 for the backward, so this is the number to set against the cost model's
-:meth:`~hetpipe_jax.planning.cost_model.StageCosts.stage_memory_bytes` at ``Nm = 1``.
+:meth:`~hetpipe_jax.costs.cost_model.StageCosts.stage_memory_bytes` at ``Nm = 1``.
 """
 
 from __future__ import annotations

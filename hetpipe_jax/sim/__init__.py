@@ -1,1 +1,2 @@
-"""The discrete-event engine over the shared rules, its report, task times, traces and Gantt charts (no jax)."""
+"""The discrete-event engine over the shared rules, what runs it (in-flight memory peaks), its report, traces and
+Gantt charts (no jax)."""

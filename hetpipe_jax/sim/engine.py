@@ -1,6 +1,6 @@
 """Discrete-event engine: N virtual workers and the parameter server in virtual time (HetPipe §4, §5, §8).
 
-Planning layer: standard library only. The engine executes exactly the rules the runtime (``vw_driver.run``)
+Simulation layer: standard library only. The engine executes exactly the rules the runtime (``vw_driver.run``)
 executes, through the same pure objects: per VW a :class:`schedule.PipelineRules`
 (which task a stage runs next, Nm in flight) and a :class:`wsp.VWSyncState` (may a minibatch be injected, what to
 push and pull), and one :class:`wsp.ParameterServerState` for the PS. Only time is simulated:
@@ -40,7 +40,7 @@ Hooks of the all-reduce methods: ``on_wave_end(vw_id, step, t)`` when a VW enter
 gradients are final), ``on_allreduce(step, t)`` when the last VW enters it, ``on_reduced(vw_id, step, t)`` when the
 reduced update is applied on a VW (then its injections and task starts follow, as after a pull reply).
 ``fsdp`` runs as ``horovod`` does, one one-GPU VW per GPU in lock-step, its task times and "all-reduce" (the
-collectives' exposed time) from :func:`hetpipe_jax.sim.task_times.fsdp_task_times`.
+collectives' exposed time) from :func:`hetpipe_jax.costs.task_times.fsdp_task_times`.
 
 Shared network interfaces (``shared_nic``, on by default for every method; :mod:`hetpipe_jax.rules.network`): each
 node's NIC carries its inter-node traffic one transfer at a time per direction, in request order. A task whose
@@ -92,6 +92,7 @@ import random
 import time
 from typing import Any, Sequence
 
+from hetpipe_jax.costs.task_times import VWTaskTimes
 from hetpipe_jax.rules import allreduce
 from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import network
@@ -100,7 +101,6 @@ from hetpipe_jax.rules import wsp
 from hetpipe_jax.rules.schedule import Task, TaskKind
 from hetpipe_jax.sim import engine_report
 from hetpipe_jax.sim.engine_report import EngineReport, GPUReport, MinibatchRecord, TaskEvent, VWReport
-from hetpipe_jax.sim.task_times import VWTaskTimes
 
 _TASK_END, _PUSH_ARRIVAL, _PULL_REQUEST, _PULL_REPLY, _REDUCED, _SEND, _LEG = 0, 1, 2, 3, 4, 5, 6
 _BACKWARD = TaskKind.BACKWARD

@@ -1,7 +1,7 @@
 """What an event-engine run reports: throughput, utilisation, WSP waits, clock distance, records (HetPipe §8).
 
-Planning layer: standard library only. Built by :mod:`hetpipe_jax.sim.engine`; rendered as JSON (:meth:`to_dict`) and as
-a text table (:func:`format_table`). Minibatch records are :class:`hetpipe_jax.rules.records.MinibatchRecord`, as in the
+Simulation layer: standard library only. Built by :mod:`hetpipe_jax.sim.engine`; rendered as JSON (:meth:`to_dict`)
+and as a text table (:func:`format_table`). Minibatch records are :class:`hetpipe_jax.rules.records.MinibatchRecord`, as in the
 runtime, so one checker serves the runtime's ``minibatches.jsonl`` and the engine's records.
 """
 

@@ -1,6 +1,6 @@
 """Chrome-trace JSON of pipeline runs (opens in Perfetto / chrome://tracing), from the engine or the runtime.
 
-Planning layer: standard library only. One process per virtual worker (``pid`` = ``vw_id``), one thread per stage
+Simulation layer: standard library only. One process per virtual worker (``pid`` = ``vw_id``), one thread per stage
 (``tid`` = ``stage_id``, named after its GPU) and one extra thread for WSP waits; every task is a complete event
 (``"ph": "X"``) named by kind and minibatch (``"F3"``, ``"B3"``, ``"FB3"``) with the wave in ``args``; the clock
 distance between VWs is a counter on a ``PS`` process. Times are in microseconds, as the format requires.

@@ -1,7 +1,7 @@
 """Per virtual worker and stage, how long each pipeline task and each PS transfer takes (HetPipe §4, §5, §7).
 
-Planning layer: standard library and numpy only. The event engine (:mod:`hetpipe_jax.sim.engine`) and emulated devices
-read these durations, in seconds.
+Costs layer: standard library and numpy only. The event engine (:mod:`hetpipe_jax.sim.engine`) and emulated devices
+read these durations, in seconds; a plan file's are :func:`hetpipe_jax.planning.plan_times.task_times_from_plan`.
 
 A task occupies its stage from its start until its output has reached its consumer (this is how the runtime,
 :mod:`hetpipe_jax.runtime.virtual_worker`, observes a task as done), so a task's duration is its compute plus the
@@ -25,19 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Sequence
 
 import numpy as np
 
-from hetpipe_jax.planning import allreduce_cost
-from hetpipe_jax.planning import cost_model
-from hetpipe_jax.planning import fsdp_cost  # noqa: F401  (type of fsdp_task_times' argument)
-from hetpipe_jax.planning import profile_format
-from hetpipe_jax.planning.cluster import ClusterSpec
-from hetpipe_jax.planning.plan_format import Plan
-from hetpipe_jax.planning.profile_format import ModelProfile
-from hetpipe_jax.rules import methods
+from hetpipe_jax.costs import cost_model
+from hetpipe_jax.costs import fsdp_cost  # noqa: F401  (type of fsdp_task_times' argument)
+from hetpipe_jax.costs.cluster import ClusterSpec
 from hetpipe_jax.rules.network import Leg
 from hetpipe_jax.rules.schedule import Task, TaskKind
 
@@ -71,7 +65,7 @@ class VWTaskTimes:
     push_legs: the push as transfers ``Leg(src node, dst node, seconds)`` sent one after another; their seconds sum
       to ``push_s``. None: one transfer that touches no NIC.
     pull_legs: the same for a pull reply (PS shard nodes to the stages' nodes); they sum to ``pull_s``.
-    allreduce_shared_nic_s: ``allreduce_s`` with shared NICs (:mod:`hetpipe_jax.planning.allreduce_cost`); None:
+    allreduce_shared_nic_s: ``allreduce_s`` with shared NICs (:mod:`hetpipe_jax.costs.allreduce_cost`); None:
       the same as ``allreduce_s``.
 
   Raises:
@@ -199,100 +193,6 @@ def uniform_task_times(stage_ms: Sequence[float], fwd_fraction: float = 1.0 / 3.
       send_gradient_s=(send_ms * S_PER_MS,) * n, push_s=push_ms * S_PER_MS, pull_s=pull_ms * S_PER_MS)
 
 
-def ps_transfer_bytes(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, vw_index: int) -> tuple[int, int]:
-  """``(bytes to shards on other nodes, bytes to shards on the same node)`` of one push (or pull) of a VW.
-
-  Each layer's parameters go to the shard the plan's ``ps_placement["layer_to_node"]`` names (HetPipe §8.1); a
-  layer crosses nodes when its shard is not on the node of the GPU that runs it.
-  """
-  vw = plan.virtual_workers[vw_index]
-  layer_to_node = plan.ps_placement["layer_to_node"]
-  remote = local = 0
-  for gpu_id, (i, j) in zip(vw.gpus, vw.partition):
-    node = cluster.gpu(gpu_id).node
-    for layer in range(i, j):
-      b = profile.layers[layer].param_bytes
-      if layer_to_node[layer] is None or b == 0:
-        continue
-      if layer_to_node[layer] == node:
-        local += b
-      else:
-        remote += b
-  return remote, local
-
-
-def ps_transfer_legs(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, vw_index: int) -> tuple[Leg, ...]:
-  """One push of a VW as transfers ``Leg(stage node, shard node, seconds)``, one per (stage node, shard node) pair
-  with bytes (in order of first appearance along the VW's stages and layers): over the inter-node link when the
-  nodes differ, else the intra-node link. A pull reply is the same legs reversed in direction."""
-  vw = plan.virtual_workers[vw_index]
-  layer_to_node = plan.ps_placement["layer_to_node"]
-  pair_bytes: dict[tuple[str, str], int] = {}
-  for gpu_id, (i, j) in zip(vw.gpus, vw.partition):
-    node = cluster.gpu(gpu_id).node
-    for layer in range(i, j):
-      b = profile.layers[layer].param_bytes
-      if layer_to_node[layer] is None or b == 0:
-        continue
-      key = (node, layer_to_node[layer])
-      pair_bytes[key] = pair_bytes.get(key, 0) + b
-  return tuple(Leg(src, dst, (cluster.inter_node_link if src != dst else cluster.intra_node_link).transfer_time_s(b))
-               for (src, dst), b in pair_bytes.items())
-
-
-def task_times_from_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec,
-                         config: cost_model.CostModelConfig | None = None) -> list[VWTaskTimes]:
-  """Every VW's task times for ``plan`` from the cost model (HetPipe §7), for the plan's method.
-
-  The flush methods (``plan.method`` gpipe, 1f1b_flush, horovod): tasks of one micro-batch (the profile split by
-  ``plan.num_inflight`` = M), no PS transfers, and the step's all-reduce (:mod:`hetpipe_jax.planning.allreduce_cost`).
-
-  Stage compute is ``cost_model``'s (measured or roofline) fwd+bwd time of its layers, split into forward and
-  backward by the same model applied to the forward costs alone; sends use the cost model's per-cut transfer
-  times over the link between the two stages' nodes. A push (and a pull) moves every parameter once, one transfer
-  per (stage node, shard node) pair, one after another (:func:`ps_transfer_legs`; the inter-node ones use the NICs,
-  :mod:`hetpipe_jax.rules.network`). ``stage_nodes`` are the GPUs' nodes.
-
-  Args:
-    plan: the plan (its VWs' GPUs and layer ranges).
-    profile: the profile it was made with.
-    cluster: the cluster it was made for.
-    config: cost-model knobs; default: the plan's own ``cost_model`` entry.
-
-  Raises:
-    ValueError: the profile or cluster does not match the plan.
-  """
-  if profile.model != plan.model or profile.batch_size != plan.batch_size:
-    raise ValueError(f"profile is for {profile.model!r} at batch {profile.batch_size}, the plan for "
-                     f"{plan.model!r} at batch {plan.batch_size}")
-  if profile.num_layers != plan.num_layers:
-    raise ValueError(f"profile has {profile.num_layers} layers, the plan {plan.num_layers}")
-  if cluster.name != plan.cluster:
-    raise ValueError(f"cluster {cluster.name!r} is not the plan's cluster {plan.cluster!r}")
-  if config is None:
-    config = cost_model.CostModelConfig(**plan.cost_model)
-  if methods.get_method(plan.method).is_flush:
-    # Tasks are micro-batches; the step's all-reduce (no PS) over the links its groups use.
-    micro = profile_format.micro_batch_profile(profile, plan.num_inflight)
-    costs = cost_model.build_stage_costs(micro, cluster, config)
-    fwd_prefix = forward_prefix_ms(micro, cluster, config)
-    vws = [([cluster.gpu(g) for g in vw.gpus], vw.partition) for vw in plan.virtual_workers]
-    t_ar = allreduce_cost.allreduce_time_s(vws, profile, cluster, shared_nic=False)
-    t_nic = allreduce_cost.allreduce_time_s(vws, profile, cluster, shared_nic=True)
-    return [vw_task_times(gpus, ranges, costs, fwd_prefix, cluster, allreduce_s=t_ar, allreduce_shared_nic_s=t_nic)
-            for gpus, ranges in vws]
-  costs = cost_model.build_stage_costs(profile, cluster, config)
-  fwd_prefix = forward_prefix_ms(profile, cluster, config)
-  out = []
-  for index, vw in enumerate(plan.virtual_workers):
-    push = ps_transfer_legs(plan, profile, cluster, index)
-    pull = tuple(Leg(leg.dst, leg.src, leg.seconds) for leg in push)
-    ps_s = sum(leg.seconds for leg in push)
-    out.append(vw_task_times([cluster.gpu(g) for g in vw.gpus], vw.partition, costs, fwd_prefix, cluster,
-                             push_s=ps_s, pull_s=ps_s, push_legs=push, pull_legs=pull))
-  return out
-
-
 forward_prefix_ms = cost_model.forward_prefix_ms
 
 
@@ -301,7 +201,7 @@ def vw_task_times(gpus: Sequence, ranges: Sequence[Sequence[int]], costs: cost_m
                   pull_s: float = 0.0, allreduce_s: float = 0.0, push_legs: Sequence[Leg] | None = None,
                   pull_legs: Sequence[Leg] | None = None, allreduce_shared_nic_s: float | None = None
                   ) -> VWTaskTimes:
-  """One VW's task times from the cost model: ``gpus`` (:class:`~hetpipe_jax.planning.cluster.Gpu`) in stage order
+  """One VW's task times from the cost model: ``gpus`` (:class:`~hetpipe_jax.costs.cluster.Gpu`) in stage order
   with their layer ranges; sends over the link between neighbouring stages' nodes (module docstring)."""
   fwd, bwd, send = [], [], []
   fb_ms = 0.0
@@ -325,7 +225,7 @@ def vw_task_times(gpus: Sequence, ranges: Sequence[Sequence[int]], costs: cost_m
 
 
 def fsdp_task_times(plan: "fsdp_cost.FsdpPlan") -> list[VWTaskTimes]:
-  """The engine's task times of an fsdp configuration (:mod:`hetpipe_jax.planning.fsdp_cost`): one one-stage VW per
+  """The engine's task times of an fsdp configuration (:mod:`hetpipe_jax.costs.fsdp_cost`): one one-stage VW per
   GPU whose task is the GPU's forward+backward of its examples, and as the step's "all-reduce" the collectives'
   exposed time (the step beyond the slowest GPU's compute), with and without shared NICs. Run with method ``fsdp``
   and M = 1, the engine's step is the slowest GPU's compute plus that time: the closed form's step."""
@@ -333,24 +233,3 @@ def fsdp_task_times(plan: "fsdp_cost.FsdpPlan") -> list[VWTaskTimes]:
   return [VWTaskTimes(forward_s=(), backward_s=(), forward_backward_s=c, send_activation_s=(), send_gradient_s=(),
                       push_s=0.0, pull_s=0.0, allreduce_s=free, stage_nodes=(g.node,),
                       allreduce_shared_nic_s=exposed) for g, c in zip(plan.gpus, plan.compute_s)]
-
-
-def profile_for_plan(plan: Plan, path: str | None = None) -> ModelProfile:
-  """The profile ``plan`` was made with: ``path`` when given, else the saved default profile for the plan's model,
-  batch size, device kind and measured flag (``profile_format.default_profile_path``).
-
-  Raises:
-    ValueError: the file is missing (the message names it) or is for another model or batch size.
-  """
-  if path is None:
-    path = profile_format.default_profile_path(plan.model, plan.batch_size, plan.profile["device_kind"],
-                                               bool(plan.profile["measured"]))
-    if not os.path.isfile(path):
-      raise ValueError(f"no saved profile for plan model {plan.model!r} at batch {plan.batch_size} "
-                       f"({plan.profile['device_kind']}, measured={plan.profile['measured']}): expected {path}; pass "
-                       "the profile the plan was made with")
-  profile = profile_format.load_profile(path)
-  if profile.model != plan.model or profile.batch_size != plan.batch_size:
-    raise ValueError(f"profile {path} is for {profile.model!r} at batch {profile.batch_size}, the plan for "
-                     f"{plan.model!r} at batch {plan.batch_size}")
-  return profile

@@ -1,6 +1,6 @@
 """Fully sharded data parallelism (ZeRO-3 / PyTorch FSDP / ``jax.sharding`` over a data axis): time, memory, split.
 
-Planning layer: standard library and numpy only. Method ``fsdp`` of :mod:`hetpipe_jax.rules.methods`.
+Costs layer: standard library and numpy only. Method ``fsdp`` of :mod:`hetpipe_jax.rules.methods`.
 
 Setting. Every GPU g of the cluster runs the whole model on its own ``b_g`` examples of a step's global batch
 ``B = N x batch`` (the examples per step of Horovod with one worker per GPU) and holds a shard ``f_g`` of every
@@ -14,7 +14,7 @@ bytes), as ZeRO-3 (Rajbhandari et al., SC'20, §5.3) and FSDP do:
 
 The collectives are per layer of the profile (FSDP's wrapping unit: a transformer block, a ResNet bottleneck).
 
-Collectives: the ring rule of :mod:`hetpipe_jax.planning.allreduce_cost`, once. An all-gather or a reduce-scatter of
+Collectives: the ring rule of :mod:`hetpipe_jax.costs.allreduce_cost`, once. An all-gather or a reduce-scatter of
 P bytes among N GPUs is half a ring all-reduce of P: ``(N-1)/N x P / bandwidth + (N-1) x latency``
 (``allreduce_cost.ring_groups_time_s``, halved; the group is every GPU, a ring over the inter-node link when it spans
 nodes, with the same shared-NIC rule as the all-reduce methods). Uneven shards are padded to the largest (NCCL's
@@ -23,7 +23,7 @@ even shards (ZeRO's 1.5x of a data-parallel all-reduce).
 
 Time. The per-layer collectives hold the GPUs in lock-step, so layer l's forward (backward) lasts ``F_l = max_g
 F_{g,l}`` (``B_l``), where ``F_{g,l}`` is the cost model's forward time of l on g's type scaled by ``b_g / batch``
-(linear in examples, as :func:`~hetpipe_jax.planning.profile_format.micro_batch_profile`). Stated assumption,
+(linear in examples, as :func:`~hetpipe_jax.costs.profile_format.micro_batch_profile`). Stated assumption,
 overlap (FSDP's prefetch): the gather of a layer runs while the previous one computes and a reduce-scatter while
 the next backward computes, so ``step = sum_l max(F_l, AG_l) + sum_l max(B_l, AG_l + RS_l)``. Beside it, the
 no-overlap bound ``step_serial = sum_l (F_l + B_l) + sum_l (2 AG_l + RS_l)``. Rate: ``B / step`` examples/s.
@@ -31,7 +31,7 @@ no-overlap bound ``step_serial = sum_l (F_l + B_l) + sum_l (2 AG_l + RS_l)``. Ra
 Memory of GPU g: ``f_g (2 P + O)`` (its shard of parameters, gradients and optimizer state) ``+ 3 max_l P_l`` (two
 gathered layers, the one computing and the one prefetched, and one layer's unsharded gradient before its
 reduce-scatter) ``+ b_g / batch x (max(stash, input) + workspace)`` (its examples' activations: the whole model as
-one stage under :mod:`hetpipe_jax.planning.cost_model`'s stash and workspace rule, linear in examples). With
+one stage under :mod:`hetpipe_jax.costs.cost_model`'s stash and workspace rule, linear in examples). With
 ``remat`` (activation checkpointing per layer, the usual FSDP setting for transformers) a GPU keeps each layer's
 input (or its stash where that is smaller), plus one layer's stash and workspace (the layer being recomputed and differentiated), instead of the whole
 stash, and every backward first recomputes its layer's forward (``B_l -> F_l + B_l``).
@@ -60,10 +60,11 @@ from typing import Sequence
 
 import numpy as np
 
-from hetpipe_jax.planning import allreduce_cost
-from hetpipe_jax.planning import cost_model
-from hetpipe_jax.planning.cluster import ClusterSpec, Gpu
-from hetpipe_jax.planning.profile_format import ModelProfile
+from hetpipe_jax.costs import allreduce_cost
+from hetpipe_jax.costs import cluster as cluster_lib
+from hetpipe_jax.costs import cost_model
+from hetpipe_jax.costs.cluster import ClusterSpec, Gpu
+from hetpipe_jax.costs.profile_format import ModelProfile
 
 VARIANTS = ("even", "hetero")
 VARIANT_LABELS = {"even": "even shards (ZeRO-3)", "hetero": "shards by memory, batch by speed"}
@@ -164,7 +165,7 @@ def per_example_layer_ms(profile: ModelProfile, cluster: ClusterSpec, config: co
 
 def activation_bytes_per_example(profile: ModelProfile, remat: bool = False) -> float:
   """One example's activation memory (module docstring), from the cost model's stash and workspace rule
-  (:func:`hetpipe_jax.planning.cost_model.build_stage_costs`, ``workspace_max``): the whole model as one stage,
+  (:func:`hetpipe_jax.costs.cost_model.build_stage_costs`, ``workspace_max``): the whole model as one stage,
   ``(max(stash, input) + workspace[0, L]) / batch``; with ``remat``, every checkpointed layer's input kept (a
   layer whose stash is smaller than its input, e.g. a ReLU's mask, keeps its stash: checkpointing it saves nothing)
   plus the largest ``stash_k + workspace[k, k + 1]`` (layer k recomputed and differentiated alone), over
@@ -182,7 +183,6 @@ def activation_bytes_per_example(profile: ModelProfile, remat: bool = False) -> 
 
 def _memory_costs(profile: ModelProfile) -> cost_model.StageCosts:
   """The cost model's per-range memory terms of ``profile`` (no GPU type needed: a one-type placeholder cluster)."""
-  from hetpipe_jax.planning import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   placeholder = cluster_lib.cluster_from_dict({
       "name": "memory_terms", "gpu_types": [{"name": "t", "peak_fp32_flops_per_s": 1.0, "peak_fp16_flops_per_s": 1.0,
                                               "memory_bytes": 1, "memory_bandwidth_bytes_per_s": 1.0}],

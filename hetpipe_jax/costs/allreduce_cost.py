@@ -1,6 +1,6 @@
 """Cost of all-reduce BSP: per reduction group a ring all-reduce over its slowest link, and the bytes crossing nodes.
 
-Planning layer: standard library only. The groups are :func:`hetpipe_jax.rules.allreduce.reduce_segments` (the
+Costs layer: standard library only. The groups are :func:`hetpipe_jax.rules.allreduce.reduce_segments` (the
 model cut at every VW's stage boundaries; the stages when every VW has the same partition); segment k's group is the
 GPU holding it in each VW. A ring all-reduce of ``b`` bytes among N members over a link of bandwidth ``B`` and
 latency ``l`` takes ``2(N-1)/N * b / B + 2(N-1) * l`` (reduce-scatter then all-gather); a group whose GPUs span
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hetpipe_jax.planning.cluster import ClusterSpec, Gpu
-from hetpipe_jax.planning.profile_format import ModelProfile
+from hetpipe_jax.costs.cluster import ClusterSpec, Gpu
+from hetpipe_jax.costs.profile_format import ModelProfile
 from hetpipe_jax.rules import allreduce
 
 

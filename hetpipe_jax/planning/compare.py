@@ -9,7 +9,7 @@ same rules as the runtime): the predicted images/s is the engine's steady-state 
 * ``pipedream``, ``gpipe``, ``1f1b_flush``: each NP / ED / HD allocation is planned and run; the table shows the
   fastest (``all_rows`` keeps every candidate);
 * ``horovod``: one VW per GPU that holds the model (the others are left out, with a reason);
-* ``fsdp``: every GPU, parameters, gradients and optimizer state sharded (:mod:`hetpipe_jax.planning.fsdp_cost`),
+* ``fsdp``: every GPU, parameters, gradients and optimizer state sharded (:mod:`hetpipe_jax.costs.fsdp_cost`),
   ``batch`` examples per GPU: ``even`` shards (ZeRO-3) and ``hetero`` (shards by memory, examples by speed); the
   engine runs its one-GPU VWs in lock-step with the collectives' exposed time as the step's reduction
   (:func:`fsdp_row`); the notes give the no-overlap bound. Each variant is tried without and with activation
@@ -26,16 +26,18 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
+from hetpipe_jax.costs import fsdp_cost
+from hetpipe_jax.costs import task_times as task_times_lib
+from hetpipe_jax.costs.cluster import ClusterSpec
+from hetpipe_jax.costs.profile_format import ModelProfile
 from hetpipe_jax.planning import allocator
-from hetpipe_jax.planning import fsdp_cost
-from hetpipe_jax.planning import planner
-from hetpipe_jax.planning.cluster import ClusterSpec
 from hetpipe_jax.planning import plan_format
+from hetpipe_jax.planning import plan_times
+from hetpipe_jax.planning import planner
 from hetpipe_jax.planning.plan_format import Plan
-from hetpipe_jax.planning.profile_format import ModelProfile
 from hetpipe_jax.rules import methods
 from hetpipe_jax.sim import engine
-from hetpipe_jax.sim import task_times as task_times_lib
+from hetpipe_jax.sim.engine_report import json_safe
 
 HETPIPE_POLICIES = ("NP", "ED", "HD", "auto")
 PIPELINE_POLICIES = ("NP", "ED", "HD")
@@ -156,7 +158,7 @@ def run_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, config: Co
              allocation: str, placement: str) -> Row:
   """Runs ``plan`` in the engine; returns its row."""
   t0 = time.perf_counter()
-  times = task_times_lib.task_times_from_plan(plan, profile, cluster)
+  times = plan_times.task_times_from_plan(plan, profile, cluster)
   waves = config.num_waves
   if methods.get_method(plan.method).is_flush:  # steps repeat exactly after the first: a quarter of the waves
     waves = max(4, waves // 4)
@@ -267,14 +269,9 @@ def fsdp_row(plan: fsdp_cost.FsdpPlan, config: CompareConfig) -> Row:
              plan.cross_node_bytes, plan.notes(), time.perf_counter() - t0)
 
 
-def example_unit(model: str) -> str:
-  """What one example of ``model`` is in rates: ``images`` (classification) or ``sequences`` (language models)."""
-  from hetpipe_jax import models  # pylint: disable=g-import-not-at-top
-  return "sequences" if models.get_model(model).objective == "next_token" else "images"
-
-
 def format_table(rows: Sequence[Row], title: str = "", unit: str = "images") -> str:
-  """A Markdown table of ``rows``; ``unit``: what an example is (:func:`example_unit`), for the rate's header."""
+  """A Markdown table of ``rows``; ``unit``: what an example is (:func:`hetpipe_jax.models.example_unit`), for the
+  rate's header."""
   lines = [title] if title else []
   lines += [f"| method | allocation | GPUs | Nm / M | {unit}/s | bottleneck | memory | cross-node MiB/step |",
             "|---|---|---:|---:|---:|---|---|---:|"]
@@ -294,7 +291,6 @@ def format_table(rows: Sequence[Row], title: str = "", unit: str = "images") -> 
 
 
 def rows_to_json(rows: Sequence[Row]) -> list[dict[str, Any]]:
-  from hetpipe_jax.sim.engine_report import json_safe  # pylint: disable=g-import-not-at-top
   return [json_safe({**dataclasses.asdict(r), "label": r.label}) for r in rows]
 
 

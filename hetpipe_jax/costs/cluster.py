@@ -6,7 +6,7 @@ interchangeable for the partitioner (same speed, memory and links). A GPU's devi
 there (``"V/2"``: device 2, CUDA's order), unless the cluster file's ``local_devices`` maps it to another
 (:func:`node_local_index`, :meth:`ClusterSpec.device_index`).
 
-Planning layer: standard library only.
+Costs layer: standard library only.
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ needed, throughput never limited by them); the paper experiments use ``"schedule
 Weight versions are not tightened: the runtime keeps each in-flight minibatch's version of every stage until it
 completes (see ``StageCosts.memory_matrix_bytes``).
 
-The partitioner uses the bound through :func:`self_consistent_partition`: the partition it returns fits every
-GPU's memory with each stage holding its own schedule peak. Planning layer: standard library and numpy (the event
-engine is imported lazily, it imports the planning layer's task times).
+The partitioner (:mod:`hetpipe_jax.planning.partitioner`, a layer above) uses the bound through
+:func:`self_consistent_partition`: the partition it returns fits every GPU's memory with each stage holding its own
+schedule peak. Simulation layer: standard library and numpy.
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from hetpipe_jax.planning.cluster import Gpu
-from hetpipe_jax.planning.cost_model import StageCosts
+from hetpipe_jax.costs import task_times
+from hetpipe_jax.costs.cluster import Gpu
+from hetpipe_jax.costs.cost_model import StageCosts
+from hetpipe_jax.sim import engine
 
 
 def num_minibatches_for_bound(num_stages: int, num_inflight: int) -> int:
@@ -72,20 +74,18 @@ def schedule_held_per_stage(costs: StageCosts, gpus: Sequence[Gpu], ranges: Sequ
                      "with cost_model.build_stage_costs (StageCosts.forward_prefix_ms is None)")
   if num_inflight < 1:
     raise ValueError(f"num_inflight must be >= 1, got {num_inflight}")
-  from hetpipe_jax.sim import task_times  # pylint: disable=g-import-not-at-top  (import cycle)
   times = task_times.vw_task_times(list(gpus), ranges, costs, costs.forward_prefix_ms, None)
   return held_peaks_for_times(times, num_inflight, num_minibatches)
 
 
 def held_peaks_for_times(times, num_inflight: int, num_minibatches: int | None = None) -> tuple[int, ...]:
   """Per stage, ``PipelineRules.peak_held`` of one virtual worker run by the event engine from an empty pipeline
-  with these task times (``sim.task_times.VWTaskTimes``; its PS transfers are ignored: D = 0 and one VW, so no
+  with these task times (``costs.task_times.VWTaskTimes``; its PS transfers are ignored: D = 0 and one VW, so no
   wave waits), for ``num_minibatches`` (None: :func:`num_minibatches_for_bound`) minibatches.
 
   Raises:
     ValueError: Nm < 1.
   """
-  from hetpipe_jax.sim import engine  # pylint: disable=g-import-not-at-top  (import cycle)
   if num_inflight < 1:
     raise ValueError(f"num_inflight must be >= 1, got {num_inflight}")
   n = num_minibatches or num_minibatches_for_bound(times.num_stages, num_inflight)

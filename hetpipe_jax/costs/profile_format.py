@@ -1,6 +1,6 @@
 """Per-layer model profiles (HetPipe §7; PipeDream's profiler output), saved as JSON and reused.
 
-Written by ``hetpipe_jax.runtime.profiler`` (runtime layer, jax); read by the cost model (planning layer: stdlib only).
+Written by ``hetpipe_jax.runtime.profiler`` (runtime layer, jax); read by the cost model (costs layer: stdlib only).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Cost model of a pipeline stage: time and memory on a GPU type (HetPipe §4 "Model Partitioning", §7).
 
-Planning layer: standard library and numpy only.
+Costs layer: standard library and numpy only.
 
 Time. A stage running layers ``[i, j)`` on a GPU of type ``t`` takes, per minibatch,
 ``compute_ms(i, j, t) + recv_ms(boundary i, link to the previous stage) + recv_ms(boundary j, link to the next
@@ -9,7 +9,7 @@ backward pass (same bytes as the activations across that cut). Layer compute tim
 when the profile was measured on the type's ``measured_device_kind`` (local runs), otherwise a roofline estimate
 from XLA's cost analysis: ``max(flops / (peak_flops * compute_efficiency),
 bytes_accessed / (memory_bandwidth * memory_efficiency))`` for the forward and the backward, where a GPU type's own
-``roofline_efficiency`` (a calibration, :class:`~hetpipe_jax.planning.cluster.GpuType`) replaces both
+``roofline_efficiency`` (a calibration, :class:`~hetpipe_jax.costs.cluster.GpuType`) replaces both
 efficiencies. Transfers use ``LinkSpec.transfer_time_s`` (peak bandwidth x scale-down constant + latency, HetPipe
 §7).
 
@@ -52,8 +52,8 @@ import math
 
 import numpy as np
 
-from hetpipe_jax.planning.cluster import ClusterSpec, GpuType
-from hetpipe_jax.planning.profile_format import ModelProfile
+from hetpipe_jax.costs.cluster import ClusterSpec, GpuType
+from hetpipe_jax.costs.profile_format import ModelProfile
 from hetpipe_jax.rules import methods
 
 MS_PER_S = 1e3
@@ -82,7 +82,7 @@ class CostModelConfig:
     inflight_memory: how many minibatches a ``hetpipe`` stage is counted to hold (:data:`INFLIGHT_MEMORY`):
       ``"conservative"`` (default): Nm on every non-last stage, safe whatever the task times
       (:func:`max_inflight_per_stage`); ``"schedule"``: each stage's peak under the schedule rules at the
-      partition's own task times (:mod:`hetpipe_jax.planning.inflight_memory`), safe only while tasks take the
+      partition's own task times (:mod:`hetpipe_jax.sim.inflight_memory`), safe only while tasks take the
       plan's times (the runtime observes, does not enforce, what a stage holds).
   """
 
@@ -243,7 +243,7 @@ class StageCosts:
     """``[L + 1, L + 1]``: memory (bytes) of a stage running ``[i, j)`` (valid for ``i < j``), see module doc.
 
     ``held``: the minibatches the stage is counted to hold (``inflight_memory="schedule"``: the stage's peak under
-    the schedule rules, :mod:`hetpipe_jax.planning.inflight_memory`); None: the method's closed form
+    the schedule rules, :mod:`hetpipe_jax.sim.inflight_memory`); None: the method's closed form
     (``methods.max_held_per_stage``, stage 0's on non-last stages). A ``hetpipe`` non-last stage keeps Nm weight
     versions whatever ``held`` is: the runtime keeps each in-flight minibatch's version of every stage until the
     minibatch completes (``runtime.virtual_worker`` ``WeightVersion``), and in steady state every injection follows
