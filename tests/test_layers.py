@@ -23,7 +23,8 @@ import hetpipe_jax
 from hetpipe_jax.paths import REPO_ROOT
 
 PURE_PACKAGES = ("rules", "costs", "planning", "sim", "data")
-PURE_MODULES = ("hetpipe_jax.paths", "hetpipe_jax.jobs.job_config", "hetpipe_jax.host_timers", "hetpipe_jax.mpi",
+PURE_MODULES = ("hetpipe_jax.paths", "hetpipe_jax.jobs.job_config", "hetpipe_jax.host_timers", "hetpipe_jax.user_code",
+                "hetpipe_jax.mpi",
                 "hetpipe_jax.mpi.rank_devices", "hetpipe_jax.mpi.rank_layout", "hetpipe_jax.mpi.wire")
 HEAVY = ["jax", "jaxlib", "flax", "optax", "mpi4py", "orbax"]
 # Optional heavy packages: an import inside a function is allowed only where it keeps one of these off the import of

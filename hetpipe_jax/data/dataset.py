@@ -11,7 +11,6 @@ ConfigDict, read-only) returns an :class:`ExampleDataset`.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import numpy as np
@@ -20,6 +19,7 @@ from hetpipe_jax.data import fashion_mnist
 from hetpipe_jax.data import text
 from hetpipe_jax.data.example_dataset import ExampleDataset  # noqa: F401  (the interface users import from here)
 from hetpipe_jax.data.fashion_mnist import DataError
+from hetpipe_jax.user_code import load_factory
 
 BUILTIN_DATASETS = ("fashion_mnist", "text")
 
@@ -45,15 +45,8 @@ def check_dataset_name(name: str) -> None:
 
 
 def _load_user_dataset(name: str, config: Any) -> Any:
-  module_name, _, attr = name.partition(":")
-  try:
-    module = importlib.import_module(module_name)
-  except Exception as e:  # pylint: disable=broad-except  (user code: any import failure is a config error)
-    raise DatasetConfigError(f"config.dataset={name!r}: cannot import module {module_name!r} "
-                             f"({type(e).__name__}: {e}); {_FIX}") from None
-  factory = getattr(module, attr, None)
-  if not callable(factory):
-    raise DatasetConfigError(f"config.dataset={name!r}: module {module_name!r} has no callable {attr!r}; {_FIX}")
+  attr = name.partition(":")[2]
+  factory = load_factory("config.dataset", name, _FIX, DatasetConfigError)
   try:
     dataset = factory(config)
   except DataError:

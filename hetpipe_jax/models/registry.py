@@ -6,11 +6,11 @@ The model modules define zero-argument factories returning a :class:`~hetpipe_ja
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 from hetpipe_jax.models import cnn, gpt, imagenet, mlp, resnet
 from hetpipe_jax.models.spec import ModelSpec
+from hetpipe_jax.user_code import load_factory
 
 FACTORIES: dict[str, Callable[[], ModelSpec]] = {
     "cnn": cnn.cnn,
@@ -59,14 +59,7 @@ def load_model(name: str) -> ModelSpec:
   fix = "give 'package.module:factory' where factory() returns a hetpipe_jax.models.ModelSpec"
   if not module_name or not attr:
     raise ValueError(f"config.model={name!r} is malformed: {fix}")
-  try:
-    module = importlib.import_module(module_name)
-  except Exception as e:  # pylint: disable=broad-except  (user code: any import failure is a config error)
-    raise ValueError(f"config.model={name!r}: cannot import module {module_name!r} ({type(e).__name__}: {e}); "
-                     f"{fix}") from None
-  factory = getattr(module, attr, None)
-  if not callable(factory):
-    raise ValueError(f"config.model={name!r}: module {module_name!r} has no callable {attr!r}; {fix}")
+  factory = load_factory("config.model", name, fix, ValueError)
   try:
     spec = factory()
   except Exception as e:  # pylint: disable=broad-except

@@ -27,26 +27,20 @@ def ps_transfer_bytes(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, v
   Each layer's parameters go to the shard the plan's ``ps_placement["layer_to_node"]`` names (HetPipe §8.1); a
   layer crosses nodes when its shard is not on the node of the GPU that runs it.
   """
-  vw = plan.virtual_workers[vw_index]
-  layer_to_node = plan.ps_placement["layer_to_node"]
   remote = local = 0
-  for gpu_id, (i, j) in zip(vw.gpus, vw.partition):
-    node = cluster.gpu(gpu_id).node
-    for layer in range(i, j):
-      b = profile.layers[layer].param_bytes
-      if layer_to_node[layer] is None or b == 0:
-        continue
-      if layer_to_node[layer] == node:
-        local += b
-      else:
-        remote += b
+  for (node, shard_node), b in _push_bytes_by_node_pair(plan, profile, cluster, vw_index).items():
+    if node == shard_node:
+      local += b
+    else:
+      remote += b
   return remote, local
 
 
-def ps_transfer_legs(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, vw_index: int) -> tuple[Leg, ...]:
-  """One push of a VW as transfers ``Leg(stage node, shard node, seconds)``, one per (stage node, shard node) pair
-  with bytes (in order of first appearance along the VW's stages and layers): over the inter-node link when the
-  nodes differ, else the intra-node link. A pull reply is the same legs reversed in direction."""
+def _push_bytes_by_node_pair(plan: Plan, profile: ModelProfile, cluster: ClusterSpec,
+                             vw_index: int) -> dict[tuple[str, str], int]:
+  """Bytes of one push of a VW per ``(stage node, shard node)`` pair, in order of first appearance along the VW's
+  stages and layers (HetPipe §8.1: each layer's parameters go to the shard on ``ps_placement["layer_to_node"]``;
+  layers without parameters or without a shard are left out)."""
   vw = plan.virtual_workers[vw_index]
   layer_to_node = plan.ps_placement["layer_to_node"]
   pair_bytes: dict[tuple[str, str], int] = {}
@@ -58,6 +52,14 @@ def ps_transfer_legs(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, vw
         continue
       key = (node, layer_to_node[layer])
       pair_bytes[key] = pair_bytes.get(key, 0) + b
+  return pair_bytes
+
+
+def ps_transfer_legs(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, vw_index: int) -> tuple[Leg, ...]:
+  """One push of a VW as transfers ``Leg(stage node, shard node, seconds)``, one per (stage node, shard node) pair
+  with bytes (in order of first appearance along the VW's stages and layers): over the inter-node link when the
+  nodes differ, else the intra-node link. A pull reply is the same legs reversed in direction."""
+  pair_bytes = _push_bytes_by_node_pair(plan, profile, cluster, vw_index)
   return tuple(Leg(src, dst, (cluster.inter_node_link if src != dst else cluster.intra_node_link).transfer_time_s(b))
                for (src, dst), b in pair_bytes.items())
 
