@@ -395,11 +395,13 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
   from hetpipe_jax.runtime import placement as placement_lib
   from hetpipe_jax.ps.transport import MPIPSClient
 
-  link, placement = None, placement_lib.ALL_LOCAL
+  link = remote = None
+  placement = placement_lib.ALL_LOCAL
   if settings.stage_groups:  # stage ranks: this rank runs the VW's first stage group and drives the others
     from hetpipe_jax.runtime.stage_ranks import RemoteStages
     link = rank_setup.stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
-    placement = placement_lib.LinkedStages(link, RemoteStages(comm, vw_id, link))
+    remote = RemoteStages(comm, vw_id, link)
+    placement = placement_lib.LinkedStages(link, remote)
   devices = rank_setup.stage_devices(settings, vw_id, link, restricted)
   optimizer = make_optimizer(config, num_mb, spec)
   stages = build_stages(config, spec, partition, devices, optimizer)
