@@ -73,8 +73,9 @@ def main(argv) -> None:
       virtual_job.run(config, settings, _WORKDIR.value, resume=_RESUME.value)
     else:
       from hetpipe_jax.jobs import allreduce_job, mpi_job
-      # the PS methods' job, or all-reduce BSP (one rank per VW, no PS: gpipe, 1f1b_flush, horovod)
-      job = mpi_job if settings.uses_ps else allreduce_job
+      from hetpipe_jax.rules import methods
+      # the PS methods' job, or all-reduce BSP (one rank per VW, no PS: gpipe, 1f1b_flush, horovod), by ``sync``
+      job = {"wsp": mpi_job, "allreduce": allreduce_job}[methods.get_method(settings.method).sync]
       job.run(config, settings, _WORKDIR.value, comm, resume=_RESUME.value)
   except (ConfigError, DataError, FileExistsError, BadUpdateError, ReplicasDivergedError) as e:
     # Every rank validates the same settings; rank 0 reports and its exit aborts the mpi_job. Another rank reports

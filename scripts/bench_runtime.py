@@ -146,11 +146,12 @@ def _build(data_dir, batch_size, num_inflight, task_time_s=None, stages=None, me
       return reply
 
   client = SlowPSClient(server, 0) if push_s or pull_s else param_server.LocalPSClient(server, 0)
-  return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, num_inflight, staleness_bound,
-                                client, source.get, num_virtual_workers=1,
-                                task_time_s=task_time_s, method=method,
-                                reducer=(lambda step, buf: buf) if methods.get_method(method).is_flush else None,
-                                ps_channel=ps_channel)
+  return virtual_worker.VirtualWorker(
+      stages, layout, params0, virtual_worker.WSPSettings(0, 1, num_inflight, staleness_bound),
+      virtual_worker.UpdateSettings(tx, method,
+                                    reducer=(lambda step, buf: buf) if methods.get_method(method).is_flush else None),
+      virtual_worker.VWHooks(source.get, client),
+      host=virtual_worker.HostSettings(task_time_s=task_time_s, ps_channel=ps_channel))
 
 
 def host_overhead(data_dir, n, nm) -> dict:

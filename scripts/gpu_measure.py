@@ -171,9 +171,11 @@ def _build_vw(spec, stages, params0, tx, batch, staleness_bound: int = 0):
   from hetpipe_jax.runtime.param_layout import ParamLayout
   layout = ParamLayout.from_layer_params(params0)
   server = param_server.ParameterServer(layout.flatten(params0), 1)
-  return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, NUM_INFLIGHT, staleness_bound,
-                                      param_server.LocalPSClient(server, 0), gpt_data(spec, batch, 0),
-                                      num_virtual_workers=1)
+  return virtual_worker.VirtualWorker(stages, layout, params0,
+                                      virtual_worker.WSPSettings(0, 1, NUM_INFLIGHT, staleness_bound),
+                                      virtual_worker.UpdateSettings(tx),
+                                      virtual_worker.VWHooks(gpt_data(spec, batch, 0),
+                                                             param_server.LocalPSClient(server, 0)))
 
 
 def _median_s(fn, repeats: int) -> float:

@@ -8,15 +8,15 @@ import runpy
 
 from hetpipe_jax.runtime import flush_step
 
-_apply_reduced = flush_step.FlushStep.apply_reduced
+_apply_reduced = flush_step.FlushUpdate.apply_reduced
 
 
 def _diverging(self, step, summed):
-  if self.vw_id == 1:
+  if self.vw.vw_id == 1:
     summed = summed.copy()
     summed[0] += 1.0  # one gradient element of this replica's step differs
   return _apply_reduced(self, step, summed)
 
 
-flush_step.FlushStep.apply_reduced = _diverging
+flush_step.FlushUpdate.apply_reduced = _diverging
 runpy.run_module("hetpipe_jax.train", run_name="__main__", alter_sys=True)

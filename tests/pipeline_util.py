@@ -50,10 +50,11 @@ def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_b
   source = sharding.ShardedMinibatches(dataset, num_vws, vw_id, batch_size, seed)
   server = server or param_server.ParameterServer(layout.flatten(params0), num_vws, ps_apply)
   client = (client_factory or param_server.LocalPSClient)(server, vw_id)
-  vw = virtual_worker.VirtualWorker(vw_id, stages, layout, params0, tx, num_inflight, staleness_bound, client,
-                                    source.get, num_virtual_workers=num_vws, pull_every_wave=pull_every_wave,
-                                    method=method, vertical_sync=vertical_sync, max_held=max_held,
-                                    ps_channel=ps_channel)
+  vw = virtual_worker.VirtualWorker(
+      stages, layout, params0,
+      virtual_worker.WSPSettings(vw_id, num_vws, num_inflight, staleness_bound, pull_every_wave),
+      virtual_worker.UpdateSettings(tx, method, vertical_sync=vertical_sync, max_held=max_held),
+      virtual_worker.VWHooks(source.get, client), host=virtual_worker.HostSettings(ps_channel=ps_channel))
   return vw, source, params0, tx, server
 
 

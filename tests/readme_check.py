@@ -37,12 +37,12 @@ def main(argv) -> None:
       mpi_job.prepare(config, settings, settings.world_size, check_local_devices=False)
       virtual_job._virtual_task_times(config, settings)  # pylint: disable=protected-access
     else:
-      if settings.uses_ps:
+      if settings.num_ps_ranks:  # the PS methods
         settings = job_config.with_ps_shards(config, settings)
         settings = job_config.with_stage_ranks(config, settings, resume)
       spec, partitions = mpi_job.prepare(config, settings, _WORLD_SIZE.value, check_local_devices=False)
       job_config.emulated_task_times(config, settings)
-      if settings.uses_ps:
+      if settings.num_ps_ranks:  # the PS methods
         offsets = ParamLayout.from_layer_params(
             jax.eval_shape(lambda: models.init_layer_params(spec, jax.random.key(config.seed)))).layer_offsets
         job_config.ps_layer_shards(settings, partitions, [b > a for a, b in zip(offsets, offsets[1:])])

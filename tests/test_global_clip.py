@@ -157,8 +157,9 @@ def test_flush_methods_clip_the_mean_gradient_by_its_global_norm(synthetic_data_
   dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
   source = sharding.ShardedMinibatches(dataset, 1, 0, 16, 0)
   micro = sharding.MicroBatches(source.get, m)
-  vw = virtual_worker.VirtualWorker(0, _clipping_stages(partition), layout, params0, _tx(), m, 0, None, micro.get,
-                                    num_virtual_workers=1, method=method, reducer=lambda step, buf: buf)
+  vw = virtual_worker.VirtualWorker(_clipping_stages(partition), layout, params0, virtual_worker.WSPSettings(0, 1, m),
+                                    virtual_worker.UpdateSettings(_tx(), method, reducer=lambda step, buf: buf),
+                                    virtual_worker.VWHooks(micro.get))
   steps = 10
   vw.run(steps * m)
   batches = [source.get(k) for k in range(steps)]
@@ -218,15 +219,15 @@ def test_virtual_time_hetpipe_two_vws_clip_globally(tmp_path, synthetic_data_dir
 def _diverging_vw1(monkeypatch):
   """VW 1's all-reduced gradients perturbed: its replica diverges (tests/diverging_replica.py under MPI)."""
   from hetpipe_jax.runtime import flush_step
-  apply_reduced = flush_step.FlushStep.apply_reduced
+  apply_reduced = flush_step.FlushUpdate.apply_reduced
 
   def diverging(self, step, summed):
-    if self.vw_id == 1:
+    if self.vw.vw_id == 1:
       summed = summed.copy()
       summed[0] += 1.0
     return apply_reduced(self, step, summed)
 
-  monkeypatch.setattr(flush_step.FlushStep, "apply_reduced", diverging)
+  monkeypatch.setattr(flush_step.FlushUpdate, "apply_reduced", diverging)
 
 
 def test_virtual_time_replicas_that_diverge_fail_the_run(tmp_path, synthetic_data_dir, monkeypatch):

@@ -193,7 +193,7 @@ def test_the_plan_is_read_once(monkeypatch):
 def _validated(c):
   """The MPI job's settings validation (mpi_job.run): resolve, then the PS methods' shards and stage ranks."""
   s = resolve_settings(c)
-  if s.uses_ps:
+  if s.num_ps_ranks:  # the PS methods
     s = job_config.with_stage_ranks(c, job_config.with_ps_shards(c, s))
   return s
 

@@ -157,7 +157,7 @@ def test_runtime_enforces_caps_and_the_replay_oracle_holds(synthetic_data_dir):
 
 def test_runtime_refuses_caps_for_other_methods(synthetic_data_dir):
   from tests.pipeline_util import build_vw
-  with pytest.raises(ValueError, match="HetPipe rule"):
+  with pytest.raises(ValueError, match="max_held is not a setting of method 'pipedream'"):
     build_vw(synthetic_data_dir, partition=((0, 2), (2, 4)), num_inflight=2, method="pipedream", max_held=(1, 1))
 
 

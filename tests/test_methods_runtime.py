@@ -27,9 +27,11 @@ def build_flush_vw(data_dir, *, method, partition, num_microbatches, batch_size=
   source = sharding.ShardedMinibatches(dataset, 1, 0, batch_size, seed)
   micro = sharding.MicroBatches(source.get, num_microbatches)
   steps = []
-  vw = virtual_worker.VirtualWorker(0, stages, layout, params0, tx, num_microbatches, 0, None, micro.get,
-                                    num_virtual_workers=1, method=method, reducer=lambda step, buf: buf,
-                                    on_step=lambda step, loss: steps.append((step, loss)))
+  vw = virtual_worker.VirtualWorker(stages, layout, params0, virtual_worker.WSPSettings(0, 1, num_microbatches),
+                                    virtual_worker.UpdateSettings(
+                                        tx, method, reducer=lambda step, buf: buf,
+                                        on_step=lambda step, loss: steps.append((step, loss))),
+                                    virtual_worker.VWHooks(micro.get))
   return vw, source, params0, tx, spec, steps
 
 
@@ -77,8 +79,8 @@ def test_flush_method_needs_a_reducer(synthetic_data_dir):
     layout = ParamLayout.from_layer_params(params0)
     tx = optax.sgd(0.1)
     stages = stages_lib.build_stages(spec, [(0, 4)], jax.devices()[:1], tx)
-    virtual_worker.VirtualWorker(0, stages, layout, params0, tx, 2, 0, None, lambda p: None, num_virtual_workers=1,
-                                 method="gpipe")
+    virtual_worker.VirtualWorker(stages, layout, params0, virtual_worker.WSPSettings(0, 1, 2),
+                                 virtual_worker.UpdateSettings(tx, "gpipe"), virtual_worker.VWHooks(lambda p: None))
 
 
 def test_micro_batches_split_each_minibatch_in_order(synthetic_data_dir):
@@ -131,9 +133,10 @@ def test_flush_methods_with_two_vws_report_the_mean_loss_over_every_micro_batch(
     source = sharding.ShardedMinibatches(dataset, n, v, batch, 0)
     micro = sharding.MicroBatches(source.get, m)
     vws.append(virtual_worker.VirtualWorker(
-        v, stages_lib.build_stages(spec, partition, devices, tx), layout, params0, tx, m, 0, None, micro.get,
-        num_virtual_workers=n, method=method, reducer=allreduce.reducer(v),
-        on_step=lambda step, loss, v=v: logged[v].append((step, loss))))
+        stages_lib.build_stages(spec, partition, devices, tx), layout, params0, virtual_worker.WSPSettings(v, n, m),
+        virtual_worker.UpdateSettings(tx, method, reducer=allreduce.reducer(v),
+                                      on_step=lambda step, loss, v=v: logged[v].append((step, loss))),
+        virtual_worker.VWHooks(micro.get)))
   errors = []
 
   def train(vw):

@@ -205,8 +205,10 @@ def _vw_from(weights, tx, dataset, partition, offset):
   source = sharding.ShardedMinibatches(dataset, 1, 0, 8, 0)
   server = param_server.ParameterServer(layout.flatten(weights), 1)
   stages = stages_lib.build_stages(spec, partition, jax.devices()[:len(partition)], tx)
-  vw = virtual_worker.VirtualWorker(0, stages, layout, weights, tx, 1, 0, param_server.LocalPSClient(server, 0),
-                                    lambda p: source.get(offset + p), num_virtual_workers=1)
+  vw = virtual_worker.VirtualWorker(stages, layout, weights, virtual_worker.WSPSettings(0, 1, 1),
+                                    virtual_worker.UpdateSettings(tx),
+                                    virtual_worker.VWHooks(lambda p: source.get(offset + p),
+                                                           param_server.LocalPSClient(server, 0)))
   return vw
 
 

@@ -136,7 +136,7 @@ def test_pull_installed_mid_wave_keeps_own_and_partial_waves(synthetic_data_dir,
   install = vw.install_pull
 
   def logged_install(vector_clock, flat):
-    installs.append((vector_clock, len(vw.own_waves) and max(vw.own_waves) + 1, vw.version.local_updates % nm))
+    installs.append((vector_clock, len(vw.update.own_waves) and max(vw.update.own_waves) + 1, vw.version.local_updates % nm))
     install(vector_clock, flat)
 
   vw.install_pull = logged_install

@@ -85,13 +85,13 @@ def test_a_slow_ps_overlaps_compute_with_the_same_numerics(synthetic_data_dir):
     vw, source, params0, tx, _ = _vw(synthetic_data_dir, mode, push_s=push_s, pull_s=pull_s, stages=warm.stages,
                                      task_time_s=times.task_duration_s)
     placing = []  # the threads that placed pulled weights on the stages' devices
-    place = vw._stage_params_of  # pylint: disable=protected-access
+    place = vw.stage_params_of
 
     def logged_place(s, flat):
       placing.append(threading.current_thread().name)
       return place(s, flat)
 
-    vw._stage_params_of = logged_place  # pylint: disable=protected-access
+    vw.stage_params_of = logged_place
     stats = vw.run(n)
     assert stats.ps_channel == mode and vw.ps_channel_mode == mode
     # (through the channel the last reply may be placed but left for a next run)

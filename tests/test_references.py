@@ -211,9 +211,9 @@ def test_vw_losses_and_sgd_weights_match_reference(num_inflight):
   tx = optax.sgd(learning_rate)
   layout = ParamLayout.from_layer_params(params0)
   server = param_server.ParameterServer(reference_flatten(params0).astype(np.float32), 1)
-  vw = virtual_worker.VirtualWorker(0, _stages(partition, tx), layout, params0, tx, num_inflight, 0,
-                                    param_server.LocalPSClient(server, 0), lambda p: batches[p],
-                                    num_virtual_workers=1)
+  vw = virtual_worker.VirtualWorker(_stages(partition, tx), layout, params0,
+                                    virtual_worker.WSPSettings(0, 1, num_inflight), virtual_worker.UpdateSettings(tx),
+                                    virtual_worker.VWHooks(lambda p: batches[p], param_server.LocalPSClient(server, 0)))
   vw.run(num_minibatches)
   versions = [r.version_local_updates for r in vw.records]
   assert [r.minibatch_id for r in vw.records] == list(range(num_minibatches))

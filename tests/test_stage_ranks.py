@@ -26,6 +26,7 @@ from hetpipe_jax.mpi.ps_server import ParameterServerService
 from hetpipe_jax.ps import param_server
 from hetpipe_jax.ps.shards import ShardLayout, VWParts
 from hetpipe_jax.rules.schedule import Task, TaskKind
+from hetpipe_jax.runtime import placement
 from hetpipe_jax.runtime import stages as stages_lib
 from hetpipe_jax.runtime import virtual_worker
 from hetpipe_jax.runtime.param_layout import ParamLayout
@@ -237,9 +238,11 @@ def _linked_vw(data_dir, *, ranks, num_inflight, staleness_bound, tx, num_vws, p
     driver = rank == ranks[0]
     remote = stage_client.RemoteStages(comm, 0, link) if driver else None
     stages = stages_lib.build_stages(spec, THREE_STAGES, devices, tx, grad_clip_norm=grad_clip_norm)
-    return virtual_worker.VirtualWorker(0, stages, layout, params0, tx, num_inflight, staleness_bound,
-                                        client if driver else None, source.get if driver else None,
-                                        num_virtual_workers=num_vws, link=link, remote=remote)
+    return virtual_worker.VirtualWorker(
+        stages, layout, params0, virtual_worker.WSPSettings(0, num_vws, num_inflight, staleness_bound),
+        virtual_worker.UpdateSettings(tx),
+        virtual_worker.VWHooks(source.get, client) if driver else virtual_worker.VWHooks(),
+        placement.LinkedStages(link, remote))
 
   driver = make(ranks[0])
   client.vw = driver
@@ -267,9 +270,10 @@ def _run_linked(driver, servers, num_mb, job, peer_waves=(), lag=1):
     except BaseException as e:  # pylint: disable=broad-except
       errors.append(e)
       # under MPI a failing rank aborts the world; here the driver's run gets the error as a failed task
-      while driver.remote._done is None:  # pylint: disable=protected-access
+      remote = driver.placement.remote
+      while remote._done is None:  # pylint: disable=protected-access
         time.sleep(0.01)
-      driver.remote._done.put(Completion(Task(-1, TaskKind.FORWARD, -1), 0.0, 0.0, error=e))  # pylint: disable=protected-access
+      remote._done.put(Completion(Task(-1, TaskKind.FORWARD, -1), 0.0, 0.0, error=e))  # pylint: disable=protected-access
 
   def ps():
     try:
@@ -292,7 +296,7 @@ def _run_linked(driver, servers, num_mb, job, peer_waves=(), lag=1):
   for t in threads:
     t.start()
   driver.run(num_mb)
-  reports.append(driver.remote.stop(job["client"].num_pulls_requested))
+  reports.append(driver.placement.remote.stop(job["client"].num_pulls_requested))
   job["client"].finish(num_waves, {})
   for t in threads:
     t.join(30)

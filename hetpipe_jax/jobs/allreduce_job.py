@@ -6,7 +6,8 @@ runs M micro-batches in the method's order (:mod:`hetpipe_jax.rules.methods`), t
 gradients (one contiguous float32 buffer in layer order, the step's loss sum last) are summed over all ranks with
 ``MPI.Allreduce`` on each reduction segment (:func:`hetpipe_jax.rules.allreduce.reduce_segments`: the stages when
 every VW has the same partition; MPICH's collective, in place on contiguous slices), and every rank applies the
-same update with the mean gradient (:meth:`VirtualWorker.apply_reduced`). Rank 0 also writes the run's outputs
+same update with the mean gradient
+(:meth:`hetpipe_jax.runtime.flush_step.FlushUpdate.apply_reduced`). Rank 0 also writes the run's outputs
 (:mod:`hetpipe_jax.jobs.outputs`): metrics per logged step, evaluations, every rank's records (gathered at the end),
 summary.json and the final weights; the final weights of every rank are checked to be identical.
 
@@ -32,7 +33,7 @@ from hetpipe_jax.jobs.outputs import (RunOutputs, check_replicas_identical, chec
                                       weights_sha256)
 from hetpipe_jax.rules import allreduce
 from hetpipe_jax.runtime.param_layout import ParamLayout
-from hetpipe_jax.runtime.virtual_worker import VirtualWorker
+from hetpipe_jax.runtime import virtual_worker as vw_lib
 
 
 class MPIAllReducer:
@@ -150,10 +151,11 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
                     "test_loss": line["test_loss"]})
     outputs.log_metrics(line)
 
-  vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, m, settings.staleness_bound, None,
-                     micro.get, num_virtual_workers=n,
-                     task_time_s=emulated[vw_id].task_duration_s if emulated else None, method=settings.method,
-                     reducer=reducer, on_step=on_step)
+  vw = vw_lib.VirtualWorker(stages, layout, layout.unflatten(flat0),
+                            vw_lib.WSPSettings(vw_id, n, m, settings.staleness_bound),
+                            vw_lib.UpdateSettings(optimizer, settings.method, reducer=reducer, on_step=on_step),
+                            vw_lib.VWHooks(micro.get),
+                            host=vw_lib.HostSettings(task_time_s=emulated[vw_id].task_duration_s if emulated else None))
   logging.info("[VW %d] %d stages %s on %s, %d steps x %d micro-batches", vw_id, len(stages), partitions[vw_id],
                [str(d) for d in devices], steps, m)
   comm.Barrier()

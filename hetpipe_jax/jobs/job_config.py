@@ -89,14 +89,15 @@ class JobSettings:
     return sum(len(g) - 1 for g in self.stage_groups)
 
   @property
-  def uses_ps(self) -> bool:
-    return methods.get_method(self.method).uses_ps
+  def num_ps_ranks(self) -> int:
+    """MPI ranks of parameter servers (``num_ps_shards``; 0 for the all-reduce methods)."""
+    return methods.num_ps_ranks(methods.get_method(self.method), self.num_ps_shards)
 
   @property
   def world_size(self) -> int:
     """MPI ranks: ``num_ps_shards`` PS shards (ranks ``0..S-1``) then one rank per VW (WSP methods); one rank per VW
     (all-reduce methods: no PS)."""
-    return (self.num_ps_shards if self.uses_ps else 0) + self.num_virtual_workers + self.num_stage_ranks
+    return self.num_ps_ranks + self.num_virtual_workers + self.num_stage_ranks
 
   @property
   def num_stages(self) -> int | None:
@@ -256,7 +257,7 @@ def _check_scalars(config: Any) -> None:
                       "one host by experiments/fsdp_validate.py, not by hetpipe_jax.train: use one of "
                       f"{list(methods.HARNESS_METHODS)}")
   m = config.get("num_inflight")
-  if methods.get_method(method).is_flush and m is not None and config.batch_size % m:
+  if m is not None and config.batch_size % methods.micro_batches_per_minibatch(methods.get_method(method), m):
     raise ConfigError(f"config.method={method!r} splits each minibatch into num_inflight={m} micro-batches, but "
                       f"config.batch_size={config.batch_size} is not a multiple of it: pick a divisor")
   grouping = config.get("stage_rank_grouping", "gpu")
@@ -283,8 +284,8 @@ class MethodSetting:
   what: str
 
 
-_PS_METHODS = tuple(m for m in methods.METHODS if methods.get_method(m).uses_ps)
-_FLUSH_METHODS = tuple(m for m in methods.METHODS if methods.get_method(m).is_flush)
+_PS_METHODS = methods.PS_METHODS
+_FLUSH_METHODS = methods.FLUSH_METHODS
 # Every setting that belongs to some methods only: given away from its default to another method, it is refused with
 # an error naming it (for every method alike, MPI and virtual time), instead of being ignored and recorded as if it
 # ran. The all-reduce methods (gpipe, 1f1b_flush, horovod) have no parameter server.
@@ -405,11 +406,7 @@ def settings_from_config(config: Any, plan: Any = None) -> JobSettings:
   values = {}
   method = config.get("method", "hetpipe")
   defaults = dict(DEFAULTS_WITHOUT_PLAN)
-  if method == "horovod":
-    defaults["num_stages"] = 1  # the whole model on one GPU per worker
-    defaults["num_inflight"] = 1  # one micro-batch per step (no gradient accumulation)
-  if method == "pipedream":
-    defaults["num_inflight"] = None  # NOAM: the number of stages (one GPU per stage)
+  defaults.update(methods.get_method(method).config_defaults)  # horovod: one GPU per worker; pipedream: NOAM
   for name, default in defaults.items():
     given = config.get(name)
     values[name] = default if given is None else given
@@ -420,10 +417,10 @@ def settings_from_config(config: Any, plan: Any = None) -> JobSettings:
   if values["num_inflight"] is None:
     values["num_inflight"] = num_stages
     sources["num_inflight"] = "default (PipeDream's NOAM = num_stages)"
-  if method == "horovod" and num_stages != 1:
-    raise ConfigError(f"config.method='horovod' holds the whole model on one device per worker: num_stages must be 1, "
+  if methods.get_method(method).single_stage and num_stages != 1:
+    raise ConfigError(f"config.method={method!r} holds the whole model on one device per worker: num_stages must be 1, "
                       f"got {num_stages}")
-  if methods.get_method(method).is_flush and config.batch_size % values["num_inflight"]:
+  if config.batch_size % methods.micro_batches_per_minibatch(methods.get_method(method), values["num_inflight"]):
     raise ConfigError(f"config.method={method!r} splits each minibatch into num_inflight={values['num_inflight']} "
                       f"micro-batches, but config.batch_size={config.batch_size} is not a multiple of it")
   if partitions is not None:
@@ -457,7 +454,7 @@ def check_world_size(settings: JobSettings, world_size: int, config: Any = None)
   """
   if world_size != settings.world_size:
     what = "the plan's" if settings.plan is not None else "config.num_virtual_workers"
-    if settings.uses_ps:
+    if settings.num_ps_ranks:
       s = settings.num_ps_shards
       ps = "rank 0 = PS" if s == 1 else f"ranks 0..{s - 1} = PS shards (config.num_ps_shards={s})"
       layout = f"{ps}, ranks {s}..{s + settings.num_virtual_workers - 1} = VWs"
@@ -635,8 +632,9 @@ def emulated_task_times(config: Any, settings: JobSettings, *, plan_times: bool 
   if rows is not None and use_plan:
     raise ConfigError("set config.emulate_stage_ms or config.emulate_plan, not both")
   if rows is not None:
-    if methods.get_method(settings.method).is_flush:  # the given times are per minibatch; a task is a micro-batch
-      rows = [[v / settings.num_inflight for v in r] for r in rows]
+    # the given times are per minibatch; a task is a micro-batch (flush methods)
+    per_task = methods.micro_batches_per_minibatch(methods.get_method(settings.method), settings.num_inflight)
+    rows = [[v / per_task for v in r] for r in rows]
     return [task_times.uniform_task_times(r) for r in rows]
   if not use_plan:
     return None
@@ -681,8 +679,8 @@ def with_ps_shards(config: Any, settings: JobSettings) -> JobSettings:
   nodes = plan_nodes(plan) if plan is not None else ["host"]
   given = config.get("num_ps_shards")
   sources = dict(settings.sources)
-  per_stage = methods.get_method(settings.method).update == "stage"
-  if given is None and per_stage:
+  one_ps = not methods.get_method(settings.method).sharded_ps
+  if given is None and one_ps:
     num = 1
     sources["num_ps_shards"] = f"default (1: config.method={settings.method!r} runs with one PS on rank 0)"
   elif given is None:
@@ -694,7 +692,7 @@ def with_ps_shards(config: Any, settings: JobSettings) -> JobSettings:
     if num < 1:
       raise ConfigError(f"config.num_ps_shards={given}: must be >= 1 (1 = one PS on rank 0), or leave it unset for "
                         "one shard per node of the plan")
-  if per_stage and num > 1:
+  if one_ps and num > 1:
     raise ConfigError(f"config.num_ps_shards={num} with config.method={settings.method!r}: per-stage updates with "
                       "sharded parameter servers are not supported yet; leave config.num_ps_shards unset (one PS) "
                       "or use --config.method=hetpipe")

@@ -44,10 +44,11 @@ from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import wsp
 from hetpipe_jax.runtime import opt_state
 from hetpipe_jax.runtime import optimizers
+from hetpipe_jax.runtime import placement as placement_lib
 from hetpipe_jax.runtime import stages as stages_lib
+from hetpipe_jax.runtime import virtual_worker as vw_lib
 from hetpipe_jax.runtime.objectives import get_objective
 from hetpipe_jax.runtime.param_layout import ParamLayout
-from hetpipe_jax.runtime.virtual_worker import VirtualWorker
 from hetpipe_jax.sim import trace
 
 
@@ -129,7 +130,7 @@ def _muon_layer_shapes(config: Any, spec: models.ModelSpec | None) -> list:
 def minibatches_per_wave(settings: JobSettings) -> int:
   """Minibatches per wave: Nm (WSP methods), or 1 for the flush methods (a step is one minibatch of M
   micro-batches)."""
-  return 1 if methods.get_method(settings.method).is_flush else settings.num_inflight
+  return methods.minibatches_per_wave(methods.get_method(settings.method), settings.num_inflight)
 
 
 def minibatches_per_vw(config: Any, settings: JobSettings, num_train: int) -> int:
@@ -254,7 +255,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
       checkpoints (or checkpoints without it), a checkpoint of another model, nothing left to train.
     fashion_mnist.DataError: missing or corrupt dataset files.
   """
-  if not settings.uses_ps:
+  if not settings.num_ps_ranks:
     raise ConfigError(f"config.method={settings.method!r} has no PS: its job is hetpipe_jax.jobs.allreduce_job")
   settings = with_ps_shards(config, settings)  # sharded PS: ranks 0..S-1 (bad settings fail here, on every rank)
   settings = with_stage_ranks(config, settings, resume)  # stage ranks: ranks S+N.. (after the VWs' drivers)
@@ -315,6 +316,22 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   return None
 
 
+def _wsp_settings(settings, vw_id: int, pull_every_wave: bool = True):
+  """VW ``vw_id``'s :class:`~hetpipe_jax.runtime.virtual_worker.WSPSettings` (its index, N, Nm, D and pulls)."""
+  from hetpipe_jax.runtime.virtual_worker import WSPSettings
+  return WSPSettings(vw_id, settings.num_virtual_workers, settings.num_inflight, settings.staleness_bound,
+                     pull_every_wave)
+
+
+def update_settings(config, settings, optimizer, vw_id: int, **options):
+  """VW ``vw_id``'s :class:`~hetpipe_jax.runtime.update_rules.UpdateSettings`: the method, the optimizer and the
+  update-rule options the job sets (``vertical_sync``; the plan's memory caps as ``max_held``), plus ``options``
+  (the flush methods' ``reducer`` and ``on_step``)."""
+  from hetpipe_jax.runtime.update_rules import UpdateSettings
+  return UpdateSettings(optimizer, settings.method, vertical_sync=bool(config.get("vertical_sync", False)),
+                        max_held=settings.memory_caps[vw_id] if settings.memory_caps else None, **options)
+
+
 def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, partitions, vw_id, comm,
                     shards, restricted) -> None:
   """A stage rank: runs its stages of VW ``vw_id`` as the VW's driver commands
@@ -325,9 +342,8 @@ def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, part
   devices = rank_setup.stage_devices(settings, vw_id, link, restricted)
   optimizer = make_optimizer(config, num_mb, spec)
   stages = build_stages(config, spec, partition, devices, optimizer)
-  vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, settings.num_inflight,
-                     settings.staleness_bound, None, None, num_virtual_workers=settings.num_virtual_workers,
-                     method=settings.method, link=link)
+  vw = vw_lib.VirtualWorker(stages, layout, layout.unflatten(flat0), _wsp_settings(settings, vw_id),
+                            vw_lib.UpdateSettings(optimizer, settings.method), placement=placement_lib.LinkedStages(link))
   source = sharding.ShardedMinibatches(dataset, settings.num_virtual_workers, vw_id, config.batch_size, config.seed)
   ps = StageRankPSClient(comm, ps_shards.vw_parts(settings, shards, partitions, layout.layer_offsets)[vw_id],
                          StageRankServer.local_index_of(vw), settings.num_virtual_workers)
@@ -383,9 +399,11 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
             point, shards, partitions, restricted) -> None:
 
   link = remote = None
+  placement = placement_lib.ALL_LOCAL
   if settings.stage_groups:  # stage ranks: this rank runs the VW's first stage group and drives the others
     link = rank_setup.stage_link(config, settings, spec, partition, vw_id, num_mb, comm)
     remote = RemoteStages(comm, vw_id, link)
+    placement = placement_lib.LinkedStages(link, remote)
   devices = rank_setup.stage_devices(settings, vw_id, link, restricted)
   optimizer = make_optimizer(config, num_mb, spec)
   stages = build_stages(config, spec, partition, devices, optimizer)
@@ -398,15 +416,12 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
   clock0, total, segs = _segments(config, settings, num_mb, point)
   start_mb = point.minibatch_start if point else 0
   off = resume_lib.Offsets(clock0, start_mb, 0.0)
-  vw = VirtualWorker(vw_id, stages, layout, layout.unflatten(flat0), optimizer, nm, settings.staleness_bound, client,
-                     lambda p: source.get_with_ids(off.minibatch + p),
-                     num_virtual_workers=settings.num_virtual_workers,
-                     pull_every_wave=config.pull_every_wave,
-                     task_time_s=task_times.task_duration_s if task_times else None,
-                     corrupt_update=resume_lib.nan_injector(config, vw_id, off), ps_shards=sharded,
-                     method=settings.method, vertical_sync=bool(config.get("vertical_sync", False)),
-                     max_held=settings.memory_caps[vw_id] if settings.memory_caps else None, link=link,
-                     remote=remote)
+  vw = vw_lib.VirtualWorker(
+      stages, layout, layout.unflatten(flat0), _wsp_settings(settings, vw_id, config.pull_every_wave),
+      update_settings(config, settings, optimizer, vw_id),
+      vw_lib.VWHooks(lambda p: source.get_with_ids(off.minibatch + p), client, sharded,
+                     corrupt_update=resume_lib.nan_injector(config, vw_id, off)),
+      placement, vw_lib.HostSettings(task_time_s=task_times.task_duration_s if task_times else None))
   first_start = None
   if point is not None:
     vw.load_opt_state(*point.opt_states[vw_id])

@@ -25,7 +25,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from hetpipe_jax.jobs import checkpoint
-from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, config_to_json, format_partitions, optimizer_summary
+from hetpipe_jax.jobs.job_config import (METHOD_SETTINGS, ConfigError, JobSettings, config_to_json, format_partitions,
+                                         optimizer_summary)
 from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import records as records_lib
 from hetpipe_jax.sim.engine_report import json_safe
@@ -171,12 +172,31 @@ class RunOutputs:
     (self.dir / "summary.json").write_text(json.dumps(json_safe(dict(summary)), indent=2))
 
 
+def _wsp_method_settings(settings: JobSettings, config: Any) -> dict[str, Any]:
+  """The PS methods' ``method_settings``: Nm, D, and the method's own settings of :data:`~hetpipe_jax.jobs.
+  job_config.METHOD_SETTINGS` that are recorded (pipedream's ``vertical_sync``)."""
+  own = {s.name: bool(config.get(s.name, s.default)) for s in METHOD_SETTINGS
+         if s.name in _RECORDED_SETTINGS and settings.method in s.methods}
+  return {"num_inflight": settings.num_inflight, "staleness_bound": settings.staleness_bound,
+          "sync": "WSP (parameter server)", **own}
+
+
+def _allreduce_method_settings(settings: JobSettings, config: Any) -> dict[str, Any]:
+  """The all-reduce methods' ``method_settings``: micro-batches per step and their size, remat."""
+  return {"num_microbatches": settings.num_inflight, "micro_batch_size": config.batch_size // settings.num_inflight,
+          "sync": "all-reduce BSP (MPI Allreduce per reduction segment, no PS)",
+          "remat": bool(config.get("remat", False))}
+
+
+_RECORDED_SETTINGS = ("vertical_sync",)  # method-only flags recorded in a PS method's method_settings
+_METHOD_SETTINGS = {"wsp": _wsp_method_settings, "allreduce": _allreduce_method_settings}  # by the method's sync
+
+
 def settings_summary(settings: JobSettings, partitions: Sequence[Sequence[Sequence[int]]],
                      config: Any, spec: Any = None) -> dict[str, Any]:
   """The settings that ran, as both jobs record them in ``summary.json`` (the same values as ``config.json``); with
   ``config.optimizer='muon'`` and the model ``spec``, the optimizer's ``muon_params`` (the leaves its rule gave Muon,
   ``"layer:path"``)."""
-  flush = methods.get_method(settings.method).is_flush
   optimizer = optimizer_summary(config)
   if config.optimizer == "muon" and spec is not None:
     import jax  # pylint: disable=g-import-not-at-top
@@ -186,14 +206,7 @@ def settings_summary(settings: JobSettings, partitions: Sequence[Sequence[Sequen
     optimizer["muon_params"] = optimizers.muon_leaf_names(shapes)
   return {
       "method": settings.method,
-      "method_settings": ({"num_microbatches": settings.num_inflight,
-                           "micro_batch_size": config.batch_size // settings.num_inflight,
-                           "sync": "all-reduce BSP (MPI Allreduce per reduction segment, no PS)",
-                           "remat": bool(config.get("remat", False))} if flush else
-                          {"num_inflight": settings.num_inflight, "staleness_bound": settings.staleness_bound,
-                           "sync": "WSP (parameter server)",
-                           **({"vertical_sync": bool(config.get("vertical_sync", False))}
-                              if settings.method == "pipedream" else {})}),
+      "method_settings": _METHOD_SETTINGS[methods.get_method(settings.method).sync](settings, config),
       "model": settings.model,
       "optimizer": optimizer,
       "batch_size": config.batch_size,

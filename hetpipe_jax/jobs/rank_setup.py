@@ -38,7 +38,7 @@ def check_rank_devices(settings: JobSettings, table) -> None:
   """
   needed = [()] * len(table)
   groups = settings.stage_groups or [(tuple(range(len(v.devices))),) for v in settings.vws]
-  for r, v, stages in stage_rank_layout(settings.num_ps_shards if settings.uses_ps else 0, groups):
+  for r, v, stages in stage_rank_layout(settings.num_ps_ranks, groups):
     if r < len(needed):
       needed[r] = tuple(settings.vws[v].devices[s] for s in stages)
   try:

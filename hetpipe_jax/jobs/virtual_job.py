@@ -22,14 +22,15 @@ from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
 from hetpipe_jax.jobs.evaluation import Evaluator
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
 from hetpipe_jax.jobs.mpi_job import (build_stages, data_config_fields, eval_every_waves, load_data, make_optimizer,
-                                      minibatches_per_vw, prepare, replay_fields)
+                                      minibatches_per_vw, prepare, replay_fields, update_settings)
 from hetpipe_jax.jobs.outputs import (RunOutputs, check_replicas_identical, check_workdir, settings_summary,
                                       weights_sha256)
 from hetpipe_jax.ps.param_server import ParameterServer
+from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import wsp
 from hetpipe_jax.runtime import virtual_time
+from hetpipe_jax.runtime import virtual_worker as vw_lib
 from hetpipe_jax.runtime.param_layout import ParamLayout
-from hetpipe_jax.runtime.virtual_worker import VirtualWorker
 from hetpipe_jax.sim import engine as engine_lib
 from hetpipe_jax.sim import engine_report
 from hetpipe_jax.sim import trace
@@ -68,8 +69,12 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
   if config.get("num_ps_shards") not in (None, 1):
     raise ConfigError(f"config.num_ps_shards={config.num_ps_shards}: virtual time runs one in-process PS; leave it "
                       "unset or 1 (sharded parameter servers run under MPI)")
-  if not settings.uses_ps:
-    return _run_allreduce(config, settings, workdir, resume)
+  # the PS methods' run, or all-reduce BSP (no PS: gpipe, 1f1b_flush, horovod), by the method's ``sync``
+  return _RUNS[methods.get_method(settings.method).sync](config, settings, workdir, resume)
+
+
+def _run_wsp(config: Any, settings: JobSettings, workdir: str, resume: bool) -> dict:
+  """:func:`run` for the parameter-server methods (hetpipe, pipedream)."""
   spec, partitions = prepare(config, settings, world_size=settings.world_size, check_local_devices=False)
   times, emulate_plan = _virtual_task_times(config, settings)
   dataset = load_data(config, spec)
@@ -111,13 +116,12 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
     optimizer = make_optimizer(config, num_mb, spec)
     stages = build_stages(config, spec, partition, stage_devices, optimizer)
     source = sharding.ShardedMinibatches(dataset, n, v, config.batch_size, config.seed)
-    vw = VirtualWorker(v, stages, layout, layout.unflatten(server.weights), optimizer, nm, settings.staleness_bound,
-                       virtual_time.RecordingPSClient(v, outbox),
-                       lambda p, get=source.get_with_ids, v=v: get(data_offset[v] + p),
-                       num_virtual_workers=n, pull_every_wave=config.pull_every_wave,
-                       corrupt_update=resume_lib.nan_injector(config, v, off), method=settings.method,
-                       vertical_sync=bool(config.get("vertical_sync", False)),
-                       max_held=settings.memory_caps[v] if settings.memory_caps else None)
+    vw = vw_lib.VirtualWorker(stages, layout, layout.unflatten(server.weights),
+                              vw_lib.WSPSettings(v, n, nm, settings.staleness_bound, config.pull_every_wave),
+                              update_settings(config, settings, optimizer, v),
+                              vw_lib.VWHooks(lambda p, get=source.get_with_ids, v=v: get(data_offset[v] + p),
+                                             virtual_time.RecordingPSClient(v, outbox),
+                                             corrupt_update=resume_lib.nan_injector(config, v, off)))
     if point:
       vw.load_opt_state(*point.opt_states[v])
       vw.set_version_id(point.meta["version_ids"][v % len(point.meta["version_ids"])])
@@ -298,9 +302,10 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
     stages = build_stages(config, spec, partition, stage_devices, optimizer, remat=bool(config.remat))
     source = sharding.ShardedMinibatches(dataset, n, v, config.batch_size, config.seed)
     micro = sharding.MicroBatches(source.get_with_ids, m)  # records carry each micro-batch's example ids
-    vws.append(VirtualWorker(v, stages, layout, params0, optimizer, m, settings.staleness_bound, None, micro.get,
-                             num_virtual_workers=n, method=settings.method,
-                             reducer=virtual_time.HeldReducer(v, outbox)))
+    vws.append(vw_lib.VirtualWorker(
+        stages, layout, params0, vw_lib.WSPSettings(v, n, m, settings.staleness_bound),
+        vw_lib.UpdateSettings(optimizer, settings.method, reducer=virtual_time.HeldReducer(v, outbox)),
+        vw_lib.VWHooks(micro.get)))
   evaluator = Evaluator(spec, layout, dataset.eval_inputs, dataset.eval_targets, config.eval_batch_size, devices[0])
   eval_every = eval_every_waves(config, settings, dataset.num_train)
   bar = None
@@ -386,3 +391,6 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
   logging.info("[virtual] done: test accuracy %.4f, %d minibatches in %.1f simulated s (%.1f host s)",
                final["test_accuracy"], total, sim_time, summary["host_wall_time_s"])
   return summary
+
+
+_RUNS = {"wsp": _run_wsp, "allreduce": _run_allreduce}  # the methods table's ``sync`` -> its run

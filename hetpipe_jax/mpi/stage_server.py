@@ -233,7 +233,7 @@ class StageRankServer:
               "tasks": self.num_reported}
     self._send(Kind.STOPPED, TAG_REPLY, np.frombuffer(json.dumps(report).encode(), np.uint8).copy())
     wire.wait_all([r for r, _ in self._sends])
-    self.vw.link.close()
+    self.vw.placement.link.close()
     return report
 
   def _post_header(self) -> tuple:
@@ -316,7 +316,7 @@ class StageRankServer:
       if self.vw.grad_clip_norm and payload is None:
         raise ProtocolError(f"rank {self.rank}: the UPDATE of minibatch {minibatch} from rank {self.driver} carries "
                             "no global gradient norm, and this rank clips by it")
-      self.vw.apply_update(mb, None if payload is None else float(payload[0]))
+      self.vw.update.apply_update(mb, None if payload is None else float(payload[0]))
       del self.inflight[minibatch], self.versions[minibatch]
     elif kind is Kind.PULL_INSTALL:
       if self.pull_reply is None:
@@ -326,7 +326,7 @@ class StageRankServer:
       self._install_pull(self.pull_reply, payload)
       self.pull_reply = None
     else:  # END_WAVE: this rank's part of the wave, straight to its shards
-      delta = self.vw.take_wave_delta()
+      delta = self.vw.update.take_wave_delta()
       self.own_flat[minibatch] = delta
       self.ps.push(minibatch, delta)
       return True
@@ -340,7 +340,7 @@ class StageRankServer:
   @staticmethod
   def local_index_of(vw: Any) -> np.ndarray:
     """int64: the flat indices of ``vw``'s local stages' elements, ascending (the order of
-    :meth:`VirtualWorker.take_wave_delta` and :meth:`VirtualWorker.install_rebased`)."""
+    :meth:`~hetpipe_jax.runtime.minibatch_update.PerMinibatchUpdate.take_wave_delta` and ``install_rebased``)."""
     offsets = vw.layout.layer_offsets
     return np.concatenate([np.arange(offsets[vw.stages[s].layer_range[0]], offsets[vw.stages[s].layer_range[1]],
                                      dtype=np.int64) for s in vw.local_stages] or [np.zeros(0, np.int64)])
@@ -355,7 +355,7 @@ class StageRankServer:
                             f"waves, but the pull the driver (rank {self.driver}) installs holds "
                             f"{int(own_applied[shard])}")
     local, self.own_flat = rebase_on_shards(flat, self.own_flat, [int(c) for c in own_applied], self.shard_index)
-    self.vw.install_rebased(local)
+    self.vw.update.install_rebased(local)
 
   def _report(self, c: Completion) -> None:
     loss = sq_norm = float("nan")

@@ -71,6 +71,13 @@ class Method:
     single_stage: every VW is one GPU running the whole model (horovod, fsdp).
     sharded: parameters, gradients and optimizer state are sharded over the GPUs (fsdp); not run by the MPI /
       virtual-time harness (:data:`HARNESS_METHODS`).
+    config_defaults: ``(config field, default)`` pairs the method changes from the job's defaults without a plan
+      (horovod: the whole model on one GPU, one micro-batch per step; pipedream: ``num_inflight`` None, i.e. the
+      number of stages, PipeDream's NOAM).
+    sharded_ps: a WSP method that runs with sharded parameter servers (pipedream's per-stage updates: not yet).
+
+  The runtime names each ``update`` value's class (``hetpipe_jax.runtime.virtual_worker.UPDATE_RULES``: per-minibatch,
+  per-stage, flush), as torch pipelining's ``get_schedule_class`` names a schedule's, and each ``sync`` value's job.
   """
 
   name: str
@@ -80,6 +87,8 @@ class Method:
   flush_window: bool
   single_stage: bool = False
   sharded: bool = False
+  config_defaults: tuple[tuple[str, int | None], ...] = ()
+  sharded_ps: bool = True
 
   @property
   def uses_ps(self) -> bool:
@@ -92,14 +101,18 @@ class Method:
 
 _TABLE = {
     "hetpipe": Method("hetpipe", "fifo", "minibatch", "wsp", flush_window=False),
-    "pipedream": Method("pipedream", "1f1b", "stage", "wsp", flush_window=False),
+    "pipedream": Method("pipedream", "1f1b", "stage", "wsp", flush_window=False,
+                        config_defaults=(("num_inflight", None),), sharded_ps=False),
     "gpipe": Method("gpipe", "gpipe", "flush", "allreduce", flush_window=True),
     "1f1b_flush": Method("1f1b_flush", "1f1b", "flush", "allreduce", flush_window=True),
-    "horovod": Method("horovod", "gpipe", "flush", "allreduce", flush_window=True, single_stage=True),
+    "horovod": Method("horovod", "gpipe", "flush", "allreduce", flush_window=True, single_stage=True,
+                      config_defaults=(("num_stages", 1), ("num_inflight", 1))),
     "fsdp": Method("fsdp", "gpipe", "flush", "allreduce", flush_window=True, single_stage=True, sharded=True),
 }
 # The methods ``hetpipe_jax.train`` runs (MPI and virtual time); fsdp's runtime is experiments/fsdp_validate.py.
 HARNESS_METHODS = tuple(m for m in METHODS if not _TABLE[m].sharded)
+PS_METHODS = tuple(m for m in METHODS if _TABLE[m].uses_ps)  # WSP across VWs through a parameter server
+FLUSH_METHODS = tuple(m for m in METHODS if _TABLE[m].is_flush)  # one update per step of M micro-batches
 
 
 def get_method(name: str) -> Method:
@@ -112,6 +125,23 @@ def get_method(name: str) -> Method:
     return _TABLE[name]
   except KeyError:
     raise ValueError(f"unknown method {name!r}: use one of {list(METHODS)}") from None
+
+
+def minibatches_per_wave(method: Method, num_inflight: int) -> int:
+  """Minibatches per wave: Nm (WSP methods), or 1 for the flush methods (a step is one minibatch of M
+  micro-batches)."""
+  return 1 if method.is_flush else num_inflight
+
+
+def micro_batches_per_minibatch(method: Method, num_inflight: int) -> int:
+  """The tasks' (micro-)batches per minibatch: M = ``num_inflight`` for the flush methods (each minibatch is split),
+  else 1."""
+  return num_inflight if method.is_flush else 1
+
+
+def num_ps_ranks(method: Method, num_ps_shards: int) -> int:
+  """MPI ranks of parameter servers: the shards (WSP methods), none (all-reduce methods)."""
+  return num_ps_shards if method.uses_ps else 0
 
 
 def forwards_before_first_backward(method: Method, num_stages: int, num_inflight: int, stage_id: int,

@@ -11,8 +11,8 @@ the partition.
 When each method learns ``n`` and applies the clipped update (one rule, these three helpers, for every method):
 
 * **HetPipe** (one process, stage ranks, virtual time): a VW's weights change when a minibatch completes, every stage
-  at once (:meth:`~hetpipe_jax.runtime.virtual_worker.VirtualWorker.apply_update`). Minibatch p completes with stage
-  0's backward, the last of its tasks, so by then every stage's gradient of p exists: the driver adds the stages'
+  at once (:meth:`~hetpipe_jax.runtime.minibatch_update.PerMinibatchUpdate.apply_update`). Minibatch p completes with
+  stage 0's backward, the last of its tasks, so by then every stage's gradient of p exists: the driver adds the stages'
   squared norms and every stage applies its clipped update of p. With stage ranks, a stage rank reports its stages'
   squared norms with its backward's completion (``REPORT``'s last field, :mod:`hetpipe_jax.mpi.stage_link`) and
   the driver sends ``n`` with p's ``UPDATE``.

@@ -1,14 +1,14 @@
-"""PipeDream's per-stage updates (weight stashing, optional vertical sync) as actions of a virtual worker
-(PipeDream, SOSP'19 §3.3; the baselines' ``pipedream`` method).
+"""PipeDream's update rule: per-stage updates with weight stashing and optional vertical sync (PipeDream, SOSP'19
+§3.3; the baselines' ``pipedream`` method).
 
-Runtime layer. :class:`PerStageUpdates` is a part of :class:`hetpipe_jax.runtime.virtual_worker.VirtualWorker` (it
-uses the VW's stages, layout, versions and PS client): each stage keeps its own latest weights; a forward uses them
-(or, with ``vertical_sync``, the stage's weights after as many own updates as stage 0's forward of that minibatch used)
-and its VJP closure stashes them for the backward; right after its backward (FB on the last stage) the stage applies
-its own optimizer step, adding the delta to that minibatch's wave accumulator (with ``grad_clip_norm`` > 0 every stage
-applies it when the minibatch completes instead, clipped by its global norm: :mod:`hetpipe_jax.runtime.grad_clip`).
-At a wave end the VW pushes every stage's wave delta, and a pull rebases every stage (global + own waves the PS lacks
-+ deltas not pushed yet), under a per-stage lock because the stage executors update concurrently.
+Runtime layer. :class:`PerStageUpdate` is the ``stage`` rule of :mod:`hetpipe_jax.runtime.update_rules`: each stage
+keeps its own latest weights; a forward uses them (or, with ``vertical_sync``, the stage's weights after as many own
+updates as stage 0's forward of that minibatch used) and its VJP closure stashes them for the backward; right after
+its backward (FB on the last stage) the stage applies its own optimizer step, adding the delta to that minibatch's
+wave accumulator (with ``grad_clip_norm`` > 0 every stage applies it when the minibatch completes instead, clipped by
+its global norm: :mod:`hetpipe_jax.runtime.grad_clip`). At a wave end the VW pushes every stage's wave delta, and a
+pull rebases every stage (global + own waves the PS lacks + deltas not pushed yet), under a per-stage lock because
+the stage executors update concurrently.
 """
 
 from __future__ import annotations
@@ -19,82 +19,135 @@ from typing import Any
 import jax
 import numpy as np
 
+from hetpipe_jax.runtime.update_rules import WSPRule
 from hetpipe_jax.runtime.vw_state import InFlightMinibatch
 
 
-class PerStageUpdates:
-  """PipeDream's state and actions of a :class:`~hetpipe_jax.runtime.virtual_worker.VirtualWorker`
-  (``method.update == "stage"``)."""
+class PerStageUpdate(WSPRule):
+  """PipeDream's per-stage update (module docstring). Option: ``vertical_sync``.
 
-  def _init_stage_state(self, updates: list[int] | None = None) -> None:
-    """PipeDream: per-stage latest weights, own-update counts, per-wave deltas, version history and locks."""
-    n = len(self.stages)
-    self.stage_params = list(self.version.params)
-    self.stage_updates = list(updates) if updates is not None else [0] * n
+  Attributes:
+    stage_params: per stage, its latest weights.
+    stage_updates: per stage, its own updates so far (carried over segments).
+    stage_wave_delta: per stage, wave -> its summed delta of that wave, not pushed yet.
+    stage_history: vertical sync: per stage, own-update count -> its weights after that many updates.
+  """
+
+  OPTIONS = ("vertical_sync",)
+
+  def __init__(self, vw: Any, settings):
+    super().__init__(vw, settings)
+    self.vertical_sync = settings.vertical_sync
+    self.stage_updates = [0] * len(vw.stages)
+
+  def reset(self) -> None:
+    """Per-stage latest weights, own-update counts (kept), per-wave deltas, version history and locks."""
+    super().reset()
+    vw = self.vw
+    n = len(vw.stages)
+    self.stage_params = list(vw.version.params)
     self.stage_wave_delta: list[dict[int, Any]] = [{} for _ in range(n)]
     self.stage_history: list[dict[int, Any]] = ([{k: p} for k, p in zip(self.stage_updates, self.stage_params)]
                                                 if self.vertical_sync else [])
     self.stage_locks = [threading.Lock() for _ in range(n)]
 
-  def _stage_update(self, s: int, mb: InFlightMinibatch, grads, norm: float | None = None) -> None:
-    """PipeDream: stage ``s`` applies its own optimizer step for ``mb`` (on its executor thread right after its
-    backward; with clipping, on the driver's when ``mb`` completes, ``norm`` its global gradient norm)."""
-    st = self.stages[s]
+  def on_inject(self, rec: Any, version: Any) -> Any:
+    rec.stage_versions = [-1] * len(self.vw.stages)
+    return version
+
+  def forward_params(self, stage_id: int, mb: InFlightMinibatch) -> Any:
+    """The weights stage ``stage_id``'s forward of ``mb`` uses (recorded in ``stage_versions``)."""
+    with self.stage_locks[stage_id]:
+      if self.vertical_sync and stage_id > 0:
+        k = mb.record.stage_versions[0]
+        params = self.stage_history[stage_id][k]
+      else:
+        k = self.stage_updates[stage_id]
+        params = self.stage_params[stage_id]
+    mb.record.stage_versions[stage_id] = k
+    return params
+
+  def on_backward(self, stage_id: int, mb: InFlightMinibatch, grads: Any) -> Any:
+    """The stage applies its own update at once, unless clipping needs the minibatch's global norm first (then every
+    stage updates when the minibatch completes: grad_clip module docstring)."""
+    if self.vw.grad_clip_norm:
+      mb.grads[stage_id] = grads
+    else:
+      self.stage_update(stage_id, mb, grads)
+    return grads
+
+  def stage_update(self, s: int, mb: InFlightMinibatch, grads, norm: float | None = None) -> None:
+    """Stage ``s`` applies its own optimizer step for ``mb`` (on its executor thread right after its backward; with
+    clipping, on the driver's when ``mb`` completes, ``norm`` its global gradient norm)."""
+    vw = self.vw
+    st = vw.stages[s]
     wave = mb.record.wave_id  # the segment's wave (the job shifts records after the run)
-    placed = self._zero_norms[s] if norm is None else jax.device_put(np.float32(norm), st.device)
+    placed = vw.zero_norms[s] if norm is None else jax.device_put(np.float32(norm), st.device)
     with self.stage_locks[s]:
-      acc = self.stage_wave_delta[s].get(wave, self._zeros[s])
-      p, o, d = st.update(self.stage_params[s], self.opt_states[s], grads, acc, placed)
+      acc = self.stage_wave_delta[s].get(wave, vw.zeros[s])
+      p, o, d = st.update(self.stage_params[s], vw.opt_states[s], grads, acc, placed)
       self.stage_params[s] = p
-      self.opt_states[s] = o
+      vw.opt_states[s] = o
       self.stage_wave_delta[s][wave] = d
       self.stage_updates[s] += 1
       if self.vertical_sync:
         self.stage_history[s][self.stage_updates[s]] = p
 
-  def _stage_forward_params(self, s: int, mb: InFlightMinibatch):
-    """PipeDream: the weights stage ``s``'s forward of ``mb`` uses (recorded in ``stage_versions``)."""
-    with self.stage_locks[s]:
-      if self.vertical_sync and s > 0:
-        k = mb.record.stage_versions[0]
-        params = self.stage_history[s][k]
-      else:
-        k = self.stage_updates[s]
-        params = self.stage_params[s]
-    mb.record.stage_versions[s] = k
-    return params
+  def on_complete(self, mb: InFlightMinibatch) -> None:
+    """Every stage already applied its own update (or, clipping, applies it now, by the minibatch's global norm);
+    the version counts it."""
+    vw = self.vw
+    if vw.grad_clip_norm:
+      norm = vw.minibatch_grad_norm(mb)
+      # stage 0 last: with vertical sync a later stage's forward looks up the count stage 0's forward saw, which
+      # must already be in that stage's history
+      for s in reversed(range(len(vw.stages))):
+        self.stage_update(s, mb, mb.grads.pop(s), norm)
+    vw.version = vw.new_version(vw.version.params, local_updates=vw.version.local_updates + 1)
+    if self.vertical_sync:
+      self._prune_history()
 
-  def _push_stage_waves(self, wave_id: int) -> bool:
-    """PipeDream: pushes every stage's delta of wave ``wave_id`` (each stage updated itself after its backwards)."""
-    loss_sum = self._read_losses()
+  def on_wave_end(self, wave_id: int) -> bool:
+    """Pushes every stage's delta of wave ``wave_id`` (each stage updated itself after its backwards)."""
+    vw = self.vw
+    loss_sum = vw.read_losses()
     deltas = []
-    for s in range(len(self.stages)):
+    for s in range(len(vw.stages)):
       with self.stage_locks[s]:
-        deltas.append(self.stage_wave_delta[s].pop(wave_id, self._zeros[s]))
-    flat = self._flat_of(range(len(self.stages)), deltas)
-    if self.corrupt_update is not None:
-      self.corrupt_update(wave_id, flat)
-    self.ps.push(wave_id, flat, loss_sum, self.num_inflight)
-    self.stats.num_pushes += 1
+        deltas.append(self.stage_wave_delta[s].pop(wave_id, vw.zeros[s]))
+    flat = vw.flat_of(range(len(vw.stages)), deltas)
+    if vw.corrupt_update is not None:
+      vw.corrupt_update(wave_id, flat)
+    vw.ps.push(wave_id, flat, loss_sum, vw.num_inflight)
+    vw.stats.num_pushes += 1
     self.own_waves[wave_id] = deltas
     return False
 
   def _prune_history(self) -> None:
     """Vertical sync: drops the stage versions no minibatch can still ask for (older than stage 0's forwards of the
     minibatches in flight, and than stage 0's current count)."""
-    pending = [r.stage_versions[0] for r in self.records[-2 * self.num_inflight - 2:]
+    vw = self.vw
+    pending = [r.stage_versions[0] for r in vw.records[-2 * vw.num_inflight - 2:]
                if r.complete_time_s != r.complete_time_s and r.stage_versions[0] >= 0]
     keep = min(pending + [self.stage_updates[0]])
-    for s in range(1, len(self.stages)):
+    for s in range(1, len(vw.stages)):
       with self.stage_locks[s]:
         for k in [k for k in self.stage_history[s] if k < keep]:
           del self.stage_history[s][k]
 
-  def _install_pull_per_stage(self, vector_clock, flat: np.ndarray, keep: list[int]) -> None:
+  def on_pull(self, vector_clock, flat: np.ndarray, shard_vector_clocks) -> None:
     """PipeDream's pull: every stage := global + its own pushed waves the PS lacks + its deltas not pushed yet (under
-    the stage's lock; with vertical sync the kept history moves by the same correction)."""
-    for s, st in enumerate(self.stages):
-      p = self._stage_params_of(s, flat)
+    the stage's lock; with vertical sync the kept history moves by the same correction).
+
+    Raises:
+      ValueError: sharded parameter servers (per-stage updates run with one PS).
+    """
+    vw = self.vw
+    if shard_vector_clocks is not None:
+      raise ValueError(f"[VW {vw.vw_id}] per-stage updates run with one parameter server, not shards")
+    keep = self.keep_own_waves(vector_clock)
+    for s, st in enumerate(vw.stages):
+      p = vw.stage_params_of(s, flat)
       for c in keep:
         p = st.add(p, self.own_waves[c][s])
       with self.stage_locks[s]:
@@ -105,5 +158,7 @@ class PerStageUpdates:
           for k in self.stage_history[s]:
             self.stage_history[s][k] = st.add(self.stage_history[s][k], correction)
         self.stage_params[s] = p
-    self.version = self._new_version(self.stage_params, vector_clock=vector_clock)
+    vw.version = vw.new_version(self.stage_params, vector_clock=vector_clock)
 
+  def current_params(self):
+    return self.stage_params

@@ -41,7 +41,7 @@ class PSChannel:
   and flushes it (:meth:`flush`).
 
   Args:
-    vw: the :class:`~hetpipe_jax.runtime.virtual_worker.VirtualWorker` (its ``ps`` client, ``_push_wave`` action and
+    vw: the :class:`~hetpipe_jax.runtime.virtual_worker.VirtualWorker` (its ``ps`` client, ``push_wave`` action and
       ``poll_interval_s``).
 
   Attributes:
@@ -154,7 +154,7 @@ class PSChannel:
       t = time.perf_counter()
       try:
         if op is not None and op[0] == "push":
-          vw._push_wave(op[1], op[2], op[3])  # pylint: disable=protected-access
+          vw.push_wave(op[1], op[2], op[3])
         elif op is not None:
           vw.ps.request_pull(op[1])
           self._pull_outstanding = True

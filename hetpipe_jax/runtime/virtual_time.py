@@ -140,7 +140,7 @@ def run(vws: Sequence[VirtualWorker], server: ParameterServer, outbox: dict, tas
 
 class HeldReducer:
   """A flush-method VW's reducer in virtual time: holds its step buffer until the engine's all-reduce (returns
-  None, so the VW waits for :meth:`VirtualWorker.apply_reduced`)."""
+  None, so the VW waits for :meth:`hetpipe_jax.runtime.flush_step.FlushUpdate.apply_reduced`)."""
 
   def __init__(self, vw_id: int, outbox: dict):
     self.vw_id = vw_id
@@ -176,7 +176,7 @@ class AllReduceHooks(VirtualTimeHooks):
     for b in bufs[1:]:
       summed += b
     for vw in self.vws:
-      vw.apply_reduced(step, summed)
+      vw.update.apply_reduced(step, summed)
     self._pending[step] = [len(self.vws), float(summed[-1]) / (len(self.vws) * self.vws[0].num_inflight)]
 
   def on_reduced(self, vw_id: int, step: int, t: float) -> None:

@@ -82,8 +82,7 @@ def run(vw: Any, num_minibatches: int, *, completion_log: list | None = None) ->
   ps = channel if channel is not None else vw.ps
   stats.ps_channel = vw.ps_channel_mode
   busy0 = channel.busy_s if channel is not None else 0.0
-  if vw.remote is not None:  # stage ranks: they start their executors on the same clock
-    vw.remote.begin_run(done, t0, stats.start_unix_s, num_minibatches)
+  vw.placement.begin_run(done, t0, stats.start_unix_s, num_minibatches)  # stage ranks: on the same clock
   num_running = 0
   num_finished = 0  # minibatches whose completion this thread has processed (update, wave end)
   first = None
@@ -151,8 +150,7 @@ def run(vw: Any, num_minibatches: int, *, completion_log: list | None = None) ->
     done.put(c)
 
   posted = types.SimpleNamespace(put=post)  # an executor's completion queue
-  executors = [StageExecutor(s, posted, t0) if vw.remote is None or s in vw.local_stages
-               else vw.remote.executor(s) for s in range(num_stages)]
+  executors = [vw.placement.executor(s, functools.partial(StageExecutor, s, posted, t0)) for s in range(num_stages)]
 
   try:
     if channel is not None:
