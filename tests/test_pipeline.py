@@ -9,6 +9,7 @@ import optax
 import pytest
 
 from hetpipe_jax import models
+from hetpipe_jax.costs import task_times
 from hetpipe_jax.runtime import virtual_worker
 from tests import replay
 from tests.pipeline_util import LaggingPeerClient, assert_params_close, build_vw, sequential_replay
@@ -132,6 +133,10 @@ def test_pull_installed_mid_wave_keeps_own_and_partial_waves(synthetic_data_dir,
                                              staleness_bound=2, optimizer=optax.sgd(0.05, momentum=0.9),
                                              num_vws=2, client_factory=client_factory, ps_apply=ps_apply)
   vw_box.append(vw)
+  # Emulated 20 ms forwards/backwards and 40 ms last-stage tasks: a wave's completions arrive one by one, tens of ms
+  # apart, so a poll falls inside a wave (without it a loaded machine can hand the scheduler a whole wave's
+  # completions in one batch, and every poll then sees a wave boundary).
+  vw.task_time_s = task_times.uniform_task_times([40.0, 40.0], fwd_fraction=0.5).task_duration_s
   installs = []  # (pulled clock, own pushed waves, own minibatches completed in the current wave) at each install
   install = vw.install_pull
 
