@@ -33,6 +33,7 @@ from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import wsp
 from hetpipe_jax.rules.records import MinibatchRecord, ShardedMinibatchRecord
 from hetpipe_jax.rules.schedule import Task, TaskKind
+from hetpipe_jax.runtime import opt_state
 from hetpipe_jax.runtime import optimizers
 from hetpipe_jax.runtime import vw_driver
 from hetpipe_jax.runtime import grad_clip
