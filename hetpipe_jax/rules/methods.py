@@ -87,7 +87,11 @@ class Method:
       per-stage memory caps by ``schedule.PipelineRules``): the FIFO rule, whose closed form is only a bound.
 
   The runtime names each ``update`` value's class (``hetpipe_jax.runtime.virtual_worker.UPDATE_RULES``: per-minibatch,
-  per-stage, flush), as torch pipelining's ``get_schedule_class`` names a schedule's, and each ``sync`` value's job.
+  per-stage, flush), as torch pipelining's ``get_schedule_class`` names a schedule's, and each ``sync`` value's job;
+  the layers above look the other fields up the same way: ``planner`` in ``planning.planner.RECIPES``, ``sync`` in
+  ``sim.engine.SYNCS`` (sync states, all-reduce), ``planning.plan_times`` (task times), ``planning.compare.SYNCS``
+  (bottleneck share, waves) and the plan table's totals. A new method is a row here (plus a recipe or a class
+  only where it brings a new one).
   """
 
   name: str
