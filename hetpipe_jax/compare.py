@@ -26,6 +26,7 @@ from hetpipe_jax import models
 from hetpipe_jax.costs import cluster as cluster_lib
 from hetpipe_jax.planning import compare as compare_lib
 from hetpipe_jax.profiles import get_profile
+from hetpipe_jax.rules import methods
 
 _CLUSTER = flags.DEFINE_string("cluster", "hetpipe_paper", "Cluster name (experiments/clusters/<name>.json) or path.")
 _MODEL = flags.DEFINE_string("model", "vgg19_imagenet", "Registered model name (a saved profile, or one is made).")
@@ -65,7 +66,7 @@ def main(argv):
   print(compare_lib.format_table(every if _ALL.value else table, title, unit))
   for r in every:
     for note in r.notes:
-      if r.method in ("horovod", "fsdp") or not r.memory_fits:
+      if methods.get_method(r.method).single_stage or not r.memory_fits:  # which GPUs hold what
         print(f"note ({r.label}): {note}")
   elapsed = time.perf_counter() - t0
   print(f"compared {len(every)} configurations in {elapsed:.1f} s")

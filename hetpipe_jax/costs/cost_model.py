@@ -58,6 +58,12 @@ from hetpipe_jax.rules import methods
 
 MS_PER_S = 1e3
 INFLIGHT_MEMORY = ("conservative", "schedule")
+# Per ``Method.weight_copies``: the weight versions a non-last stage keeps besides its own, given (Nm or M, held).
+_WEIGHT_COPIES = {
+    "inflight": lambda num_inflight, held: num_inflight,  # HetPipe: one per minibatch in flight
+    "held": lambda num_inflight, held: held,  # PipeDream: one stashed per minibatch the stage holds
+    "none": lambda num_inflight, held: 0,  # flush: every micro-batch of a step uses the one version
+}
 INTRA = "intra"
 INTER = "inter"
 
@@ -99,7 +105,7 @@ class CostModelConfig:
     methods.get_method(self.method)
     if self.inflight_memory not in INFLIGHT_MEMORY:
       raise ValueError(f"inflight_memory must be one of {list(INFLIGHT_MEMORY)}, got {self.inflight_memory!r}")
-    if self.inflight_memory == "schedule" and self.method != "hetpipe":
+    if self.inflight_memory == "schedule" and not methods.get_method(self.method).schedule_peaks:
       raise ValueError(f"inflight_memory='schedule' is for method 'hetpipe' (FIFO rule); method {self.method!r} "
                        "has a closed-form held count: use inflight_memory='conservative'")
     for f in ("compute_efficiency", "memory_efficiency"):
@@ -263,10 +269,10 @@ class StageCosts:
     stash = self.stash_prefix[None, :] - self.stash_prefix[:, None]
     inp = self.boundary_bytes[:, None].astype(np.float64)
     grad = np.where(np.arange(self.num_layers + 1) == self.num_layers, 0.0, self.boundary_bytes)[None, :]
-    versions = self.config.weight_versions and not is_last and method.update != "flush"
-    copies = 1 + ((num_inflight if method.order == "fifo" else held) if versions else 0)
+    versions = self.config.weight_versions and not is_last
+    copies = 1 + (_WEIGHT_COPIES[method.weight_copies](num_inflight, held) if versions else 0)
     copies += 1 if self.config.gradient_accumulator else 0
-    if self.config.remat and method.is_flush:
+    if self.config.remat and method.remat:
       kept = held * (inp + grad) + stash  # inputs of the held micro-batches; one stash while recomputing
     else:
       kept = held * (np.maximum(stash, inp) + grad)

@@ -12,8 +12,20 @@ from typing import Any, Mapping
 import numpy as np
 
 
+class ExampleCounts:
+  """The interface's example counts, for any dataset class with its ``train_inputs`` and ``eval_inputs`` arrays."""
+
+  @property
+  def num_train(self) -> int:
+    return int(self.train_inputs.shape[0])
+
+  @property
+  def num_eval(self) -> int:
+    return int(self.eval_inputs.shape[0])
+
+
 @dataclasses.dataclass(frozen=True)
-class ExampleDataset:
+class ExampleDataset(ExampleCounts):
   """A dataset as arrays (the interface a user factory returns).
 
   Attributes:
@@ -30,11 +42,3 @@ class ExampleDataset:
   eval_inputs: np.ndarray
   eval_targets: np.ndarray
   description: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-  @property
-  def num_train(self) -> int:
-    return int(self.train_inputs.shape[0])
-
-  @property
-  def num_eval(self) -> int:
-    return int(self.eval_inputs.shape[0])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import operator
 import os
 import pathlib
 import struct
@@ -17,6 +18,8 @@ from typing import Iterator, Sequence
 
 from absl import logging
 import numpy as np
+
+from hetpipe_jax.data.example_dataset import ExampleCounts
 
 ENV_DATA_DIR = "HETPIPE_DATA_DIR"
 """Environment variable naming a directory with the four Fashion-MNIST IDX files."""
@@ -51,7 +54,7 @@ class DataError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Dataset:
+class Dataset(ExampleCounts):
   """Fashion-MNIST as numpy arrays.
 
   Attributes:
@@ -68,30 +71,12 @@ class Dataset:
   test_labels: np.ndarray
   source_dir: pathlib.Path
 
-  @property
-  def num_train(self) -> int:
-    return int(self.train_labels.shape[0])
-
-  @property
-  def num_test(self) -> int:
-    return int(self.test_labels.shape[0])
-
-  # The dataset interface (:class:`hetpipe_jax.data.dataset.ExampleDataset`): the same arrays under generic names.
-  @property
-  def train_inputs(self) -> np.ndarray:
-    return self.train_images
-
-  @property
-  def train_targets(self) -> np.ndarray:
-    return self.train_labels
-
-  @property
-  def eval_inputs(self) -> np.ndarray:
-    return self.test_images
-
-  @property
-  def eval_targets(self) -> np.ndarray:
-    return self.test_labels
+  # The dataset interface (:class:`hetpipe_jax.data.dataset.ExampleDataset`): the same arrays under generic names;
+  # its counts (num_train, num_eval) from ExampleCounts.
+  train_inputs = property(operator.attrgetter("train_images"))
+  train_targets = property(operator.attrgetter("train_labels"))
+  eval_inputs = property(operator.attrgetter("test_images"))
+  eval_targets = property(operator.attrgetter("test_labels"))
 
   @property
   def description(self) -> dict:

@@ -29,8 +29,8 @@ from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs import mpi_job, rank_setup
 from hetpipe_jax.jobs.evaluation import Evaluator
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
-from hetpipe_jax.jobs.outputs import (RunOutputs, check_replicas_identical, check_workdir, settings_summary,
-                                      weights_sha256)
+from hetpipe_jax.jobs.outputs import (RunOutputs, allreduce_results, check_replicas_identical, check_workdir,
+                                      settings_summary, weights_sha256)
 from hetpipe_jax.rules import allreduce
 from hetpipe_jax.runtime.param_layout import ParamLayout
 from hetpipe_jax.runtime import virtual_worker as vw_lib
@@ -197,12 +197,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
   summary = {
       "mode": "mpi",
       "time_unit": "wall-clock seconds",
-      "test_accuracy": final["test_accuracy"],
-      "test_loss": final["test_loss"],
-      "final_train_loss": state["loss"],
-      "num_minibatches": total_mb,
-      "num_minibatches_per_vw": steps,
-      "num_microbatches_per_vw": steps * m,
+      **allreduce_results(final, state["loss"], steps, n, m),
       "wall_time_s": wall,
       "minibatches_per_s": total_mb / wall,
       "images_per_s": total_mb * config.batch_size / wall,

@@ -226,6 +226,21 @@ def settings_summary(settings: JobSettings, partitions: Sequence[Sequence[Sequen
   }
 
 
+def allreduce_results(final: Mapping[str, Any], train_loss: float, steps: int, num_vws: int,
+                      num_microbatches: int) -> dict[str, Any]:
+  """An all-reduce run's results as both its jobs record them in ``summary.json`` (MPI and virtual time): the final
+  test metrics, the last training loss and the (micro-)batches trained, ``steps`` steps of ``num_vws`` replicas,
+  ``num_microbatches`` (M) per step."""
+  return {
+      "test_accuracy": final["test_accuracy"],
+      "test_loss": final["test_loss"],
+      "final_train_loss": train_loss,
+      "num_minibatches": steps * num_vws,
+      "num_minibatches_per_vw": steps,
+      "num_microbatches_per_vw": steps * num_microbatches,
+  }
+
+
 def held_out_metric(lines: list[dict]) -> tuple[str, str]:
   """``(key, label)`` of the held-out metric that metrics lines carry: bits per byte (language models) or accuracy."""
   if any(r.get("test_bits_per_byte") is not None for r in lines):

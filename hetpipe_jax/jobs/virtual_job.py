@@ -23,8 +23,8 @@ from hetpipe_jax.jobs.evaluation import Evaluator
 from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
 from hetpipe_jax.jobs.mpi_job import (build_stages, data_config_fields, eval_every_waves, load_data, make_optimizer,
                                       minibatches_per_vw, prepare, replay_fields, update_settings)
-from hetpipe_jax.jobs.outputs import (RunOutputs, check_replicas_identical, check_workdir, settings_summary,
-                                      weights_sha256)
+from hetpipe_jax.jobs.outputs import (RunOutputs, allreduce_results, check_replicas_identical, check_workdir,
+                                      settings_summary, weights_sha256)
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import wsp
@@ -360,12 +360,7 @@ def _run_allreduce(config: Any, settings: JobSettings, workdir: str, resume: boo
   summary = {
       "mode": "virtual",
       "time_unit": "simulated seconds",
-      "test_accuracy": final["test_accuracy"],
-      "test_loss": final["test_loss"],
-      "final_train_loss": state["loss"],
-      "num_minibatches": total,
-      "num_minibatches_per_vw": steps,
-      "num_microbatches_per_vw": steps * m,
+      **allreduce_results(final, state["loss"], steps, n, m),
       "simulated_time_s": sim_time,
       "wall_time_s": sim_time,
       "minibatches_per_s": total / sim_time,

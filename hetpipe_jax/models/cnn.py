@@ -6,29 +6,25 @@ from hetpipe_jax.models.layers import ConvReLU, Dense, Flatten, MaxPool, relu
 from hetpipe_jax.models.spec import ModelSpec
 
 
-def cnn() -> ModelSpec:
-  """conv32 → pool → conv64 → pool → flatten → dense256 → dense10 (the 2-conv benchmark family)."""
+def _two_conv(name: str, width: int) -> ModelSpec:
+  """conv(width) → pool → conv(2 width) → pool → flatten → dense(8 width) → dense10 on 28×28×1 images."""
   layers = (
-      ConvReLU(32),
+      ConvReLU(width),
       MaxPool(),
-      ConvReLU(64),
+      ConvReLU(2 * width),
       MaxPool(),
       Flatten(),
-      Dense(256, relu),
+      Dense(8 * width, relu),
       Dense(10),
   )
-  return ModelSpec("cnn", layers, (28, 28, 1), 10)
+  return ModelSpec(name, layers, (28, 28, 1), 10)
+
+
+def cnn() -> ModelSpec:
+  """conv32 → pool → conv64 → pool → flatten → dense256 → dense10 (the 2-conv benchmark family)."""
+  return _two_conv("cnn", 32)
 
 
 def cnn_small() -> ModelSpec:
   """A narrower variant of ``cnn`` (16/32 channels) for quick runs."""
-  layers = (
-      ConvReLU(16),
-      MaxPool(),
-      ConvReLU(32),
-      MaxPool(),
-      Flatten(),
-      Dense(128, relu),
-      Dense(10),
-  )
-  return ModelSpec("cnn_small", layers, (28, 28, 1), 10)
+  return _two_conv("cnn_small", 16)

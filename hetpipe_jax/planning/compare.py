@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from hetpipe_jax.costs import fsdp_cost
 from hetpipe_jax.costs import task_times as task_times_lib
@@ -96,20 +96,42 @@ class CompareConfig:
   num_inflight_by_engine: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class SyncView:
+  """How ``compare`` reads a run under one ``Method.sync``.
+
+  Attributes:
+    share: ``(report, task times, per-VW wait shares, makespan s) -> (bottleneck label, share of the run)`` of the
+      synchronisation (:func:`bottleneck`).
+    waves: the engine waves to run for ``CompareConfig.num_waves``.
+  """
+
+  share: Callable[[engine.EngineReport, Sequence[task_times_lib.VWTaskTimes], list[float], float], tuple[str, float]]
+  waves: Callable[[int], int]
+
+
+def _allreduce_share(report, times, waits, span):
+  return "network: all-reduce", max(x.allreduce_s for x in times) * max(report.final_global_clock - 1, 0) / span
+
+
+SYNCS = {
+    # WSP: waits every VW has are pushes and pulls at the staleness bound.
+    "wsp": SyncView(lambda report, times, waits, span: ("PS: push/pull waits", min(waits)), lambda waves: waves),
+    # All-reduce BSP: steps repeat exactly after the first (every VW waits for the reduction): a quarter of the waves.
+    "allreduce": SyncView(_allreduce_share, lambda waves: max(4, waves // 4)),
+}
+
+
 def images_per_s(report: engine.EngineReport, plan: Plan) -> float:
   """The engine's steady-state rate in images/s: (micro-)batches/s times their size."""
-  size = plan.batch_size
-  if methods.get_method(plan.method).is_flush:
-    size = plan.batch_size / plan.num_inflight
+  size = plan.batch_size / methods.micro_batches_per_minibatch(methods.get_method(plan.method), plan.num_inflight)
   return report.total_minibatches_per_s * size
 
 
 def cross_node_bytes_per_step(plan: Plan) -> float:
   """Bytes crossing nodes while every VW processes one minibatch (module docstring)."""
-  ps = plan.ps_placement
-  if methods.get_method(plan.method).is_flush:
-    return float(ps["activation_bytes_crossing_nodes_per_wave"] + ps["allreduce_bytes_crossing_nodes_per_step"])
-  return float(ps["total_bytes_crossing_nodes_per_wave"]) / plan.num_inflight
+  per_wave = methods.minibatches_per_wave(methods.get_method(plan.method), plan.num_inflight)
+  return float(plan.ps_placement["total_bytes_crossing_nodes_per_wave"]) / per_wave
 
 
 def bottleneck(report: engine.EngineReport, plan: Plan, times: Sequence[task_times_lib.VWTaskTimes]) -> str:
@@ -125,7 +147,7 @@ def bottleneck(report: engine.EngineReport, plan: Plan, times: Sequence[task_tim
   """
   span = report.makespan_s or 1.0
   waits = [v.wait_s / span for v in report.vws]
-  flush = methods.get_method(plan.method).is_flush
+  sync = SYNCS[methods.get_method(plan.method).sync]
   g = max(report.gpus, key=lambda g: g.utilization)
   vw = plan.virtual_workers[g.vw_id]
   t = times[g.vw_id]
@@ -141,11 +163,8 @@ def bottleneck(report: engine.EngineReport, plan: Plan, times: Sequence[task_tim
   slow = min(range(len(waits)), key=lambda v: waits[v])
   shares[f"straggler: VW {slow} ({'/'.join(dict.fromkeys(plan.virtual_workers[slow].gpu_types))})"] = (
       max(waits) - min(waits))
-  if flush:
-    ar = max(x.allreduce_s for x in times) * max(report.final_global_clock - 1, 0) / span
-    shares["network: all-reduce"] = ar
-  else:
-    shares["PS: push/pull waits"] = min(waits)
+  label, share = sync.share(report, times, waits, span)
+  shares[label] = share
   shares["pipeline bubble"] = max(0.0, 1.0 - g.utilization - waits[g.vw_id])
   if report.nic_busy_s:
     node, busy = max(report.nic_busy_s.items(), key=lambda kv: max(kv[1]))
@@ -159,9 +178,7 @@ def run_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec, config: Co
   """Runs ``plan`` in the engine; returns its row."""
   t0 = time.perf_counter()
   times = plan_times.task_times_from_plan(plan, profile, cluster)
-  waves = config.num_waves
-  if methods.get_method(plan.method).is_flush:  # steps repeat exactly after the first: a quarter of the waves
-    waves = max(4, waves // 4)
+  waves = SYNCS[methods.get_method(plan.method).sync].waves(config.num_waves)
   extra = {} if config.ps_link_contention is None else {"ps_link_contention": config.ps_link_contention}
   cfg = engine.EngineConfig(num_waves=waves, num_inflight=plan.num_inflight,
                             staleness_bound=config.staleness_bound, pull_every_wave=config.pull_every_wave,
@@ -196,7 +213,7 @@ def compare(cluster: ClusterSpec, profile: ModelProfile, config: CompareConfig =
                                num_vws=config.num_vws, ps_placement=placement or "default", method=method,
                                remat=config.remat, **kw)
     try:
-      if config.num_inflight_by_engine and method == "hetpipe" and allocation in PIPELINE_POLICIES:
+      if config.num_inflight_by_engine and pc.recipe.num_inflight_by_engine and allocation in PIPELINE_POLICIES:
         row = choose_num_inflight_by_engine(cluster, profile, pc, config, allocation, placement).row
       else:
         plan = planner.make_plan(cluster, profile, pc)
@@ -210,7 +227,8 @@ def compare(cluster: ClusterSpec, profile: ModelProfile, config: CompareConfig =
     for placement in ("default", "local"):
       table.append(attempt("hetpipe", policy, placement))
   for method in ("pipedream", "gpipe", "1f1b_flush"):
-    rows = [attempt(method, policy, "default" if method == "pipedream" else "") for policy in PIPELINE_POLICIES]
+    placement = "default" if planner.recipe(method).ps_placements else ""
+    rows = [attempt(method, policy, placement) for policy in PIPELINE_POLICIES]
     table.append(max(rows, key=lambda r: r.images_per_s))
   table.append(attempt("horovod", "all GPUs that fit", ""))
   for variant in fsdp_cost.VARIANTS:
@@ -276,8 +294,7 @@ def format_table(rows: Sequence[Row], title: str = "", unit: str = "images") -> 
   lines += [f"| method | allocation | GPUs | Nm / M | {unit}/s | bottleneck | memory | cross-node MiB/step |",
             "|---|---|---:|---:|---:|---|---|---:|"]
   for r in rows:
-    nm = "-" if r.num_inflight is None else (f"M={r.num_inflight}" if methods.get_method(r.method).is_flush
-                                             else f"Nm={r.num_inflight}")
+    nm = "-" if r.num_inflight is None else f"{methods.get_method(r.method).inflight_name}={r.num_inflight}"
     if r.memory_use == r.memory_use:
       mem = f"fits ({100 * r.memory_use:.0f}%)"
     else:
@@ -348,7 +365,7 @@ def choose_num_inflight_by_engine(cluster: ClusterSpec, profile: ModelProfile, p
     allocator.AllocationError: the model fits no allocation even at Nm = 1.
     ValueError: ``planner_config`` is not a hetpipe NP / ED / HD config.
   """
-  if planner_config.method != "hetpipe" or planner_config.policy not in PIPELINE_POLICIES:
+  if not planner_config.recipe.num_inflight_by_engine or planner_config.policy not in PIPELINE_POLICIES:
     raise ValueError(f"choose_num_inflight_by_engine needs a hetpipe NP/ED/HD planner config, got method="
                      f"{planner_config.method!r} policy={planner_config.policy!r}")
   base = planner.make_plan(cluster, profile, dataclasses.replace(planner_config, num_inflight=0))

@@ -121,7 +121,7 @@ def memory_caps(plan: Plan, num_inflight: int) -> tuple[tuple[int, ...], ...] | 
   time), they make that memory count hold whatever the task times and WSP waits. None otherwise: the
   conservative count (Nm on every stage) needs no cap, and caps counted at another Nm do not apply.
   """
-  if (plan.method != "hetpipe" or plan.cost_model.get("inflight_memory") != "schedule"
+  if (not methods.get_method(plan.method).schedule_peaks or plan.cost_model.get("inflight_memory") != "schedule"
       or num_inflight != plan.num_inflight or any(vw.held_per_stage is None for vw in plan.virtual_workers)):
     return None
   return tuple(tuple(vw.held_per_stage) for vw in plan.virtual_workers)

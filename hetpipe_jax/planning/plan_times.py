@@ -95,16 +95,25 @@ def task_times_from_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec
     raise ValueError(f"cluster {cluster.name!r} is not the plan's cluster {plan.cluster!r}")
   if config is None:
     config = cost_model.CostModelConfig(**plan.cost_model)
-  if methods.get_method(plan.method).is_flush:
-    # Tasks are micro-batches; the step's all-reduce (no PS) over the links its groups use.
-    micro = profile_format.micro_batch_profile(profile, plan.num_inflight)
-    costs = cost_model.build_stage_costs(micro, cluster, config)
-    fwd_prefix = forward_prefix_ms(micro, cluster, config)
-    vws = [([cluster.gpu(g) for g in vw.gpus], vw.partition) for vw in plan.virtual_workers]
-    t_ar = allreduce_cost.allreduce_time_s(vws, profile, cluster, shared_nic=False)
-    t_nic = allreduce_cost.allreduce_time_s(vws, profile, cluster, shared_nic=True)
-    return [vw_task_times(gpus, ranges, costs, fwd_prefix, cluster, allreduce_s=t_ar, allreduce_shared_nic_s=t_nic)
-            for gpus, ranges in vws]
+  return _TASK_TIMES[methods.get_method(plan.method).sync](plan, profile, cluster, config)
+
+
+def _allreduce_task_times(plan: Plan, profile: ModelProfile, cluster: ClusterSpec,
+                          config: cost_model.CostModelConfig) -> list[VWTaskTimes]:
+  """All-reduce BSP: tasks are micro-batches; the step's all-reduce (no PS) over the links its groups use."""
+  micro = profile_format.micro_batch_profile(profile, plan.num_inflight)
+  costs = cost_model.build_stage_costs(micro, cluster, config)
+  fwd_prefix = forward_prefix_ms(micro, cluster, config)
+  vws = [([cluster.gpu(g) for g in vw.gpus], vw.partition) for vw in plan.virtual_workers]
+  t_ar = allreduce_cost.allreduce_time_s(vws, profile, cluster, shared_nic=False)
+  t_nic = allreduce_cost.allreduce_time_s(vws, profile, cluster, shared_nic=True)
+  return [vw_task_times(gpus, ranges, costs, fwd_prefix, cluster, allreduce_s=t_ar, allreduce_shared_nic_s=t_nic)
+          for gpus, ranges in vws]
+
+
+def _wsp_task_times(plan: Plan, profile: ModelProfile, cluster: ClusterSpec,
+                    config: cost_model.CostModelConfig) -> list[VWTaskTimes]:
+  """WSP: tasks are minibatches; every push and pull moves the parameters leg by leg (:func:`ps_transfer_legs`)."""
   costs = cost_model.build_stage_costs(profile, cluster, config)
   fwd_prefix = forward_prefix_ms(profile, cluster, config)
   out = []
@@ -115,6 +124,10 @@ def task_times_from_plan(plan: Plan, profile: ModelProfile, cluster: ClusterSpec
     out.append(vw_task_times([cluster.gpu(g) for g in vw.gpus], vw.partition, costs, fwd_prefix, cluster,
                              push_s=ps_s, pull_s=ps_s, push_legs=push, pull_legs=pull))
   return out
+
+
+# Per ``Method.sync``: how a plan's task times are read.
+_TASK_TIMES = {"allreduce": _allreduce_task_times, "wsp": _wsp_task_times}
 
 
 def profile_for_plan(plan: Plan, path: str | None = None) -> ModelProfile:

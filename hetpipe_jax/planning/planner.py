@@ -7,6 +7,7 @@ standard library and numpy only; getting a profile (which may need jax) is the c
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from hetpipe_jax.planning import allocator
 from hetpipe_jax.costs import cost_model
@@ -53,6 +54,11 @@ class PlannerConfig:
   num_inflight: int = 0
   remat: bool = False
 
+  @property
+  def recipe(self) -> "Recipe":
+    """The planner recipe of ``method`` (:func:`recipe`)."""
+    return recipe(self.method)
+
 
 def allocation(cluster: ClusterSpec, policy: str, num_vws: int, costs: cost_model.StageCosts | None = None):
   """The GPUs of each VW under ``policy`` (NP / ED / HD; ``auto`` needs ``costs``: HetPipe's searched split)."""
@@ -65,76 +71,142 @@ def allocation(cluster: ClusterSpec, policy: str, num_vws: int, costs: cost_mode
       cluster, num_vws)
 
 
-def _make_method_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
-  """Plans a method other than HetPipe (:mod:`method_planner`)."""
-  if methods.get_method(config.method).sharded:
-    raise ValueError(f"method {config.method!r} has no plan file: it is planned by "
-                     "hetpipe_jax.costs.fsdp_cost.plan_fsdp (hetpipe_jax.compare lists it)")
-  cost = dataclasses.replace(config.cost, method=config.method, remat=config.remat)
-  if config.method == "horovod":
-    mp = method_planner.plan_horovod(cluster, profile, cost, config.num_inflight or 1)
-  else:
-    hetpipe_costs = cost_model.build_stage_costs(profile, cluster, config.cost) if config.policy == "auto" else None
-    vws = allocation(cluster, config.policy, config.num_vws, hetpipe_costs)
-    if config.method == "pipedream":
-      mp = method_planner.plan_pipedream(cluster, profile, vws, config.policy, cost, config.num_inflight)
-    else:
-      mp = method_planner.plan_flush(cluster, profile, vws, config.policy, config.method, cost, config.num_inflight)
+def _method_cost(config: PlannerConfig) -> cost_model.CostModelConfig:
+  return dataclasses.replace(config.cost, method=config.method, remat=config.remat)
+
+
+def _method_allocation(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig):
+  hetpipe_costs = cost_model.build_stage_costs(profile, cluster, config.cost) if config.policy == "auto" else None
+  return allocation(cluster, config.policy, config.num_vws, hetpipe_costs)
+
+
+def _ps_plan(mp: method_planner.MethodSystemPlan, cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig,
+             cost: cost_model.CostModelConfig) -> plan_format.Plan:
+  """A WSP method's plan file: both parameter placements, ``config.ps_placement`` chosen."""
   system = mp.system
   parts = [vw.partition for vw in system.virtual_workers]
-  if config.method == "pipedream":
-    placements = [ps_placement.place(p, cluster, profile, parts, system.num_inflight) for p in ps_placement.PLACEMENTS]
-    plan = plan_format.make_plan(system, cluster, profile, placements, config.ps_placement, cost, config.method,
-                                 mp.notes)
-  else:
-    m = system.num_inflight
-    vws_ranges = [(p.gpus, p.ranges) for p in parts]
-    act = sum(2 * profile.layers[p.ranges[s][1] - 1].output_activation_bytes
-              for p in parts for s in range(len(p.gpus) - 1) if p.gpus[s].node != p.gpus[s + 1].node)
-    ar_bytes = allreduce_cost.allreduce_cross_node_bytes(vws_ranges, profile)
-    ps = {"policy": "none (all-reduce)", "layer_to_node": [None] * profile.num_layers,
-          "ps_bytes_crossing_nodes_per_wave": 0, "activation_bytes_crossing_nodes_per_wave": act,
-          "allreduce_bytes_crossing_nodes_per_step": ar_bytes, "total_bytes_crossing_nodes_per_wave": act + ar_bytes,
-          "allreduce_s": mp.allreduce_s, "alternatives": {}}
-    plan = plan_format.make_plan(system, cluster, profile, [], "", cost, config.method, mp.notes, ps)
-    vws_out = tuple(dataclasses.replace(
-        e, predicted_minibatches_per_s=round(1.0 / method_planner.flush_step_s(e.stage_time_ms, m), 6))
-        for e in plan.virtual_workers)
-    plan = dataclasses.replace(plan, virtual_workers=vws_out)
-  plan_format.validate_plan(plan)
-  return plan
+  placements = [ps_placement.place(p, cluster, profile, parts, system.num_inflight) for p in ps_placement.PLACEMENTS]
+  return plan_format.make_plan(system, cluster, profile, placements, config.ps_placement, cost, config.method,
+                               mp.notes)
 
 
-def make_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
-  """Plans ``profile``'s model on ``cluster``.
+def _allreduce_plan(mp: method_planner.MethodSystemPlan, profile: ModelProfile, cluster: ClusterSpec,
+                    config: PlannerConfig, cost: cost_model.CostModelConfig) -> plan_format.Plan:
+  """An all-reduce method's plan file: no PS, the step's cross-node bytes, each VW's rate read from its flush step
+  (:func:`method_planner.flush_step_s`)."""
+  system = mp.system
+  parts = [vw.partition for vw in system.virtual_workers]
+  m = system.num_inflight
+  vws_ranges = [(p.gpus, p.ranges) for p in parts]
+  act = sum(2 * profile.layers[p.ranges[s][1] - 1].output_activation_bytes
+            for p in parts for s in range(len(p.gpus) - 1) if p.gpus[s].node != p.gpus[s + 1].node)
+  ar_bytes = allreduce_cost.allreduce_cross_node_bytes(vws_ranges, profile)
+  ps = {"policy": "none (all-reduce)", "layer_to_node": [None] * profile.num_layers,
+        "ps_bytes_crossing_nodes_per_wave": 0, "activation_bytes_crossing_nodes_per_wave": act,
+        "allreduce_bytes_crossing_nodes_per_step": ar_bytes, "total_bytes_crossing_nodes_per_wave": act + ar_bytes,
+        "allreduce_s": mp.allreduce_s, "alternatives": {}}
+  plan = plan_format.make_plan(system, cluster, profile, [], "", cost, config.method, mp.notes, ps)
+  vws_out = tuple(dataclasses.replace(
+      e, predicted_minibatches_per_s=round(1.0 / method_planner.flush_step_s(e.stage_time_ms, m), 6))
+      for e in plan.virtual_workers)
+  return dataclasses.replace(plan, virtual_workers=vws_out)
 
-  Raises:
-    allocator.AllocationError: the policy does not apply or the model fits no allocation.
-    ValueError: unknown parameter placement.
-  """
-  if config.ps_placement not in ps_placement.PLACEMENTS:
-    raise ValueError(f"unknown parameter placement {config.ps_placement!r}: must be one of "
-                     f"{list(ps_placement.PLACEMENTS)}")
-  if config.method != "hetpipe":
-    return _make_method_plan(cluster, profile, config)
+
+def _plan_hetpipe(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
+  """HetPipe: the allocation policy, Nm and partitions (:mod:`allocator`), both parameter placements."""
   costs = cost_model.build_stage_costs(profile, cluster, config.cost)
   system = allocator.allocate(cluster, costs, config.policy, config.num_vws, config.max_num_inflight,
                               config.max_vw_gpus, num_inflight=config.num_inflight)
   parts = [vw.partition for vw in system.virtual_workers]
   placements = [ps_placement.place(p, cluster, profile, parts, system.num_inflight)
                 for p in ps_placement.PLACEMENTS]
-  plan = plan_format.make_plan(system, cluster, profile, placements, config.ps_placement, config.cost)
+  return plan_format.make_plan(system, cluster, profile, placements, config.ps_placement, config.cost)
+
+
+def _plan_pipedream(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
+  """PipeDream: NOAM within memory on the policy's allocation (:func:`method_planner.plan_pipedream`)."""
+  cost = _method_cost(config)
+  vws = _method_allocation(cluster, profile, config)
+  mp = method_planner.plan_pipedream(cluster, profile, vws, config.policy, cost, config.num_inflight)
+  return _ps_plan(mp, cluster, profile, config, cost)
+
+
+def _plan_flush(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
+  """GPipe / 1F1B-flush: the best M on the policy's allocation (:func:`method_planner.plan_flush`)."""
+  cost = _method_cost(config)
+  vws = _method_allocation(cluster, profile, config)
+  mp = method_planner.plan_flush(cluster, profile, vws, config.policy, config.method, cost, config.num_inflight)
+  return _allreduce_plan(mp, profile, cluster, config, cost)
+
+
+def _plan_horovod(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
+  """Horovod: every GPU that holds the model (:func:`method_planner.plan_horovod`); ignores policy and num_vws."""
+  cost = _method_cost(config)
+  mp = method_planner.plan_horovod(cluster, profile, cost, config.num_inflight or 1)
+  return _allreduce_plan(mp, profile, cluster, config, cost)
+
+
+def _plan_sharded(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
+  raise ValueError(f"method {config.method!r} has no plan file: it is planned by "
+                   "hetpipe_jax.costs.fsdp_cost.plan_fsdp (hetpipe_jax.compare lists it)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """How the planner plans the methods whose ``Method.planner`` names it.
+
+  Attributes:
+    plan: ``(cluster, profile, config) -> Plan`` (not yet validated).
+    ps_placements: the plan records the parameter placements (WSP); else ``ps_placement`` is the all-reduce's
+      record.
+    num_inflight_by_engine: Nm may be chosen by running the engine on every candidate
+      (``compare.choose_num_inflight_by_engine``: the allocator's Max_m per VW, NP / ED / HD).
+  """
+
+  plan: Callable[[ClusterSpec, ModelProfile, PlannerConfig], plan_format.Plan]
+  ps_placements: bool
+  num_inflight_by_engine: bool = False
+
+
+RECIPES = {
+    "hetpipe": Recipe(_plan_hetpipe, ps_placements=True, num_inflight_by_engine=True),
+    "pipedream": Recipe(_plan_pipedream, ps_placements=True),
+    "flush": Recipe(_plan_flush, ps_placements=False),
+    "horovod": Recipe(_plan_horovod, ps_placements=False),
+    "sharded": Recipe(_plan_sharded, ps_placements=False),
+}
+
+
+def recipe(method: str) -> Recipe:
+  """The planner recipe of ``method`` (``Method.planner``).
+
+  Raises:
+    ValueError: unknown method.
+  """
+  return RECIPES[methods.get_method(method).planner]
+
+
+def make_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
+  """Plans ``profile``'s model on ``cluster`` with the method's recipe (:data:`RECIPES`).
+
+  Raises:
+    allocator.AllocationError: the policy does not apply or the model fits no allocation.
+    ValueError: unknown parameter placement, or a method without a plan file (fsdp).
+  """
+  if config.ps_placement not in ps_placement.PLACEMENTS:
+    raise ValueError(f"unknown parameter placement {config.ps_placement!r}: must be one of "
+                     f"{list(ps_placement.PLACEMENTS)}")
+  plan = config.recipe.plan(cluster, profile, config)
   plan_format.validate_plan(plan)
   return plan
 
 
 def format_table(plan: plan_format.Plan) -> str:
   """A human-readable table of ``plan``: per VW and stage the GPU, layers, time and memory; totals; traffic."""
-  flush = plan.method in ("gpipe", "1f1b_flush", "horovod")
+  method = methods.get_method(plan.method)
   lines = [f"plan: method={plan.method} model={plan.model} batch_size={plan.batch_size} cluster={plan.cluster} "
            f"policy={plan.policy} num_vws={len(plan.virtual_workers)} "
-           + (f"micro-batches per step (M)={plan.num_inflight} (stage times per micro-batch)" if flush else
-              f"num_inflight(Nm)={plan.num_inflight}"),
+           + _INFLIGHT_TEXT[method.inflight_name].format(plan.num_inflight),
            f"{'VW':>2} {'stage':>5}  {'GPU':<9} {'type':<17} {'layers':<10} {'time ms':>8}  "
            f"{'memory / capacity GiB':>21}"]
   for vw in plan.virtual_workers:
@@ -144,22 +216,33 @@ def format_table(plan: plan_format.Plan) -> str:
                    f"{m / GIB:>9.2f} / {c / GIB:>9.2f}")
     lines.append(f"   VW {vw.vw_id}: Max_m={vw.max_num_inflight} saturating Nm={vw.saturating_num_inflight} "
                  f"predicted {vw.predicted_minibatches_per_s:.2f} minibatches/s at Nm={plan.num_inflight}")
+  lines += _TOTALS[method.sync](plan)
+  lines += list(plan.notes)
+  return "\n".join(lines)
+
+
+def _allreduce_totals(plan: plan_format.Plan) -> list[str]:
   total = plan.predicted_total_minibatches_per_s
-  if flush:
-    lines.append(f"total: {total:.2f} minibatches/s ({total * plan.batch_size:.0f} examples/s) = num_vws / (slowest "
-                 f"VW's step + all-reduce {plan.ps_placement['allreduce_s'] * 1e3:.1f} ms) (all-reduce BSP)")
-    lines.append(f" bytes crossing nodes per step: all-reduce "
-                 f"{plan.ps_placement['allreduce_bytes_crossing_nodes_per_step'] / MIB:9.1f} MiB + activations "
-                 f"{plan.ps_placement['activation_bytes_crossing_nodes_per_wave'] / MIB:9.1f} MiB")
-    lines += list(plan.notes)
-    return "\n".join(lines)
-  lines.append(f"total: {total:.2f} minibatches/s ({total * plan.batch_size:.0f} examples/s) = num_vws x slowest "
-               f"VW (WSP)")
+  return [f"total: {total:.2f} minibatches/s ({total * plan.batch_size:.0f} examples/s) = num_vws / (slowest "
+          f"VW's step + all-reduce {plan.ps_placement['allreduce_s'] * 1e3:.1f} ms) (all-reduce BSP)",
+          f" bytes crossing nodes per step: all-reduce "
+          f"{plan.ps_placement['allreduce_bytes_crossing_nodes_per_step'] / MIB:9.1f} MiB + activations "
+          f"{plan.ps_placement['activation_bytes_crossing_nodes_per_wave'] / MIB:9.1f} MiB"]
+
+
+def _wsp_totals(plan: plan_format.Plan) -> list[str]:
+  total = plan.predicted_total_minibatches_per_s
+  lines = [f"total: {total:.2f} minibatches/s ({total * plan.batch_size:.0f} examples/s) = num_vws x slowest "
+           f"VW (WSP)"]
   for name, p in plan.ps_placement["alternatives"].items():
     mark = "*" if name == plan.ps_placement["policy"] else " "
     lines.append(f"{mark}bytes crossing nodes per wave, {name:<7} placement: PS "
                  f"{p['ps_bytes_crossing_nodes_per_wave'] / MIB:9.1f} MiB + activations "
                  f"{p['activation_bytes_crossing_nodes_per_wave'] / MIB:9.1f} MiB = "
                  f"{p['total_bytes_crossing_nodes_per_wave'] / MIB:9.1f} MiB")
-  lines += list(plan.notes)
-  return "\n".join(lines)
+  return lines
+
+
+# Per ``Method.inflight_name``: the table header's num_inflight; per ``Method.sync``: its totals and traffic lines.
+_INFLIGHT_TEXT = {"M": "micro-batches per step (M)={} (stage times per micro-batch)", "Nm": "num_inflight(Nm)={}"}
+_TOTALS = {"allreduce": _allreduce_totals, "wsp": _wsp_totals}

@@ -75,9 +75,23 @@ class Method:
       (horovod: the whole model on one GPU, one micro-batch per step; pipedream: ``num_inflight`` None, i.e. the
       number of stages, PipeDream's NOAM).
     sharded_ps: a WSP method that runs with sharded parameter servers (pipedream's per-stage updates: not yet).
+    planner: the planner recipe that plans it (``hetpipe_jax.planning.planner.RECIPES``: ``"hetpipe"`` allocation
+      search and Nm, ``"pipedream"`` NOAM, ``"flush"`` best M, ``"horovod"`` one-stage VWs, ``"sharded"`` no plan
+      file: ``hetpipe_jax.costs.fsdp_cost``).
+    inflight_name: what ``num_inflight`` counts: ``"Nm"`` minibatches in flight or ``"M"`` micro-batches per step.
+    weight_copies: weight versions a non-last stage keeps besides its own (memory model, ``CostModelConfig
+      .weight_versions``): ``"inflight"`` one per minibatch in flight (HetPipe), ``"held"`` one per minibatch it
+      holds (PipeDream's stashing), ``"none"`` (flush: one version per step).
+    remat: ``CostModelConfig.remat`` applies (flush methods: a held micro-batch keeps only its input).
+    schedule_peaks: its held counts may be the engine's schedule peaks (``inflight_memory="schedule"``, enforced as
+      per-stage memory caps by ``schedule.PipelineRules``): the FIFO rule, whose closed form is only a bound.
 
   The runtime names each ``update`` value's class (``hetpipe_jax.runtime.virtual_worker.UPDATE_RULES``: per-minibatch,
-  per-stage, flush), as torch pipelining's ``get_schedule_class`` names a schedule's, and each ``sync`` value's job.
+  per-stage, flush), as torch pipelining's ``get_schedule_class`` names a schedule's, and each ``sync`` value's job;
+  the layers above look the other fields up the same way: ``planner`` in ``planning.planner.RECIPES``, ``sync`` in
+  ``sim.engine.SYNCS`` (sync states, all-reduce), ``planning.plan_times`` (task times), ``planning.compare.SYNCS``
+  (bottleneck share, waves) and the plan table's totals. A new method is a row here (plus a recipe or a class
+  only where it brings a new one).
   """
 
   name: str
@@ -89,6 +103,11 @@ class Method:
   sharded: bool = False
   config_defaults: tuple[tuple[str, int | None], ...] = ()
   sharded_ps: bool = True
+  planner: str = "hetpipe"
+  inflight_name: str = "Nm"
+  weight_copies: str = "inflight"
+  remat: bool = False
+  schedule_peaks: bool = False
 
   @property
   def uses_ps(self) -> bool:
@@ -99,15 +118,18 @@ class Method:
     return self.update == "flush"
 
 
+_FLUSH = dict(flush_window=True, inflight_name="M", weight_copies="none", remat=True)
 _TABLE = {
-    "hetpipe": Method("hetpipe", "fifo", "minibatch", "wsp", flush_window=False),
+    "hetpipe": Method("hetpipe", "fifo", "minibatch", "wsp", flush_window=False, schedule_peaks=True),
     "pipedream": Method("pipedream", "1f1b", "stage", "wsp", flush_window=False,
-                        config_defaults=(("num_inflight", None),), sharded_ps=False),
-    "gpipe": Method("gpipe", "gpipe", "flush", "allreduce", flush_window=True),
-    "1f1b_flush": Method("1f1b_flush", "1f1b", "flush", "allreduce", flush_window=True),
-    "horovod": Method("horovod", "gpipe", "flush", "allreduce", flush_window=True, single_stage=True,
-                      config_defaults=(("num_stages", 1), ("num_inflight", 1))),
-    "fsdp": Method("fsdp", "gpipe", "flush", "allreduce", flush_window=True, single_stage=True, sharded=True),
+                        config_defaults=(("num_inflight", None),), sharded_ps=False, planner="pipedream",
+                        weight_copies="held"),
+    "gpipe": Method("gpipe", "gpipe", "flush", "allreduce", planner="flush", **_FLUSH),
+    "1f1b_flush": Method("1f1b_flush", "1f1b", "flush", "allreduce", planner="flush", **_FLUSH),
+    "horovod": Method("horovod", "gpipe", "flush", "allreduce", single_stage=True,
+                      config_defaults=(("num_stages", 1), ("num_inflight", 1)), planner="horovod", **_FLUSH),
+    "fsdp": Method("fsdp", "gpipe", "flush", "allreduce", single_stage=True, sharded=True, planner="sharded",
+                   **_FLUSH),
 }
 # The methods ``hetpipe_jax.train`` runs (MPI and virtual time); fsdp's runtime is experiments/fsdp_validate.py.
 HARNESS_METHODS = tuple(m for m in METHODS if not _TABLE[m].sharded)

@@ -90,7 +90,7 @@ import itertools
 import math
 import random
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from hetpipe_jax.costs.task_times import VWTaskTimes
 from hetpipe_jax.rules import allreduce
@@ -156,7 +156,7 @@ class EngineConfig:
   def __post_init__(self):
     wsp.check_ps_apply(self.ps_apply)
     if self.max_held is not None:
-      if self.method != "hetpipe":
+      if not methods.get_method(self.method).schedule_peaks:
         raise ValueError(f"max_held (memory caps) is for method 'hetpipe', not {self.method!r}")
       object.__setattr__(self, "max_held", tuple(tuple(int(h) for h in caps) for caps in self.max_held))
     if not (math.isfinite(self.task_time_cv) and 0.0 <= self.task_time_cv <= 10.0):
@@ -212,10 +212,7 @@ class _VW:
     # With caps a forward may wait for a backward on its stage: the general path re-examines every changed stage.
     self.fifo = order is None and caps is None
     if sync is None:
-      if method.sync == "allreduce":
-        sync = allreduce.AllReduceSyncState(config.num_inflight)
-      else:
-        sync = wsp.VWSyncState(config.num_inflight, config.staleness_bound, config.pull_every_wave)
+      sync = SYNCS[method.sync].vw_state(config)
     self.sync = sync
     self.num_stages = s_count
     # Per stage (on its device): duration of its forward (FB on the last stage) and of its backward task.
@@ -254,18 +251,18 @@ class _VW:
     self.reduce_entered = 0.0  # when the VW entered its current all-reduce
 
 
-def _check_sync_states(sync_states: Sequence[wsp.VWSyncState], num_vws: int, config: EngineConfig) -> None:
-  """Raises ValueError unless ``sync_states`` holds ``num_vws`` fresh states with ``config``'s Nm, D and pulls."""
-  if len(sync_states) != num_vws:
-    raise ValueError(f"sync_states has {len(sync_states)} entries for {num_vws} virtual workers")
-  if methods.get_method(config.method).sync == "allreduce":
-    for v, sync in enumerate(sync_states):
-      if not isinstance(sync, allreduce.AllReduceSyncState) or sync.num_microbatches != config.num_inflight:
-        raise ValueError(f"sync_states[{v}] must be an AllReduceSyncState with M = {config.num_inflight} for "
-                         f"method {config.method!r}")
-      if sync.local_clock or sync.applied_steps:
-        raise ValueError(f"sync_states[{v}] is not fresh")
-    return
+def _check_allreduce_states(sync_states: Sequence[allreduce.AllReduceSyncState], config: EngineConfig) -> None:
+  """Raises ValueError unless every state is a fresh :class:`allreduce.AllReduceSyncState` with ``config``'s M."""
+  for v, sync in enumerate(sync_states):
+    if not isinstance(sync, allreduce.AllReduceSyncState) or sync.num_microbatches != config.num_inflight:
+      raise ValueError(f"sync_states[{v}] must be an AllReduceSyncState with M = {config.num_inflight} for "
+                       f"method {config.method!r}")
+    if sync.local_clock or sync.applied_steps:
+      raise ValueError(f"sync_states[{v}] is not fresh")
+
+
+def _check_wsp_states(sync_states: Sequence[wsp.VWSyncState], config: EngineConfig) -> None:
+  """Raises ValueError unless every state is fresh with ``config``'s Nm, D and pulls."""
   want = (config.num_inflight, config.staleness_bound, config.pull_every_wave)
   for v, sync in enumerate(sync_states):
     got = (sync.num_inflight, sync.staleness_bound, sync.pull_every_wave)
@@ -275,6 +272,37 @@ def _check_sync_states(sync_states: Sequence[wsp.VWSyncState], num_vws: int, con
     if sync.local_clock or sync.weights_global_clock or sync.pull_required is not None:
       raise ValueError(f"sync_states[{v}] is not fresh (local clock {sync.local_clock}, weights global clock "
                        f"{sync.weights_global_clock}, pull outstanding {sync.pull_required})")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sync:
+  """How the engine synchronises VWs under one ``Method.sync``.
+
+  Attributes:
+    vw_state: a VW's fresh sync state from the engine config.
+    check: raises ValueError unless the given per-VW states are fresh and match the config.
+    reducer: the all-reduce shared by the VWs (given their number), or None (the parameter server,
+      ``Engine.ps``).
+  """
+
+  vw_state: Callable[[EngineConfig], wsp.VWSyncState | allreduce.AllReduceSyncState]
+  check: Callable[[Sequence[Any], EngineConfig], None]
+  reducer: Callable[[int], allreduce.AllReduceState | None]
+
+
+SYNCS = {
+    "wsp": _Sync(lambda c: wsp.VWSyncState(c.num_inflight, c.staleness_bound, c.pull_every_wave), _check_wsp_states,
+                 lambda num_vws: None),
+    "allreduce": _Sync(lambda c: allreduce.AllReduceSyncState(c.num_inflight), _check_allreduce_states,
+                       allreduce.AllReduceState),
+}
+
+
+def _check_sync_states(sync_states: Sequence[wsp.VWSyncState], num_vws: int, config: EngineConfig) -> None:
+  """Raises ValueError unless ``sync_states`` holds ``num_vws`` fresh states with ``config``'s Nm, D and pulls."""
+  if len(sync_states) != num_vws:
+    raise ValueError(f"sync_states has {len(sync_states)} entries for {num_vws} virtual workers")
+  SYNCS[methods.get_method(config.method).sync].check(sync_states, config)
 
 
 class Engine:
@@ -314,7 +342,7 @@ class Engine:
     self.gpu_ids = [list(g) for g in gpu_ids]
     self.method = methods.get_method(config.method)
     self.ps = wsp.ParameterServerState(len(self.vws), config.ps_apply)  # unused by the all-reduce methods
-    self.reducer = allreduce.AllReduceState(len(self.vws)) if self.method.sync == "allreduce" else None
+    self.reducer = SYNCS[self.method.sync].reducer(len(self.vws))
     self.allreduce_s = max(t.allreduce_time_s(config.shared_nic) for t in task_times)
     self.nic = network.NicState()  # used only with config.shared_nic
     self.hooks = {name: getattr(hooks, name, None) for name in _HOOK_NAMES}
