@@ -22,6 +22,7 @@ from hetpipe_jax.jobs.job_config import ConfigError, resolve_settings
 from hetpipe_jax.jobs.outputs import ReplicasDivergedError
 from hetpipe_jax.mpi import rank_devices
 from hetpipe_jax.ps.param_server import BadUpdateError
+from hetpipe_jax.rules import methods
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Job config file (ml_collections).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics, summary and checkpoint.")
@@ -73,7 +74,6 @@ def main(argv) -> None:
       virtual_job.run(config, settings, _WORKDIR.value, resume=_RESUME.value)
     else:
       from hetpipe_jax.jobs import allreduce_job, mpi_job
-      from hetpipe_jax.rules import methods
       # the PS methods' job, or all-reduce BSP (one rank per VW, no PS: gpipe, 1f1b_flush, horovod), by ``sync``
       job = {"wsp": mpi_job, "allreduce": allreduce_job}[methods.get_method(settings.method).sync]
       job.run(config, settings, _WORKDIR.value, comm, resume=_RESUME.value)

@@ -46,6 +46,7 @@ from hetpipe_jax.runtime import opt_state
 from hetpipe_jax.runtime import optimizers
 from hetpipe_jax.runtime import placement as placement_lib
 from hetpipe_jax.runtime import stages as stages_lib
+from hetpipe_jax.runtime import update_rules
 from hetpipe_jax.runtime import virtual_worker as vw_lib
 from hetpipe_jax.runtime.objectives import get_objective
 from hetpipe_jax.runtime.param_layout import ParamLayout
@@ -318,8 +319,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
 
 def _wsp_settings(settings, vw_id: int, pull_every_wave: bool = True):
   """VW ``vw_id``'s :class:`~hetpipe_jax.runtime.virtual_worker.WSPSettings` (its index, N, Nm, D and pulls)."""
-  from hetpipe_jax.runtime.virtual_worker import WSPSettings
-  return WSPSettings(vw_id, settings.num_virtual_workers, settings.num_inflight, settings.staleness_bound,
+  return vw_lib.WSPSettings(vw_id, settings.num_virtual_workers, settings.num_inflight, settings.staleness_bound,
                      pull_every_wave)
 
 
@@ -327,8 +327,7 @@ def update_settings(config, settings, optimizer, vw_id: int, **options):
   """VW ``vw_id``'s :class:`~hetpipe_jax.runtime.update_rules.UpdateSettings`: the method, the optimizer and the
   update-rule options the job sets (``vertical_sync``; the plan's memory caps as ``max_held``), plus ``options``
   (the flush methods' ``reducer`` and ``on_step``)."""
-  from hetpipe_jax.runtime.update_rules import UpdateSettings
-  return UpdateSettings(optimizer, settings.method, vertical_sync=bool(config.get("vertical_sync", False)),
+  return update_rules.UpdateSettings(optimizer, settings.method, vertical_sync=bool(config.get("vertical_sync", False)),
                         max_held=settings.memory_caps[vw_id] if settings.memory_caps else None, **options)
 
 
