@@ -1,5 +1,6 @@
 """Allocation policies NP/ED/HD/auto, the system Nm, and parameter placement traffic (HetPipe §4, §8.1)."""
 
+import random
 
 import pytest
 
@@ -274,3 +275,40 @@ def test_auto_records_its_max_vw_size_and_rejects_bad_ones(resnet_costs):
     allocator.allocate(PAPER, resnet_costs, "ED", 4, max_vw_gpus=4)
   with pytest.raises(allocator.AllocationError, match="at most 3 GPUs each"):
     allocator.allocate(PAPER, resnet_costs, "auto", 4, max_vw_gpus=3)
+
+
+def _random_cluster(rng, num_nodes, whole):
+  """``num_nodes`` nodes of 1-3 GPUs drawn from 3 types; ``whole``: whole FLOP/s (HD's class skipping applies)."""
+  flops = [15e12, 6.5e12, 5.3e12] if whole else [15.1e12 / 3, 6.5e12 / 7, 5.3e12 / 11]
+  types = [{"name": f"t{i}", "peak_fp32_flops_per_s": f, "peak_fp16_flops_per_s": 1e14,
+            "memory_bytes": (i + 1) * 4 * 2**30, "memory_bandwidth_bytes_per_s": 3e11} for i, f in enumerate(flops)]
+  nodes = []
+  for n in range(num_nodes):
+    kind = rng.randrange(4)  # few distinct node contents: many equal-class nodes and tied scores
+    gpus = [["t0"], ["t1", "t1"], ["t2", "t2"], ["t0", "t2"]][kind]
+    nodes.append({"name": f"n{n}", "gpus": gpus})
+  rng.shuffle(nodes)
+  return cluster_lib.cluster_from_dict({
+      "name": "random", "gpu_types": types, "nodes": nodes,
+      "intra_node_link": {"name": "pcie", "bandwidth_bytes_per_s": 15.75e9, "efficiency": 0.75},
+      "inter_node_link": {"name": "ib", "bandwidth_bytes_per_s": 7e9, "efficiency": 0.7}})
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_hd_pairing_with_class_skipping_is_the_exhaustive_first_minimum(seed):
+  """HD's pairing skips partners of a class already tried (allocator._pairings); the pairing it returns must be
+  the first best of every pairing, ties included, on clusters of repeated node classes."""
+  rng = random.Random(seed)
+  cluster = _random_cluster(rng, rng.choice([4, 6, 8, 10]), whole=seed % 4 != 3)
+  assert allocator.hd_node_pairs(cluster) == allocator.hd_node_pairs(cluster, exhaustive=True)
+
+
+def test_hd_pairing_skips_only_with_exact_sums():
+  assert allocator._exact_sums([15e12, 6.5e12, 12 * 2**30])  # pylint: disable=protected-access
+  assert not allocator._exact_sums([15.1e12 / 3, 1.0])  # pylint: disable=protected-access
+  assert not allocator._exact_sums([2.0**52, 2.0**52, 2.0])  # pylint: disable=protected-access
+  cluster = _random_cluster(random.Random(0), 10, whole=True)
+  classes = {n.name: tuple(n.gpu_types) for n in cluster.nodes}
+  nodes = [n.name for n in cluster.nodes]
+  skipped = list(allocator._pairings(nodes, classes))  # pylint: disable=protected-access
+  assert len(skipped) < len(list(allocator._pairings(nodes))) == 945  # pylint: disable=protected-access
