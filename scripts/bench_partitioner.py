@@ -6,7 +6,8 @@ Cases: ResNet-152 (53 layers: stem, 50 bottleneck blocks, pool, dense; batch 32)
 different GPUs (TITAN V, TITAN RTX, RTX 2060, P4000; the DP covers all 24 orderings), and on one virtual worker of
 all 16 hetpipe_paper GPUs; VGG-19 likewise; and full NP/ED/HD/auto plans. Times are wall-clock seconds (median
 of repeats). Targets (issue #3): 4 GPUs <= 1 s, 16 GPUs <= 10 s. Issue 10, target 3: ``auto`` on
-hetpipe_paper_x4 (64 GPUs, 4 types, 16 nodes) with 16 VWs in <= 30 s (wall and CPU seconds reported). ``--quick``
+hetpipe_paper_x4 (64 GPUs, 4 types, 16 nodes) with 16 VWs in <= 30 s (wall and CPU seconds reported). Not in
+``--quick``: HD's node pairing on hetpipe_paper_x4, every pairing against the class-skipping one. ``--quick``
 (CI smoke, seconds): the same 16-GPU cases, one repeat each, and the 64-GPU case for ResNet-152 only.
 """
 
@@ -64,6 +65,18 @@ def _x4_case(model, limit_s):
           **out}
 
 
+def _hd_pairing_x4():
+  """HD's node pairing on hetpipe_paper_x4 (16 nodes): every pairing (the path before the class skipping) against
+  the class-skipping enumeration, one run each, same process and load; both must give the same pairs."""
+  from hetpipe_jax.planning import allocator  # pylint: disable=import-outside-toplevel
+  x4 = cluster_lib.load_cluster("hetpipe_paper_x4")
+  t_all, every = timed(lambda: allocator.hd_node_pairs(x4, exhaustive=True), 1)
+  t_skip, skipping = timed(lambda: allocator.hd_node_pairs(x4), 1)
+  return {"case": "HD node pairing, hetpipe_paper_x4 (16 nodes, 4 node classes)",
+          "exhaustive_seconds": round(t_all, 3), "class_skipping_seconds": round(t_skip, 4),
+          "same_pairs": every == skipping, "pairs": ["+".join(p) for p in skipping]}
+
+
 def main(argv):
   del argv
   quick = _QUICK.value
@@ -92,6 +105,8 @@ def main(argv):
                                "predicted_total_minibatches_per_s": plan.predicted_total_minibatches_per_s})
   for model in ("resnet152_imagenet",) if quick else ("resnet152_imagenet", "vgg19_imagenet"):
     results["cases"].append(_x4_case(model, limit_s=60 if quick else 120))
+  if not quick:
+    results["cases"].append(_hd_pairing_x4())
   print(json.dumps(results, indent=1))
 
 
