@@ -24,9 +24,10 @@ cost model and the engine (issue 26).
    when, during the profile and during the timed steps, the process's threads waited at most
    :data:`MAX_CORE_WAIT` of their runnable time and the host has at least N cores. Then ``timing.check`` is
    ``pass`` or ``fail`` (measured / engine within 10% or not); otherwise it is ``not valid on this host`` with the
-   measured waits, and the ratio is a record of a shared host, not a test of the model (a 2-core machine shared
-   with other jobs: cnn at 64 examples per device, 1 device 1.13, 2 devices 2.17, the threads waiting for a core
-   about half of their runnable time). ``--require_timing`` exits non-zero unless the check is ``pass``.
+   measured waits, and the ratio is a record of a shared host, not a test of the model. On the 2-core development
+   machine at load 8-11 (cnn, 64 examples per device): 1 device 1.15, 2 devices 0.71 (both devices' threads ran,
+   each on its own thread), the threads waiting for a core 86-92% of their runnable time in the profile and the
+   steps alike (docs/measurements/fsdp_cpu.md). ``--require_timing`` exits non-zero unless the check is ``pass``.
 
 ``--quick``: a seconds-long smoke run (mlp_tiny, 2 devices, 3 steps): checks the script end to end and its numerics;
 its timing is not a measurement.
