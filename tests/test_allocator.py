@@ -1,5 +1,6 @@
 """Allocation policies NP/ED/HD/auto, the system Nm, and parameter placement traffic (HetPipe §4, §8.1)."""
 
+import dataclasses
 import random
 
 import pytest
@@ -312,3 +313,23 @@ def test_hd_pairing_skips_only_with_exact_sums():
   nodes = [n.name for n in cluster.nodes]
   skipped = list(allocator._pairings(nodes, classes))  # pylint: disable=protected-access
   assert len(skipped) < len(list(allocator._pairings(nodes))) == 945  # pylint: disable=protected-access
+
+
+def test_make_plan_reuses_an_allocation_across_placements_with_the_same_plan():
+  """planner.make_plan's ``allocations`` (compare's cache): the second placement of a config reuses the first's
+  allocation and gets exactly the plan it gets alone; an allocation error is kept and raised again."""
+  from hetpipe_jax.planning import plan_format  # pylint: disable=import-outside-toplevel
+  from hetpipe_jax.planning import planner  # pylint: disable=import-outside-toplevel
+  prof = saved_profile("resnet152_imagenet")
+  cache: dict = {}
+  for policy in ("HD", "auto"):
+    for placement in ("default", "local"):
+      cfg = planner.PlannerConfig(policy=policy, num_vws=4, ps_placement=placement)
+      cached = planner.make_plan(PAPER, prof, cfg, cache)
+      assert plan_format.plan_to_dict(cached) == plan_format.plan_to_dict(planner.make_plan(PAPER, prof, cfg))
+  assert len(cache) == 2
+  bad = planner.PlannerConfig(policy="NP", num_vws=3)
+  for placement in ("default", "local"):
+    with pytest.raises(allocator.AllocationError, match="num_vws must be 4"):
+      planner.make_plan(PAPER, prof, dataclasses.replace(bad, ps_placement=placement), cache)
+  assert len(cache) == 3

@@ -105,8 +105,17 @@ def _make_method_plan(cluster: ClusterSpec, profile: ModelProfile, config: Plann
   return plan
 
 
-def make_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
+def make_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig,
+              allocations: dict | None = None) -> plan_format.Plan:
   """Plans ``profile``'s model on ``cluster``.
+
+  Args:
+    allocations: hetpipe only: a dict shared by calls with this same ``cluster`` and ``profile`` (e.g. one
+      ``compare``), keeping each allocation (stage costs and ``allocator.allocate``'s system plan) by its config
+      less ``ps_placement``: the allocation never reads the placement (both placements are computed for every
+      plan and ``ps_placement`` only names the plan's choice), so a second placement of the same config reuses the
+      first one's allocation, or its AllocationError (``auto``'s search runs once), and gets the plan it would get
+      alone.
 
   Raises:
     allocator.AllocationError: the policy does not apply or the model fits no allocation.
@@ -117,9 +126,21 @@ def make_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig
                      f"{list(ps_placement.PLACEMENTS)}")
   if config.method != "hetpipe":
     return _make_method_plan(cluster, profile, config)
-  costs = cost_model.build_stage_costs(profile, cluster, config.cost)
-  system = allocator.allocate(cluster, costs, config.policy, config.num_vws, config.max_num_inflight,
-                              config.max_vw_gpus, num_inflight=config.num_inflight)
+  key = dataclasses.replace(config, ps_placement="default")
+  if allocations is None or key not in allocations:
+    costs = cost_model.build_stage_costs(profile, cluster, config.cost)
+    try:
+      found = costs, allocator.allocate(cluster, costs, config.policy, config.num_vws, config.max_num_inflight,
+                                        config.max_vw_gpus, num_inflight=config.num_inflight)
+    except allocator.AllocationError as e:
+      found = e
+    if allocations is not None:
+      allocations[key] = found
+  else:
+    found = allocations[key]
+  if isinstance(found, allocator.AllocationError):
+    raise found
+  costs, system = found
   parts = [vw.partition for vw in system.virtual_workers]
   placements = [ps_placement.place(p, cluster, profile, parts, system.num_inflight)
                 for p in ps_placement.PLACEMENTS]
