@@ -33,6 +33,9 @@ from hetpipe_jax.planning import planner  # pylint: disable=wrong-import-positio
 
 
 _QUICK = flags.DEFINE_bool("quick", False, "One repeat per case (a seconds-long smoke run; timings are noisier).")
+_X4_COMPARE = flags.DEFINE_string("x4_compare", None, "Only this: compare's planning of MODEL on hetpipe_paper_x4 "
+                                  "(16 VWs, batch as fsdp_compare) before and after issue 26's speed-ups, one "
+                                  "process, same load, rows checked equal; and HD's pairing alone.")
 
 
 def _plan_x4(model, queue):
@@ -77,9 +80,42 @@ def _hd_pairing_x4():
           "same_pairs": every == skipping, "pairs": ["+".join(p) for p in skipping]}
 
 
+def _x4_compare(model):
+  """``compare`` on hetpipe_paper_x4 for ``model``: the path before issue 26's speed-ups (HD's pairing over every
+  pairing; each placement's allocation planned anew) against the current one, in one process; the rows (every
+  method's rate, allocation, bottleneck) must be equal."""
+  import functools  # pylint: disable=import-outside-toplevel
+  from hetpipe_jax.planning import allocator  # pylint: disable=import-outside-toplevel
+  from hetpipe_jax.planning import compare as compare_lib  # pylint: disable=import-outside-toplevel
+  x4 = cluster_lib.load_cluster("hetpipe_paper_x4")
+  batch = 2 if model.startswith("gpt2") else 32
+  prof = profile_format.load_profile(profile_format.default_profile_path(model, batch, "cpu", False))
+  config = compare_lib.CompareConfig(num_vws=16, staleness_bound=0, pull_every_wave=False, num_waves=20)
+  fast_pairs, make_plan = allocator.hd_node_pairs, planner.make_plan
+  out = {"case": f"compare {model} (batch {batch}) on hetpipe_paper_x4, 16 VWs: every method planned and run",
+         "load_average_before": list(os.getloadavg())}
+  for name in ("before", "after"):
+    if name == "before":
+      allocator.hd_node_pairs = functools.partial(fast_pairs, exhaustive=True)
+      planner.make_plan = lambda c, p, cfg, allocations=None: make_plan(c, p, cfg)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    table, _ = compare_lib.compare(x4, prof, config)
+    out[f"{name}_seconds"] = round(time.perf_counter() - wall0, 3)
+    out[f"{name}_cpu_seconds"] = round(time.process_time() - cpu0, 3)
+    out[f"{name}_rows"] = [(r.method, r.allocation, r.placement, r.images_per_s, r.bottleneck) for r in table]
+    allocator.hd_node_pairs, planner.make_plan = fast_pairs, make_plan
+  out["rows_equal"] = out["before_rows"] == out["after_rows"]
+  out["load_average_after"] = list(os.getloadavg())
+  return out
+
+
 def main(argv):
   del argv
   quick = _QUICK.value
+  if _X4_COMPARE.value:
+    print(json.dumps({"machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
+                      "cases": [_hd_pairing_x4(), _x4_compare(_X4_COMPARE.value)]}, indent=1))
+    return
   paper = cluster_lib.load_cluster("hetpipe_paper")
   gpus = paper.gpus()
   one_each = tuple(gpus[i] for i in (0, 4, 8, 12))
