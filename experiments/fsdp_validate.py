@@ -25,9 +25,9 @@ cost model and the engine (issue 26).
    :data:`MAX_CORE_WAIT` of their runnable time and the host has at least N cores. Then ``timing.check`` is
    ``pass`` or ``fail`` (measured / engine within 10% or not); otherwise it is ``not valid on this host`` with the
    measured waits, and the ratio is a record of a shared host, not a test of the model. On the 2-core development
-   machine at load 8-11 (cnn, 64 examples per device): 1 device 1.15, 2 devices 0.71 (both devices' threads ran,
-   each on its own thread), the threads waiting for a core 86-92% of their runnable time in the profile and the
-   steps alike (docs/measurements/fsdp_cpu.md). ``--require_timing`` exits non-zero unless the check is ``pass``.
+   machine at load 8-11 (cnn, 64 examples per device): 1 device 1.15, 2 devices 0.71 (two threads busy in the
+   2-device step), the threads waiting for a core 86-92% of their runnable time in the profile and the steps
+   alike (docs/measurements/fsdp_cpu.md). ``--require_timing`` exits non-zero unless the check is ``pass``.
 
 ``--quick``: a seconds-long smoke run (mlp_tiny, 2 devices, 3 steps): checks the script end to end and its numerics;
 its timing is not a measurement.
