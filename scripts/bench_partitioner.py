@@ -6,7 +6,8 @@ Cases: ResNet-152 (53 layers: stem, 50 bottleneck blocks, pool, dense; batch 32)
 different GPUs (TITAN V, TITAN RTX, RTX 2060, P4000; the DP covers all 24 orderings), and on one virtual worker of
 all 16 hetpipe_paper GPUs; VGG-19 likewise; and full NP/ED/HD/auto plans. Times are wall-clock seconds (median
 of repeats). Targets (issue #3): 4 GPUs <= 1 s, 16 GPUs <= 10 s. Issue 10, target 3: ``auto`` on
-hetpipe_paper_x4 (64 GPUs, 4 types, 16 nodes) with 16 VWs in <= 30 s (wall and CPU seconds reported). ``--quick``
+hetpipe_paper_x4 (64 GPUs, 4 types, 16 nodes) with 16 VWs in <= 30 s (wall and CPU seconds reported). Not in
+``--quick``: HD's node pairing on hetpipe_paper_x4, every pairing against the class-skipping one. ``--quick``
 (CI smoke, seconds): the same 16-GPU cases, one repeat each, and the 64-GPU case for ResNet-152 only.
 """
 
@@ -32,6 +33,9 @@ from hetpipe_jax.planning import planner  # pylint: disable=wrong-import-positio
 
 
 _QUICK = flags.DEFINE_bool("quick", False, "One repeat per case (a seconds-long smoke run; timings are noisier).")
+_X4_COMPARE = flags.DEFINE_string("x4_compare", None, "Only this: compare's planning of MODEL on hetpipe_paper_x4 "
+                                  "(16 VWs, batch as fsdp_compare) before and after issue 26's speed-ups, one "
+                                  "process, same load, rows checked equal; and HD's pairing alone.")
 
 
 def _plan_x4(model, queue):
@@ -64,9 +68,57 @@ def _x4_case(model, limit_s):
           **out}
 
 
+def _hd_pairing_x4():
+  """HD's node pairing on hetpipe_paper_x4 (16 nodes): every pairing (the path before the class skipping) against
+  the class-skipping enumeration, one run each, same process and load; both must give the same pairs."""
+  from hetpipe_jax.planning import allocator  # pylint: disable=import-outside-toplevel
+  x4 = cluster_lib.load_cluster("hetpipe_paper_x4")
+  t_all, every = timed(lambda: allocator.hd_node_pairs(x4, exhaustive=True), 1)
+  t_skip, skipping = timed(lambda: allocator.hd_node_pairs(x4), 1)
+  return {"case": "HD node pairing, hetpipe_paper_x4 (16 nodes, 4 node classes)",
+          "exhaustive_seconds": round(t_all, 3), "class_skipping_seconds": round(t_skip, 4),
+          "same_pairs": every == skipping, "pairs": ["+".join(p) for p in skipping]}
+
+
+def _x4_compare(model):
+  """``compare`` on hetpipe_paper_x4 for ``model``: the path before issue 26's speed-ups (HD's pairing over every
+  pairing; each placement's allocation planned anew; auto without the placement bound) against the current one, in
+  one process; the rows (every method's rate, allocation, bottleneck) must be equal. GPT-2 large's path before
+  does not end in reasonable time (auto's search at Nm = 1)."""
+  import functools  # pylint: disable=import-outside-toplevel
+  from hetpipe_jax.planning import allocator  # pylint: disable=import-outside-toplevel
+  from hetpipe_jax.planning import compare as compare_lib  # pylint: disable=import-outside-toplevel
+  x4 = cluster_lib.load_cluster("hetpipe_paper_x4")
+  batch = 2 if model.startswith("gpt2") else 32
+  prof = profile_format.load_profile(profile_format.default_profile_path(model, batch, "cpu", False))
+  config = compare_lib.CompareConfig(num_vws=16, staleness_bound=0, pull_every_wave=False, num_waves=20)
+  from hetpipe_jax.planning import auto_allocation  # pylint: disable=import-outside-toplevel
+  fast_pairs, make_plan, init = allocator.hd_node_pairs, planner.make_plan, auto_allocation.AutoSearch.__init__
+  out = {"case": f"compare {model} (batch {batch}) on hetpipe_paper_x4, 16 VWs: every method planned and run",
+         "load_average_before": list(os.getloadavg())}
+  for name in ("before", "after"):
+    if name == "before":
+      allocator.hd_node_pairs = functools.partial(fast_pairs, exhaustive=True)
+      planner.make_plan = lambda c, p, cfg, allocations=None: make_plan(c, p, cfg)
+      auto_allocation.AutoSearch.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "placement_bound": False})
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    table, _ = compare_lib.compare(x4, prof, config)
+    out[f"{name}_seconds"] = round(time.perf_counter() - wall0, 3)
+    out[f"{name}_cpu_seconds"] = round(time.process_time() - cpu0, 3)
+    out[f"{name}_rows"] = [(r.method, r.allocation, r.placement, r.images_per_s, r.bottleneck) for r in table]
+    allocator.hd_node_pairs, planner.make_plan, auto_allocation.AutoSearch.__init__ = fast_pairs, make_plan, init
+  out["rows_equal"] = out["before_rows"] == out["after_rows"]
+  out["load_average_after"] = list(os.getloadavg())
+  return out
+
+
 def main(argv):
   del argv
   quick = _QUICK.value
+  if _X4_COMPARE.value:
+    print(json.dumps({"machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
+                      "cases": [_hd_pairing_x4(), _x4_compare(_X4_COMPARE.value)]}, indent=1))
+    return
   paper = cluster_lib.load_cluster("hetpipe_paper")
   gpus = paper.gpus()
   one_each = tuple(gpus[i] for i in (0, 4, 8, 12))
@@ -92,6 +144,8 @@ def main(argv):
                                "predicted_total_minibatches_per_s": plan.predicted_total_minibatches_per_s})
   for model in ("resnet152_imagenet",) if quick else ("resnet152_imagenet", "vgg19_imagenet"):
     results["cases"].append(_x4_case(model, limit_s=60 if quick else 120))
+  if not quick:
+    results["cases"].append(_hd_pairing_x4())
   print(json.dumps(results, indent=1))
 
 

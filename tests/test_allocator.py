@@ -1,5 +1,7 @@
 """Allocation policies NP/ED/HD/auto, the system Nm, and parameter placement traffic (HetPipe §4, §8.1)."""
 
+import dataclasses
+import random
 
 import pytest
 
@@ -274,3 +276,82 @@ def test_auto_records_its_max_vw_size_and_rejects_bad_ones(resnet_costs):
     allocator.allocate(PAPER, resnet_costs, "ED", 4, max_vw_gpus=4)
   with pytest.raises(allocator.AllocationError, match="at most 3 GPUs each"):
     allocator.allocate(PAPER, resnet_costs, "auto", 4, max_vw_gpus=3)
+
+
+def _random_cluster(rng, num_nodes, whole):
+  """``num_nodes`` nodes of 1-3 GPUs drawn from 3 types; ``whole``: whole FLOP/s (HD's class skipping applies)."""
+  flops = [15e12, 6.5e12, 5.3e12] if whole else [15.1e12 / 3, 6.5e12 / 7, 5.3e12 / 11]
+  types = [{"name": f"t{i}", "peak_fp32_flops_per_s": f, "peak_fp16_flops_per_s": 1e14,
+            "memory_bytes": (i + 1) * 4 * 2**30, "memory_bandwidth_bytes_per_s": 3e11} for i, f in enumerate(flops)]
+  nodes = []
+  for n in range(num_nodes):
+    kind = rng.randrange(4)  # few distinct node contents: many equal-class nodes and tied scores
+    gpus = [["t0"], ["t1", "t1"], ["t2", "t2"], ["t0", "t2"]][kind]
+    nodes.append({"name": f"n{n}", "gpus": gpus})
+  rng.shuffle(nodes)
+  return cluster_lib.cluster_from_dict({
+      "name": "random", "gpu_types": types, "nodes": nodes,
+      "intra_node_link": {"name": "pcie", "bandwidth_bytes_per_s": 15.75e9, "efficiency": 0.75},
+      "inter_node_link": {"name": "ib", "bandwidth_bytes_per_s": 7e9, "efficiency": 0.7}})
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_hd_pairing_with_class_skipping_is_the_exhaustive_first_minimum(seed):
+  """HD's pairing skips partners of a class already tried (allocator._pairings); the pairing it returns must be
+  the first best of every pairing, ties included, on clusters of repeated node classes."""
+  rng = random.Random(seed)
+  cluster = _random_cluster(rng, rng.choice([4, 6, 8, 10]), whole=seed % 4 != 3)
+  assert allocator.hd_node_pairs(cluster) == allocator.hd_node_pairs(cluster, exhaustive=True)
+
+
+def test_hd_pairing_skips_only_with_exact_sums():
+  assert allocator._exact_sums([15e12, 6.5e12, 12 * 2**30])  # pylint: disable=protected-access
+  assert not allocator._exact_sums([15.1e12 / 3, 1.0])  # pylint: disable=protected-access
+  assert not allocator._exact_sums([2.0**52, 2.0**52, 2.0])  # pylint: disable=protected-access
+  cluster = _random_cluster(random.Random(0), 10, whole=True)
+  classes = {n.name: tuple(n.gpu_types) for n in cluster.nodes}
+  nodes = [n.name for n in cluster.nodes]
+  skipped = list(allocator._pairings(nodes, classes))  # pylint: disable=protected-access
+  assert len(skipped) < len(list(allocator._pairings(nodes))) == 945  # pylint: disable=protected-access
+
+
+def test_make_plan_reuses_an_allocation_across_placements_with_the_same_plan():
+  """planner.make_plan's ``allocations`` (compare's cache): the second placement of a config reuses the first's
+  allocation and gets exactly the plan it gets alone; an allocation error is kept and raised again."""
+  from hetpipe_jax.planning import plan_format  # pylint: disable=import-outside-toplevel
+  from hetpipe_jax.planning import planner  # pylint: disable=import-outside-toplevel
+  prof = saved_profile("resnet152_imagenet")
+  cache: dict = {}
+  for policy in ("HD", "auto"):
+    for placement in ("default", "local"):
+      cfg = planner.PlannerConfig(policy=policy, num_vws=4, ps_placement=placement)
+      cached = planner.make_plan(PAPER, prof, cfg, cache)
+      assert plan_format.plan_to_dict(cached) == plan_format.plan_to_dict(planner.make_plan(PAPER, prof, cfg))
+  assert len(cache) == 2
+  bad = planner.PlannerConfig(policy="NP", num_vws=3)
+  for placement in ("default", "local"):
+    with pytest.raises(allocator.AllocationError, match="num_vws must be 4"):
+      planner.make_plan(PAPER, prof, dataclasses.replace(bad, ps_placement=placement), cache)
+  assert len(cache) == 3
+
+
+@pytest.mark.parametrize("model, batch, num_vws, max_vw_gpus, prunes", [
+    ("resnet152_imagenet", 32, 4, None, False), ("resnet152_imagenet", 32, 3, 6, False),
+    ("vgg19_imagenet", 32, 4, 5, False), ("gpt2_large", 2, 4, None, True), ("gpt2_medium", 2, 3, None, True)])
+def test_auto_placement_bound_keeps_the_search_result(model, batch, num_vws, max_vw_gpus, prunes):
+  """auto's packing with the best-placement bound (AutoSearch.best_placement) prunes only what cannot beat the bar:
+  the same split, total and system plan as the search without it, on hetpipe_paper; on the GPT-2 cases it prunes
+  (fewer states searched: 265 -> 108 for GPT-2 large, 4 VWs)."""
+  cluster = PAPER
+  prof = profile_format.load_profile(profile_format.default_profile_path(model, batch, "cpu", False))
+  costs = cost_model.build_stage_costs(prof, cluster)
+  size = max_vw_gpus or allocator.default_max_vw_gpus(len(cluster.gpus()), num_vws)
+  plain = auto_allocation.AutoSearch(cluster, costs, num_vws, size, inflight.DEFAULT_MAX_NUM_INFLIGHT,
+                                     placement_bound=False)
+  bounded = auto_allocation.AutoSearch(cluster, costs, num_vws, size, inflight.DEFAULT_MAX_NUM_INFLIGHT)
+  want, got = plain.run(), bounded.run()
+  assert bounded.best_split == plain.best_split and bounded.best_total == plain.best_total
+  assert got.num_inflight == want.num_inflight
+  assert [[g.gpu_id for g in vw.partition.gpus] for vw in got.virtual_workers] == \
+      [[g.gpu_id for g in vw.partition.gpus] for vw in want.virtual_workers]
+  assert bounded.stats["nodes"] < plain.stats["nodes"] if prunes else bounded.stats["nodes"] <= plain.stats["nodes"]

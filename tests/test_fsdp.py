@@ -227,6 +227,15 @@ def test_fsdp_validate_quick_end_to_end(tmp_path):
   assert t["measured_step_s"] > 0 and t["engine_step_s"] == pytest.approx(t["closed_form_step_s"])
   assert t["no_overlap_step_s"] >= t["closed_form_step_s"] >= t["compute_s"] > 0
   assert d["num_devices"] == 2 and d["global_batch"] == 16
+  # The timing check states whether its assumption (a core per device, threads not waiting for one) held here.
+  assert t["check"] in ("pass", "fail", "not valid on this host") and t["check_why"]
+  waits = (t["core_wait_profile"], t["core_wait_steps"])
+  if t["check"] == "not valid on this host":
+    assert (d["host_cpus"] < 2 or any(not w["available"] or w["wait_fraction"] > t["max_core_wait"] for w in waits))
+  else:
+    assert all(w["available"] and w["wait_fraction"] <= t["max_core_wait"] for w in waits)
+    assert (t["check"] == "pass") == t["within_10_percent"] == (abs(t["measured_over_engine"] - 1) <= 0.10)
+  assert all(w["run_s"] > 0 for w in waits if w["available"])
 
 
 def test_fsdp_compare_quick_rows_beside_hetpipe(tmp_path):

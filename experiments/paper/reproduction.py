@@ -48,7 +48,7 @@ SECTIONS = (
      common.command("convergence"), list(pt.CONVERGENCE_CLAIMS.values())),
     ("waiting", "Waiting statistics vs timing jitter and pull policy (§8.4, engine sensitivity study)",
      common.command("waiting"), [pt.CONVERGENCE_CLAIMS["waiting_d4_over_d0"], pt.CONVERGENCE_CLAIMS["idle_over_waiting"]]),
-    # Written by experiments/paper/fsdp_compare.py (issue 26; not in --run_all: about ten minutes on 2 cores).
+    # Written by experiments/paper/fsdp_compare.py (issue 26; not in --run_all: about a minute and a half on 2 cores).
     ("fsdp_compare", "Beyond the paper: HetPipe against fully sharded data parallelism (ZeRO-3 / FSDP)",
      common.command("fsdp_compare"), ["(no paper claim: the 2026 baseline beside HetPipe's best allocation)"]),
 )

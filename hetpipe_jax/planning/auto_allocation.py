@@ -7,7 +7,10 @@ on; a split's total is its best over levels), one VW at a time (the one holding 
 order is not enumerated), type-count vectors then canonical node layouts; pruned by per-VW upper bounds at the
 level (``inflight``'s additive, Little's-law and relaxed-partition bounds at the level's Nm, proofs there), by a
 packing relaxation (the remaining GPUs must hold, per type, as many disjoint type vectors whose bound beats the bar
-as VWs remain) and by a memo of states (level, remaining GPUs up to node renaming) proven dead at a bar. The bar
+as VWs remain; in the search, also the best exact value over the vector's placements on the whole cluster must beat
+it: :meth:`AutoSearch.best_placement`. It prunes only states with no split above the bar, so the leaves reached,
+hence the incumbents and the result, are those of the search without it; GPT-2 large on hetpipe_paper_x4: millions
+of states at Nm = 1, where the type bounds are loose, -> 100) and by a memo of states (level, remaining GPUs up to node renaming) proven dead at a bar. The bar
 starts near the largest packing bound and descends 2 % per round until a split reaches it, then the incumbent found
 is the bar; the descent only orders the work.
 
@@ -48,9 +51,14 @@ def link_groups(cluster: ClusterSpec) -> dict[str, str]:
 
 
 class AutoSearch:
-  """Branch and bound over splits of the cluster into virtual workers (``auto``; see the module docstring)."""
+  """Branch and bound over splits of the cluster into virtual workers (``auto``; see the module docstring).
 
-  def __init__(self, cluster: ClusterSpec, costs: StageCosts, num_vws: int, max_vw_gpus: int, max_num_inflight: int):
+  ``placement_bound`` (default True): the search's packing also drops type vectors none of whose placements beats
+  the bar (:meth:`best_placement`); False: without it (the search before, kept for the tests that compare both).
+  """
+
+  def __init__(self, cluster: ClusterSpec, costs: StageCosts, num_vws: int, max_vw_gpus: int, max_num_inflight: int,
+               placement_bound: bool = True):
     self.costs, self.num_vws, self.cap = costs, num_vws, max_num_inflight
     self.max_size = min(max_vw_gpus, costs.num_layers)  # every GPU needs a non-empty stage
     gpus = cluster.gpus()
@@ -82,7 +90,11 @@ class AutoSearch:
     self.best_single: dict[tuple, float] = {}
     self.exact_of_take: dict[tuple, tuple[float, inflight.VwPlanner]] = {}
     self.best_total, self.best_split, self.target = 0.0, None, 0.0
-    self.packing: dict[tuple, tuple[float, list[np.ndarray]]] = {}  # level -> (bar built at, grids)
+    self.packing: dict[tuple, tuple[float, list[np.ndarray]]] = {}  # (level, tight) -> (bar built at, grids)
+    # search's packing also drops vectors no placement of which beats the bar (best_placement); run's start target
+    # keeps the type bounds alone, so the descent's rounds, hence the incumbents, are those of the plain search
+    self.tight, self.placement_bound = False, placement_bound  # placement_bound=False: the search without it
+    self.placement_bounds: dict[tuple, float] = {}
     self.dead: dict[tuple, float] = {}  # (level, k, remaining up to renaming) -> bar at which no split of it beats it
     self.stats = {"leaves": 0, "nodes": 0, "exact_vws": 0, "type_bounds": 0, "packing_builds": 0, "dead_hits": 0,
                   "rounds": 0, "level_searches": 0}
@@ -151,7 +163,8 @@ class AutoSearch:
     ``packing[j - 1]`` by the minimal good vectors; rebuilt when the incumbent improves.
     """
     self.stats["packing_builds"] += 1
-    good = [n for n in self.vectors if self.beats(self.type_bound(n))]
+    good = [n for n in self.vectors if self.beats(self.type_bound(n))
+            and (not self.tight or self.beats(self.best_placement(n)))]
     good_set = set(good)
     minimal = [n for n in good if not any(
         tuple(x - (i == t) for i, x in enumerate(n)) in good_set for t in range(len(n)) if n[t])]
@@ -159,7 +172,7 @@ class AutoSearch:
     # good set is not down-closed, so fall back to the full test for the remaining ones.
     minimal = [n for n in minimal if not any(m != n and all(a <= b for a, b in zip(m, n)) for m in good)]
     grids = self.pack_grids(minimal)
-    self.packing[self.level] = self.bar, grids
+    self.packing[(self.level, self.tight)] = self.bar, grids
 
   def pack_grids(self, minimal: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
     """``grids[j][h]``: whether type counts ``h`` contain ``j`` disjoint vectors each above one of ``minimal``."""
@@ -180,10 +193,21 @@ class AutoSearch:
     return grids
 
   def packable(self, have: tuple[int, ...], k: int) -> bool:
-    built = self.packing.get(self.level)
+    built = self.packing.get((self.level, self.tight))
     if built is None or built[0] != self.bar:
       self.build_packing()
-    return bool(self.packing[self.level][1][k][have])
+    return bool(self.packing[(self.level, self.tight)][1][k][have])
+
+  def best_placement(self, n: tuple[int, ...]) -> float:
+    """The best exact value at the current level of any VW with type counts ``n``: the largest :meth:`exact` over
+    every placement of ``n`` on the whole cluster (:meth:`layouts` of all GPUs, up to renaming nodes of equal
+    content, which :meth:`exact` never sees). Every VW of a split is one of these placements, so its value is at
+    most this (used by :meth:`search`'s packing, :attr:`tight`)."""
+    key = (self.level, n)
+    if key not in self.placement_bounds:
+      full = [len(g) for g in self.by_class]
+      self.placement_bounds[key] = max((self.exact(take)[0] for take in self.layouts(full, n, -1)), default=0.0)
+    return self.placement_bounds[key]
 
   def type_vectors(self, have: tuple[int, ...], k: int, first_type: int) -> list[tuple[int, ...]]:
     """Type-count vectors of the next of ``k`` VWs out of ``have`` (containing ``first_type``; sizes that leave
@@ -298,9 +322,11 @@ class AutoSearch:
 
   def search_levels(self, rem: list[int], k: int) -> None:
     """:meth:`search` of the whole cluster at every level."""
+    self.tight = self.placement_bound
     for self.level in self.levels[::-1]:
       self.stats["level_searches"] += 1
       self.search(list(rem), k, [], np.inf)
+    self.tight = False
 
   def leaf(self, rem: list[int], chosen: list, slowest: float) -> bool:
     take = tuple(rem)

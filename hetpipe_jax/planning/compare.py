@@ -207,6 +207,7 @@ def compare(cluster: ClusterSpec, profile: ModelProfile, config: CompareConfig =
     method, and Horovod.
   """
   table, every = [], []
+  allocations: dict = {}  # hetpipe's allocation per config, shared by its two placements (planner.make_plan)
 
   def attempt(method, allocation, placement, **kw) -> Row:
     pc = planner.PlannerConfig(policy=allocation if allocation in allocator.POLICIES else "ED",
@@ -216,7 +217,7 @@ def compare(cluster: ClusterSpec, profile: ModelProfile, config: CompareConfig =
       if config.num_inflight_by_engine and pc.recipe.num_inflight_by_engine and allocation in PIPELINE_POLICIES:
         row = choose_num_inflight_by_engine(cluster, profile, pc, config, allocation, placement).row
       else:
-        plan = planner.make_plan(cluster, profile, pc)
+        plan = planner.make_plan(cluster, profile, pc, allocations)
         row = run_plan(plan, profile, cluster, config, allocation, placement)
     except (allocator.AllocationError, ValueError) as e:
       row = _infeasible(method, allocation, placement, e)

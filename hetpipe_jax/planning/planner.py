@@ -112,18 +112,37 @@ def _allreduce_plan(mp: method_planner.MethodSystemPlan, profile: ModelProfile, 
   return dataclasses.replace(plan, virtual_workers=vws_out)
 
 
-def _plan_hetpipe(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
-  """HetPipe: the allocation policy, Nm and partitions (:mod:`allocator`), both parameter placements."""
-  costs = cost_model.build_stage_costs(profile, cluster, config.cost)
-  system = allocator.allocate(cluster, costs, config.policy, config.num_vws, config.max_num_inflight,
-                              config.max_vw_gpus, num_inflight=config.num_inflight)
+def _plan_hetpipe(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig,
+                  allocations: dict | None = None) -> plan_format.Plan:
+  """HetPipe: the allocation policy, Nm and partitions (:mod:`allocator`), both parameter placements.
+
+  ``allocations``: see :func:`make_plan`; the allocation never reads ``ps_placement`` (both placements are computed
+  for every plan and ``ps_placement`` only names the plan's choice), so a config that differs only in it reuses the
+  kept allocation, or its AllocationError (``auto``'s search runs once), and gets the plan it would get alone.
+  """
+  key = dataclasses.replace(config, ps_placement="default")
+  if allocations is None or key not in allocations:
+    costs = cost_model.build_stage_costs(profile, cluster, config.cost)
+    try:
+      found = costs, allocator.allocate(cluster, costs, config.policy, config.num_vws, config.max_num_inflight,
+                                        config.max_vw_gpus, num_inflight=config.num_inflight)
+    except allocator.AllocationError as e:
+      found = e
+    if allocations is not None:
+      allocations[key] = found
+  else:
+    found = allocations[key]
+  if isinstance(found, allocator.AllocationError):
+    raise found
+  costs, system = found
   parts = [vw.partition for vw in system.virtual_workers]
   placements = [ps_placement.place(p, cluster, profile, parts, system.num_inflight)
                 for p in ps_placement.PLACEMENTS]
   return plan_format.make_plan(system, cluster, profile, placements, config.ps_placement, config.cost)
 
 
-def _plan_pipedream(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
+def _plan_pipedream(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig,
+                    allocations: dict | None = None) -> plan_format.Plan:  # pylint: disable=unused-argument
   """PipeDream: NOAM within memory on the policy's allocation (:func:`method_planner.plan_pipedream`)."""
   cost = _method_cost(config)
   vws = _method_allocation(cluster, profile, config)
@@ -131,7 +150,8 @@ def _plan_pipedream(cluster: ClusterSpec, profile: ModelProfile, config: Planner
   return _ps_plan(mp, cluster, profile, config, cost)
 
 
-def _plan_flush(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
+def _plan_flush(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig,
+                allocations: dict | None = None) -> plan_format.Plan:  # pylint: disable=unused-argument
   """GPipe / 1F1B-flush: the best M on the policy's allocation (:func:`method_planner.plan_flush`)."""
   cost = _method_cost(config)
   vws = _method_allocation(cluster, profile, config)
@@ -139,14 +159,16 @@ def _plan_flush(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConf
   return _allreduce_plan(mp, profile, cluster, config, cost)
 
 
-def _plan_horovod(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
+def _plan_horovod(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig,
+                  allocations: dict | None = None) -> plan_format.Plan:  # pylint: disable=unused-argument
   """Horovod: every GPU that holds the model (:func:`method_planner.plan_horovod`); ignores policy and num_vws."""
   cost = _method_cost(config)
   mp = method_planner.plan_horovod(cluster, profile, cost, config.num_inflight or 1)
   return _allreduce_plan(mp, profile, cluster, config, cost)
 
 
-def _plan_sharded(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
+def _plan_sharded(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig,
+                  allocations: dict | None = None) -> plan_format.Plan:  # pylint: disable=unused-argument
   raise ValueError(f"method {config.method!r} has no plan file: it is planned by "
                    "hetpipe_jax.costs.fsdp_cost.plan_fsdp (hetpipe_jax.compare lists it)")
 
@@ -156,14 +178,15 @@ class Recipe:
   """How the planner plans the methods whose ``Method.planner`` names it.
 
   Attributes:
-    plan: ``(cluster, profile, config) -> Plan`` (not yet validated).
+    plan: ``(cluster, profile, config, allocations) -> Plan`` (not yet validated; ``allocations``: see
+      :func:`make_plan`).
     ps_placements: the plan records the parameter placements (WSP); else ``ps_placement`` is the all-reduce's
       record.
     num_inflight_by_engine: Nm may be chosen by running the engine on every candidate
       (``compare.choose_num_inflight_by_engine``: the allocator's Max_m per VW, NP / ED / HD).
   """
 
-  plan: Callable[[ClusterSpec, ModelProfile, PlannerConfig], plan_format.Plan]
+  plan: Callable[[ClusterSpec, ModelProfile, PlannerConfig, dict | None], plan_format.Plan]
   ps_placements: bool
   num_inflight_by_engine: bool = False
 
@@ -186,8 +209,14 @@ def recipe(method: str) -> Recipe:
   return RECIPES[methods.get_method(method).planner]
 
 
-def make_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig) -> plan_format.Plan:
+def make_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig,
+              allocations: dict | None = None) -> plan_format.Plan:
   """Plans ``profile``'s model on ``cluster`` with the method's recipe (:data:`RECIPES`).
+
+  Args:
+    allocations: a dict shared by calls with this same ``cluster`` and ``profile`` (e.g. one ``compare``): the
+      hetpipe recipe keeps each allocation (stage costs and ``allocator.allocate``'s system plan) there by its config
+      less ``ps_placement`` and reuses it; the other recipes ignore it.
 
   Raises:
     allocator.AllocationError: the policy does not apply or the model fits no allocation.
@@ -196,7 +225,7 @@ def make_plan(cluster: ClusterSpec, profile: ModelProfile, config: PlannerConfig
   if config.ps_placement not in ps_placement.PLACEMENTS:
     raise ValueError(f"unknown parameter placement {config.ps_placement!r}: must be one of "
                      f"{list(ps_placement.PLACEMENTS)}")
-  plan = config.recipe.plan(cluster, profile, config)
+  plan = config.recipe.plan(cluster, profile, config, allocations)
   plan_format.validate_plan(plan)
   return plan
 
