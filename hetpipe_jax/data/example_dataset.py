@@ -1,4 +1,4 @@
-"""The dataset interface a user's factory returns (README, "Your own model and data"); re-exported by
+"""The dataset interface a user's factory returns (docs/usage.md, "Your own model and data"); re-exported by
 :mod:`hetpipe_jax.data.dataset`, which loads and checks datasets, and built by :mod:`hetpipe_jax.data.text`.
 
 Data layer: numpy only.

@@ -1,4 +1,4 @@
-"""Checkpoints with orbax: the final global weights, and consistent training checkpoints for resume (issue 9)."""
+"""Checkpoints with orbax: the final global weights, and consistent training checkpoints for resume (docs/design.md §6)."""
 
 from __future__ import annotations
 

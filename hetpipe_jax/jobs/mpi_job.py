@@ -221,7 +221,7 @@ EXAMPLE_IDS_RULE = (
 
 
 def replay_fields(flat0: np.ndarray, seed: int, resumed_at_clock: int | None = None) -> dict:
-  """What config.json records so that a run can be replayed from its outputs alone (issue 23): the initial weights'
+  """What config.json records so that a run can be replayed from its outputs alone: the initial weights'
   SHA-256 (:func:`hetpipe_jax.jobs.outputs.weights_sha256` of W0 in layer order) and the rule that makes them, and
   how ``minibatches.jsonl``'s ``example_ids`` name the data; every method and mode records the same fields.
 

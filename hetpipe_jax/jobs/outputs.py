@@ -46,7 +46,7 @@ def weights_sha256(flat: Any) -> str:
 
 def check_replicas_identical(digests: Mapping[int, str], workdir: str | pathlib.Path) -> None:
   """Raises :class:`ReplicasDivergedError` unless every VW's final weights have the same digest (all-reduce runs:
-  every replica applies the same update, so any difference is a bug; issue 23).
+  every replica applies the same update, so any difference is a bug).
 
   Args:
     digests: per VW, :func:`weights_sha256` of its final weights.

@@ -1,4 +1,4 @@
-"""Checkpoint segments and resume, shared by the MPI job and the virtual-time job (issue 9; WORKSPACE.md).
+"""Checkpoint segments and resume, shared by the MPI job and the virtual-time job (docs/design.md §6).
 
 Runtime layer. A run with ``config.checkpoint_every_waves = K > 0`` is cut into *segments* at the global clocks
 ``K, 2K, ...``. The end of a segment is a WSP barrier: every VW finishes the segment's last wave (its pipeline

@@ -265,7 +265,7 @@ def lockstep_steps_per_s(report: engine.EngineReport) -> float:
   """Steps/s of a lock-step run of one-micro-batch steps (fsdp): the slowest replica's step ends are one step apart,
   so ``(steps - 1) / (its last step end - its first)``. The engine's steady-state window (``steady_rates``) cuts the
   fast replicas' completions after the slow one's last and reads about one step in n low when the replicas differ
-  (WORKSPACE.md), which a few steps of very different GPUs (fsdp's examples by speed) would show."""
+  (docs/design.md §12), which a few steps of very different GPUs (fsdp's examples by speed) would show."""
   steps = report.vws[0].num_minibatches
   span = max(v.last_completion_s for v in report.vws) - max(v.first_wave_end_s for v in report.vws)
   if steps < 2 or span <= 0:

@@ -31,7 +31,7 @@ class MinibatchRecord:
     example_ids: the examples the minibatch (flush methods: micro-batch) trained on, in the order fed: indices into
       the training split of ``config.dataset`` (its inputs and targets at these rows); None where no data ran (the
       timing-only engine). With ``config.json``'s initial weights' hash and rule they make a run replayable without
-      this code (README, "Replaying a run").
+      this code (docs/usage.md, "The main job").
   """
 
   vw_id: int

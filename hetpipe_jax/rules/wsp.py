@@ -1,6 +1,6 @@
 """Wave Synchronous Parallel (WSP) rules shared by the runtime and the engine (HetPipe §5).
 
-Planning layer: pure Python. Terms (see WORKSPACE.md glossary):
+Planning layer: pure Python. Terms (see the glossary in docs/design.md):
 
 * a *wave* is Nm consecutive minibatches of one VW; minibatch p belongs to wave ``p // Nm``;
 * a VW's ``local_clock`` is the number of waves it has completed; at the end of wave c it pushes that wave's

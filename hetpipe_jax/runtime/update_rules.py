@@ -21,7 +21,7 @@ meets them): ``on_inject`` (a new record; may choose the version the minibatch r
 weights a stage's forward uses), ``on_backward`` (a stage's parameter gradients), ``on_complete`` (the minibatch's
 last task), ``on_wave_end`` (a wave's, or a step's, end), ``on_pull`` (pulled global weights) and ``reset`` (a new
 WSP segment). Options of a rule are fields of :class:`UpdateSettings`; each class names the ones it takes
-(``OPTIONS``) and any other set option is one error naming it. The staleness remedies of issue 25 are options of
+(``OPTIONS``) and any other set option is one error naming it. Staleness remedies are options of
 this kind, with no new switch: weight prediction at injection returns the predicted version from ``on_inject``
 (minibatch p then runs forward and backward on it and holds it); delay-compensated gradients (DC-ASGD) correct
 ``mb.grads`` in ``on_complete`` before the step, against ``mb.version`` (the version p used, already held); delay-aware

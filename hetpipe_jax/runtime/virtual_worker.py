@@ -481,7 +481,7 @@ class VirtualWorker:
   def begin_segment(self, flat: np.ndarray) -> None:
     """Starts a new WSP segment from global weights that hold every VW's waves so far (a checkpoint barrier).
 
-    Checkpoints are WSP barriers (WORKSPACE.md): every VW finishes the segment's last wave, the PS holds every wave,
+    Checkpoints are WSP barriers (docs/design.md §6): every VW finishes the segment's last wave, the PS holds every wave,
     and each VW continues from those global weights with nothing of its own outstanding. Clocks restart at 0 for the
     segment (the job adds the segment's offsets to records and logs), the optimizer states carry over.
 

@@ -61,9 +61,9 @@ Speed (timing-only mode, ``records=False``): an event does only the work its out
 stages whose device or queue it changed (``_start_ready``), looks for pending pulls to answer only after a push that
 advanced the global clock, and builds a reply's O(N) vector clock only when records or pull hooks read it. A task's
 end whose output moves on (most events) completes it in the rules, dispatches its successor and starts at most two
-tasks (``_start``: durations read off the device), with no per-event dicts, closures or scans. That is about 2.3 µs
-per event on a 2-core machine (``scripts/bench_engine.py``, 1,024 GPUs x 1,000 waves in ~18 s; WORKSPACE.md "Engine
-speed"); ``scripts/engine_fingerprint.py`` checks that a speed-up leaves every result bit-identical.
+tasks (``_start``: durations read off the device), with no per-event dicts, closures or scans. Its speed is measured
+by ``scripts/bench_engine.py`` (records in docs/measurements/engine_speed.md); ``scripts/engine_fingerprint.py``
+checks that a speed-up leaves every result bit-identical.
 
 Hooks (``hooks`` argument; any object, each method optional) are called in event order: events run in order of
 virtual time, ties in the order they were created. Within one event:
