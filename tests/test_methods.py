@@ -320,9 +320,9 @@ def test_old_plans_are_hetpipe_plans():
 def test_compare_paper_vgg19_every_method_in_seconds():
   cluster = cluster_lib.load_cluster("hetpipe_paper")
   prof = profile_format.load_profile(profile_format.default_profile_path("vgg19_imagenet", 32, "cpu", False))
-  t0 = time.perf_counter()
+  t0 = time.process_time()  # CPU seconds of this process: a loaded machine does not inflate them
   table, every = compare.compare(cluster, prof, compare.CompareConfig(num_vws=4, num_waves=20))
-  assert time.perf_counter() - t0 < 30
+  assert time.process_time() - t0 < 30
   assert [r.method for r in table] == ["hetpipe"] * 8 + ["pipedream", "gpipe", "1f1b_flush", "horovod"] + ["fsdp"] * 2
   assert len(every) == 8 + 3 * 3 + 1 + 2 * 2  # fsdp: two variants, each without and with remat
   for r in table:

@@ -2,15 +2,21 @@
 
 import json
 import os
+import resource
 import subprocess
 import sys
-import time
 
 import pytest
 
 from hetpipe_jax.paths import REPO_ROOT
 from hetpipe_jax.planning import plan_format
 
+
+
+def _children_cpu_s() -> float:
+  """CPU seconds (user + system) of this process's finished child processes."""
+  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return usage.ru_utime + usage.ru_stime
 
 
 def run_plan(*args, timeout=120):
@@ -23,11 +29,11 @@ def run_plan(*args, timeout=120):
 @pytest.mark.parametrize("policy", ["NP", "ED", "HD"])
 def test_paper_plans(tmp_path, model, policy):
   out = tmp_path / "plan.json"
-  t0 = time.perf_counter()
+  t0 = _children_cpu_s()
   r = run_plan("--cluster=hetpipe_paper", f"--model={model}", "--batch_size=32", f"--policy={policy}",
                "--num_vws=4", f"--output={out}")
   assert r.returncode == 0, r.stderr[-2000:]
-  assert time.perf_counter() - t0 < 10.0
+  assert _children_cpu_s() - t0 < 10.0  # the CLI's CPU seconds (a loaded machine does not inflate them)
   assert f"policy={policy}" in r.stdout and "minibatches/s" in r.stdout and "bytes crossing nodes" in r.stdout
   plan = plan_format.load_plan(str(out), expected_model=model)
   assert len(plan.virtual_workers) == 4 and plan.num_inflight >= 1
