@@ -862,7 +862,7 @@ MUTATIONS = (
               "tests/test_methods_runtime.py::test_pipedream_with_two_vws_and_pulls_equals_an_event_order_replay"),
              "a pull is answered with the live global weights, so pushes applied before the VW installs it leak in"),
     Mutation("ps_reply_sends_the_live_weights", "ParameterServerService._serve_pulls",
-             "vector_clock, weights = self.server.snapshot()",
+             "vector_clock, weights = self.server.pull_reply(vw)",
              "vector_clock, weights = self.server.state.vector_clock(), self.server.weights",
              ("tests/test_ps_shards.py::test_a_pull_reply_carries_the_weights_as_answered_while_later_pushes_land",),
              "the PS service sends the live global weights as a pull's reply; pushes applied before the send "

@@ -33,6 +33,12 @@ def read_applied_order(workdir, shard: int | None = None) -> list[tuple[int, int
     return [(r["wave_id"], r["vw_id"]) for r in map(json.loads, f) if shard is None or r.get("shard", 0) == shard]
 
 
+def read_applied_scales(workdir) -> list[float]:
+  """Per applied wave, the factor the PS applied it with (``ps_applied.jsonl``'s ``scale``; 1.0 where absent)."""
+  with open(f"{workdir}/ps_applied.jsonl", encoding="utf-8") as f:
+    return [float(r.get("scale", 1.0)) for r in map(json.loads, f)]
+
+
 class ShardedReplay:
   """Sharded parameter servers (HetPipe §8.1): one :class:`Replay` per shard over the same updates, each following
   its shard's log; a version's weights take each shard's slice from that shard's replay at the shard's vector clock.
@@ -69,10 +75,14 @@ class Replay:
     fixed_waves: per scripted VW (ids after the replayed ones), its given flat wave updates.
     num_inflight: Nm.
     applied_order: the PS's ``(wave, vw)`` application order, or None for the clock-aligned order.
+    applied_scales: per entry of ``applied_order``, the factor the PS added it with (``ps_staleness_scaling``);
+      None: 1 each.
   """
 
   def __init__(self, w0: np.ndarray, updates: list, fixed_waves: Sequence[Sequence[np.ndarray]], num_inflight: int,
-               applied_order: Sequence[Sequence[int]] | None = None):
+               applied_order: Sequence[Sequence[int]] | None = None,
+               applied_scales: Sequence[float] | None = None):
+    self.applied_scales = None if applied_scales is None else [float(x) for x in applied_scales]
     self.w0 = w0
     self.updates = updates
     self.num_inflight = num_inflight
@@ -126,8 +136,11 @@ class Replay:
     if k not in self._prefix:
       j = max(i for i in self._prefix if i < k)
       w = self._prefix[j].copy()
-      for c, v in self.applied_order[j:k]:
-        w += self.wave_sum(v, c)
+      for i, (c, v) in enumerate(self.applied_order[j:k], start=j):
+        if self.applied_scales is None:
+          w += self.wave_sum(v, c)
+        else:
+          w += np.float32(self.applied_scales[i]) * self.wave_sum(v, c)
       self._prefix[k] = w
     return self._prefix[k]
 
@@ -153,7 +166,8 @@ class Replay:
 def replay(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax.GradientTransformation,
            sources: list, num_inflight: int, fixed_waves: Sequence[Sequence[np.ndarray]] = (),
            applied_order: Sequence[Sequence[int]] | None = None,
-           shards: Sequence[tuple[np.ndarray, Sequence[Sequence[int]]]] | None = None) -> "Replay | ShardedReplay":
+           shards: Sequence[tuple[np.ndarray, Sequence[Sequence[int]]]] | None = None,
+           applied_scales: Sequence[float] | None = None) -> "Replay | ShardedReplay":
   """Replays every record of VWs ``0..len(sources)-1`` one minibatch at a time at its recorded version.
 
   Args:
@@ -167,6 +181,8 @@ def replay(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax
       then requires every record's vector clock to be uniform.
     shards: sharded parameter servers: per shard ``(flat element indices, its (wave_id, vw_id) log)``; the records
       then carry ``version_shard_vector_clocks`` and each shard's slice follows its own log.
+    applied_scales: per entry of ``applied_order``, the factor the PS applied it with (``ps_applied.jsonl``'s
+      ``scale``); None: 1 each.
 
   Raises:
     AssertionError: the records' versions cannot be satisfied in any order (a WSP violation).
@@ -179,7 +195,8 @@ def replay(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax
 
   grad_fn = jax.jit(jax.grad(loss))
   by_vw = [sorted((r for r in records if r["vw_id"] == v), key=lambda r: r["minibatch_id"]) for v in range(num_vws)]
-  result = Replay(layout.flatten(params0), [{} for _ in range(num_vws)], fixed_waves, num_inflight, applied_order)
+  result = Replay(layout.flatten(params0), [{} for _ in range(num_vws)], fixed_waves, num_inflight, applied_order,
+                  applied_scales)
   if shards is not None:
     result = ShardedReplay([Replay(result.w0, result.updates, fixed_waves, num_inflight, log) for _, log in shards],
                            [idx for idx, _ in shards])
@@ -215,7 +232,8 @@ def replay(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax
 
 def replay_final_weights(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax.GradientTransformation,
                          sources: list, num_inflight: int, applied_order: Sequence[Sequence[int]],
-                         shards: Sequence[tuple[np.ndarray, Sequence[Sequence[int]]]] | None = None) -> np.ndarray:
+                         shards: Sequence[tuple[np.ndarray, Sequence[Sequence[int]]]] | None = None,
+                         applied_scales: Sequence[float] | None = None) -> np.ndarray:
   """Returns the flat final global weights implied by ``records`` (dicts as in minibatches.jsonl) and the PS's
   ``applied_order`` (``(wave_id, vw_id)`` as in ps_applied.jsonl).
 
@@ -223,7 +241,8 @@ def replay_final_weights(records: list[dict], spec: models.ModelSpec, params0: l
     AssertionError: the records' versions cannot be satisfied in any order (a WSP violation), or the log does not
       hold every VW's waves once each.
   """
-  result = replay(records, spec, params0, tx, sources, num_inflight, applied_order=applied_order, shards=shards)
+  result = replay(records, spec, params0, tx, sources, num_inflight, applied_order=applied_order, shards=shards,
+                  applied_scales=applied_scales)
   num_vws = len(sources)
   num_waves = min(sum(1 for r in records if r["vw_id"] == v) for v in range(num_vws)) // num_inflight
   for log in ([applied_order] if shards is None else [log for _, log in shards]):

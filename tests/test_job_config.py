@@ -208,6 +208,8 @@ METHOD_SETTING_CASES = [
     ("ps_apply", "clock_aligned", {"hetpipe", "pipedream"}),
     ("pull_every_wave", False, {"hetpipe", "pipedream"}),
     ("vertical_sync", True, {"pipedream"}),
+    ("ps_staleness_scaling", "inverse", {"hetpipe", "pipedream"}),
+    ("ps_staleness_alpha", 0.5, {"hetpipe", "pipedream"}),
     ("stage_ranks", True, {"hetpipe"}),
     ("remat", True, {"gpipe", "1f1b_flush", "horovod"}),
 ]

@@ -62,6 +62,11 @@ def get_config() -> ml_collections.ConfigDict:
   # weights when it arrives, so pulls also see faster VWs' newer waves. "clock_aligned": wave c is added once every
   # VW pushed it (deterministic order; an ablation).
   c.ps_apply = "on_receipt"
+  # Staleness-aware wave updates at the PS (arXiv 1511.05950): "none" (HetPipe), "inverse" (each wave update times
+  # 1/(1 + tau)) or "exp" (times exp(-ps_staleness_alpha * tau)); tau = waves of other VWs applied since the VW's
+  # last pull reply (rules/wsp.ParameterServerState). hetpipe and pipedream with one PS shard.
+  c.ps_staleness_scaling = "none"
+  c.ps_staleness_alpha = 1.0
   # Sharded parameter servers (MPI jobs; HetPipe §8.1): ranks 0..S-1 are PS shards, each holding some layers.
   # Unset: one shard per node of the plan (1 without a plan: one PS on rank 0). config.json records the value.
   c.num_ps_shards = config_dict.placeholder(int)

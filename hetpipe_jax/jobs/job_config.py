@@ -222,6 +222,10 @@ def _check_scalars(config: Any) -> None:
   if config.ps_apply not in wsp.PS_APPLY_MODES:
     raise ConfigError(f"config.ps_apply={config.ps_apply!r} must be 'on_receipt' (HetPipe §5: the PS adds each wave "
                       "update when it arrives) or 'clock_aligned' (a wave is added once every VW pushed it)")
+  try:
+    wsp.check_ps_staleness_scaling(config.get("ps_staleness_scaling", "none"), config.get("ps_staleness_alpha", 1.0))
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
   if config.batch_size < 1:
     raise ConfigError(f"config.batch_size={config.batch_size} must be >= 1")
   if config.platform not in ("cpu", "gpu"):
@@ -294,10 +298,26 @@ METHOD_SETTINGS = (
     MethodSetting("ps_placement", "", _PS_METHODS, "places layers on the parameter-server shards"),
     MethodSetting("ps_apply", "on_receipt", _PS_METHODS, "sets how the parameter server applies wave updates"),
     MethodSetting("pull_every_wave", True, _PS_METHODS, "sets when a VW pulls from the parameter server"),
+    MethodSetting("ps_staleness_scaling", "none", _PS_METHODS,
+                  "scales each wave update at the parameter server by its staleness"),
+    MethodSetting("ps_staleness_alpha", 1.0, _PS_METHODS, "is the parameter server's staleness scaling rate"),
     MethodSetting("vertical_sync", False, ("pipedream",), "is PipeDream's vertical sync"),
     MethodSetting("stage_ranks", False, ("hetpipe",), "runs HetPipe's pipeline with a VW's stages on separate ranks"),
     MethodSetting("remat", False, _FLUSH_METHODS, "rematerialises the flush methods' activations"),
 )
+
+
+def ps_scaling(config: Any) -> dict[str, Any]:
+  """The :class:`hetpipe_jax.ps.param_server.ParameterServer` keywords of ``config.ps_staleness_scaling`` and
+  ``config.ps_staleness_alpha`` (staleness-aware wave updates)."""
+  return {"staleness_scaling": config.get("ps_staleness_scaling", "none"),
+          "staleness_alpha": float(config.get("ps_staleness_alpha", 1.0))}
+
+
+def ps_staleness_log(config: Any, staleness: list) -> list | None:
+  """The ``(tau, scale)`` per applied wave that ``ps_applied.jsonl`` records: ``staleness``, or None under
+  ``ps_staleness_scaling="none"`` (the file as without the setting)."""
+  return None if config.get("ps_staleness_scaling", "none") == "none" else staleness
 
 
 def check_method_settings(config: Any, method: str) -> None:
@@ -718,6 +738,11 @@ def with_ps_shards(config: Any, settings: JobSettings) -> JobSettings:
                       "the run is not supported with sharded parameter servers yet; set "
                       "--config.eval_every_epochs=0 (the final weights are still evaluated) or "
                       "--config.num_ps_shards=1")
+  scaling = config.get("ps_staleness_scaling", "none")
+  if num > 1 and scaling != "none":
+    raise ConfigError(f"config.ps_staleness_scaling={scaling!r} with {num} PS shards: the shards see the VWs' "
+                      "pushes and pulls in their own orders, so they could scale one wave by different staleness; "
+                      "set --config.num_ps_shards=1 or --config.ps_staleness_scaling=none")
   shard_nodes = tuple(nodes[i % len(nodes)] for i in range(num))
   if plan is not None:
     stage_nodes = tuple(tuple(gpu_node(g) for g in vw.gpus) for vw in plan.virtual_workers)

@@ -29,8 +29,8 @@ from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
 from hetpipe_jax.jobs.evaluation import Evaluator
 from hetpipe_jax.jobs.job_config import (ConfigError, JobSettings, check_devices, check_partitions, check_world_size,
-                                         emulated_task_times, ps_layer_shards, resolved_config, with_ps_shards,
-                                         with_stage_ranks)
+                                         emulated_task_times, ps_layer_shards, ps_scaling, ps_staleness_log,
+                                         resolved_config, with_ps_shards, with_stage_ranks)
 from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, settings_summary, weights_sha256
 from hetpipe_jax.mpi import ps_shards
 from hetpipe_jax.mpi.ps_client import MPIPSClient, StageRankPSClient
@@ -41,7 +41,6 @@ from hetpipe_jax.mpi.stage_server import StageRankServer
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.ps.shards import ShardLayout
 from hetpipe_jax.rules import methods
-from hetpipe_jax.rules import wsp
 from hetpipe_jax.runtime import opt_state
 from hetpipe_jax.runtime import optimizers
 from hetpipe_jax.runtime import placement as placement_lib
@@ -501,7 +500,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
   evaluator = Evaluator(spec, layout, dataset.eval_inputs, dataset.eval_targets, config.eval_batch_size,
                         jax.local_devices()[0])
   eval_every = eval_every_waves(config, settings, dataset.num_train)
-  server = ParameterServer(shards.gather(flat0, 0), n, config.ps_apply)  # shard 0's slice (all of it when S = 1)
+  server = ParameterServer(shards.gather(flat0, 0), n, config.ps_apply, **ps_scaling(config))  # shard 0's slice (all of it when S = 1)
   clock0, total, segs = _segments(config, settings, num_mb, point)
   start_mb = point.minibatch_start if point else 0
   parts = ps_shards.vw_parts(settings, shards, partitions, layout.layer_offsets)
@@ -522,6 +521,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
                f", resumed at global clock {clock0}" if point else "")
   records: list[dict] = list(meta.get("records", []))
   applied: list[tuple[int, int]] = [tuple(a) for a in meta.get("applied", [])]
+  staleness: list = [tuple(a) for a in meta.get("applied_staleness", [])]  # (tau, scale) per applied wave
   resumes = list(meta.get("resumes", []))
   if point is not None:
     resumes.append({"global_clock": clock0, "minibatches_per_vw": start_mb, "time_s": meta["time_s"],
@@ -558,18 +558,19 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
         metrics=resume_lib.read_lines(outputs.dir / "metrics.jsonl"), evals=service.evals,
         time_s=service.time_offset_s + time.perf_counter() - service.t0, config_json=config_json, resumes=resumes,
         version_ids=version_ids, last_loss=service.last_loss, pending_losses=service.recent_losses,
-        extra={"mode": "mpi", "start_unix_s": start_unix})
+        extra={"mode": "mpi", "start_unix_s": start_unix, "applied_staleness": staleness})
     ckpt_stats.append(resume_lib.save_training_checkpoint(store, end, layout.unflatten(server.weights), opt_states,
                                                           ckpt_meta))
 
   try:
     for i, (first, end) in enumerate(segs):
       if i:
-        server.state = wsp.ParameterServerState(n, config.ps_apply)
+        server.state = server.state.fresh()
       service.clock_offset = first
       service.expect_opt_state = _checkpoint_due(config, end, total)
       service.run()
       applied += [(first + w, v) for w, v in server.state.applied]
+      staleness += server.state.staleness
       take_reports(service.segment_reports if i + 1 < len(segs) else service.reports)
       if i + 1 < len(segs):
         if service.expect_opt_state:
@@ -588,7 +589,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
   service.last_eval = final
   service.log_metrics(total, evaluated=True)
   extra = outputs.write_minibatches(records)
-  applied_fields = outputs.write_ps_applied(applied, n, shard_logs)
+  applied_fields = outputs.write_ps_applied(applied, n, shard_logs, ps_staleness_log(config, staleness))
   if config.save_task_trace:
     _write_runtime_trace(service.reports, nm, outputs.dir)
   ckpt = outputs.save_checkpoint(layout.unflatten(final_flat))

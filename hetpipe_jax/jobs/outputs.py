@@ -134,9 +134,14 @@ class RunOutputs:
     return {"extra_updates": records_lib.extra_update_stats(rows)}
 
   def write_ps_applied(self, applied: Sequence[Sequence[int]], num_virtual_workers: int,
-                       shard_logs: Sequence[Sequence[Sequence[int]]] | None = None) -> dict[str, Any]:
+                       shard_logs: Sequence[Sequence[Sequence[int]]] | None = None,
+                       staleness: Sequence[Sequence[float]] | None = None) -> dict[str, Any]:
     """Writes ``ps_applied.jsonl``; returns the summary fields: the count, whether each VW's waves were applied once
     each in order, and whether the whole order is clock-aligned.
+
+    ``staleness`` (one PS, ``ps_staleness_scaling`` other than ``"none"``): per entry of ``applied`` its
+    ``(tau, scale)`` (:class:`hetpipe_jax.rules.wsp.ParameterServerState`), written as the lines' ``tau`` and
+    ``scale``; the summary gets their mean and maximum.
 
     With sharded parameter servers (``shard_logs``: per shard its application order; ``applied`` is shard 0's) the
     lines carry a ``shard`` field, shard by shard, and the fields hold for every shard (count: per shard).
@@ -152,12 +157,22 @@ class RunOutputs:
               "applied_clock_aligned": all(applied_clock_aligned(log, num_virtual_workers) for log in shard_logs),
               "applied_waves_count_per_shard": [len(log) for log in shard_logs],
               "applied_waves_in_order_per_shard": [applied_in_order(log, num_virtual_workers) for log in shard_logs]}
+    if staleness is not None and len(staleness) != len(applied):
+      raise ValueError(f"{len(staleness)} staleness entries for {len(applied)} applied waves")
     with open(self.dir / "ps_applied.jsonl", "w", encoding="utf-8") as f:
-      for wave, vw in applied:
-        f.write(json.dumps({"wave_id": int(wave), "vw_id": int(vw)}) + "\n")
-    return {"applied_waves_count": len(applied),
-            "applied_waves_in_order": applied_in_order(applied, num_virtual_workers),
-            "applied_clock_aligned": applied_clock_aligned(applied, num_virtual_workers)}
+      for i, (wave, vw) in enumerate(applied):
+        line = {"wave_id": int(wave), "vw_id": int(vw)}
+        if staleness is not None:
+          line.update(tau=int(staleness[i][0]), scale=float(staleness[i][1]))
+        f.write(json.dumps(line) + "\n")
+    fields = {"applied_waves_count": len(applied),
+              "applied_waves_in_order": applied_in_order(applied, num_virtual_workers),
+              "applied_clock_aligned": applied_clock_aligned(applied, num_virtual_workers)}
+    if staleness is not None:
+      taus = [int(t) for t, _ in staleness]
+      fields["ps_staleness"] = {"mean_tau": sum(taus) / max(len(taus), 1), "max_tau": max(taus, default=0),
+                                "mean_scale": sum(float(x) for _, x in staleness) / max(len(staleness), 1)}
+    return fields
 
   def save_checkpoint(self, layer_params: list[Any]) -> pathlib.Path:
     """Saves the final global weights in ``checkpoint/`` (orbax); returns its path."""
@@ -178,7 +193,9 @@ def _wsp_method_settings(settings: JobSettings, config: Any) -> dict[str, Any]:
   own = {s.name: bool(config.get(s.name, s.default)) for s in METHOD_SETTINGS
          if s.name in _RECORDED_SETTINGS and settings.method in s.methods}
   return {"num_inflight": settings.num_inflight, "staleness_bound": settings.staleness_bound,
-          "sync": "WSP (parameter server)", **own}
+          "sync": "WSP (parameter server)", **own,
+          "ps_staleness_scaling": config.get("ps_staleness_scaling", "none"),
+          "ps_staleness_alpha": float(config.get("ps_staleness_alpha", 1.0))}
 
 
 def _allreduce_method_settings(settings: JobSettings, config: Any) -> dict[str, Any]:

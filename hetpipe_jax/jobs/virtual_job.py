@@ -20,14 +20,14 @@ from hetpipe_jax.data import sharding
 from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
 from hetpipe_jax.jobs.evaluation import Evaluator
-from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
+from hetpipe_jax.jobs.job_config import (ConfigError, JobSettings, emulated_task_times, ps_scaling, ps_staleness_log,
+                                         resolved_config)
 from hetpipe_jax.jobs.mpi_job import (build_stages, data_config_fields, eval_every_waves, load_data, make_optimizer,
                                       minibatches_per_vw, prepare, replay_fields, update_settings)
 from hetpipe_jax.jobs.outputs import (RunOutputs, allreduce_results, check_replicas_identical, check_workdir,
                                       settings_summary, weights_sha256)
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.rules import methods
-from hetpipe_jax.rules import wsp
 from hetpipe_jax.runtime import virtual_time
 from hetpipe_jax.runtime import virtual_worker as vw_lib
 from hetpipe_jax.runtime.param_layout import ParamLayout
@@ -103,7 +103,8 @@ def _run_wsp(config: Any, settings: JobSettings, workdir: str, resume: bool) -> 
   for note in settings.notes:
     logging.info("[virtual] %s", note)
 
-  server = ParameterServer(point.flat_weights if point else layout.flatten(params0), n, config.ps_apply)
+  server = ParameterServer(point.flat_weights if point else layout.flatten(params0), n, config.ps_apply,
+                           **ps_scaling(config))
   devices = jax.local_devices()
   outbox: dict = {}
   vws, next_device = [], 0
@@ -139,6 +140,7 @@ def _run_wsp(config: Any, settings: JobSettings, workdir: str, resume: bool) -> 
                            "evals": list(meta.get("evals", []))}
   records: list[dict] = list(meta.get("records", []))
   applied: list[tuple[int, int]] = [tuple(a) for a in meta.get("applied", [])]
+  staleness: list = [tuple(a) for a in meta.get("applied_staleness", [])]  # (tau, scale) per applied wave
   resumes = list(meta.get("resumes", []))
   if point:
     resumes.append({"global_clock": clock0, "minibatches_per_vw": start_mb, "time_s": meta["time_s"],
@@ -180,7 +182,7 @@ def _run_wsp(config: Any, settings: JobSettings, workdir: str, resume: bool) -> 
   try:
     for first, end in resume_lib.segments(clock0, total_waves, config.checkpoint_every_waves):
       if first != clock0 or point:
-        server.state = wsp.ParameterServerState(n, config.ps_apply)
+        server.state = server.state.fresh()
         for vw in vws:
           vw.begin_segment(server.weights)
       off.clock, off.minibatch = first, start_mb + (first - clock0) * nm
@@ -195,6 +197,7 @@ def _run_wsp(config: Any, settings: JobSettings, workdir: str, resume: bool) -> 
           resume_lib.shift_record(rec, off)
           records.append(dict(rec.__dict__))
       applied += [(first + w, v) for w, v in server.state.applied]
+      staleness += server.state.staleness
       for r in report.vws:
         wait_s[r.vw_id] += r.wait_s
         idle_s[r.vw_id] += r.idle_s
@@ -210,7 +213,8 @@ def _run_wsp(config: Any, settings: JobSettings, workdir: str, resume: bool) -> 
             evals=state["evals"], time_s=off.time_s, config_json=config_json, resumes=resumes,
             version_ids=[vw.version.version_id for vw in vws], last_loss=state["loss"],
             pending_losses=state["losses"],
-            extra={"mode": "virtual", "wait_s": wait_s, "idle_s": idle_s, "max_clock_distance": max_distance})
+            extra={"mode": "virtual", "wait_s": wait_s, "idle_s": idle_s, "max_clock_distance": max_distance,
+                   "applied_staleness": staleness})
         ckpt_stats.append(resume_lib.save_training_checkpoint(store, end, layout.unflatten(server.weights),
                                                    {v: vw.opt_state_by_layer() for v, vw in enumerate(vws)}, ckpt_meta))
   finally:
@@ -224,7 +228,7 @@ def _run_wsp(config: Any, settings: JobSettings, workdir: str, resume: bool) -> 
   outputs.log_metrics({"minibatches": total, "global_clock": total_waves, "loss": state["loss"],
                        "simulated_time_s": off.time_s, **final})
   extra = outputs.write_minibatches(records)
-  applied_fields = outputs.write_ps_applied(applied, n)
+  applied_fields = outputs.write_ps_applied(applied, n, staleness=ps_staleness_log(config, staleness))
   if config.save_task_trace:
     from hetpipe_jax.sim import gantt  # matplotlib only when drawing
     trace.write_trace(trace.report_trace(report), str(outputs.dir / "trace.json"))

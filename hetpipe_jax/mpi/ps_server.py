@@ -194,7 +194,7 @@ class ParameterServerService:
     """Sends the current global weights and their vector clock to each of ``vw_ids`` (pulls the PS state answers),
     in order."""
     for vw in vw_ids:
-      vector_clock, weights = self.server.snapshot()
+      vector_clock, weights = self.server.pull_reply(vw)
       vc = np.array(vector_clock, np.int64)
       if self.parts is None:
         replies = [(vw + self.first_vw_rank, weights)]

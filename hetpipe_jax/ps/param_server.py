@@ -24,17 +24,21 @@ class ParameterServer:
     num_virtual_workers: N >= 1.
     ps_apply: ``"on_receipt"`` (HetPipe §5, default): a pushed wave update is added to the global weights at once;
       ``"clock_aligned"``: it is held until every VW has pushed that wave, then all N are added in VW order.
+    staleness_scaling, staleness_alpha: each wave update is added times its ``state.staleness`` scale
+      (:class:`hetpipe_jax.rules.wsp.ParameterServerState`; ``"none"``: added as pushed, HetPipe §5).
 
   Either way the global weights are W0 plus the updates of ``state.applied``, added in that order (the order a
   replay follows), and a copy is named by its vector clock (:meth:`snapshot`).
 
   Raises:
-    ValueError: ``num_virtual_workers < 1`` or an unknown ``ps_apply``.
+    ValueError: ``num_virtual_workers < 1``, an unknown ``ps_apply`` or a bad staleness scaling.
   """
 
-  def __init__(self, initial_weights: np.ndarray, num_virtual_workers: int, ps_apply: str = "on_receipt"):
+  def __init__(self, initial_weights: np.ndarray, num_virtual_workers: int, ps_apply: str = "on_receipt",
+               staleness_scaling: str = "none", staleness_alpha: float = 1.0):
     self.weights = np.array(initial_weights, dtype=np.float32, copy=True)
-    self.state = wsp.ParameterServerState(num_virtual_workers, ps_apply)
+    self.state = wsp.ParameterServerState(num_virtual_workers, ps_apply, staleness_scaling=staleness_scaling,
+                                          staleness_alpha=staleness_alpha)
     self._pending: dict[tuple[int, int], np.ndarray] = {}
     self.wave_offset = 0  # added to wave ids in messages (checkpoint segments number their waves from 0)
 
@@ -57,18 +61,34 @@ class ParameterServer:
       raise BadUpdateError(f"VW {vw_id}'s update of wave {wave_id + self.wave_offset} has {bad} NaN/Inf values: "
                            "refused before it "
                            "touched the global weights (training diverged on that VW: lower config.learning_rate)")
-    ready = self.state.push(vw_id, wave_id)
+    state = self.state
+    ready = state.push(vw_id, wave_id)
+    scaled = state.staleness_scaling != "none"
     if ready == [(wave_id, vw_id)]:  # on receipt: no copy needed
-      self.weights += np.asarray(delta, np.float32)
+      if scaled:
+        self.weights += np.float32(state.staleness[-1][1]) * np.asarray(delta, np.float32)
+      else:
+        self.weights += np.asarray(delta, np.float32)
       return 1
     self._pending[(wave_id, vw_id)] = np.array(delta, np.float32, copy=True)
-    for key in ready:
-      self.weights += self._pending.pop(key)
+    scales = state.staleness[len(state.staleness) - len(ready):]
+    for key, (_, scale) in zip(ready, scales):
+      if scaled:
+        self.weights += np.float32(scale) * self._pending.pop(key)
+      else:
+        self.weights += self._pending.pop(key)
     return len(ready)
 
   def snapshot(self) -> tuple[tuple[int, ...], np.ndarray]:
     """``(vector clock, copy of the global weights)``; the vector clock's minimum is the global clock."""
     return self.state.vector_clock(), self.weights.copy()
+
+  def pull_reply(self, vw_id: int) -> tuple[tuple[int, ...], np.ndarray]:
+    """:meth:`snapshot` sent to VW ``vw_id`` as its pull reply (recorded: its later waves' staleness counts from
+    it)."""
+    vector_clock, weights = self.snapshot()
+    self.state.note_pull(vw_id, vector_clock)
+    return vector_clock, weights
 
 
 class LocalPSClient:
@@ -98,4 +118,4 @@ class LocalPSClient:
     if not self._pull_outstanding or self.vw_id in self.server.state.pending_pulls:
       return None
     self._pull_outstanding = False
-    return self.server.snapshot()
+    return self.server.pull_reply(self.vw_id)

@@ -32,11 +32,41 @@ its decisions and never advance the state).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Sequence
 
 from hetpipe_jax.rules import schedule
 
 PS_APPLY_MODES = ("on_receipt", "clock_aligned")
+PS_STALENESS_SCALINGS = ("none", "inverse", "exp")
+
+
+def check_ps_staleness_scaling(scaling: str, alpha: float) -> None:
+  """Checks a wave-update staleness scaling (:func:`staleness_scale`).
+
+  Raises:
+    ValueError: ``scaling`` not one of :data:`PS_STALENESS_SCALINGS`, or ``alpha <= 0`` with ``"exp"``.
+  """
+  if scaling not in PS_STALENESS_SCALINGS:
+    raise ValueError(f"ps_staleness_scaling={scaling!r} is not a staleness scaling: use 'none', 'inverse' "
+                     "(1/(1 + tau)) or 'exp' (exp(-ps_staleness_alpha * tau))")
+  if scaling == "exp" and not alpha > 0:
+    raise ValueError(f"ps_staleness_alpha={alpha} with ps_staleness_scaling='exp': alpha must be > 0")
+
+
+def staleness_scale(scaling: str, alpha: float, tau: int) -> float:
+  """The factor s(tau) a wave update of staleness ``tau`` is applied with (arXiv 1511.05950's staleness-aware step).
+
+  Args:
+    scaling: ``"none"`` (1), ``"inverse"`` (``1 / (1 + tau)``) or ``"exp"`` (``exp(-alpha * tau)``).
+    alpha: the ``"exp"`` rate, > 0.
+    tau: waves of other VWs applied since the pull the update's VW last got (:meth:`ParameterServerState.push`).
+  """
+  if scaling == "inverse":
+    return 1.0 / (1 + tau)
+  if scaling == "exp":
+    return math.exp(-alpha * tau)
+  return 1.0
 
 
 def check_ps_apply(ps_apply: str) -> str:
@@ -116,6 +146,19 @@ class ParameterServerState:
     num_virtual_workers: N >= 1.
     ps_apply: ``"on_receipt"`` (HetPipe §5; default): a pushed wave is applied at once, so the global weights also
       hold faster VWs' newer waves; ``"clock_aligned"``: wave c is applied once every VW pushed it, VWs in order.
+    staleness_scaling: ``"none"`` (default; HetPipe), ``"inverse"`` or ``"exp"``: each applied wave update is
+      scaled by :func:`staleness_scale` of its staleness tau.
+    staleness_alpha: the ``"exp"`` rate (> 0).
+
+  Staleness of an applied wave (``staleness``, one ``(tau, scale)`` per entry of ``applied``): tau of VW v's wave
+  is the number of *other* VWs' waves in the global weights just before it is added that were not in the last
+  pull reply the PS sent v: ``sum_{u != v} (vc_now[u] - vc_pulled_v[u])``, with ``vc_now`` the vector clock of the
+  global weights at that point of the application order (under ``clock_aligned``, the VWs before v in the same
+  wave count) and ``vc_pulled_v`` the vector clock of the last reply sent to v (:meth:`note_pull`; all zeros
+  before the first: W0). The PS cannot know when v installed a reply or which minibatches ran on it, so the last
+  reply *sent* is the version the rule measures from (a wave partly computed on an older version has at least this
+  staleness). One VW: tau = 0 always. It depends on the order the PS applies and answers in, so a sharded PS
+  (shards see arrivals in their own orders) refuses a scaling (``job_config.with_ps_shards``).
 
   The caller adds each wave update returned by :meth:`push` to the global weights in the returned order; the
   whole order is kept in ``applied`` (the log a replay follows). Any copy of the global weights is
@@ -138,15 +181,42 @@ class ParameterServerState:
   applied: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (wave, vw) in application order
   # vw -> required global clock of its unanswered pull, in the order the requests arrived (at most one per VW).
   pending_pulls: dict[int, int] = dataclasses.field(default_factory=dict)
+  staleness_scaling: str = "none"
+  staleness_alpha: float = 1.0
+  # per VW: the vector clock of the last pull reply sent to it (note_pull)
+  pulled_clocks: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+  staleness: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (tau, scale) per entry of applied
 
   def __post_init__(self):
     if self.num_virtual_workers < 1:
       raise ValueError(f"num_virtual_workers must be >= 1, got {self.num_virtual_workers}")
     check_ps_apply(self.ps_apply)
+    check_ps_staleness_scaling(self.staleness_scaling, self.staleness_alpha)
     if not self.pushed_waves:
       self.pushed_waves = [0] * self.num_virtual_workers
     if not self.applied_waves:
       self.applied_waves = [0] * self.num_virtual_workers
+    if not self.pulled_clocks:
+      self.pulled_clocks = [(0,) * self.num_virtual_workers] * self.num_virtual_workers
+
+  def fresh(self) -> "ParameterServerState":
+    """A new state with the same settings (a checkpoint segment's PS: every VW pulled everything at the barrier)."""
+    return ParameterServerState(self.num_virtual_workers, self.ps_apply, staleness_scaling=self.staleness_scaling,
+                                staleness_alpha=self.staleness_alpha)
+
+  def note_pull(self, vw_id: int, vector_clock: Sequence[int]) -> None:
+    """The PS sends VW ``vw_id`` the global weights of ``vector_clock`` (its pull reply): later waves of ``vw_id``
+    measure their staleness from it."""
+    self.pulled_clocks[vw_id] = tuple(vector_clock)
+
+  def _record_staleness(self, ready: list[tuple[int, int]], vector_clock: Sequence[int]) -> None:
+    """Appends ``(tau, scale)`` for each of ``ready`` (applied in order onto weights of ``vector_clock``)."""
+    vc = list(vector_clock)
+    for _, vw in ready:
+      pulled = self.pulled_clocks[vw]
+      tau = sum(vc[u] - pulled[u] for u in range(self.num_virtual_workers) if u != vw)
+      self.staleness.append((tau, staleness_scale(self.staleness_scaling, self.staleness_alpha, tau)))
+      vc[vw] += 1
 
   def push(self, vw_id: int, wave_id: int) -> list[tuple[int, int]]:
     """Records VW ``vw_id``'s update of ``wave_id``; returns the (wave, vw) updates to apply now, in order.
@@ -162,6 +232,7 @@ class ParameterServerState:
       raise ValueError(f"VW {vw_id} pushed wave {wave_id}, expected wave {self.pushed_waves[vw_id]}")
     pushed = self.pushed_waves
     pushed[vw_id] += 1
+    before = tuple(self.applied_waves)
     if self.ps_apply == "on_receipt":
       ready = [(wave_id, vw_id)]
       self.applied_waves[vw_id] += 1
@@ -176,6 +247,7 @@ class ParameterServerState:
       if ready:
         self.applied_waves = [self.global_clock] * self.num_virtual_workers
     self.applied.extend(ready)
+    self._record_staleness(ready, before)
     return ready
 
   def vector_clock(self) -> tuple[int, ...]:

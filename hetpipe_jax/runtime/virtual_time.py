@@ -98,7 +98,7 @@ class VirtualTimeHooks:
 
   def on_pull_sent(self, vw_id: int, vector_clock: tuple[int, ...], t: float) -> None:
     del t
-    got, weights = self.server.snapshot()
+    got, weights = self.server.pull_reply(vw_id)
     if got != tuple(vector_clock):
       raise AssertionError(f"the engine's PS answers VW {vw_id} with vector clock {list(vector_clock)}, the "
                            f"in-process PS holds {list(got)}")
