@@ -198,3 +198,12 @@ def test_train_refuses_a_bad_setting_with_one_error_line(tmp_path):
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "config.ps_staleness_alpha=0" in errors[0], proc.stderr[-2000:]
   assert not (tmp_path / "never").exists()
+
+
+def test_clock_aligned_applies_the_scales():
+  """clock_aligned holds wave updates and adds them times their scales once the wave is complete."""
+  w0 = np.zeros(3, np.float32)
+  ps = ParameterServer(w0, 2, "clock_aligned", staleness_scaling="inverse")
+  ps.push(0, 0, np.ones(3, np.float32))
+  ps.push(1, 0, np.full(3, 2.0, np.float32))  # tau 0 and 1: 1 * 1 + 0.5 * 2
+  np.testing.assert_array_equal(ps.weights, np.full(3, 2.0, np.float32))
