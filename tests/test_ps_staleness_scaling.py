@@ -207,3 +207,14 @@ def test_clock_aligned_applies_the_scales():
   ps.push(0, 0, np.ones(3, np.float32))
   ps.push(1, 0, np.full(3, 2.0, np.float32))  # tau 0 and 1: 1 * 1 + 0.5 * 2
   np.testing.assert_array_equal(ps.weights, np.full(3, 2.0, np.float32))
+
+
+def test_pipedream_in_virtual_time_scales_its_waves(tmp_path, synthetic_data_dir):
+  """PipeDream (per-stage updates, the same PS) runs with the setting and records tau and 1/(1 + tau) per wave."""
+  config = _config(synthetic_data_dir, method="pipedream", num_virtual_workers=2, num_inflight=2, staleness_bound=1,
+                   num_minibatches=8, batch_size=16, emulate_stage_ms="10,10;30,30", ps_staleness_scaling="inverse")
+  summary = virtual_job.run(config, job_config.resolve_settings(config), str(tmp_path))
+  assert summary["method"] == "pipedream" and summary["method_settings"]["ps_staleness_scaling"] == "inverse"
+  applied = read_jsonl(tmp_path / "ps_applied.jsonl")
+  assert len(applied) == 8 and max(a["tau"] for a in applied) > 0
+  assert [a["scale"] for a in applied] == pytest.approx([1 / (1 + a["tau"]) for a in applied], rel=1e-12)
