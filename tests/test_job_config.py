@@ -208,6 +208,7 @@ METHOD_SETTING_CASES = [
     ("ps_apply", "clock_aligned", {"hetpipe", "pipedream"}),
     ("pull_every_wave", False, {"hetpipe", "pipedream"}),
     ("vertical_sync", True, {"pipedream"}),
+    ("delay_compensation", "dc", {"hetpipe", "pipedream"}),
     ("stage_ranks", True, {"hetpipe"}),
     ("remat", True, {"gpipe", "1f1b_flush", "horovod"}),
 ]
