@@ -1248,6 +1248,39 @@ MUTATIONS = (
              "pass",
              ("tests/test_ps_channel.py::test_a_new_segment_installs_no_pull_of_the_last",),
              "a new WSP segment installs a pull reply of the segment before the checkpoint barrier"),
+    Mutation("dc_sign", "compensate",
+             "return jax.tree.map(lambda g, w, wp: g + (lam * g * g * (w - wp)).astype(g.dtype), grads, w_now, w_used)",
+             "return jax.tree.map(lambda g, w, wp: g - (lam * g * g * (w - wp)).astype(g.dtype), grads, w_now, w_used)",
+             ("tests/test_delay_compensation.py::test_formula_against_a_hand_computed_case",
+              "tests/test_delay_compensation.py::test_hetpipe_with_dc_equals_the_sequential_replay"),
+             "DC-ASGD's correction with the wrong sign (g - λ·g⊙g⊙(W_now − W_p))"),
+    Mutation("dc_against_current_version", "PerMinibatchUpdate.on_complete",
+             "mb.grads[s] = self.compensator(s, mb.grads[s], vw.version.params[s], mb.version.params[s])",
+             "mb.grads[s] = self.compensator(s, mb.grads[s], vw.version.params[s], vw.version.params[s])",
+             ("tests/test_delay_compensation.py::test_hetpipe_with_dc_equals_the_sequential_replay",),
+             "HetPipe's DC takes W_p as the current weights (no correction at all)"),
+    Mutation("dc_after_clip", "PerMinibatchUpdate.on_complete",
+             ("if self.compensator is not None:\n"
+              "for s in vw.local_stages:\n"
+              "mb.grads[s] = self.compensator(s, mb.grads[s], vw.version.params[s], mb.version.params[s])\n"
+              "norm = vw.minibatch_grad_norm(mb) if vw.grad_clip_norm else None"),
+             ("norm = vw.minibatch_grad_norm(mb) if vw.grad_clip_norm else None\n"
+              "if self.compensator is not None:\n"
+              "  for s in vw.local_stages:\n"
+              "    mb.grads[s] = self.compensator(s, mb.grads[s], vw.version.params[s], mb.version.params[s])"),
+             ("tests/test_delay_compensation.py::test_dc_then_clip_equals_the_replay",),
+             "HetPipe's global norm is taken over the uncorrected gradient (clip before DC)"),
+    Mutation("pipedream_dc_against_latest", "PerStageUpdate.stage_update",
+             "grads = self.compensator(s, grads, self.stage_params[s], self._used.pop((mb.record.minibatch_id, s)))",
+             ("self._used.pop((mb.record.minibatch_id, s))\n"
+              "grads = self.compensator(s, grads, self.stage_params[s], self.stage_params[s])"),
+             ("tests/test_delay_compensation.py::test_pipedream_with_dc_equals_its_replay",),
+             "PipeDream's DC takes W_p as the stage's latest weights, not the ones its forward stashed"),
+    Mutation("dc_rule_option_dropped", "update_settings",
+             "delay_compensation=config.get(\"delay_compensation\", \"none\"),",
+             "",
+             ("tests/test_delay_compensation.py::test_virtual_time_run_records_the_setting",),
+             "the job records delay_compensation='dc' but its VWs run without it"),
 )
 
 

@@ -18,6 +18,7 @@ from hetpipe_jax import models
 from hetpipe_jax.jobs import job_config, virtual_job
 from hetpipe_jax.jobs.job_config import ConfigError
 from hetpipe_jax.runtime import delay_compensation
+from hetpipe_jax.runtime import stages as stages_lib
 from tests.pipeline_util import assert_params_close, build_vw, loss_and_grad, tiny_config
 
 LAM = 2.0  # large enough that the correction moves the weights measurably on mlp_tiny over 18 minibatches
@@ -180,15 +181,67 @@ def test_the_rules_refuse_dc_where_they_do_not_take_it(synthetic_data_dir):
 
 
 def test_virtual_time_run_records_the_setting(tmp_path, synthetic_data_dir):
-  """A virtual-time run with dc records it in config.json and summary.json (with λ), and its weights moved."""
+  """A virtual-time run with dc records it in config.json and summary.json (with λ), and its VWs ran with it."""
   c = _base(data_dir=str(synthetic_data_dir), num_minibatches=8, num_inflight=2, delay_compensation="dc",
-            dc_lambda=0.5, progress=False, emulate_stage_ms="10,20", check_counts=False)
+            dc_lambda=0.5, progress=False, emulate_stage_ms="10,20",
+            check_counts=False)
   summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
   config = json.loads((tmp_path / "config.json").read_text())
   assert config["delay_compensation"] == "dc" and config["dc_lambda"] == 0.5
   written = json.loads((tmp_path / "summary.json").read_text())
   for s in (summary, written):
     assert s["method_settings"]["delay_compensation"] == "dc" and s["method_settings"]["dc_lambda"] == 0.5
-  c = _base(data_dir=str(synthetic_data_dir), num_minibatches=4, num_inflight=2, progress=False, emulate_stage_ms="10,20", check_counts=False)
-  summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path / "none"))
-  assert summary["method_settings"]["delay_compensation"] == "none" and "dc_lambda" not in summary["method_settings"]
+  c = _base(data_dir=str(synthetic_data_dir), num_minibatches=8, num_inflight=2, progress=False,
+            emulate_stage_ms="10,20", check_counts=False)
+  plain = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path / "none"))
+  assert plain["method_settings"]["delay_compensation"] == "none" and "dc_lambda" not in plain["method_settings"]
+  # the VWs ran with it (virtual time's numerics do not depend on timing: the only difference is the correction)
+  assert summary["test_loss"] != plain["test_loss"]
+
+
+CLIP = 1.5  # mlp_tiny on the synthetic data: gradient norms 2.6 down to 0.5 (tests/test_global_clip.py)
+
+
+def _clip(g):
+  """optax's whole-model clip by the global norm (the oracle's, not the runtime's)."""
+  clipped, _ = optax.clip_by_global_norm(CLIP).update(g, optax.EmptyState())
+  return jax.device_get(clipped)
+
+
+@pytest.mark.parametrize("method", ["hetpipe", "pipedream"])
+def test_dc_then_clip_equals_the_replay(synthetic_data_dir, method):
+  """With ``grad_clip_norm``: each stage's gradient is DC-corrected first, then the whole corrected gradient is
+  clipped by its global norm (the clip sees the corrected gradient), then each stage steps; equals the replay in that
+  order, not the replay that clips first."""
+  n, partition = 12, TWO_STAGES
+  spec = models.get_model("mlp_tiny")
+  tx = _tx()
+  stages = stages_lib.build_stages(spec, partition, jax.devices()[:2], tx, grad_clip_norm=CLIP)
+  vw, source, params0, _, _ = build_vw(synthetic_data_dir, partition=partition, num_inflight=2, optimizer=tx,
+                                       method=method, stages=stages, delay_compensation="dc", dc_lambda=LAM)
+  vw.run(n)
+  recs = sorted(vw.records, key=lambda r: r.minibatch_id)
+  batches = [source.get(p) for p in range(n)]
+  grad_fn = loss_and_grad(spec)
+
+  def replay(dc_first):
+    if method == "hetpipe":
+      versions = [[r.version_local_updates] * 2 for r in recs]
+    else:
+      versions = [list(r.stage_versions) for r in recs]
+    hist = [[list(params0[i:j])] for i, j in partition]
+    states = [tx.init(list(params0[i:j])) for i, j in partition]
+    for (x, y), v in zip(batches, versions):
+      _, g = grad_fn([layer for s, k in enumerate(v) for layer in hist[s][k]], x, y)
+      g = list(jax.device_get(g))
+      dc = lambda g: [layer for s, (i, j) in enumerate(partition)  # noqa: E731
+                      for layer in _tree_dc(g[i:j], hist[s][-1], hist[s][v[s]], LAM)]
+      g = _clip(dc(g)) if dc_first else dc(_clip(g))
+      for s, (i, j) in enumerate(partition):
+        u, states[s] = tx.update(list(g[i:j]), states[s], hist[s][-1])
+        hist[s].append(jax.device_get(optax.apply_updates(hist[s][-1], u)))
+    return [layer for h in hist for layer in h[-1]]
+
+  want = replay(dc_first=True)
+  assert_params_close(vw.layer_params(), want, rtol=1e-5, atol=1e-6)
+  assert _max_diff(want, replay(dc_first=False)) > 1e-5
