@@ -328,9 +328,9 @@ def update_settings(config, settings, optimizer, vw_id: int, **options):
   update-rule options the job sets (``vertical_sync``, ``delay_compensation`` and ``dc_lambda``; the plan's memory caps as ``max_held``), plus ``options``
   (the flush methods' ``reducer`` and ``on_step``)."""
   return update_rules.UpdateSettings(optimizer, settings.method, vertical_sync=bool(config.get("vertical_sync", False)),
-                        max_held=settings.memory_caps[vw_id] if settings.memory_caps else None,
                         delay_compensation=config.get("delay_compensation", "none"),
-                        dc_lambda=float(config.get("dc_lambda", update_rules.UpdateSettings.dc_lambda)), **options)
+                        dc_lambda=float(config.get("dc_lambda", update_rules.UpdateSettings.dc_lambda)),
+                        max_held=settings.memory_caps[vw_id] if settings.memory_caps else None, **options)
 
 
 def _run_stage_rank(config, settings, spec, layout, flat0, dataset, num_mb, partitions, vw_id, comm,
