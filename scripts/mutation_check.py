@@ -1281,6 +1281,11 @@ MUTATIONS = (
              "",
              ("tests/test_delay_compensation.py::test_virtual_time_run_records_the_setting",),
              "the job records delay_compensation='dc' but its VWs run without it"),
+    Mutation("dc_none_corrects", "make",
+             "if settings.delay_compensation == \"none\":",
+             "if False:",
+             ("tests/test_delay_compensation.py::test_none_is_bit_identical_to_a_run_without_the_setting",),
+             "delay_compensation='none' still corrects the gradients (with dc_lambda)"),
 )
 
 

@@ -245,3 +245,17 @@ def test_dc_then_clip_equals_the_replay(synthetic_data_dir, method):
   want = replay(dc_first=True)
   assert_params_close(vw.layer_params(), want, rtol=1e-5, atol=1e-6)
   assert _max_diff(want, replay(dc_first=False)) > 1e-5
+
+
+def test_mpi_run_records_and_runs_dc(tmp_path, synthetic_data_dir):
+  """``hetpipe_jax.train`` under MPI (a PS rank and one VW) with dc: it runs and config.json and summary.json record
+  the setting and λ."""
+  from tests.mpi_util import run_job  # pylint: disable=g-import-not-at-top
+  proc = run_job(tmp_path, 2, {"data_dir": synthetic_data_dir, "num_virtual_workers": 1, "num_minibatches": 8,
+                               "num_inflight": 2, "checkpoint_every_waves": 0, "eval_every_epochs": 0.0,
+                               "delay_compensation": "dc", "dc_lambda": 0.5})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  config = json.loads((tmp_path / "config.json").read_text())
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert config["delay_compensation"] == "dc" and config["dc_lambda"] == 0.5
+  assert summary["method_settings"]["delay_compensation"] == "dc" and summary["method_settings"]["dc_lambda"] == 0.5
