@@ -1280,6 +1280,44 @@ MUTATIONS = (
              "if False:",
              ("tests/test_ps_staleness_scaling.py::test_bad_settings_are_one_error_each",),
              "a sharded PS, whose shards may see different staleness for one wave, accepts a staleness scaling"),
+    Mutation("dc_sign", "compensate",
+             "return jax.tree.map(lambda g, w, wp: g + (lam * g * g * (w - wp)).astype(g.dtype), grads, w_now, w_used)",
+             "return jax.tree.map(lambda g, w, wp: g - (lam * g * g * (w - wp)).astype(g.dtype), grads, w_now, w_used)",
+             ("tests/test_delay_compensation.py::test_formula_against_a_hand_computed_case",
+              "tests/test_delay_compensation.py::test_hetpipe_with_dc_equals_the_sequential_replay"),
+             "DC-ASGD's correction with the wrong sign (g - λ·g⊙g⊙(W_now − W_p))"),
+    Mutation("dc_against_current_version", "PerMinibatchUpdate.on_complete",
+             "mb.grads[s] = self.compensator(s, mb.grads[s], vw.version.params[s], mb.version.params[s])",
+             "mb.grads[s] = self.compensator(s, mb.grads[s], vw.version.params[s], vw.version.params[s])",
+             ("tests/test_delay_compensation.py::test_hetpipe_with_dc_equals_the_sequential_replay",),
+             "HetPipe's DC takes W_p as the current weights (no correction at all)"),
+    Mutation("dc_after_clip", "PerMinibatchUpdate.on_complete",
+             ("if self.compensator is not None:\n"
+              "for s in vw.local_stages:\n"
+              "mb.grads[s] = self.compensator(s, mb.grads[s], vw.version.params[s], mb.version.params[s])\n"
+              "norm = vw.minibatch_grad_norm(mb) if vw.grad_clip_norm else None"),
+             ("norm = vw.minibatch_grad_norm(mb) if vw.grad_clip_norm else None\n"
+              "if self.compensator is not None:\n"
+              "  for s in vw.local_stages:\n"
+              "    mb.grads[s] = self.compensator(s, mb.grads[s], vw.version.params[s], mb.version.params[s])"),
+             ("tests/test_delay_compensation.py::test_dc_then_clip_equals_the_replay",),
+             "HetPipe's global norm is taken over the uncorrected gradient (clip before DC)"),
+    Mutation("pipedream_dc_against_latest", "PerStageUpdate.stage_update",
+             "grads = self.compensator(s, grads, self.stage_params[s], self._used.pop((mb.record.minibatch_id, s)))",
+             ("self._used.pop((mb.record.minibatch_id, s))\n"
+              "grads = self.compensator(s, grads, self.stage_params[s], self.stage_params[s])"),
+             ("tests/test_delay_compensation.py::test_pipedream_with_dc_equals_its_replay",),
+             "PipeDream's DC takes W_p as the stage's latest weights, not the ones its forward stashed"),
+    Mutation("dc_rule_option_dropped", "update_settings",
+             "delay_compensation=config.get(\"delay_compensation\", \"none\"),",
+             "",
+             ("tests/test_delay_compensation.py::test_virtual_time_run_records_the_setting",),
+             "the job records delay_compensation='dc' but its VWs run without it"),
+    Mutation("dc_none_corrects", "make",
+             "if settings.delay_compensation == \"none\":",
+             "if False:",
+             ("tests/test_delay_compensation.py::test_none_is_bit_identical_to_a_run_without_the_setting",),
+             "delay_compensation='none' still corrects the gradients (with dc_lambda)"),
 )
 
 

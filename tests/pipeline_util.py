@@ -26,7 +26,7 @@ def tiny_config(**overrides):
 def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_bound=0, optimizer=None,
              batch_size=16, seed=0, pull_every_wave=True, num_vws=1, vw_id=0, server=None, client_factory=None,
              ps_apply="on_receipt", dataset=None, method="hetpipe", vertical_sync=False, max_held=None, stages=None,
-             ps_channel="inline"):
+             ps_channel="inline", delay_compensation="none", dc_lambda=0.04):
   """Returns ``(vw, source, initial per-layer params, optimizer, server)`` for an in-process VW.
 
   ``dataset``: an already loaded dataset (e.g. text windows for a GPT) instead of Fashion-MNIST from ``data_dir``.
@@ -53,7 +53,8 @@ def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_b
   vw = virtual_worker.VirtualWorker(
       stages, layout, params0,
       virtual_worker.WSPSettings(vw_id, num_vws, num_inflight, staleness_bound, pull_every_wave),
-      virtual_worker.UpdateSettings(tx, method, vertical_sync=vertical_sync, max_held=max_held),
+      virtual_worker.UpdateSettings(tx, method, vertical_sync=vertical_sync, max_held=max_held,
+                                    delay_compensation=delay_compensation, dc_lambda=dc_lambda),
       virtual_worker.VWHooks(source.get, client), host=virtual_worker.HostSettings(ps_channel=ps_channel))
   return vw, source, params0, tx, server
 

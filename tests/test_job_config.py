@@ -210,6 +210,7 @@ METHOD_SETTING_CASES = [
     ("vertical_sync", True, {"pipedream"}),
     ("ps_staleness_scaling", "inverse", {"hetpipe", "pipedream"}),
     ("ps_staleness_alpha", 0.5, {"hetpipe", "pipedream"}),
+    ("delay_compensation", "dc", {"hetpipe", "pipedream"}),
     ("stage_ranks", True, {"hetpipe"}),
     ("remat", True, {"gpipe", "1f1b_flush", "horovod"}),
 ]

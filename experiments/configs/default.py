@@ -51,6 +51,10 @@ def get_config() -> ml_collections.ConfigDict:
   # The all-reduce methods run one MPI rank per VW (no PS rank).
   c.method = "hetpipe"
   c.vertical_sync = False  # pipedream: every stage uses the weight version stage 0 used for the minibatch
+  # hetpipe / pipedream: "dc" corrects each stale gradient at its step by DC-ASGD's g + λ·g⊙g⊙(W_now − W_used)
+  # (hetpipe_jax.runtime.delay_compensation); dc_lambda is λ (0.04: the DC-ASGD paper's constant λ₀, DC-ASGD-c).
+  c.delay_compensation = "none"
+  c.dc_lambda = 0.04
   c.remat = False  # gpipe / 1f1b_flush / horovod: rematerialise each stage's activations (jax.checkpoint)
   # HetPipe pipeline and WSP (HetPipe §4-§5).
   c.staleness_bound = 1  # D: a VW may run at most D waves ahead of the slowest

@@ -17,6 +17,7 @@ from hetpipe_jax.paths import repo_path
 from hetpipe_jax.planning import plan_format
 from hetpipe_jax.planning import plan_times as plan_times_lib
 from hetpipe_jax.planning.ps_placement import PLACEMENTS, assign_layers, gpu_node
+from hetpipe_jax.rules import delay_compensation
 from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import partition as partition_rules
 from hetpipe_jax.rules import wsp
@@ -241,6 +242,7 @@ def _check_scalars(config: Any) -> None:
   _check_optimizer_settings(config)
   if not config.get("grad_clip_norm", 0.0) >= 0:
     raise ConfigError(f"config.grad_clip_norm={config.get('grad_clip_norm')} must be >= 0 (0: no clipping)")
+  _check_delay_compensation(config)
   if not config.learning_rate > 0:
     raise ConfigError(f"config.learning_rate={config.learning_rate} must be > 0")
   if config.checkpoint_every_waves < 0:
@@ -269,6 +271,25 @@ def _check_scalars(config: Any) -> None:
     raise ConfigError(f"config.stage_rank_grouping={grouping!r} must be 'gpu' (one rank per stage) or 'node' (a "
                       "VW's stages on one plan node share a rank)")
   check_method_settings(config, method)
+
+
+def _check_delay_compensation(config: Any) -> None:
+  """``delay_compensation`` and ``dc_lambda`` (:mod:`hetpipe_jax.runtime.delay_compensation`); the methods that take
+  it are checked with :data:`METHOD_SETTINGS`.
+
+  Raises:
+    ConfigError: an unknown mode, λ < 0, or ``"dc"`` with stage ranks.
+  """
+  mode = config.get("delay_compensation", "none")
+  lam = config.get("dc_lambda", delay_compensation.DEFAULT_DC_LAMBDA)
+  if mode not in delay_compensation.DELAY_COMPENSATION:
+    raise ConfigError(f"config.delay_compensation={mode!r} must be one of "
+                      f"{', '.join(map(repr, delay_compensation.DELAY_COMPENSATION))}")
+  if not lam >= 0:
+    raise ConfigError(f"config.dc_lambda={lam} must be >= 0 (DC-ASGD's λ; the paper's DC-ASGD-c uses 0.04)")
+  if mode == "dc" and config.get("stage_ranks", False):
+    raise ConfigError("config.delay_compensation='dc' runs with a VW's stages in its process, not with "
+                      "config.stage_ranks=True: set one of them back")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +323,8 @@ METHOD_SETTINGS = (
                   "scales each wave update at the parameter server by its staleness"),
     MethodSetting("ps_staleness_alpha", 1.0, _PS_METHODS, "is the parameter server's staleness scaling rate"),
     MethodSetting("vertical_sync", False, ("pipedream",), "is PipeDream's vertical sync"),
+    MethodSetting("delay_compensation", "none", ("hetpipe", "pipedream"),
+                  "corrects a stale gradient at its (asynchronous) step (DC-ASGD)"),
     MethodSetting("stage_ranks", False, ("hetpipe",), "runs HetPipe's pipeline with a VW's stages on separate ranks"),
     MethodSetting("remat", False, _FLUSH_METHODS, "rematerialises the flush methods' activations"),
 )

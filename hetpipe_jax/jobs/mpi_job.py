@@ -324,9 +324,11 @@ def _wsp_settings(settings, vw_id: int, pull_every_wave: bool = True):
 
 def update_settings(config, settings, optimizer, vw_id: int, **options):
   """VW ``vw_id``'s :class:`~hetpipe_jax.runtime.update_rules.UpdateSettings`: the method, the optimizer and the
-  update-rule options the job sets (``vertical_sync``; the plan's memory caps as ``max_held``), plus ``options``
+  update-rule options the job sets (``vertical_sync``, ``delay_compensation`` and ``dc_lambda``; the plan's memory caps as ``max_held``), plus ``options``
   (the flush methods' ``reducer`` and ``on_step``)."""
   return update_rules.UpdateSettings(optimizer, settings.method, vertical_sync=bool(config.get("vertical_sync", False)),
+                        delay_compensation=config.get("delay_compensation", "none"),
+                        dc_lambda=float(config.get("dc_lambda", update_rules.UpdateSettings.dc_lambda)),
                         max_held=settings.memory_caps[vw_id] if settings.memory_caps else None, **options)
 
 

@@ -20,18 +20,21 @@ import numpy as np
 
 from hetpipe_jax.ps.shards import rebase_on_shards
 from hetpipe_jax.rules import schedule
+from hetpipe_jax.runtime import delay_compensation
 from hetpipe_jax.runtime.update_rules import WSPRule
 
 
 class PerMinibatchUpdate(WSPRule):
-  """HetPipe's per-minibatch update (module docstring). Option: ``max_held``.
+  """HetPipe's per-minibatch update (module docstring). Options: ``max_held``, ``delay_compensation`` (DC-ASGD: at
+  completion each stage's gradient is corrected against the version the minibatch ran on, before clipping and the
+  step; :mod:`hetpipe_jax.runtime.delay_compensation`; stages in this process only).
 
   Attributes:
     wave_delta: per stage, the current wave's summed delta (device trees; None for remote stages).
     own_flat: sharded PS or stage ranks: wave -> host copy of the own wave's flat update, until pulled.
   """
 
-  OPTIONS = ("max_held",)
+  OPTIONS = ("max_held", "delay_compensation")
   supports_stage_ranks = True
   supports_ps_channel = True
 
@@ -39,6 +42,9 @@ class PerMinibatchUpdate(WSPRule):
     super().__init__(vw, settings)
     self._max_held = schedule.check_max_held(settings.max_held, len(vw.stages))
     self.own_flat: dict[int, np.ndarray] = {}
+    self.compensator = delay_compensation.make(settings, vw)
+    if self.compensator is not None and not vw.placement.all_local:
+      raise ValueError("delay_compensation='dc' runs with every stage in the VW's process, not on stage ranks")
 
   @property
   def max_held(self) -> list[int] | None:
@@ -50,6 +56,9 @@ class PerMinibatchUpdate(WSPRule):
 
   def on_complete(self, mb) -> None:
     vw = self.vw
+    if self.compensator is not None:  # DC-ASGD: W_now is the version the step applies to, W_p the one mb ran on
+      for s in vw.local_stages:
+        mb.grads[s] = self.compensator(s, mb.grads[s], vw.version.params[s], mb.version.params[s])
     norm = vw.minibatch_grad_norm(mb) if vw.grad_clip_norm else None
     self.apply_update(mb, norm)
     vw.placement.on_update(mb.record.minibatch_id, vw.version.version_id, norm)

@@ -19,12 +19,16 @@ from typing import Any
 import jax
 import numpy as np
 
+from hetpipe_jax.runtime import delay_compensation
 from hetpipe_jax.runtime.update_rules import WSPRule
 from hetpipe_jax.runtime.vw_state import InFlightMinibatch
 
 
 class PerStageUpdate(WSPRule):
-  """PipeDream's per-stage update (module docstring). Option: ``vertical_sync``.
+  """PipeDream's per-stage update (module docstring). Options: ``vertical_sync``, ``delay_compensation`` (DC-ASGD:
+  each stage corrects its gradient at its own step against the weights its forward of that minibatch stashed, W_now
+  its latest weights; with clipping every stage's gradient is corrected before the norm is taken;
+  :mod:`hetpipe_jax.runtime.delay_compensation`).
 
   Attributes:
     stage_params: per stage, its latest weights.
@@ -33,12 +37,13 @@ class PerStageUpdate(WSPRule):
     stage_history: vertical sync: per stage, own-update count -> its weights after that many updates.
   """
 
-  OPTIONS = ("vertical_sync",)
+  OPTIONS = ("vertical_sync", "delay_compensation")
 
   def __init__(self, vw: Any, settings):
     super().__init__(vw, settings)
     self.vertical_sync = settings.vertical_sync
     self.stage_updates = [0] * len(vw.stages)
+    self.compensator = delay_compensation.make(settings, vw)
 
   def reset(self) -> None:
     """Per-stage latest weights, own-update counts (kept), per-wave deltas, version history and locks."""
@@ -50,6 +55,7 @@ class PerStageUpdate(WSPRule):
     self.stage_history: list[dict[int, Any]] = ([{k: p} for k, p in zip(self.stage_updates, self.stage_params)]
                                                 if self.vertical_sync else [])
     self.stage_locks = [threading.Lock() for _ in range(n)]
+    self._used: dict[tuple[int, int], Any] = {}  # delay compensation: (minibatch, stage) -> its forward's weights
 
   def on_inject(self, rec: Any, version: Any) -> Any:
     rec.stage_versions = [-1] * len(self.vw.stages)
@@ -65,6 +71,8 @@ class PerStageUpdate(WSPRule):
         k = self.stage_updates[stage_id]
         params = self.stage_params[stage_id]
     mb.record.stage_versions[stage_id] = k
+    if self.compensator is not None:  # W_p of this stage's step (the weights the VJP closure stashes)
+      self._used[(mb.record.minibatch_id, stage_id)] = params
     return params
 
   def on_backward(self, stage_id: int, mb: InFlightMinibatch, grads: Any) -> Any:
@@ -84,6 +92,8 @@ class PerStageUpdate(WSPRule):
     wave = mb.record.wave_id  # the segment's wave (the job shifts records after the run)
     placed = vw.zero_norms[s] if norm is None else jax.device_put(np.float32(norm), st.device)
     with self.stage_locks[s]:
+      if self.compensator is not None and norm is None:  # clipping corrected every stage's gradient already
+        grads = self.compensator(s, grads, self.stage_params[s], self._used.pop((mb.record.minibatch_id, s)))
       acc = self.stage_wave_delta[s].get(wave, vw.zeros[s])
       p, o, d = st.update(self.stage_params[s], vw.opt_states[s], grads, acc, placed)
       self.stage_params[s] = p
@@ -98,6 +108,11 @@ class PerStageUpdate(WSPRule):
     the version counts it."""
     vw = self.vw
     if vw.grad_clip_norm:
+      if self.compensator is not None:  # the clip sees the corrected gradient; no stage has stepped for mb yet
+        for s in range(len(vw.stages)):
+          with self.stage_locks[s]:
+            mb.grads[s] = self.compensator(s, mb.grads[s], self.stage_params[s],
+                                           self._used.pop((mb.record.minibatch_id, s)))
       norm = vw.minibatch_grad_norm(mb)
       # stage 0 last: with vertical sync a later stage's forward looks up the count stage 0's forward saw, which
       # must already be in that stage's history

@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from hetpipe_jax.rules import delay_compensation as delay_compensation_lib
 from hetpipe_jax.rules import wsp
 
 
@@ -55,6 +56,9 @@ class UpdateSettings:
       accumulated gradients in layer order, then the step's loss sum); a returned sum over every VW is applied at
       once (MPI), None means the caller applies it later with ``FlushUpdate.apply_reduced`` (virtual time). Required.
     on_step: flush rule: ``(step, mean loss over every VW's micro-batches) -> None`` after each applied step.
+    delay_compensation: per-minibatch and per-stage rules: ``"dc"`` corrects each stage's gradient at the step by
+      DC-ASGD's g + λ · g ⊙ g ⊙ (W_now − W_p) (:mod:`hetpipe_jax.runtime.delay_compensation`); ``"none"``: off.
+    dc_lambda: DC-ASGD's λ ≥ 0 (used with ``delay_compensation="dc"`` only).
   """
 
   optimizer: Any
@@ -63,10 +67,15 @@ class UpdateSettings:
   max_held: Sequence[int] | None = None
   reducer: Callable[[int, np.ndarray], np.ndarray | None] | None = None
   on_step: Callable[[int, float], None] | None = None
+  delay_compensation: str = "none"
+  dc_lambda: float = delay_compensation_lib.DEFAULT_DC_LAMBDA
 
 
-# The options of UpdateSettings no rule takes by default (every rule takes ``optimizer`` and ``method``).
-_OPTIONS = tuple(f.name for f in dataclasses.fields(UpdateSettings) if f.name not in ("optimizer", "method"))
+# The options of UpdateSettings no rule takes by default (every rule takes ``optimizer`` and ``method``; ``dc_lambda``
+# is a parameter of ``delay_compensation``), and their unset values.
+_OPTIONS = tuple(f.name for f in dataclasses.fields(UpdateSettings) if f.name not in ("optimizer", "method",
+                                                                                         "dc_lambda"))
+_UNSET = (None, False, "none")
 
 
 class UpdateRule:
@@ -97,7 +106,7 @@ class UpdateRule:
   def __init__(self, vw: Any, settings: UpdateSettings):
     for name in _OPTIONS:
       value = getattr(settings, name)
-      if name not in self.OPTIONS and value not in (None, False):
+      if name not in self.OPTIONS and value not in _UNSET:
         raise ValueError(f"{name} is not a setting of method {settings.method!r} ({type(self).__name__})")
     self.vw = vw
     self.settings = settings
