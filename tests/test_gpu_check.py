@@ -24,6 +24,8 @@ def _run(out: pathlib.Path, *args: str, timeout: float = 540) -> subprocess.Comp
 
 @pytest.mark.slow
 def test_cpu_rehearsal_runs_every_step(tmp_path):
+  """``gpu_check.py --cpu`` runs every step, the in-process measurements of ``scripts/gpu_measure.py`` (profile,
+  pipeline, memory) included, each in its own process: CI's smoke of both scripts."""
   out = tmp_path / "out"
   proc = _run(out)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
