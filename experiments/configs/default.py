@@ -113,6 +113,10 @@ def get_config() -> ml_collections.ConfigDict:
   # barrier, docs/design.md) and at the end; 0: only the final weights. `--resume` continues from the newest.
   c.checkpoint_every_waves = 100
   c.checkpoint_max_to_keep = 3
+  # Progress watchdog on the PS (MPI jobs of the PS methods): a VW silent this many seconds while the PS owes it
+  # nothing (hetpipe_jax/rules/watchdog.py) is hung; the job stops with an error naming it, so that
+  # `python -m hetpipe_jax.launch --max_restarts=K` restarts it. 0: off (the launcher sets it with --max_restarts).
+  c.ps_watchdog_s = 0.0
   # Fault drill: "vw:wave" puts a NaN into that VW's update of that wave, which the PS must refuse ("" = none).
   c.debug_nan_update = ""
   return c

@@ -243,6 +243,7 @@ def _check_scalars(config: Any) -> None:
   if not config.get("grad_clip_norm", 0.0) >= 0:
     raise ConfigError(f"config.grad_clip_norm={config.get('grad_clip_norm')} must be >= 0 (0: no clipping)")
   _check_delay_compensation(config)
+  _check_watchdog(config)
   if not config.learning_rate > 0:
     raise ConfigError(f"config.learning_rate={config.learning_rate} must be > 0")
   if config.checkpoint_every_waves < 0:
@@ -271,6 +272,17 @@ def _check_scalars(config: Any) -> None:
     raise ConfigError(f"config.stage_rank_grouping={grouping!r} must be 'gpu' (one rank per stage) or 'node' (a "
                       "VW's stages on one plan node share a rank)")
   check_method_settings(config, method)
+
+
+def _check_watchdog(config: Any) -> None:
+  """``ps_watchdog_s`` (:mod:`hetpipe_jax.rules.watchdog`): >= 0, and > 0 only for the methods with a PS."""
+  limit = config.get("ps_watchdog_s", 0.0)
+  if not limit >= 0:
+    raise ConfigError(f"config.ps_watchdog_s={limit} must be >= 0 (seconds a VW may stay silent; 0: off)")
+  method = config.get("method", "hetpipe")
+  if limit > 0 and method in methods.METHODS and method not in methods.PS_METHODS:
+    raise ConfigError(f"config.ps_watchdog_s={limit} is the parameter server's watchdog; method {method!r} has no "
+                      "PS (all-reduce): set it to 0")
 
 
 def _check_delay_compensation(config: Any) -> None:

@@ -510,7 +510,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
                                    evaluate=evaluator.evaluate, eval_every_waves=eval_every,
                                    log_every_waves=config.log_every_waves, log_metrics=outputs.log_metrics,
                                    progress=config.progress, first_vw_rank=settings.num_ps_shards,
-                                   parts=parts, shard=0)
+                                   parts=parts, shard=0, watchdog_s=config.ps_watchdog_s)
   service.minibatches_done = [start_mb] * n
   service.evals = list(meta.get("evals", []))
   service.last_loss = meta.get("last_loss", float("nan"))

@@ -69,6 +69,9 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
   if config.get("num_ps_shards") not in (None, 1):
     raise ConfigError(f"config.num_ps_shards={config.num_ps_shards}: virtual time runs one in-process PS; leave it "
                       "unset or 1 (sharded parameter servers run under MPI)")
+  if config.get("ps_watchdog_s", 0.0):
+    raise ConfigError(f"config.ps_watchdog_s={config.ps_watchdog_s}: virtual time has no hung ranks to watch; set it "
+                      "to 0 (the watchdog runs under MPI)")
   # the PS methods' run, or all-reduce BSP (no PS: gpipe, 1f1b_flush, horovod), by the method's ``sync``
   return _RUNS[methods.get_method(settings.method).sync](config, settings, workdir, resume)
 
