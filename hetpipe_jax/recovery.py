@@ -251,9 +251,13 @@ def run_attempt(argv: Sequence[str], env: dict[str, str], echo=sys.stdout) -> tu
 
 def recovery_hostfile(nodes: Sequence[str], node_host: dict[str, str], host_slots: dict[str, int]) -> str:
   """The hostfile of a new plan whose nodes (in the plan's order) keep their hosts: one line per distinct host,
-  ``host:slots`` with the slots the original hostfile gave it (``host`` alone when it gave none)."""
+  ``host:slots`` with the slots the original hostfile gave it (:func:`hetpipe_jax.mpi.rank_layout.hostfile_slots`).
+
+  Raises:
+    KeyError: a node's host that the original hostfile did not name.
+  """
   hosts = list(dict.fromkeys(node_host[n] for n in nodes))
-  return "".join(f"{h}:{host_slots[h]}\n" if h in host_slots else f"{h}\n" for h in hosts)
+  return "".join(f"{h}:{host_slots[h]}\n" for h in hosts)
 
 
 @dataclasses.dataclass
@@ -295,7 +299,8 @@ class Supervisor:
     """Runs attempts until one succeeds, a failure is fatal or the restarts are spent; returns the last exit status.
 
     Raises:
-      ValueError: re-planning found no plan on the GPUs that remain.
+      OSError: the hostfile cannot be read.
+      hetpipe_jax.mpi.rank_layout.LaunchError: a plan's ranks do not fit the hosts (from ``build``).
     """
     root = pathlib.Path(self.workdir)
     root.mkdir(parents=True, exist_ok=True)
@@ -329,15 +334,22 @@ class Supervisor:
       previous = self.restarts[-1].failure if self.restarts else None
       restart.gone_nodes = gone_nodes(failure, previous,
                                       lambda n: probe_node(n, node_host.get(n, "localhost"), self.node_probe))
+      new = None
       if restart.gone_nodes:
-        new = replan(plan_format.load_plan(plan_path), restart.gone_nodes, self.cluster)
+        try:
+          new = replan(plan_format.load_plan(plan_path), restart.gone_nodes, self.cluster)
+        except ValueError as e:  # nothing left to plan on: the same plan again (the nodes may come back)
+          restart.decision = f"no plan without {', '.join(restart.gone_nodes)} ({e}): the same plan again; "
+          self.log(f"[recovery] {restart.decision}")
+      if new is not None:
         self.cluster = cluster_lib.without_nodes(self.cluster, restart.gone_nodes)
         plan_path = str(root / "recovery" / f"plan_attempt{attempt + 1}.json")
         pathlib.Path(plan_path).parent.mkdir(parents=True, exist_ok=True)
         plan_format.write_plan(new, plan_path)
-        hostfile = str(root / "recovery" / f"hosts_attempt{attempt + 1}")
         nodes = job_config.plan_nodes(new)
-        pathlib.Path(hostfile).write_text(recovery_hostfile(nodes, node_host, host_slots))
+        if self.hostfile:  # else every node stays on localhost, with no hostfile
+          hostfile = str(root / "recovery" / f"hosts_attempt{attempt + 1}")
+          pathlib.Path(hostfile).write_text(recovery_hostfile(nodes, node_host, host_slots))
         restart.new_plan = plan_path
         self.log(f"[recovery] node(s) {', '.join(restart.gone_nodes)} gone: re-planned onto {', '.join(nodes)} "
                  f"({len(new.virtual_workers)} VWs, Nm {new.num_inflight}) -> {plan_path}")
@@ -346,7 +358,7 @@ class Supervisor:
       if not resume:
         moved = set_aside_outputs(root, attempt)
         self.log(f"[recovery] no checkpoint yet: the job starts over (outputs of attempt {attempt} -> {moved})")
-      restart.decision = "restart" + (f" from checkpoint {restart.resume_from}" if resume else " from the start")
+      restart.decision += "restart" + (f" from checkpoint {restart.resume_from}" if resume else " from the start")
       restart.restarted_at = time.time()
       self._record(restart)
       self.log(f"[recovery] {restart.decision} (attempt {attempt + 1} of at most {self.max_restarts + 1})")
