@@ -147,8 +147,8 @@ def run_drill(name: str, out: pathlib.Path, data_dir: str, num_minibatches: int,
                new_plan=r["new_plan"], resume_from=r["resume_from"],
                detection_s=r["failed_at"] - row["fault_at"], restart_s=r["restarted_at"] - r["failed_at"])
   if summary:
-    n, nm = summary["num_virtual_workers"], summary["num_inflight"]
-    num_waves = summary["num_minibatches_per_vw"] // nm
+    n = summary["num_virtual_workers"]
+    num_waves = summary["global_clock"]  # every VW did every wave (a resume onto a new plan may change Nm)
     row["applied"] = applied_once(_read_jsonl(workdir / "ps_applied.jsonl"), n, num_waves)
     records = _read_jsonl(workdir / "minibatches.jsonl")
     row["num_records"] = len(records)
