@@ -73,6 +73,9 @@ class ParameterServerService:
     self.lead = lead
     self.server = server
     self.n = server.state.num_virtual_workers
+    # Per wave update applied here: seconds from its header's receipt to applied with the pulls it unblocked sent
+    # (receiving the payload, checking and adding it, answering pulls; not evaluation or metrics).
+    self.push_service_s: list[float] = []
     self.unheard = set(range(self.n))  # VWs not heard from since this process started (the watchdog's start-up limit)
     self.num_minibatches_per_vw = num_minibatches_per_vw
     self.num_inflight = num_inflight
@@ -134,6 +137,7 @@ class ParameterServerService:
       backoff.reset()
       src = status.Get_source()
       self.comm.Recv(header, source=src, tag=wire.TAG_PS_HEADER)
+      t_header = time.perf_counter()
       vw = wire.check_header(header, source=src, dest=self.shard, kinds=kinds).vw  # its part's size depends on it
       self.last_heard[vw] = time.monotonic()
       self.unheard.discard(vw)
@@ -154,6 +158,7 @@ class ParameterServerService:
           before = self.server.global_clock
           self.server.push(vw, wave, payload)
           self._serve_pulls(self.server.state.serve_pending_pulls())
+          self.push_service_s.append(time.perf_counter() - t_header)
           if self.lead:
             for clock in range(before + 1, self.server.global_clock + 1):
               self._on_clock(self.clock_offset + clock)
