@@ -41,6 +41,7 @@ if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a
 
 from absl import app, flags  # noqa: E402
 
+from experiments.run_checks import applied_once, loss_jump, read_jsonl, wsp_violations  # noqa: E402
 from hetpipe_jax.paths import REPO_ROOT  # noqa: E402
 
 _DRILLS = flags.DEFINE_list("drills", ["vw", "ps", "hang", "node"], "Which drills: vw, ps, hang, node.")
@@ -56,10 +57,6 @@ _TIMEOUT_S = flags.DEFINE_float("timeout_s", 600.0, "Longest a drill may take.")
 PLAN = "experiments/plans/local_cpu_4node_mlp_tiny_ed.json"
 TARGETS = {"vw": (1, signal.SIGKILL), "ps": (0, signal.SIGKILL), "hang": (2, signal.SIGSTOP),
            "node": (1, signal.SIGKILL)}
-
-
-def _read_jsonl(path: pathlib.Path) -> list[dict]:
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def _newest_checkpoint(workdir: pathlib.Path) -> int | None:
@@ -79,32 +76,6 @@ def _launch(workdir: pathlib.Path, data_dir: str, probe_dir: pathlib.Path, num_m
           "--config.ps_placement=default", "--config.log_every_waves=5"]
   log = open(workdir.parent / f"{workdir.name}.log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
   return subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def wsp_violations(records: list[dict], staleness_bound: int) -> list[dict]:
-  """Minibatches that ran on weights older than WSP allows: global clock < (its wave) - D (HetPipe §5)."""
-  return [r for r in records if r["version_global_clock"] < r["local_clock_at_injection"] - staleness_bound]
-
-
-def applied_once(applied: list[dict], num_vws: int, num_waves: int) -> dict:
-  """Per (VW, wave), how often the PS applied it: the waves missing and those applied more than once."""
-  counts: dict[tuple[int, int], int] = {}
-  for a in applied:
-    key = (int(a["vw_id"]), int(a["wave_id"]))
-    counts[key] = counts.get(key, 0) + 1
-  expected = {(v, w) for v in range(num_vws) for w in range(num_waves)}
-  return {"missing": sorted(expected - set(counts)), "twice": sorted(k for k, c in counts.items() if c > 1),
-          "unexpected": sorted(set(counts) - expected)}
-
-
-def loss_jump(metrics: list[dict], cut_clock: int) -> dict:
-  """The first loss logged after the checkpoint ``cut_clock`` against the largest of the (up to) 3 logged just
-  before it: a resume from a consistent cut continues the curve (ratio near or below 1)."""
-  before = [m["loss"] for m in metrics if m["global_clock"] <= cut_clock][-3:]
-  after = [m["loss"] for m in metrics if m["global_clock"] > cut_clock]
-  if not before or not after:
-    return {"before": before, "after": after[:1], "ok": False}
-  return {"before": before, "after": after[0], "ok": after[0] <= 2.0 * max(before) + 0.05}
 
 
 def run_drill(name: str, out: pathlib.Path, data_dir: str, num_minibatches: int, ckpt: int, watchdog_s: float
@@ -138,7 +109,7 @@ def run_drill(name: str, out: pathlib.Path, data_dir: str, num_minibatches: int,
   row["wall_s"] = time.time() - t0
   if name == "clean":
     return row
-  restarts = _read_jsonl(workdir / "restarts.jsonl")
+  restarts = read_jsonl(workdir / "restarts.jsonl")
   summary = json.loads((workdir / "summary.json").read_text()) if (workdir / "summary.json").exists() else {}
   row["restarts"] = len(restarts)
   if restarts:
@@ -149,11 +120,11 @@ def run_drill(name: str, out: pathlib.Path, data_dir: str, num_minibatches: int,
   if summary:
     n = summary["num_virtual_workers"]
     num_waves = summary["global_clock"]  # every VW did every wave (a resume onto a new plan may change Nm)
-    row["applied"] = applied_once(_read_jsonl(workdir / "ps_applied.jsonl"), n, num_waves)
-    records = _read_jsonl(workdir / "minibatches.jsonl")
+    row["applied"] = applied_once(read_jsonl(workdir / "ps_applied.jsonl"), n, num_waves)
+    records = read_jsonl(workdir / "minibatches.jsonl")
     row["num_records"] = len(records)
     row["wsp_violations"] = len(wsp_violations(records, summary["staleness_bound"]))
-    row["loss_jump"] = loss_jump(_read_jsonl(workdir / "metrics.jsonl"), row.get("resume_from") or 0)
+    row["loss_jump"] = loss_jump(read_jsonl(workdir / "metrics.jsonl"), row.get("resume_from") or 0)
     row["test_accuracy"] = summary.get("test_accuracy")
     row["num_vws_after"] = n
   target_rank = TARGETS[name][0]

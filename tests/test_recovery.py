@@ -269,3 +269,17 @@ def test_recovery_drills_smoke(tmp_path):
     assert r["restarts"] == 1 and r["wsp_violations"] == 0 and r["resume_from"] >= 5
     assert r["applied"] == {"missing": [], "twice": [], "unexpected": []}
   assert (tmp_path / "recovery_drill.md").read_text().startswith("| drill | fault |")
+
+
+@pytest.mark.mpi
+def test_ps_load_smoke(tmp_path):
+  """4 VWs under 2 PS shards at D = 4 (experiments/ps_load.py): every wave applied once on each shard, WSP's bound
+  held and reached, and the PS's per-wave service time reported."""
+  env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+  proc = subprocess.run([sys.executable, "experiments/ps_load.py", "--smoke", f"--output_dir={tmp_path}"],
+                        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  (row,) = json.loads(proc.stdout.strip().splitlines()[-1])["cases"]
+  assert (row["num_vws"], row["num_ps_shards"], row["staleness_bound"]) == (4, 2, 4)
+  assert row["applied"] == {"missing": [], "twice": [], "unexpected": []} and row["wsp_violations"] == 0
+  assert row["max_staleness"] == 4 and row["num_records"] == 4 * 12
