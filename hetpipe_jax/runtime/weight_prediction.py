@@ -127,12 +127,12 @@ def make_predictor(settings: Any) -> Predictor | None:
   """
   mode = settings.weight_prediction
   opt = settings.optimizer_step
+  if mode != "none" and opt is None:
+    raise ValueError(f"weight_prediction={mode!r} needs the optimizer's hyperparameters (UpdateSettings."
+                     "optimizer_step)")
   rules_wp.check(mode, opt.name if opt is not None else "")
   if mode == "none":
     return None
-  if opt is None:
-    raise ValueError("weight_prediction='optimizer' needs the optimizer's hyperparameters (UpdateSettings."
-                     "optimizer_step)")
   return Predictor(opt)
 
 
