@@ -350,24 +350,27 @@ def test_the_rules_refuse_what_they_do_not_take(synthetic_data_dir):
     build_vw(synthetic_data_dir, partition=THREE_STAGES, num_inflight=2, weight_prediction="optimizer")
 
 
-def test_virtual_time_run_records_the_settings(tmp_path, synthetic_data_dir):
-  """A virtual-time job with both settings records them in config.json and summary.json (T when on), and its VWs
-  ran with them (virtual time's numerics do not depend on timing: the only difference is the remedies)."""
+@pytest.mark.parametrize("options,recorded", [
+    ({"weight_prediction": "optimizer"}, {"weight_prediction": "optimizer", "delay_scaled_lr": "none"}),
+    ({"delay_scaled_lr": "pipemare", "pipemare_warmup_minibatches": 4},
+     {"weight_prediction": "none", "delay_scaled_lr": "pipemare", "pipemare_warmup_minibatches": 4}),
+])
+def test_virtual_time_run_records_the_settings(tmp_path, synthetic_data_dir, options, recorded):
+  """A virtual-time job with each setting records it in config.json and summary.json (T when on), and its VWs ran
+  with it (virtual time's numerics do not depend on timing: the only difference from the plain run is the setting)."""
   common = dict(data_dir=str(synthetic_data_dir), num_minibatches=8, num_inflight=2, progress=False,
                 emulate_stage_ms="10,20", check_counts=False, optimizer="adam")
-  c = _base(**common, weight_prediction="optimizer", delay_scaled_lr="pipemare", pipemare_warmup_minibatches=4)
+  c = _base(**common, **options)
   summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
   config = json.loads((tmp_path / "config.json").read_text())
-  assert config["weight_prediction"] == "optimizer" and config["delay_scaled_lr"] == "pipemare"
-  assert config["pipemare_warmup_minibatches"] == 4
   written = json.loads((tmp_path / "summary.json").read_text())
-  for s in (summary, written):
-    ms = s["method_settings"]
-    assert ms["weight_prediction"] == "optimizer" and ms["delay_scaled_lr"] == "pipemare"
-    assert ms["pipemare_warmup_minibatches"] == 4
+  for name, value in recorded.items():
+    assert config[name] == value
+    assert summary["method_settings"][name] == written["method_settings"][name] == value
+  if "pipemare_warmup_minibatches" not in recorded:
+    assert "pipemare_warmup_minibatches" not in summary["method_settings"]
   c = _base(**common)
   plain = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path / "none"))
   ms = plain["method_settings"]
   assert ms["weight_prediction"] == "none" and ms["delay_scaled_lr"] == "none"
-  assert "pipemare_warmup_minibatches" not in ms
   assert summary["test_loss"] != plain["test_loss"]
