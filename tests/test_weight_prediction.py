@@ -358,7 +358,8 @@ def test_the_rules_refuse_what_they_do_not_take(synthetic_data_dir):
 def test_virtual_time_run_records_the_settings(tmp_path, synthetic_data_dir, options, recorded):
   """A virtual-time job with each setting records it in config.json and summary.json (T when on), and its VWs ran
   with it (virtual time's numerics do not depend on timing: the only difference from the plain run is the setting)."""
-  common = dict(data_dir=str(synthetic_data_dir), num_minibatches=8, num_inflight=2, progress=False,
+  # Nm = 3: delays of 2 (with Nm = 2 every delay is 0 or 1, and PipeMare's 1^x leaves every step as it is)
+  common = dict(data_dir=str(synthetic_data_dir), num_minibatches=9, num_inflight=3, progress=False,
                 emulate_stage_ms="10,20", check_counts=False, optimizer="adam")
   c = _base(**common, **options)
   summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
