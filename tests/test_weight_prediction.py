@@ -375,3 +375,20 @@ def test_virtual_time_run_records_the_settings(tmp_path, synthetic_data_dir, opt
   ms = plain["method_settings"]
   assert ms["weight_prediction"] == "none" and ms["delay_scaled_lr"] == "none"
   assert summary["test_loss"] != plain["test_loss"]
+
+
+@pytest.mark.parametrize("method", ["hetpipe", "pipedream"])
+def test_mpi_run_records_and_runs_both(tmp_path, synthetic_data_dir, method):
+  """``hetpipe_jax.train`` under MPI (a PS rank and one VW, the threaded runtime) with prediction and PipeMare: it
+  runs, and config.json and summary.json record both settings and T."""
+  from tests.mpi_util import run_job  # pylint: disable=g-import-not-at-top
+  proc = run_job(tmp_path, 2, {"data_dir": synthetic_data_dir, "num_virtual_workers": 1, "num_minibatches": 9,
+                               "num_inflight": 3, "checkpoint_every_waves": 0, "eval_every_epochs": 0.0,
+                               "method": method, "weight_prediction": "optimizer", "delay_scaled_lr": "pipemare",
+                               "pipemare_warmup_minibatches": 5})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  config = json.loads((tmp_path / "config.json").read_text())
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  for record in (config, summary["method_settings"]):
+    assert record["weight_prediction"] == "optimizer" and record["delay_scaled_lr"] == "pipemare"
+    assert record["pipemare_warmup_minibatches"] == 5
