@@ -122,7 +122,7 @@ def _run_wsp(config: Any, settings: JobSettings, workdir: str, resume: bool) -> 
     source = sharding.ShardedMinibatches(dataset, n, v, config.batch_size, config.seed)
     vw = vw_lib.VirtualWorker(stages, layout, layout.unflatten(server.weights),
                               vw_lib.WSPSettings(v, n, nm, settings.staleness_bound, config.pull_every_wave),
-                              update_settings(config, settings, optimizer, v),
+                              update_settings(config, settings, optimizer, v, num_mb),
                               vw_lib.VWHooks(lambda p, get=source.get_with_ids, v=v: get(data_offset[v] + p),
                                              virtual_time.RecordingPSClient(v, outbox),
                                              corrupt_update=resume_lib.nan_injector(config, v, off)))
