@@ -6,7 +6,7 @@ import re
 import pytest
 
 from experiments.configs import default, tiny
-from hetpipe_jax.jobs import job_config
+from hetpipe_jax.jobs import emulation, job_config
 from hetpipe_jax.jobs.job_config import ConfigError, resolve_settings, resolved_config
 from hetpipe_jax.paths import REPO_ROOT
 from hetpipe_jax.planning import plan_format
@@ -100,8 +100,8 @@ def test_without_a_plan_the_config_or_the_documented_defaults_run():
 
 def test_resolved_config_records_the_values_that_run():
   c = _default(num_inflight=4)
-  s = resolve_settings(c)
-  d = resolved_config(c, s, [v.partition for v in s.vws])
+  s = job_config.resolve_job(c)
+  d = resolved_config(s, [v.partition for v in s.vws])
   assert d["num_inflight"] == 4 and d["num_virtual_workers"] == 2 and d["num_stages"] == 2
   assert d["partition"] == "0:2,2:7"
   assert d["setting_sources"]["num_virtual_workers"] == "plan"
@@ -148,8 +148,7 @@ def test_per_vw_partitions_are_recorded_per_vw():
 def test_bad_settings_name_the_setting(overrides, message):
   c = _tiny(**overrides)
   with pytest.raises(ConfigError, match=message):
-    s = resolve_settings(c)
-    job_config.emulated_task_times(c, s)
+    emulation.emulated_task_times(job_config.resolve_job(c))
 
 
 def test_world_size_devices_and_partition_coverage():
@@ -185,17 +184,13 @@ def test_the_plan_is_read_once(monkeypatch):
   real = plan_format.load_plan
   monkeypatch.setattr(plan_format, "load_plan", lambda *a, **k: calls.append(a) or real(*a, **k))
   c = _default(emulate_plan=True)
-  s = resolve_settings(c)
-  times = job_config.emulated_task_times(c, s)
+  times = emulation.emulated_task_times(job_config.resolve_job(c))
   assert len(times) == 2 and len(calls) == 1
 
 
 def _validated(c):
-  """The MPI job's settings validation (mpi_job.run): resolve, then the PS methods' shards and stage ranks."""
-  s = resolve_settings(c)
-  if s.num_ps_ranks:  # the PS methods
-    s = job_config.with_stage_ranks(c, job_config.with_ps_shards(c, s))
-  return s
+  """The MPI job's settings validation: resolve, with the PS methods' shards and stage ranks."""
+  return job_config.resolve_job(c, "mpi")
 
 
 # Issue 23 defect 3: per method-only setting, written out by hand (not from job_config.METHOD_SETTINGS), the methods
@@ -233,7 +228,7 @@ def test_every_method_refuses_the_settings_it_does_not_use(method, name, value, 
     assert f"config.method={method!r}" in str(e.value)
     return
   s = _validated(c)
-  recorded = resolved_config(c, s, job_config.check_partitions(s, 4))  # mlp_tiny: 4 layers
+  recorded = resolved_config(s, job_config.check_partitions(s, 4))  # mlp_tiny: 4 layers
   assert recorded[name] == value and recorded["method"] == method
   if name == "num_ps_shards":
     assert s.num_ps_shards == value and s.world_size == value + s.num_virtual_workers
