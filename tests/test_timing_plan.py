@@ -45,7 +45,7 @@ def test_timing_plan_gives_the_plans_own_task_times():
   own = _config(model=_plan_json()["model"], plan=TIMING_PLAN, emulate_plan=True, num_virtual_workers=None,
                 num_stages=None, num_inflight=None, partition=None)
   own.timing_plan = ""
-  assert times == emulation.emulated_task_times(job_config.resolve_job(own))
+  assert times == emulation.emulated_task_times(job_config.resolve_job(own, "virtual"))
   assert len(times) == 4 and all(t.num_stages == 4 and t.push_s > 0 and t.forward_backward_s > 0 for t in times)
 
 
@@ -73,7 +73,7 @@ def test_timing_plan_is_refused_with_a_plan_and_under_mpi():
     emulation.emulated_task_times(job_config.resolve_job(c, "virtual"), virtual=True)
   c = _config()
   with pytest.raises(ConfigError, match=r"config.timing_plan=.* needs --mode=virtual"):
-    emulation.emulated_task_times(job_config.resolve_job(c))
+    emulation.emulated_task_times(job_config.resolve_job(c, "virtual"))
 
 
 def test_a_proxy_model_under_a_timing_plan_runs_the_engines_schedule(tmp_path, synthetic_data_dir):
