@@ -3,9 +3,12 @@
 Hashes ``minibatches.jsonl``, ``ps_applied.jsonl``, ``metrics.jsonl``, ``config.json``, ``summary.json`` and the
 final weights (``checkpoint/``) of each run directory, leaving out what differs between two runs of the same code:
 host wall-clock fields (:data:`WALL_CLOCK_KEYS`; under MPI, every time and rate and whatever the ranks' timing
-decides, :data:`MPI_TIMING_KEYS`) and the run directory's own path. Two checkouts agree when every digest does.
+decides, :data:`MPI_TIMING_KEYS`), checkpoint sizes (orbax's metadata holds timestamps) and the paths of the run
+directory and of the directory above it (the run set's, which holds the data). Two checkouts agree when every digest
+does.
 
   .venv/bin/python scripts/records_digest.py --run=/tmp/before           # runs :data:`JOBS`, writes digests.json
+  .venv/bin/python scripts/records_digest.py --redigest=/tmp/before      # digests.json again from its runs
   .venv/bin/python scripts/records_digest.py DIR [DIR ...]               # digests existing run directories
   .venv/bin/python scripts/records_digest.py --compare=a.json,b.json    # exit 1 when any digest differs
   .venv/bin/python scripts/records_digest.py --smoke                    # seconds: a hand-made run directory
@@ -27,8 +30,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 RECORD_FILES = ("minibatches.jsonl", "ps_applied.jsonl", "metrics.jsonl", "config.json", "summary.json")
-# Host clocks: differ between two runs of the same code in every mode.
-WALL_CLOCK_KEYS = frozenset({"host_wall_time_s", "seconds", "checkpoint_seconds_total", "start_unix_s"})
+# Host clocks and file sizes: differ between two runs of the same code in every mode.
+WALL_CLOCK_KEYS = frozenset({"host_wall_time_s", "seconds", "checkpoint_seconds_total", "start_unix_s", "bytes"})
 # Under MPI, times are wall-clock and what the ranks' timing decides (waits, PS order, emulation overruns) differs
 # between two runs; the settings, counts and record structure do not.
 MPI_TIMING_KEYS = frozenset({
@@ -46,8 +49,9 @@ def _strip(value: Any, drop: frozenset, workdir: str) -> Any:
     return {k: _strip(v, drop, workdir) for k, v in value.items() if k not in drop}
   if isinstance(value, list):
     return [_strip(v, drop, workdir) for v in value]
-  if isinstance(value, str) and workdir and workdir in value:
-    return value.replace(workdir, "<workdir>")
+  if isinstance(value, str) and workdir:
+    parent = str(pathlib.Path(workdir).parent)
+    return value.replace(workdir, "<workdir>").replace(parent, "<runs>")
   return value
 
 
@@ -115,6 +119,13 @@ JOBS = (
 )
 
 
+def redigest(out: pathlib.Path) -> dict[str, Any]:
+  """The digests of the runs of :data:`JOBS` already in ``out`` (written again to ``out/digests.json``)."""
+  results = {name: digest(out / name) for name, _, _ in JOBS if (out / name).exists()}
+  (out / "digests.json").write_text(json.dumps(results, indent=2, sort_keys=True))
+  return results
+
+
 def run_jobs(out: pathlib.Path, only: set[str] | None = None) -> dict[str, Any]:
   """Runs :data:`JOBS` (``hetpipe_jax.train``) into ``out/<name>`` on synthetic data; returns the digests."""
   from hetpipe_jax.data import synthetic  # pylint: disable=g-import-not-at-top
@@ -174,6 +185,7 @@ def main() -> None:
   p.add_argument("workdirs", nargs="*")
   p.add_argument("--run", help="run the job set into this directory")
   p.add_argument("--only", default="", help="comma-separated job names of --run")
+  p.add_argument("--redigest", help="digest the job set's runs in this directory again")
   p.add_argument("--compare", help="two digests.json files, comma-separated")
   p.add_argument("--smoke", action="store_true")
   a = p.parse_args()
@@ -184,6 +196,8 @@ def main() -> None:
     diffs = compare(first, second)
     print(json.dumps({"runs": len(first), "differ": diffs}, indent=2))
     sys.exit(1 if diffs else 0)
+  elif a.redigest:
+    print(json.dumps(redigest(pathlib.Path(a.redigest)), indent=2))
   elif a.run:
     print(json.dumps(run_jobs(pathlib.Path(a.run), set(filter(None, a.only.split(",")))), indent=2))
   else:

@@ -26,7 +26,7 @@ import numpy as np
 from hetpipe_jax.data import sharding
 from hetpipe_jax.jobs import mpi_job, rank_setup
 from hetpipe_jax.jobs.job import Job
-from hetpipe_jax.jobs.outputs import RunOutputs, check_replicas_identical, weights_sha256
+from hetpipe_jax.jobs.outputs import check_replicas_identical, weights_sha256
 from hetpipe_jax.jobs.run_context import set_up
 from hetpipe_jax.jobs.summary import Summary, allreduce_results, rates, settings_summary
 from hetpipe_jax.rules import allreduce
@@ -93,7 +93,7 @@ def run(job: Job, workdir: str, comm) -> dict | None:
   state: dict[str, Any] = {"losses": [], "loss": float("nan")}
   eval_every = ctx.eval_every
   if rank == 0:
-    outputs = RunOutputs(workdir)
+    outputs = ctx.open_outputs()
     outputs.write_config(ctx.config_json(checkpoint_every_waves=0))
     for note in settings.notes:
       logging.info("[VW 0] %s", note)

@@ -24,7 +24,6 @@ from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
 from hetpipe_jax.jobs.job import Job
 from hetpipe_jax.jobs.job_config import ConfigError
-from hetpipe_jax.jobs.outputs import RunOutputs
 from hetpipe_jax.jobs.run_context import RunContext, set_up
 from hetpipe_jax.jobs.summary import Summary, rates, settings_summary, wsp_results
 from hetpipe_jax.mpi import ps_shards
@@ -239,9 +238,7 @@ def _run_ps(ctx: RunContext) -> dict:
                                                       ctx.point, ctx.shards)
   n, nm = settings.num_virtual_workers, settings.num_inflight
   meta = point.meta if point else {}
-  if point is not None:  # metrics.jsonl as it was at the checkpoint (later lines belong to the lost part)
-    resume_lib.rewrite_lines(pathlib.Path(workdir) / "metrics.jsonl", meta["metrics"])
-  outputs = RunOutputs(workdir)
+  outputs = ctx.open_outputs()
   config_json = ctx.config_json(num_ps_shards=settings.num_ps_shards, ps_placement=settings.ps_placement,
                                 **rank_setup.stage_rank_fields(settings),
                                 **rank_setup.rank_device_fields(ctx.restricted))
@@ -269,13 +266,7 @@ def _run_ps(ctx: RunContext) -> dict:
   logging.info("[PS] %d VWs x %d minibatches (Nm=%d, D=%d, ps_apply=%s), model %s with %d parameters%s", n, num_mb, nm,
                settings.staleness_bound, settings.wsp.ps_apply, spec.name, layout.num_params,
                f", resumed at global clock {clock0}" if point else "")
-  records: list[dict] = list(meta.get("records", []))
-  applied: list[tuple[int, int]] = [tuple(a) for a in meta.get("applied", [])]
-  staleness: list = [tuple(a) for a in meta.get("applied_staleness", [])]  # (tau, scale) per applied wave
-  resumes = list(meta.get("resumes", []))
-  if point is not None:
-    resumes.append({"global_clock": clock0, "minibatches_per_vw": start_mb, "time_s": meta["time_s"],
-                    "checkpoint": str(pathlib.Path(workdir) / "checkpoints" / str(clock0)), "notes": point.notes})
+  records, applied, staleness, resumes = ctx.resumed_logs()  # staleness: (tau, scale) per applied wave
   start_unix = dict(meta.get("start_unix_s", {}))
   version_ids = list(meta.get("version_ids", [0] * n))
   params0 = layout.unflatten(flat0)

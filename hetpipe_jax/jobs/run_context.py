@@ -8,6 +8,7 @@ Runtime layer. Every check that needs the model, jax or the data runs here, in o
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from typing import Any
 
 from absl import logging
@@ -27,7 +28,7 @@ from hetpipe_jax.jobs.evaluation import Evaluator
 from hetpipe_jax.jobs.job import Job
 from hetpipe_jax.jobs.job_config import (ConfigError, check_devices, check_partitions, check_world_size,
                                          ps_layer_shards, resolved_config)
-from hetpipe_jax.jobs.outputs import check_workdir, weights_sha256
+from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, weights_sha256
 from hetpipe_jax.jobs.training_setup import _muon_layer_shapes, build_stages, make_optimizer
 from hetpipe_jax.ps.shards import ShardLayout
 from hetpipe_jax.rules import methods
@@ -112,6 +113,29 @@ class RunContext:
     """The test-set evaluator on ``device``."""
     return Evaluator(self.spec, self.layout, self.dataset.eval_inputs, self.dataset.eval_targets,
                      self.job.run.eval_batch_size, device)
+
+  def open_outputs(self) -> RunOutputs:
+    """The run's :class:`hetpipe_jax.jobs.outputs.RunOutputs`; a resumed run's ``metrics.jsonl`` first cut back to
+    the checkpoint's lines (later lines belong to the lost part of the run)."""
+    if self.point is not None:
+      resume_lib.rewrite_lines(pathlib.Path(self.workdir) / "metrics.jsonl", self.point.meta["metrics"])
+    return RunOutputs(self.workdir)
+
+  def resumed_logs(self) -> tuple[list[dict], list[tuple[int, int]], list[tuple], list[dict]]:
+    """``(records, applied, staleness, resumes)`` the run continues: the resume point's minibatch records, the PS's
+    ``(wave, vw)`` applications, ``(tau, scale)`` per applied wave and the earlier resumes plus this one (all empty
+    for a fresh run)."""
+    meta = self.point.meta if self.point else {}
+    records: list[dict] = list(meta.get("records", []))
+    applied: list[tuple[int, int]] = [tuple(a) for a in meta.get("applied", [])]
+    staleness: list = [tuple(a) for a in meta.get("applied_staleness", [])]
+    resumes = list(meta.get("resumes", []))
+    if self.point is not None:
+      resumes.append({"global_clock": self.clock0, "minibatches_per_vw": self.start_minibatch,
+                      "time_s": meta["time_s"],
+                      "checkpoint": str(pathlib.Path(self.workdir) / "checkpoints" / str(self.clock0)),
+                      "notes": self.point.notes})
+    return records, applied, staleness, resumes
 
   @property
   def eval_every(self) -> int:

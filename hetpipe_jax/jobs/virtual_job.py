@@ -7,7 +7,6 @@ simulated seconds (labelled ``simulated_*``) from the cost model's task duration
 
 from __future__ import annotations
 
-import pathlib
 import time
 from typing import Any
 
@@ -20,7 +19,7 @@ from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
 from hetpipe_jax.jobs.job import Job
 from hetpipe_jax.jobs.mpi_job import update_settings
-from hetpipe_jax.jobs.outputs import RunOutputs, check_replicas_identical, weights_sha256
+from hetpipe_jax.jobs.outputs import check_replicas_identical, weights_sha256
 from hetpipe_jax.jobs.run_context import RunContext, set_up
 from hetpipe_jax.jobs.summary import Summary, allreduce_results, rates, settings_summary, wsp_results
 from hetpipe_jax.ps.param_server import ParameterServer
@@ -57,9 +56,7 @@ def _run_wsp(ctx: RunContext) -> dict:
   start_mb = ctx.start_minibatch
   num_waves = (num_mb - start_mb) // nm  # waves of this run (after the resume point)
   clock0 = ctx.clock0
-  if point:  # metrics.jsonl as it was at the checkpoint (later lines belong to the lost part of the run)
-    resume_lib.rewrite_lines(pathlib.Path(workdir) / "metrics.jsonl", point.meta["metrics"])
-  outputs = RunOutputs(workdir)
+  outputs = ctx.open_outputs()
   config_json = ctx.config_json(emulate_plan=ctx.emulate_plan)
   outputs.write_config(config_json)
   for note in settings.notes:
@@ -99,13 +96,7 @@ def _run_wsp(ctx: RunContext) -> dict:
                dynamic_ncols=True)
   state: dict[str, Any] = {"loss": meta.get("last_loss", float("nan")), "losses": list(meta.get("pending_losses", [])),
                            "evals": list(meta.get("evals", []))}
-  records: list[dict] = list(meta.get("records", []))
-  applied: list[tuple[int, int]] = [tuple(a) for a in meta.get("applied", [])]
-  staleness: list = [tuple(a) for a in meta.get("applied_staleness", [])]  # (tau, scale) per applied wave
-  resumes = list(meta.get("resumes", []))
-  if point:
-    resumes.append({"global_clock": clock0, "minibatches_per_vw": start_mb, "time_s": meta["time_s"],
-                    "checkpoint": str(pathlib.Path(workdir) / "checkpoints" / str(clock0)), "notes": point.notes})
+  records, applied, staleness, resumes = ctx.resumed_logs()  # staleness: (tau, scale) per applied wave
   host_t0 = time.perf_counter()
 
   def on_clock(clock: int, t: float, losses: list) -> None:
@@ -226,7 +217,7 @@ def _run_allreduce(ctx: RunContext) -> dict:
   settings, spec, partitions, layout, params0 = ctx.job, ctx.spec, ctx.partitions, ctx.layout, ctx.params0
   workdir, times, steps = ctx.workdir, ctx.task_times, ctx.num_minibatches
   n, m = settings.num_virtual_workers, settings.num_inflight
-  outputs = RunOutputs(workdir)
+  outputs = ctx.open_outputs()
   outputs.write_config(ctx.config_json(emulate_plan=ctx.emulate_plan, checkpoint_every_waves=0))
   for note in settings.notes:
     logging.info("[virtual] %s", note)
