@@ -63,11 +63,11 @@ def check_dataset_name(name: str) -> None:
     raise DatasetConfigError(f"config.dataset={name!r} is unknown: {_FIX}")
 
 
-def _load_user_dataset(name: str, config: Any) -> Any:
+def _load_user_dataset(name: str, factory_config: Any) -> Any:
   attr = name.partition(":")[2]
   factory = load_factory("config.dataset", name, _FIX, DatasetConfigError)
   try:
-    dataset = factory(config)
+    dataset = factory(factory_config)
   except DataError:
     raise
   except Exception as e:  # pylint: disable=broad-except
