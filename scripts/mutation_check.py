@@ -1318,6 +1318,17 @@ MUTATIONS = (
              "if False:",
              ("tests/test_delay_compensation.py::test_none_is_bit_identical_to_a_run_without_the_setting",),
              "delay_compensation='none' still corrects the gradients (with dc_lambda)"),
+    # ---- the Job resolved once, one set-up for every driver
+    Mutation("job_drops_pull_every_wave", "_build_job",
+             "wsp=job_lib.WSPSettings(settings.staleness_bound, config.pull_every_wave, config.ps_apply),",
+             "wsp=job_lib.WSPSettings(settings.staleness_bound, True, config.ps_apply),",
+             ("tests/test_job_config.py::test_the_job_holds_every_flat_setting_as_given",),
+             "the Job records config.pull_every_wave=False (config.json) but its VWs pull at every wave end"),
+    Mutation("set_up_skips_resume_workdir_check", "set_up",
+             "resume_lib.check_resume_workdir(workdir, job.resume)",
+             "pass",
+             ("tests/test_resume.py::test_resume_needs_checkpoints",),
+             "the one set-up starts a --resume run in a workdir without checkpoints (from scratch)"),
 )
 
 

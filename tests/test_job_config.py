@@ -281,3 +281,46 @@ def test_a_device_may_hold_several_stages():
   assert [vw.devices for vw in s.vws] == [(0, 0), (0, 0)] and s.devices_needed == 1
   three = resolve_settings(_tiny(plan="", num_stages=3, stage_devices="1,1,0"))
   assert three.vws[0].devices == (1, 1, 0) and three.devices_needed == 2
+
+
+# Section field -> the flat config field it holds, written out by hand (not from job_config._build_job).
+JOB_FIELDS = {
+    ("wsp", "staleness_bound"): "staleness_bound", ("wsp", "pull_every_wave"): "pull_every_wave",
+    ("wsp", "ps_apply"): "ps_apply",
+    ("ps", "staleness_scaling"): "ps_staleness_scaling", ("ps", "staleness_alpha"): "ps_staleness_alpha",
+    ("optim", "optimizer"): "optimizer", ("optim", "learning_rate"): "learning_rate",
+    ("optim", "lr_schedule"): "lr_schedule", ("optim", "warmup_minibatches"): "warmup_minibatches",
+    ("optim", "momentum"): "momentum", ("optim", "adam_b1"): "adam_b1", ("optim", "adam_b2"): "adam_b2",
+    ("optim", "weight_decay"): "weight_decay", ("optim", "muon_beta"): "muon_beta",
+    ("optim", "grad_clip_norm"): "grad_clip_norm", ("optim", "delay_compensation"): "delay_compensation",
+    ("optim", "dc_lambda"): "dc_lambda",
+    ("checkpoint", "every_waves"): "checkpoint_every_waves", ("checkpoint", "max_to_keep"): "checkpoint_max_to_keep",
+    ("emulation", "emulate_stage_ms"): "emulate_stage_ms", ("emulation", "emulate_plan"): "emulate_plan",
+    ("emulation", "timing_plan"): "timing_plan",
+    ("run", "num_epochs"): "num_epochs", ("run", "num_minibatches"): "num_minibatches",
+    ("run", "log_every_waves"): "log_every_waves", ("run", "eval_every_epochs"): "eval_every_epochs",
+    ("run", "eval_batch_size"): "eval_batch_size", ("run", "progress"): "progress",
+    ("run", "save_task_trace"): "save_task_trace",
+    ("data", "dataset"): "dataset", ("data", "data_dir"): "data_dir", ("data", "check_counts"): "check_counts",
+    ("pipeline", "method"): "method", ("pipeline", "num_inflight"): "num_inflight",
+    ("pipeline", "num_virtual_workers"): "num_virtual_workers", ("pipeline", "platform"): "platform",
+    ("pipeline", "num_cpu_devices"): "num_cpu_devices", ("pipeline", "stage_rank_grouping"): "stage_rank_grouping",
+}
+
+
+def test_the_job_holds_every_flat_setting_as_given():
+  """Every section of the Job holds its flat setting as the config gives it (each away from its default here), so
+  config.json (the flat config as it ran) and what runs agree; the fault drill's text is parsed once."""
+  c = _tiny(staleness_bound=3, pull_every_wave=False, ps_apply="clock_aligned", ps_staleness_scaling="exp",
+            ps_staleness_alpha=0.5, optimizer="nadamw", learning_rate=0.02, lr_schedule="warmup_cosine",
+            warmup_minibatches=2, adam_b1=0.8, adam_b2=0.99, weight_decay=0.01, grad_clip_norm=0.5,
+            delay_compensation="dc", dc_lambda=0.1, checkpoint_every_waves=7, checkpoint_max_to_keep=2,
+            emulate_stage_ms="10,20", num_epochs=2.0, num_minibatches=8, log_every_waves=3, eval_every_epochs=0.5,
+            eval_batch_size=100, progress=False, save_task_trace=True, debug_nan_update="1:2", seed=5, batch_size=16,
+            num_inflight=4, num_virtual_workers=3, num_cpu_devices=4, data_dir="/x", check_counts=False)
+  job = job_config.resolve_job(c, "virtual")
+  for (section, field), name in JOB_FIELDS.items():
+    assert getattr(getattr(job, section), field) == c[name], (section, field, name)
+  assert (job.seed, job.batch_size, job.model) == (5, 16, "mlp_tiny")
+  assert job.run.debug_nan_update == (1, 2) and job.resume is False and job.mode == "virtual"
+  assert dict(job.flat) == c.to_dict()
