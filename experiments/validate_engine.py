@@ -6,7 +6,7 @@ heterogeneous VWs) it runs
 * the real job under MPI (``hetpipe_jax.train`` with ``tiny.py``: ``mlp_tiny`` whose real compute is negligible,
   every task padded to its emulated duration by ``config.emulate_stage_ms``), and reads ``minibatches.jsonl``;
 * the event engine (:mod:`hetpipe_jax.sim.engine`) on the same task times (``task_times.uniform_task_times`` per VW,
-  as ``job_config.emulated_task_times`` builds them), ``EngineConfig(num_waves=M/Nm, num_inflight=Nm,
+  as ``emulation.emulated_task_times`` builds them), ``EngineConfig(num_waves=M/Nm, num_inflight=Nm,
   staleness_bound=D, pull_every_wave=True)``;
 
 and compares steady-state minibatches/s. Run from the repo root:
@@ -53,7 +53,7 @@ if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a
 from absl import app, flags, logging  # noqa: E402
 
 from hetpipe_jax.costs import task_times  # noqa: E402
-from hetpipe_jax.jobs.job_config import parse_stage_ms  # noqa: E402
+from hetpipe_jax.jobs.emulation import parse_stage_ms  # noqa: E402
 from hetpipe_jax.paths import REPO_ROOT  # noqa: E402
 from hetpipe_jax.rules import methods  # noqa: E402
 from hetpipe_jax.sim import engine  # noqa: E402
@@ -109,7 +109,7 @@ class Case:
     return methods.get_method(self.method).is_flush
 
   def vw_stage_ms(self) -> list[list[float]]:
-    """Per VW, per stage ms of one task (as ``job_config.emulated_task_times`` builds them from
+    """Per VW, per stage ms of one task (as ``emulation.emulated_task_times`` builds them from
     ``config.emulate_stage_ms``: a minibatch's time, divided over its M micro-batches for the flush methods)."""
     rows = parse_stage_ms(self.stage_ms, self.num_vws, self.num_stages)
     if self.flush:

@@ -104,8 +104,9 @@ def engine_predictions(case: Case, smoke: bool) -> list[dict]:
   from hetpipe_jax.sim import engine  # pylint: disable=g-import-not-at-top
 
   config = _load_config(case)
-  settings = job_config.resolve_settings(config)
-  times = job_config.emulated_task_times(config, settings, plan_times=not config.emulate_stage_ms.strip())
+  from hetpipe_jax.jobs import emulation  # pylint: disable=g-import-not-at-top
+  settings = job_config.resolve_job(config)
+  times = emulation.emulated_task_times(settings, plan_times=not config.emulate_stage_ms.strip())
   num_waves = 10 if smoke else 200
   rows = []
   for pull_every_wave, policy in PULL_POLICIES:

@@ -18,12 +18,11 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from hetpipe_jax.data.fashion_mnist import DataError
-from hetpipe_jax.jobs.job_config import ConfigError, resolve_settings
+from hetpipe_jax.jobs.job_config import ConfigError, resolve_job
 from hetpipe_jax.jobs.outputs import ReplicasDivergedError
 from hetpipe_jax.mpi import rank_devices
 from hetpipe_jax.mpi import rank_records
 from hetpipe_jax.ps.param_server import BadUpdateError
-from hetpipe_jax.rules import methods
 from hetpipe_jax.rules.watchdog import HungRankError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Job config file (ml_collections).", lock_config=True)
@@ -38,14 +37,15 @@ flags.mark_flags_as_required(["config", "workdir"])
 _REPORT_GRACE_S = 3.0
 
 
-def _set_platform(config, settings) -> None:
+def _set_platform(job) -> None:
   """Sets JAX_PLATFORMS / XLA_FLAGS for this process before jax is imported (CPU: forced host devices)."""
-  if config.platform == "cpu":
+  settings = job
+  if job.platform == "cpu":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     needed = settings.devices_needed
     if _MODE.value == "virtual":  # every VW's stages in this one process (round-robin beyond 16)
       needed = min(16, sum(len(v.devices) for v in settings.vws))
-    count = config.num_cpu_devices or needed
+    count = job.pipeline.num_cpu_devices or needed
     flag = f"--xla_force_host_platform_device_count={count}"
     xla_flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in xla_flags:
@@ -59,28 +59,28 @@ def main(argv) -> None:
   rank = comm.Get_rank()
   logging.set_verbosity(logging.INFO if rank == 0 else logging.WARNING)
   config = _CONFIG.value
-  if _MODE.value == "mpi":  # who this rank is, for a launcher naming a failed rank (hetpipe_jax.mpi.rank_records)
-    rank_records.write_proc(_WORKDIR.value, rank, comm.Get_size())
   if _PLAN.value is not None:
     config.plan = _PLAN.value
+  if _MODE.value == "mpi":  # who this rank is, for a launcher naming a failed rank (hetpipe_jax.mpi.rank_records)
+    rank_records.write_proc(_WORKDIR.value, rank, comm.Get_size())
   try:
-    settings = resolve_settings(config)  # the plan is read here, once, and passed on typed
+    job = resolve_job(config, _MODE.value, _RESUME.value)  # the one reading of the config (and the plan)
     try:  # the launcher's per-rank GPUs (HETPIPE_RANK_DEVICES), before jax starts a backend
-      rank_devices.apply(rank, comm.Get_size(), config.platform)
+      rank_devices.apply(rank, comm.Get_size(), job.platform)
     except rank_devices.RankDevicesError as e:
       raise ConfigError(str(e)) from None
-    _set_platform(config, settings)
+    _set_platform(job)
     if _MODE.value == "virtual":
       if comm.Get_size() != 1:
         raise ConfigError(f"--mode=virtual runs in one process; launch it without mpiexec (world size is "
                           f"{comm.Get_size()})")
       from hetpipe_jax.jobs import virtual_job
-      virtual_job.run(config, settings, _WORKDIR.value, resume=_RESUME.value)
+      virtual_job.run(job, _WORKDIR.value)
     else:
       from hetpipe_jax.jobs import allreduce_job, mpi_job
       # the PS methods' job, or all-reduce BSP (one rank per VW, no PS: gpipe, 1f1b_flush, horovod), by ``sync``
-      job = {"wsp": mpi_job, "allreduce": allreduce_job}[methods.get_method(settings.method).sync]
-      job.run(config, settings, _WORKDIR.value, comm, resume=_RESUME.value)
+      driver = {"wsp": mpi_job, "allreduce": allreduce_job}[job.pipeline.sync]
+      driver.run(job, _WORKDIR.value, comm)
   except (ConfigError, DataError, FileExistsError, BadUpdateError, ReplicasDivergedError) as e:
     # Every rank validates the same settings; rank 0 reports and its exit aborts the mpi_job. Another rank reports
     # only if it is still alive after a moment (its failure was its own, e.g. a data file missing on its node).

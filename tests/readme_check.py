@@ -21,27 +21,22 @@ def main(argv) -> None:
   del argv
   import jax
   from hetpipe_jax import models
-  from hetpipe_jax.jobs import job_config, mpi_job, virtual_job
+  from hetpipe_jax.jobs import emulation, job_config, run_context
   from hetpipe_jax.runtime.param_layout import ParamLayout
   config = train._CONFIG.value  # pylint: disable=protected-access
   if train._PLAN.value is not None:  # pylint: disable=protected-access
     config.plan = train._PLAN.value  # pylint: disable=protected-access
   resume = train._RESUME.value  # pylint: disable=protected-access
   try:
-    settings = job_config.resolve_settings(config)
+    settings = job_config.resolve_job(config, train._MODE.value, resume)  # pylint: disable=protected-access
     if train._MODE.value == "virtual":  # pylint: disable=protected-access
       if _WORLD_SIZE.value != 1:
         raise job_config.ConfigError(f"--mode=virtual runs in one process (world size {_WORLD_SIZE.value})")
-      if config.get("num_ps_shards") not in (None, 1):
-        raise job_config.ConfigError(f"config.num_ps_shards={config.num_ps_shards}: virtual time runs one PS")
-      mpi_job.prepare(config, settings, settings.world_size, check_local_devices=False)
-      virtual_job._virtual_task_times(config, settings)  # pylint: disable=protected-access
+      run_context.prepare(settings, settings.world_size, check_local_devices=False)
+      emulation.virtual_task_times(settings)
     else:
-      if settings.num_ps_ranks:  # the PS methods
-        settings = job_config.with_ps_shards(config, settings)
-        settings = job_config.with_stage_ranks(config, settings, resume)
-      spec, partitions = mpi_job.prepare(config, settings, _WORLD_SIZE.value, check_local_devices=False)
-      job_config.emulated_task_times(config, settings)
+      spec, partitions = run_context.prepare(settings, _WORLD_SIZE.value, check_local_devices=False)
+      emulation.emulated_task_times(settings)
       if settings.num_ps_ranks:  # the PS methods
         offsets = ParamLayout.from_layer_params(
             jax.eval_shape(lambda: models.init_layer_params(spec, jax.random.key(config.seed)))).layer_offsets

@@ -185,7 +185,7 @@ def test_virtual_time_run_records_the_setting(tmp_path, synthetic_data_dir):
   c = _base(data_dir=str(synthetic_data_dir), num_minibatches=8, num_inflight=2, delay_compensation="dc",
             dc_lambda=0.5, progress=False, emulate_stage_ms="10,20",
             check_counts=False)
-  summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
+  summary = virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path))
   config = json.loads((tmp_path / "config.json").read_text())
   assert config["delay_compensation"] == "dc" and config["dc_lambda"] == 0.5
   written = json.loads((tmp_path / "summary.json").read_text())
@@ -193,7 +193,7 @@ def test_virtual_time_run_records_the_setting(tmp_path, synthetic_data_dir):
     assert s["method_settings"]["delay_compensation"] == "dc" and s["method_settings"]["dc_lambda"] == 0.5
   c = _base(data_dir=str(synthetic_data_dir), num_minibatches=8, num_inflight=2, progress=False,
             emulate_stage_ms="10,20", check_counts=False)
-  plain = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path / "none"))
+  plain = virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path / "none"))
   assert plain["method_settings"]["delay_compensation"] == "none" and "dc_lambda" not in plain["method_settings"]
   # the VWs ran with it (virtual time's numerics do not depend on timing: the only difference is the correction)
   assert summary["test_loss"] != plain["test_loss"]

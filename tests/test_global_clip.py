@@ -181,7 +181,7 @@ def test_virtual_time_allreduce_with_a_partition_per_vw_clips_globally_and_keeps
             "num_virtual_workers": 2, "num_stages": 2, "num_inflight": 2, "num_minibatches": steps,
             "partition": "0:2,2:4;0:3,3:4", "optimizer": "momentum", "momentum": 0.9, "learning_rate": 0.1,
             "batch_size": batch, "emulate_stage_ms": "20,40", "grad_clip_norm": CLIP})
-  summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
+  summary = virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path))
   assert summary["allreduce"]["replicas_identical"]
   config = json.loads((tmp_path / "config.json").read_text())
   assert config["grad_clip_norm"] == CLIP
@@ -203,7 +203,7 @@ def test_virtual_time_hetpipe_two_vws_clip_globally(tmp_path, synthetic_data_dir
             "num_minibatches": 10, "partition": "0:2,2:4;0:3,3:4", "optimizer": "momentum", "momentum": 0.9,
             "learning_rate": 0.1, "batch_size": 16, "emulate_stage_ms": "10,30;30,10", "grad_clip_norm": CLIP,
             "ps_apply": "clock_aligned"})
-  virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
+  virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path))
   records = [json.loads(l) for l in (tmp_path / "minibatches.jsonl").read_text().splitlines()]
   spec = models.get_model("mlp_tiny")
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
@@ -241,12 +241,12 @@ def test_virtual_time_replicas_that_diverge_fail_the_run(tmp_path, synthetic_dat
   c.update({"data_dir": str(synthetic_data_dir), "check_counts": False, "progress": False, "method": "horovod",
             "num_virtual_workers": 2, "num_stages": 1, "num_inflight": 1, "num_minibatches": 3,
             "emulate_stage_ms": "10"})
-  summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path / "ok"))
+  summary = virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path / "ok"))
   assert summary["allreduce"]["replicas_identical"]
   assert len(set(summary["allreduce"]["replica_sha256"].values())) == 1
   _diverging_vw1(monkeypatch)
   with pytest.raises(ReplicasDivergedError, match=r"replicas' final weights differ \(VWs \[0\] \w+; VWs \[1\]"):
-    virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path / "bad"))
+    virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path / "bad"))
   summary = json.loads((tmp_path / "bad" / "summary.json").read_text())
   assert summary["allreduce"]["replicas_identical"] is False
   assert len(set(summary["allreduce"]["replica_sha256"].values())) == 2

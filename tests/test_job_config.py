@@ -6,7 +6,7 @@ import re
 import pytest
 
 from experiments.configs import default, tiny
-from hetpipe_jax.jobs import job_config
+from hetpipe_jax.jobs import emulation, job_config
 from hetpipe_jax.jobs.job_config import ConfigError, resolve_settings, resolved_config
 from hetpipe_jax.paths import REPO_ROOT
 from hetpipe_jax.planning import plan_format
@@ -100,8 +100,8 @@ def test_without_a_plan_the_config_or_the_documented_defaults_run():
 
 def test_resolved_config_records_the_values_that_run():
   c = _default(num_inflight=4)
-  s = resolve_settings(c)
-  d = resolved_config(c, s, [v.partition for v in s.vws])
+  s = job_config.resolve_job(c)
+  d = resolved_config(s, [v.partition for v in s.vws])
   assert d["num_inflight"] == 4 and d["num_virtual_workers"] == 2 and d["num_stages"] == 2
   assert d["partition"] == "0:2,2:7"
   assert d["setting_sources"]["num_virtual_workers"] == "plan"
@@ -148,8 +148,7 @@ def test_per_vw_partitions_are_recorded_per_vw():
 def test_bad_settings_name_the_setting(overrides, message):
   c = _tiny(**overrides)
   with pytest.raises(ConfigError, match=message):
-    s = resolve_settings(c)
-    job_config.emulated_task_times(c, s)
+    emulation.emulated_task_times(job_config.resolve_job(c))
 
 
 def test_world_size_devices_and_partition_coverage():
@@ -185,17 +184,13 @@ def test_the_plan_is_read_once(monkeypatch):
   real = plan_format.load_plan
   monkeypatch.setattr(plan_format, "load_plan", lambda *a, **k: calls.append(a) or real(*a, **k))
   c = _default(emulate_plan=True)
-  s = resolve_settings(c)
-  times = job_config.emulated_task_times(c, s)
+  times = emulation.emulated_task_times(job_config.resolve_job(c))
   assert len(times) == 2 and len(calls) == 1
 
 
 def _validated(c):
-  """The MPI job's settings validation (mpi_job.run): resolve, then the PS methods' shards and stage ranks."""
-  s = resolve_settings(c)
-  if s.num_ps_ranks:  # the PS methods
-    s = job_config.with_stage_ranks(c, job_config.with_ps_shards(c, s))
-  return s
+  """The MPI job's settings validation: resolve, with the PS methods' shards and stage ranks."""
+  return job_config.resolve_job(c, "mpi")
 
 
 # Issue 23 defect 3: per method-only setting, written out by hand (not from job_config.METHOD_SETTINGS), the methods
@@ -233,7 +228,7 @@ def test_every_method_refuses_the_settings_it_does_not_use(method, name, value, 
     assert f"config.method={method!r}" in str(e.value)
     return
   s = _validated(c)
-  recorded = resolved_config(c, s, job_config.check_partitions(s, 4))  # mlp_tiny: 4 layers
+  recorded = resolved_config(s, job_config.check_partitions(s, 4))  # mlp_tiny: 4 layers
   assert recorded[name] == value and recorded["method"] == method
   if name == "num_ps_shards":
     assert s.num_ps_shards == value and s.world_size == value + s.num_virtual_workers
@@ -286,3 +281,46 @@ def test_a_device_may_hold_several_stages():
   assert [vw.devices for vw in s.vws] == [(0, 0), (0, 0)] and s.devices_needed == 1
   three = resolve_settings(_tiny(plan="", num_stages=3, stage_devices="1,1,0"))
   assert three.vws[0].devices == (1, 1, 0) and three.devices_needed == 2
+
+
+# Section field -> the flat config field it holds, written out by hand (not from job_config._build_job).
+JOB_FIELDS = {
+    ("wsp", "staleness_bound"): "staleness_bound", ("wsp", "pull_every_wave"): "pull_every_wave",
+    ("wsp", "ps_apply"): "ps_apply",
+    ("ps", "staleness_scaling"): "ps_staleness_scaling", ("ps", "staleness_alpha"): "ps_staleness_alpha",
+    ("optim", "optimizer"): "optimizer", ("optim", "learning_rate"): "learning_rate",
+    ("optim", "lr_schedule"): "lr_schedule", ("optim", "warmup_minibatches"): "warmup_minibatches",
+    ("optim", "momentum"): "momentum", ("optim", "adam_b1"): "adam_b1", ("optim", "adam_b2"): "adam_b2",
+    ("optim", "weight_decay"): "weight_decay", ("optim", "muon_beta"): "muon_beta",
+    ("optim", "grad_clip_norm"): "grad_clip_norm", ("optim", "delay_compensation"): "delay_compensation",
+    ("optim", "dc_lambda"): "dc_lambda",
+    ("checkpoint", "every_waves"): "checkpoint_every_waves", ("checkpoint", "max_to_keep"): "checkpoint_max_to_keep",
+    ("emulation", "emulate_stage_ms"): "emulate_stage_ms", ("emulation", "emulate_plan"): "emulate_plan",
+    ("emulation", "timing_plan"): "timing_plan",
+    ("run", "num_epochs"): "num_epochs", ("run", "num_minibatches"): "num_minibatches",
+    ("run", "log_every_waves"): "log_every_waves", ("run", "eval_every_epochs"): "eval_every_epochs",
+    ("run", "eval_batch_size"): "eval_batch_size", ("run", "progress"): "progress",
+    ("run", "save_task_trace"): "save_task_trace",
+    ("data", "dataset"): "dataset", ("data", "data_dir"): "data_dir", ("data", "check_counts"): "check_counts",
+    ("pipeline", "method"): "method", ("pipeline", "num_inflight"): "num_inflight",
+    ("pipeline", "num_virtual_workers"): "num_virtual_workers", ("pipeline", "platform"): "platform",
+    ("pipeline", "num_cpu_devices"): "num_cpu_devices", ("pipeline", "stage_rank_grouping"): "stage_rank_grouping",
+}
+
+
+def test_the_job_holds_every_flat_setting_as_given():
+  """Every section of the Job holds its flat setting as the config gives it (each away from its default here), so
+  config.json (the flat config as it ran) and what runs agree; the fault drill's text is parsed once."""
+  c = _tiny(staleness_bound=3, pull_every_wave=False, ps_apply="clock_aligned", ps_staleness_scaling="exp",
+            ps_staleness_alpha=0.5, optimizer="nadamw", learning_rate=0.02, lr_schedule="warmup_cosine",
+            warmup_minibatches=2, adam_b1=0.8, adam_b2=0.99, weight_decay=0.01, grad_clip_norm=0.5,
+            delay_compensation="dc", dc_lambda=0.1, checkpoint_every_waves=7, checkpoint_max_to_keep=2,
+            emulate_stage_ms="10,20", num_epochs=2.0, num_minibatches=8, log_every_waves=3, eval_every_epochs=0.5,
+            eval_batch_size=100, progress=False, save_task_trace=True, debug_nan_update="1:2", seed=5, batch_size=16,
+            num_inflight=4, num_virtual_workers=3, num_cpu_devices=4, data_dir="/x", check_counts=False)
+  job = job_config.resolve_job(c, "virtual")
+  for (section, field), name in JOB_FIELDS.items():
+    assert getattr(getattr(job, section), field) == c[name], (section, field, name)
+  assert (job.seed, job.batch_size, job.model) == (5, 16, "mlp_tiny")
+  assert job.run.debug_nan_update == (1, 2) and job.resume is False and job.mode == "virtual"
+  assert dict(job.flat) == c.to_dict()

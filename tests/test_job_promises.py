@@ -18,7 +18,7 @@ from hetpipe_jax import models
 from hetpipe_jax.costs import cluster as cluster_lib
 from hetpipe_jax.costs import profile_format
 from hetpipe_jax.data import fashion_mnist, sharding
-from hetpipe_jax.jobs import checkpoint, job_config, mpi_job, virtual_job
+from hetpipe_jax.jobs import checkpoint, job_config, run_context, training_setup, virtual_job
 from hetpipe_jax.jobs.job_config import ConfigError
 from hetpipe_jax.planning import plan_format, planner
 from hetpipe_jax.planning import plan_times
@@ -30,6 +30,10 @@ from tests.mpi_util import check_task_trace, excess_over_stage_ms, read_jsonl, r
 from tests.replay import read_applied_order, replay_final_weights
 
 KINDS = {"F": TaskKind.FORWARD, "B": TaskKind.BACKWARD, "FB": TaskKind.FORWARD_BACKWARD}
+
+
+def _make_optimizer(config, num_minibatches):
+  return training_setup.make_optimizer(job_config.resolve_job(config).optim, num_minibatches)
 
 
 def _config(base=tiny, **overrides):
@@ -52,7 +56,7 @@ def test_learning_rate_schedule_follows_its_closed_form(optimizer, schedule):
   ``sum_{j<=k} 0.9^j``, Adam's ``1 / (1 + eps)``; cosine ``lr_k`` reaches 0 after the VW's ``n`` minibatches."""
   n, lr = 8, 0.1
   warmup = 3 if schedule == "warmup_cosine" else 0
-  tx = mpi_job.make_optimizer(_config(optimizer=optimizer, learning_rate=lr, lr_schedule=schedule,
+  tx = _make_optimizer(_config(optimizer=optimizer, learning_rate=lr, lr_schedule=schedule,
                                       warmup_minibatches=warmup), n)
   params = {"w": jnp.zeros((), jnp.float32)}
   state = tx.init(params)
@@ -77,7 +81,7 @@ def test_adam_betas_and_gradient_clipping_follow_their_closed_form():
   larger global norm down to that norm."""
   lr, b1, b2, eps = 0.1, 0.5, 0.99, 1e-8
   grads = [3.0, -1.0, 2.0, 0.5]
-  tx = mpi_job.make_optimizer(_config(learning_rate=lr, lr_schedule="constant", adam_b1=b1, adam_b2=b2), 10)
+  tx = _make_optimizer(_config(learning_rate=lr, lr_schedule="constant", adam_b1=b1, adam_b2=b2), 10)
   params = {"w": jnp.zeros((), jnp.float32)}
   state = tx.init(params)
   m = v = 0.0
@@ -90,7 +94,7 @@ def test_adam_betas_and_gradient_clipping_follow_their_closed_form():
   # global norm of 5, so SGD's updates are -lr * (0.6, 0.8) on the two stages; a gradient already inside the norm
   # passes unchanged. make_optimizer itself does not clip (a per-stage chain would clip each stage by its own norm).
   from hetpipe_jax.runtime import grad_clip
-  tx = mpi_job.make_optimizer(_config(optimizer="sgd", learning_rate=lr, lr_schedule="constant",
+  tx = _make_optimizer(_config(optimizer="sgd", learning_rate=lr, lr_schedule="constant",
                                       grad_clip_norm=1.0), 10)
   for g, want in (((3.0, 4.0), (0.06, 0.08)), ((0.3, 0.4), (0.03, 0.04))):
     norm = grad_clip.global_norm([float(grad_clip.stage_sq_norm({"w": jnp.asarray(x)})) for x in g])
@@ -129,7 +133,7 @@ def test_minibatches_per_vw_rounds_down_to_whole_waves(args, expected):
   num_train, num_vws, batch, nm, epochs, mb = args
   config = _config(num_virtual_workers=num_vws, batch_size=batch, num_inflight=nm, num_epochs=epochs,
                    num_minibatches=mb)
-  got = mpi_job.minibatches_per_vw(config, job_config.settings_from_config(config), num_train)
+  got = run_context.minibatches_per_vw(job_config.resolve_job(config), num_train)
   assert got == expected
 
 
@@ -137,19 +141,18 @@ def test_minibatches_per_vw_rounds_down_to_whole_waves(args, expected):
 def test_fewer_than_one_wave_is_an_error(epochs, mb):
   config = _config(num_virtual_workers=2, batch_size=32, num_inflight=3, num_epochs=epochs, num_minibatches=mb)
   with pytest.raises(ConfigError, match=r"fewer than one wave \(3 minibatches\) per VW"):
-    mpi_job.minibatches_per_vw(config, job_config.settings_from_config(config), 512)
+    run_context.minibatches_per_vw(job_config.resolve_job(config), 512)
 
 
 @pytest.mark.parametrize("warmup,ok", [(5, True), (6, False), (7, False)])  # 6 minibatches per VW (Nm = 3)
 def test_a_warmup_as_long_as_the_run_is_an_error(warmup, ok):
   config = _config(num_virtual_workers=2, batch_size=32, num_inflight=3, num_minibatches=6,
                    lr_schedule="warmup_cosine", warmup_minibatches=warmup)
-  settings = job_config.settings_from_config(config)
   if ok:
-    assert mpi_job.minibatches_per_vw(config, settings, 512) == 6
+    assert run_context.minibatches_per_vw(job_config.resolve_job(config), 512) == 6
     return
   with pytest.raises(ConfigError, match=rf"config.warmup_minibatches={warmup} is not shorter than the run's 6 "):
-    mpi_job.minibatches_per_vw(config, settings, 512)
+    run_context.minibatches_per_vw(job_config.resolve_job(config), 512)
 
 
 # (num_train, num_vws, batch_size, Nm, eval_every_epochs) -> global-clock ticks between evaluations, by hand:
@@ -167,7 +170,7 @@ EVAL_CADENCES = [
 def test_eval_every_waves_from_epochs(args, expected):
   num_train, num_vws, batch, nm, every = args
   config = _config(num_virtual_workers=num_vws, batch_size=batch, num_inflight=nm, eval_every_epochs=every)
-  got = mpi_job.eval_every_waves(config, job_config.settings_from_config(config), num_train)
+  got = run_context.eval_every_waves(job_config.resolve_job(config), num_train)
   assert got == expected
 
 
@@ -279,9 +282,9 @@ def test_virtual_mode_from_a_plan_runs_the_engines_schedule_of_the_plans_task_ti
   """``--mode=virtual`` with a plan: every minibatch's simulated injection and completion time, and its weight
   version's clocks, are the engine's for the plan's cost-model task times (test_entry_points runs the CLI)."""
   config = _config(default, data_dir=str(synthetic_data_dir), num_minibatches=4, eval_every_epochs=0.0)
-  settings = job_config.resolve_settings(config)
+  settings = job_config.resolve_job(config, "virtual")
   plan = settings.plan
-  summary = virtual_job.run(config, settings, str(tmp_path))
+  summary = virtual_job.run(settings, str(tmp_path))
   times = plan_times.task_times_from_plan(plan, plan_times.profile_for_plan(plan),
                                           cluster_lib.load_cluster(plan.cluster))
   report = engine.run(times, engine.EngineConfig(num_waves=4 // plan.num_inflight, num_inflight=plan.num_inflight,

@@ -176,9 +176,9 @@ def test_virtual_job_from_a_schedule_plan_records_and_enforces_its_caps(tmp_path
   config = tiny.get_config()
   config.update({"data_dir": str(synthetic_data_dir), "check_counts": False, "progress": False, "plan": str(plan),
                  "num_minibatches": 12, "emulate_plan": True, "save_task_trace": True})
-  settings = job_config.resolve_settings(config)
+  settings = job_config.resolve_job(config, "virtual")
   assert settings.memory_caps == tuple(tuple(c) for c in caps)
-  summary = virtual_job.run(config, settings, str(tmp_path / "run"))
+  summary = virtual_job.run(settings, str(tmp_path / "run"))
   recorded = json.loads((tmp_path / "run" / "config.json").read_text())
   assert recorded["memory_caps"] == caps and recorded["setting_sources"]["memory_caps"].startswith("plan")
   assert summary["memory_caps"] == caps  # config.json and summary.json agree

@@ -176,7 +176,7 @@ def test_virtual_time_allreduce_methods_equal_union_training(tmp_path, synthetic
             "num_virtual_workers": 2, "num_stages": stages, "num_inflight": m, "num_minibatches": steps,
             "optimizer": "sgd", "learning_rate": lr, "batch_size": batch, "emulate_stage_ms": stage_ms,
             "log_every_waves": 1})
-  summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
+  summary = virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path))
   want, losses = union_training(synthetic_data_dir, 2, steps, batch, lr)
   assert_params_close(checkpoint.restore_weights(tmp_path / "checkpoint"), want, rtol=1e-5)
   assert summary["allreduce"]["replicas_identical"] and summary["method"] == method
@@ -233,7 +233,7 @@ def test_pipedream_in_virtual_time_one_vw_equals_replay_and_two_vws_keep_the_bou
               "num_virtual_workers": n, "num_stages": 3, "num_minibatches": 18, "staleness_bound": 1,
               "emulate_stage_ms": stage_ms, "lr_schedule": "constant"})
     out = tmp_path / f"n{n}"
-    summary = virtual_job.run(c, job_config.resolve_settings(c), str(out))
+    summary = virtual_job.run(job_config.resolve_job(c, "virtual"), str(out))
     records = [json.loads(l) for l in (out / "minibatches.jsonl").read_text().splitlines()]
     assert summary["method"] == "pipedream" and summary["num_inflight"] == 3
     assert max(r["local_clock_at_injection"] - r["version_global_clock"] for r in records) <= 1
@@ -354,7 +354,7 @@ def test_pipedream_with_two_vws_and_pulls_equals_an_event_order_replay(tmp_path,
   :func:`_pipedream_oracle` (rtol 1e-5)."""
   import json
   from experiments.configs import tiny
-  from hetpipe_jax.jobs import checkpoint, job_config, virtual_job
+  from hetpipe_jax.jobs import checkpoint, emulation, job_config, virtual_job
   from tests.replay import read_applied_order
   events, vws = [], {}
   dispatch, install, end_wave = (virtual_worker.VirtualWorker.dispatch, virtual_worker.VirtualWorker.install_pull,
@@ -376,13 +376,13 @@ def test_pipedream_with_two_vws_and_pulls_equals_an_event_order_replay(tmp_path,
   monkeypatch.setattr(virtual_worker.VirtualWorker, "dispatch", logged_dispatch)
   monkeypatch.setattr(virtual_worker.VirtualWorker, "install_pull", logged_install)
   monkeypatch.setattr(virtual_worker.VirtualWorker, "end_wave", logged_end_wave)
-  plain_times = virtual_job._virtual_task_times  # pylint: disable=protected-access
+  plain_times = emulation.virtual_task_times
 
-  def with_ps_times(config, settings):  # pushes and pull replies take time: waves land while a reply travels
-    times, emulate_plan = plain_times(config, settings)
+  def with_ps_times(job):  # pushes and pull replies take time: waves land while a reply travels
+    times, emulate_plan = plain_times(job)
     return [dataclasses.replace(t, push_s=0.005, pull_s=0.1) for t in times], emulate_plan
 
-  monkeypatch.setattr(virtual_job, "_virtual_task_times", with_ps_times)
+  monkeypatch.setattr(emulation, "virtual_task_times", with_ps_times)
   lr, batch, num_mb = 0.05, 16, 18
   c = tiny.get_config()
   c.update({"data_dir": str(synthetic_data_dir), "check_counts": False, "progress": False, "method": "pipedream",
@@ -390,7 +390,7 @@ def test_pipedream_with_two_vws_and_pulls_equals_an_event_order_replay(tmp_path,
             "emulate_stage_ms": "10,20,10;30,30,30", "optimizer": "momentum", "learning_rate": lr,
             "batch_size": batch, "ps_apply": ps_apply, "vertical_sync": vertical_sync, "pull_every_wave": True,
             "checkpoint_every_waves": 0})
-  summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
+  summary = virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path))
   nm = summary["num_inflight"]
   assert nm == 3 and sorted(vws) == [0, 1]
   spec = models.get_model("mlp_tiny")

@@ -19,7 +19,7 @@ import pytest
 
 from hetpipe_jax import models
 from hetpipe_jax.data import fashion_mnist, sharding, text
-from hetpipe_jax.jobs import checkpoint, job_config, mpi_job, virtual_job
+from hetpipe_jax.jobs import checkpoint, job_config, run_context, training_setup, virtual_job
 from hetpipe_jax.runtime import optimizers
 from tests.pipeline_util import assert_params_close, build_vw, sequential_replay, tiny_config
 
@@ -46,6 +46,10 @@ CASES = [
 ]
 SEQ = 16  # gpt_tiny's context
 
+
+
+def _make_optimizer(config, num_minibatches, spec=None):
+  return training_setup.make_optimizer(job_config.resolve_job(config).optim, num_minibatches, spec)
 
 def _name(i: int, path) -> str:
   return f"{i}:" + "/".join(k.key for k in path)
@@ -132,7 +136,7 @@ def test_each_stage_gives_muon_the_same_leaves_whichever_stage_holds_them(model,
   layers (a stage of no such leaf, e.g. the head's, holds none)."""
   spec = models.get_model(model)
   params = models.init_layer_params(spec, jax.random.key(0))
-  tx = mpi_job.make_optimizer(tiny_config(model=model, optimizer="muon"), 10, spec)
+  tx = _make_optimizer(tiny_config(model=model, optimizer="muon"), 10, spec)
   got = []
   for start, end in partition:
     state = jax.eval_shape(optimizers.for_layers(tx, start, end).init, params[start:end])
@@ -151,8 +155,7 @@ def test_pipelined_vw_equals_whole_model_optax(synthetic_data_dir, text_data, op
   steps, lr = 6, 3e-3
   spec = models.get_model(model)
   config = tiny_config(model=model, optimizer=optimizer, learning_rate=lr, lr_schedule="constant", **settings)
-  job_config.resolve_settings(config)  # the settings are valid
-  tx = mpi_job.make_optimizer(config, steps, spec)
+  tx = _make_optimizer(config, steps, spec)  # the settings are valid
   vw, source, params0, _, server = build_vw(synthetic_data_dir, model=model, partition=partition, num_inflight=1,
                                             optimizer=tx, batch_size=8,
                                             dataset=text_data if model == "gpt_tiny" else None)
@@ -174,7 +177,7 @@ def test_muon_state_moves_to_another_partition_through_a_checkpoint(tmp_path, te
   restored onto another partition's stages and trained on: 3 + 3 steps equal 6 steps of the whole-model loop."""
   steps, lr, settings = 3, 3e-3, {"adam_b1": 0.99, "muon_beta": 0.9}
   spec = models.get_model("gpt_tiny")
-  tx = mpi_job.make_optimizer(tiny_config(model="gpt_tiny", optimizer="muon", learning_rate=lr,
+  tx = _make_optimizer(tiny_config(model="gpt_tiny", optimizer="muon", learning_rate=lr,
                                           lr_schedule="constant", **settings), 2 * steps, spec)
   vw, source, params0, _, _ = build_vw(None, model="gpt_tiny", partition=[(0, 2), (2, 4)], num_inflight=1,
                                        optimizer=tx, batch_size=8, dataset=text_data)
@@ -230,7 +233,7 @@ def test_every_method_in_virtual_time_equals_whole_model_optax(tmp_path, synthet
                   num_virtual_workers=1, num_stages=stages, num_inflight=m, staleness_bound=0, num_minibatches=steps,
                   optimizer=optimizer, learning_rate=lr, lr_schedule="cosine", batch_size=batch,
                   emulate_stage_ms=",".join(["10"] * stages), checkpoint_every_waves=0, **settings)
-  summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
+  summary = virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path))
   spec = models.get_model("mlp_tiny")
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
   dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
@@ -282,12 +285,12 @@ def test_muon_for_a_model_without_hidden_matrices_stops_before_any_output(tmp_pa
                   optimizer="muon", num_stages=2, emulate_stage_ms="10,10")
   with pytest.raises(job_config.ConfigError,
                      match=r"config.optimizer='muon': model 'resnet' has no 2-D hidden weights"):
-    virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path / "run"))
+    virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path / "run"))
   assert not (tmp_path / "run" / "config.json").exists()
   c.model = "cnn"
-  settings = job_config.resolve_settings(c)
-  spec, _ = mpi_job.prepare(c, settings, settings.world_size, check_local_devices=False)
-  assert isinstance(mpi_job.make_optimizer(c, 10, spec), optimizers.PerStage)
+  settings = job_config.resolve_job(c, "virtual")
+  spec, _ = run_context.prepare(settings, settings.world_size, check_local_devices=False)
+  assert isinstance(training_setup.make_optimizer(settings.optim, 10, spec), optimizers.PerStage)
 
 
 # ------------------------------------------------------------------------------------------ MPI

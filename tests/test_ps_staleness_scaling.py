@@ -122,7 +122,7 @@ def test_virtual_time_inverse_equals_the_replay_with_the_recorded_scales(tmp_pat
   config = _config(synthetic_data_dir, num_virtual_workers=num_vws, num_inflight=nm, staleness_bound=1,
                    num_minibatches=mb, optimizer="momentum", learning_rate=0.05, batch_size=batch,
                    emulate_stage_ms="10,10;30,30", ps_staleness_scaling="inverse")
-  summary = virtual_job.run(config, job_config.resolve_settings(config), str(tmp_path))
+  summary = virtual_job.run(job_config.resolve_job(config, "virtual"), str(tmp_path))
   cfg = json.loads((tmp_path / "config.json").read_text())
   assert cfg["ps_staleness_scaling"] == summary["method_settings"]["ps_staleness_scaling"] == "inverse"
   applied = read_jsonl(tmp_path / "ps_applied.jsonl")
@@ -213,7 +213,7 @@ def test_pipedream_in_virtual_time_scales_its_waves(tmp_path, synthetic_data_dir
   """PipeDream (per-stage updates, the same PS) runs with the setting and records tau and 1/(1 + tau) per wave."""
   config = _config(synthetic_data_dir, method="pipedream", num_virtual_workers=2, num_inflight=2, staleness_bound=1,
                    num_minibatches=8, batch_size=16, emulate_stage_ms="10,10;30,30", ps_staleness_scaling="inverse")
-  summary = virtual_job.run(config, job_config.resolve_settings(config), str(tmp_path))
+  summary = virtual_job.run(job_config.resolve_job(config, "virtual"), str(tmp_path))
   assert summary["method"] == "pipedream" and summary["method_settings"]["ps_staleness_scaling"] == "inverse"
   applied = read_jsonl(tmp_path / "ps_applied.jsonl")
   assert len(applied) == 8 and max(a["tau"] for a in applied) > 0

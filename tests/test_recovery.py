@@ -12,7 +12,7 @@ import pytest
 
 from hetpipe_jax import recovery
 from hetpipe_jax.costs import cluster as cluster_lib
-from hetpipe_jax.jobs.job_config import ConfigError, resolve_settings
+from hetpipe_jax.jobs.job_config import ConfigError, resolve_job
 from hetpipe_jax.mpi import rank_guard
 from hetpipe_jax.mpi import rank_layout
 from hetpipe_jax.mpi import rank_records
@@ -51,12 +51,16 @@ def test_watchdog_setting_is_checked_before_any_work():
   c = tiny.get_config()
   c.ps_watchdog_s = -5.0
   with pytest.raises(ConfigError, match=r"config.ps_watchdog_s=-5.0 must be >= 0"):
-    resolve_settings(c)
+    resolve_job(c, "mpi")
   c.ps_watchdog_s = 30.0
   c.method = "horovod"
-  with pytest.raises(ConfigError, match="config.ps_watchdog_s=30.0 is the parameter server's watchdog; method "
-                                        "'horovod' has no PS"):
-    resolve_settings(c)
+  with pytest.raises(ConfigError, match="config.ps_watchdog_s=30.0 is the parameter server's progress watchdog, which "
+                                        "config.method='horovod' does not use"):
+    resolve_job(c, "mpi")
+  c.method = "hetpipe"
+  with pytest.raises(ConfigError, match="config.ps_watchdog_s=30.0: virtual time has no hung ranks to watch"):
+    resolve_job(c, "virtual")
+  assert resolve_job(c, "mpi").ps.watchdog_s == 30.0
 
 
 # --- Naming the failed rank ------------------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ def test_a_virtual_time_run_replays_from_its_outputs_alone(tmp_path, synthetic_d
   c.update({"data_dir": str(synthetic_data_dir), "check_counts": False, "progress": False, "batch_size": 16,
             "learning_rate": 0.05, "seed": 3, **VIRTUAL_CASES[case]})
   c.num_minibatches = steps
-  virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
+  virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path))
   _check(tmp_path, synthetic_data_dir, steps)
 
 

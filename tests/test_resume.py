@@ -35,7 +35,7 @@ def _config(data_dir, **overrides):
 
 
 def _run(config, workdir, resume=False):
-  return virtual_job.run(config, job_config.resolve_settings(config), str(workdir), resume=resume)
+  return virtual_job.run(job_config.resolve_job(config, "virtual", resume), str(workdir))
 
 
 def _leaves_equal(a, b) -> bool:

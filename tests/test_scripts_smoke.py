@@ -170,3 +170,18 @@ def test_methods_throughput_smoke(tmp_path):
     assert _finite(r["steady_images_per_s"], r["run_images_per_s"]) and r["steady_images_per_s"] > 0, r
   assert [r["ranks"] for r in result["rows"]] == [3, 3, 2, 2, 2]
   assert "| horovod | 2 x 1 |" in proc.stdout
+
+
+def test_records_digest_smoke_and_compare():
+  """scripts/records_digest.py: a record file's digest ignores host wall-clock fields and the run directory's path
+  (--smoke asserts it), and --compare names the files whose digests differ."""
+  out = json.loads(_run(["scripts/records_digest.py", "--smoke"], timeout=60).stdout)
+  assert out["minibatches.jsonl"] and out["summary.json"] and out["config.json"] is None
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location("records_digest", REPO_ROOT / "scripts" / "records_digest.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  a = {"run": {"summary.json": "1", "weights": "2"}}
+  assert mod.compare(a, a) == []
+  assert mod.compare(a, {"run": {"summary.json": "1", "weights": "3"}}) == ["run/weights"]
+  assert mod.compare(a, {}) == ["run: only in first"]

@@ -11,7 +11,7 @@ import pytest
 
 from experiments.configs import paper_virtual, tiny
 from hetpipe_jax.costs import cluster as cluster_lib
-from hetpipe_jax.jobs import job_config, virtual_job
+from hetpipe_jax.jobs import emulation, job_config, virtual_job
 from hetpipe_jax.jobs.job_config import ConfigError
 from hetpipe_jax.paths import REPO_ROOT
 from hetpipe_jax.planning import plan_format
@@ -41,11 +41,11 @@ def _config(base=paper_virtual, layout=TIMING_PLAN, **overrides):
 def test_timing_plan_gives_the_plans_own_task_times():
   """The proxy run gets exactly the task times the timing plan's model would get with ``emulate_plan``."""
   c = _config()
-  times = job_config.emulated_task_times(c, job_config.resolve_settings(c), virtual=True)
+  times = emulation.emulated_task_times(job_config.resolve_job(c, "virtual"), virtual=True)
   own = _config(model=_plan_json()["model"], plan=TIMING_PLAN, emulate_plan=True, num_virtual_workers=None,
                 num_stages=None, num_inflight=None, partition=None)
   own.timing_plan = ""
-  assert times == job_config.emulated_task_times(own, job_config.resolve_settings(own))
+  assert times == emulation.emulated_task_times(job_config.resolve_job(own, "virtual"))
   assert len(times) == 4 and all(t.num_stages == 4 and t.push_s > 0 and t.forward_backward_s > 0 for t in times)
 
 
@@ -63,17 +63,17 @@ def test_timing_plan_gives_the_plans_own_task_times():
 def test_a_timing_plan_that_does_not_describe_the_run_is_refused(overrides, message):
   c = _config(**overrides)
   with pytest.raises(ConfigError, match=message):
-    job_config.emulated_task_times(c, job_config.resolve_settings(c), virtual=True)
+    emulation.emulated_task_times(job_config.resolve_job(c, "virtual"), virtual=True)
 
 
 def test_timing_plan_is_refused_with_a_plan_and_under_mpi():
   c = _config(base=tiny, plan="experiments/plans/local_cpu_2node_mlp_tiny_ed_default.json", num_virtual_workers=None,
               num_stages=None, num_inflight=None, partition=None, batch_size=32)
   with pytest.raises(ConfigError, match=r"config.timing_plan=.* and config.plan=.*unset one of them"):
-    job_config.emulated_task_times(c, job_config.resolve_settings(c), virtual=True)
+    emulation.emulated_task_times(job_config.resolve_job(c, "virtual"), virtual=True)
   c = _config()
   with pytest.raises(ConfigError, match=r"config.timing_plan=.* needs --mode=virtual"):
-    job_config.emulated_task_times(c, job_config.resolve_settings(c))
+    emulation.emulated_task_times(job_config.resolve_job(c, "virtual"))
 
 
 def test_a_proxy_model_under_a_timing_plan_runs_the_engines_schedule(tmp_path, synthetic_data_dir):
@@ -82,7 +82,7 @@ def test_a_proxy_model_under_a_timing_plan_runs_the_engines_schedule(tmp_path, s
   mb = 2 * _plan_json(SMALL_TIMING_PLAN)["num_inflight"]
   c = _config(layout=SMALL_TIMING_PLAN, data_dir=str(synthetic_data_dir), num_minibatches=mb,
               eval_every_epochs=0.0, staleness_bound=0)
-  summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
+  summary = virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path))
   plan = plan_format.load_plan(str(REPO_ROOT / SMALL_TIMING_PLAN))
   times = plan_times.task_times_from_plan(plan, plan_times.profile_for_plan(plan),
                                           cluster_lib.load_cluster(plan.cluster))

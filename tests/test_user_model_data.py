@@ -14,7 +14,7 @@ import pytest
 from experiments.configs import tiny
 from hetpipe_jax import models
 from hetpipe_jax.data import sharding
-from hetpipe_jax.jobs import checkpoint, job_config, mpi_job, virtual_job
+from hetpipe_jax.jobs import checkpoint, job_config, run_context, virtual_job
 from hetpipe_jax.jobs.job_config import ConfigError
 from hetpipe_jax.paths import REPO_ROOT
 from hetpipe_jax.runtime.param_layout import ParamLayout
@@ -36,7 +36,7 @@ def test_user_model_and_dataset_train_in_virtual_time_and_equal_the_replay(tmp_p
   nm, mb, batch = 2, 24, 16
   config = _config(num_inflight=nm, num_minibatches=mb, batch_size=batch, optimizer="momentum", learning_rate=0.1,
                    emulate_stage_ms="10,20")
-  summary = virtual_job.run(config, job_config.resolve_settings(config), str(tmp_path))
+  summary = virtual_job.run(job_config.resolve_job(config, "virtual"), str(tmp_path))
   recorded = json.loads((tmp_path / "config.json").read_text())
   assert recorded["model"] == MODEL and recorded["dataset"] == DATASET
   assert recorded["dataset_info"] == {"num_train": 768, "num_eval": 256, "name": "user_linear_3class", "seed": 0}
@@ -83,10 +83,10 @@ def test_user_model_and_dataset_train_under_mpi(tmp_path):
 ])
 def test_bad_model_or_dataset_is_one_config_error_naming_the_setting(model, dataset, message):
   config = _config(model=model, dataset=dataset)
-  settings = job_config.resolve_settings(config)
+  settings = job_config.resolve_job(config)
   with pytest.raises(ConfigError, match=message):
-    spec, _ = mpi_job.prepare(config, settings, world_size=3, check_local_devices=False)
-    mpi_job.load_data(config, spec)
+    spec, _ = run_context.prepare(settings, world_size=3, check_local_devices=False)
+    run_context.load_data(settings.data, spec)
 
 
 def test_malformed_dataset_name_fails_with_the_settings_check():

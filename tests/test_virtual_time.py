@@ -39,7 +39,7 @@ def test_virtual_time_run_equals_replay_of_its_versions(tmp_path, synthetic_data
   config = _config(synthetic_data_dir, num_virtual_workers=num_vws, num_inflight=nm, staleness_bound=1,
                    num_minibatches=mb, optimizer="momentum", learning_rate=0.05, batch_size=batch,
                    emulate_stage_ms="10,10;20,20;40,40", save_task_trace=True, ps_apply=ps_apply)
-  summary = virtual_job.run(config, job_config.resolve_settings(config), str(tmp_path))
+  summary = virtual_job.run(job_config.resolve_job(config, "virtual"), str(tmp_path))
   assert summary["time_unit"] == "simulated seconds"
   assert summary["ps_apply"] == ps_apply
   records = read_jsonl(tmp_path / "minibatches.jsonl")
@@ -71,7 +71,7 @@ def test_virtual_time_reaches_staleness_bound_two_without_wave_end_pulls(tmp_pat
   nm, mb = 2, 12
   config = _config(synthetic_data_dir, num_virtual_workers=3, num_inflight=nm, staleness_bound=2, num_minibatches=mb,
                    batch_size=16, pull_every_wave=False, emulate_stage_ms="5,5;5,5;40,40")
-  summary = virtual_job.run(config, job_config.resolve_settings(config), str(tmp_path))
+  summary = virtual_job.run(job_config.resolve_job(config, "virtual"), str(tmp_path))
   records = read_jsonl(tmp_path / "minibatches.jsonl")
   assert len(records) == 3 * mb
   _check_bound_reached(summary, records, nm, 2)
@@ -87,7 +87,7 @@ def test_both_ps_apply_modes_give_the_same_weights_with_one_vw_or_identical_vws_
     config = _config(synthetic_data_dir, num_virtual_workers=num_vws, num_inflight=2, staleness_bound=0,
                      num_minibatches=12, optimizer="momentum", learning_rate=0.05, batch_size=16,
                      emulate_stage_ms=stage_ms, ps_apply=mode)
-    summary = virtual_job.run(config, job_config.resolve_settings(config), str(tmp_path / mode))
+    summary = virtual_job.run(job_config.resolve_job(config, "virtual"), str(tmp_path / mode))
     assert summary["extra_updates"]["max_extra_updates"] == 0
     vector_clocks[mode] = [r["version_vector_clock"] for r in read_jsonl(tmp_path / mode / "minibatches.jsonl")]
     weights[mode] = checkpoint.restore_weights(tmp_path / mode / "checkpoint")

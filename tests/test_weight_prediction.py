@@ -332,7 +332,7 @@ def _base(**overrides):
 ])
 def test_bad_settings_are_one_error_each(overrides, pattern):
   with pytest.raises(ConfigError, match=pattern) as e:
-    job_config.resolve_settings(_base(**overrides))
+    job_config.resolve_job(_base(**overrides), "mpi")
   assert "\n" not in str(e.value)
 
 
@@ -362,7 +362,7 @@ def test_virtual_time_run_records_the_settings(tmp_path, synthetic_data_dir, opt
   common = dict(data_dir=str(synthetic_data_dir), num_minibatches=9, num_inflight=3, progress=False,
                 emulate_stage_ms="10,20", check_counts=False, optimizer="adam")
   c = _base(**common, **options)
-  summary = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path))
+  summary = virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path))
   config = json.loads((tmp_path / "config.json").read_text())
   written = json.loads((tmp_path / "summary.json").read_text())
   for name, value in recorded.items():
@@ -371,7 +371,7 @@ def test_virtual_time_run_records_the_settings(tmp_path, synthetic_data_dir, opt
   if "pipemare_warmup_minibatches" not in recorded:
     assert "pipemare_warmup_minibatches" not in summary["method_settings"]
   c = _base(**common)
-  plain = virtual_job.run(c, job_config.resolve_settings(c), str(tmp_path / "none"))
+  plain = virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path / "none"))
   ms = plain["method_settings"]
   assert ms["weight_prediction"] == "none" and ms["delay_scaled_lr"] == "none"
   assert summary["test_loss"] != plain["test_loss"]

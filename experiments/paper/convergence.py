@@ -262,11 +262,11 @@ def run_config(c: Conv, plan: dict, seed: int, workdir: pathlib.Path, quick: boo
     cfg.data_dir = _DATA_DIR.value
   if quick:
     cfg.check_counts = False
-  settings = job_config.resolve_settings(cfg)
+  job = job_config.resolve_job(cfg, "virtual")
   if workdir.exists():
     shutil.rmtree(workdir)
   t0 = time.perf_counter()
-  summary = virtual_job.run(cfg, settings, str(workdir))
+  summary = virtual_job.run(job, str(workdir))
   curve = [(0.0, None)] + [(e["simulated_time_s"], e["test_accuracy"]) for e in summary["evaluations"]]
   wait = [float(v) for v in summary["wait_s"].values()]
   idle = [float(v) for v in summary["idle_s"].values()]

@@ -6,11 +6,12 @@ deterministic per-VW shards and visits them in a seeded order (:mod:`hetpipe_jax
 whole evaluation split, which it never trains on.
 
 A user dataset is ``--config.dataset=package.module:factory`` where ``factory(config)`` (``config``: the job's
-ConfigDict, read-only) returns an :class:`ExampleDataset`.
+config as given, read-only, :attr:`DataSettings.factory_config`) returns an :class:`ExampleDataset`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,24 @@ BUILTIN_DATASETS = ("fashion_mnist", "text")
 
 class DatasetConfigError(DataError):
   """``config.dataset`` cannot be loaded or does not fit the model; the message names the setting and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+  """The job's data section (:class:`hetpipe_jax.jobs.job.Job` ``.data``).
+
+  Attributes:
+    dataset: ``config.dataset``: ``"fashion_mnist"``, ``"text"`` or ``"package.module:factory"``.
+    data_dir: fashion_mnist: the IDX files' directory (``""``: the default); text: comma-separated files or
+      directories.
+    check_counts: fashion_mnist: require the real 60,000 / 10,000 examples.
+    factory_config: what a user factory receives: the job's config as given, read-only (attribute access).
+  """
+
+  dataset: str
+  data_dir: str
+  check_counts: bool
+  factory_config: Any = None
 
 
 _FIX = "give 'fashion_mnist', 'text', or 'package.module:factory' where factory(config) returns an ExampleDataset"
@@ -44,11 +63,11 @@ def check_dataset_name(name: str) -> None:
     raise DatasetConfigError(f"config.dataset={name!r} is unknown: {_FIX}")
 
 
-def _load_user_dataset(name: str, config: Any) -> Any:
+def _load_user_dataset(name: str, factory_config: Any) -> Any:
   attr = name.partition(":")[2]
   factory = load_factory("config.dataset", name, _FIX, DatasetConfigError)
   try:
-    dataset = factory(config)
+    dataset = factory(factory_config)
   except DataError:
     raise
   except Exception as e:  # pylint: disable=broad-except
@@ -98,15 +117,16 @@ def validate_dataset(dataset: Any, name: str, example_shape: tuple[int, ...], ex
                                f"{int(y.max())}, outside the model's {num_classes} outputs [0, {num_classes})")
 
 
-def load_dataset(config: Any, example_shape: tuple[int, ...], example_dtype: str, num_classes: int) -> Any:
+def load_dataset(data: DataSettings, example_shape: tuple[int, ...], example_dtype: str, num_classes: int) -> Any:
   """Loads and validates the dataset ``config.dataset`` names, for a model of the given example shape and dtype.
 
-  ``fashion_mnist``: the IDX files (``config.data_dir``, ``config.check_counts``; :mod:`.fashion_mnist`).
+  ``fashion_mnist``: the IDX files (``data_dir``, ``check_counts``; :mod:`.fashion_mnist`).
   ``text``: byte-level language-model windows of ``example_shape[0]`` tokens from the files or directories in
-  ``config.data_dir`` (default: the Debian package ``fortunes``; :mod:`.text`). ``module:factory``: a user's.
+  ``data_dir`` (default: the Debian package ``fortunes``; :mod:`.text`). ``module:factory``: a user's, called with
+  ``data.factory_config``.
 
   Args:
-    config: the job's ConfigDict (``dataset``, ``data_dir``, ``check_counts``, ``seed``).
+    data: the job's data section.
     example_shape, example_dtype, num_classes: the model's ``input_shape``, ``input_dtype``, ``num_classes``.
 
   Returns:
@@ -116,18 +136,18 @@ def load_dataset(config: Any, example_shape: tuple[int, ...], example_dtype: str
     DatasetConfigError: see :func:`check_dataset_name`, :func:`validate_dataset`; a user factory that fails.
     DataError: missing or corrupt files.
   """
-  name = config.get("dataset", "fashion_mnist")
+  name = data.dataset
   check_dataset_name(name)
   if name == "fashion_mnist":
-    dataset = fashion_mnist.load_fashion_mnist(config.data_dir or None,
-                                               expected_counts=(60000, 10000) if config.check_counts else None)
+    dataset = fashion_mnist.load_fashion_mnist(data.data_dir or None,
+                                               expected_counts=(60000, 10000) if data.check_counts else None)
   elif name == "text":
     if len(example_shape) != 1:
       raise DatasetConfigError(f"config.dataset='text' gives token sequences [n, seq_len], but config.model takes "
                                f"examples of shape {list(example_shape)}: use a language model (e.g. 'gpt_bytes')")
-    dataset = text.load_text_dataset(text.parse_paths(config.data_dir), seq_len=example_shape[0])
+    dataset = text.load_text_dataset(text.parse_paths(data.data_dir), seq_len=example_shape[0])
   else:
-    dataset = _load_user_dataset(name, config)
+    dataset = _load_user_dataset(name, data.factory_config)
   validate_dataset(dataset, name, tuple(example_shape), example_dtype, num_classes)
   return dataset
 

@@ -21,16 +21,14 @@ import time
 from typing import Any
 
 from absl import logging
-import jax
 import numpy as np
 
-from hetpipe_jax import models
-from hetpipe_jax.data import fashion_mnist, sharding
+from hetpipe_jax.data import sharding
 from hetpipe_jax.jobs import mpi_job, rank_setup
-from hetpipe_jax.jobs.evaluation import Evaluator
-from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, emulated_task_times, resolved_config
-from hetpipe_jax.jobs.outputs import (RunOutputs, allreduce_results, check_replicas_identical, check_workdir,
-                                      settings_summary, weights_sha256)
+from hetpipe_jax.jobs.job import Job
+from hetpipe_jax.jobs.outputs import check_replicas_identical, weights_sha256
+from hetpipe_jax.jobs.run_context import set_up
+from hetpipe_jax.jobs.summary import Summary, allreduce_results, rates, settings_summary
 from hetpipe_jax.rules import allreduce
 from hetpipe_jax.runtime.param_layout import ParamLayout
 from hetpipe_jax.runtime import virtual_worker as vw_lib
@@ -69,61 +67,38 @@ def segment_offsets(layout: ParamLayout, segments: list[tuple[int, int]]) -> lis
   return out
 
 
-def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = False) -> dict | None:
+def run(job: Job, workdir: str, comm) -> dict | None:
   """Runs the job on this rank; returns the summary on rank 0, None elsewhere.
 
   Raises:
-    ConfigError: invalid settings, or ``--resume`` (not supported for the all-reduce methods).
+    ConfigError: invalid settings, or ``job.resume`` (not supported for the all-reduce methods).
     fashion_mnist.DataError: missing or corrupt dataset files.
   """
-
-  rank, world = comm.Get_rank(), comm.Get_size()
-  if resume:
-    raise ConfigError(f"--resume is not supported for config.method={settings.method!r} (all-reduce methods keep "
-                      "only the final weights)")
-  restricted = rank_setup.rank_devices_of(config, comm)
-  if restricted is not None and config.platform == "gpu":  # on CPU the table is only recorded
-    rank_setup.check_rank_devices(settings, restricted.table)
-  spec, partitions = mpi_job.prepare(
-      config, settings, world,
-      check_local_devices=restricted is None or restricted.applied != "CUDA_VISIBLE_DEVICES")
-  emulated = emulated_task_times(config, settings)
-  dataset = mpi_job.load_data(config, spec)
-  steps = mpi_job.minibatches_per_vw(config, settings, dataset.num_train)
-  check_workdir(workdir)
-  layout = ParamLayout.from_layer_params(
-      jax.eval_shape(lambda: models.init_layer_params(spec, jax.random.key(config.seed))))
+  ctx = set_up(job, workdir, comm)  # ends with every rank's barrier and rank 0's W0 on every rank
+  settings, spec, layout, flat0, partitions = job, ctx.spec, ctx.layout, ctx.flat0, ctx.partitions
+  rank, steps, restricted, emulated = comm.Get_rank(), ctx.num_minibatches, ctx.restricted, ctx.task_times
   segments = allreduce.reduce_segments(partitions)
-  comm.Barrier()  # every rank passed validation
-
-  if rank == 0:
-    flat0 = layout.flatten(jax.device_get(models.init_layer_params(spec, jax.random.key(config.seed))))
-  else:
-    flat0 = np.empty(layout.num_params, np.float32)
-  comm.Bcast(flat0, root=0)  # every replica starts from rank 0's W0, bit for bit
 
   n, m = settings.num_virtual_workers, settings.num_inflight
   vw_id = rank
   devices = rank_setup.stage_devices(settings, vw_id, None, restricted)
-  optimizer = mpi_job.make_optimizer(config, steps, spec)  # one optimizer step per training step
-  stages = mpi_job.build_stages(config, spec, partitions[vw_id], devices, optimizer, remat=bool(config.remat))
-  source = sharding.ShardedMinibatches(dataset, n, vw_id, config.batch_size, config.seed)
+  optimizer = ctx.optimizer()  # one optimizer step per training step
+  stages = ctx.stages(vw_id, devices, optimizer, remat=job.pipeline.remat)
+  source = ctx.minibatches(vw_id)
   micro = sharding.MicroBatches(source.get_with_ids, m)  # records carry each micro-batch's example ids
   reducer = MPIAllReducer(comm, segment_offsets(layout, segments))
 
   outputs = evaluator = bar = None
   evals: list[dict] = []
   state: dict[str, Any] = {"losses": [], "loss": float("nan")}
-  eval_every = mpi_job.eval_every_waves(config, settings, dataset.num_train)
+  eval_every = ctx.eval_every
   if rank == 0:
-    outputs = RunOutputs(workdir)
-    outputs.write_config(resolved_config(config, settings, partitions, checkpoint_every_waves=0,
-                                         **mpi_job.data_config_fields(spec, dataset),
-                                         **mpi_job.replay_fields(flat0, config.seed)))
+    outputs = ctx.open_outputs()
+    outputs.write_config(ctx.config_json(checkpoint_every_waves=0))
     for note in settings.notes:
       logging.info("[VW 0] %s", note)
-    evaluator = Evaluator(spec, layout, dataset.eval_inputs, dataset.eval_targets, config.eval_batch_size, devices[0])
-    if config.progress:
+    evaluator = ctx.evaluator(devices[0])
+    if job.run.progress:
       from tqdm import tqdm  # pylint: disable=g-import-not-at-top
       bar = tqdm(total=steps, desc=f"[{settings.method}] step", unit="step", mininterval=1.0, dynamic_ncols=True)
     logging.info("[VW 0] %s: %d VWs x %d steps of %d micro-batches (all-reduce BSP over %d segments), model %s "
@@ -138,7 +113,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
     evaluated = eval_every > 0 and clock % eval_every == 0 and clock < steps
     if bar is not None:
       bar.update(1)
-    if clock % max(1, config.log_every_waves) and not evaluated:
+    if clock % max(1, job.run.log_every_waves) and not evaluated:
       return
     state["loss"] = float(np.mean(state["losses"]))
     state["losses"] = []
@@ -171,7 +146,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
             "allreduce_s": reducer.seconds, "allreduce_calls": reducer.calls,
             "partition": [list(r) for r in partitions[vw_id]], "stage_devices": [d.id for d in devices],
             "trace_counts": {s.stage_id: dict(s.trace_counts) for s in stages},
-            "tasks": vw.task_log if config.save_task_trace else [], "digest": digest}
+            "tasks": vw.task_log if job.run.save_task_trace else [], "digest": digest}
   reports = comm.gather(report, root=0)
   logging.info("[VW %d] done: %.1f s, %.2f s in all-reduce", vw_id, stats.wall_time_s, reducer.seconds)
   if rank != 0:
@@ -185,7 +160,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
                        **final})
   records = [r for v in sorted(reports) for r in reports[v]["records"]]
   extra = outputs.write_minibatches(records)
-  if config.save_task_trace:
+  if job.run.save_task_trace:
     mpi_job._write_runtime_trace(reports, m, outputs.dir)  # pylint: disable=protected-access
   ckpt = outputs.save_checkpoint(layout.unflatten(final_flat))
   keys = ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes", "peak_inflight_per_stage",
@@ -194,15 +169,8 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
                                                             "stage_devices": rep["stage_devices"]}
             for v, rep in sorted(reports.items())}
   total_mb = n * steps
-  summary = {
-      "mode": "mpi",
-      "time_unit": "wall-clock seconds",
-      **allreduce_results(final, state["loss"], steps, n, m),
-      "wall_time_s": wall,
-      "minibatches_per_s": total_mb / wall,
-      "images_per_s": total_mb * config.batch_size / wall,
-      **settings_summary(settings, partitions, config, spec),
-      "global_clock": steps,
+  summary = Summary("mpi", allreduce_results(final, state["loss"], steps, n, m),
+                    rates("mpi", wall, total_mb, job.batch_size), settings_summary(job, partitions, spec), steps, {
       "allreduce": {"segments": [list(s) for s in segments], "steps": steps,
                     "seconds_per_vw": {str(v): rep["allreduce_s"] for v, rep in sorted(reports.items())},
                     "replicas_identical": len({rep["digest"] for rep in reports.values()}) == 1,
@@ -215,8 +183,7 @@ def run(config: Any, settings: JobSettings, workdir: str, comm, resume: bool = F
       "idle_s": {v: s["idle_s"] for v, s in per_vw.items()},
       "checkpoint": str(ckpt),
       "checkpoint_every_waves": 0,
-  }
-  outputs.finish(summary)
+  }).write(outputs)
   check_replicas_identical({v: rep["digest"] for v, rep in reports.items()}, workdir)  # a non-zero exit
   logging.info("[VW 0] done: test accuracy %.4f, %d minibatches in %.1f s (%.1f images/s)", final["test_accuracy"],
                total_mb, wall, summary["images_per_s"])

@@ -25,9 +25,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from hetpipe_jax.jobs import checkpoint
-from hetpipe_jax.jobs.job_config import (METHOD_SETTINGS, ConfigError, JobSettings, config_to_json, format_partitions,
-                                         optimizer_summary)
-from hetpipe_jax.rules import methods
+from hetpipe_jax.jobs.job_config import ConfigError, config_to_json
 from hetpipe_jax.rules import records as records_lib
 from hetpipe_jax.sim.engine_report import json_safe
 
@@ -185,86 +183,6 @@ class RunOutputs:
       self._metrics.close()
     plot_metrics(self.dir / "metrics.jsonl", self.dir / "metrics.png")
     (self.dir / "summary.json").write_text(json.dumps(json_safe(dict(summary)), indent=2))
-
-
-def _wsp_method_settings(settings: JobSettings, config: Any) -> dict[str, Any]:
-  """The PS methods' ``method_settings``: Nm, D, and the method's own settings of :data:`~hetpipe_jax.jobs.
-  job_config.METHOD_SETTINGS` that are recorded (pipedream's ``vertical_sync``), ``delay_compensation`` (and ``dc_lambda`` when on),
-  ``weight_prediction``, ``delay_scaled_lr`` (and ``pipemare_warmup_minibatches`` when on)."""
-  own = {s.name: bool(config.get(s.name, s.default)) for s in METHOD_SETTINGS
-         if s.name in _RECORDED_SETTINGS and settings.method in s.methods}
-  dc = config.get("delay_compensation", "none")  # DC-ASGD (runtime.delay_compensation): λ recorded when on
-  own["delay_compensation"] = dc
-  if dc != "none":
-    own["dc_lambda"] = float(config.dc_lambda)
-  own["weight_prediction"] = config.get("weight_prediction", "none")  # rules.weight_prediction
-  own["delay_scaled_lr"] = config.get("delay_scaled_lr", "none")  # PipeMare: T recorded when on
-  if own["delay_scaled_lr"] != "none":
-    own["pipemare_warmup_minibatches"] = int(config.pipemare_warmup_minibatches)
-  return {"num_inflight": settings.num_inflight, "staleness_bound": settings.staleness_bound,
-          "sync": "WSP (parameter server)", **own,
-          "ps_staleness_scaling": config.get("ps_staleness_scaling", "none"),
-          "ps_staleness_alpha": float(config.get("ps_staleness_alpha", 1.0))}
-
-
-def _allreduce_method_settings(settings: JobSettings, config: Any) -> dict[str, Any]:
-  """The all-reduce methods' ``method_settings``: micro-batches per step and their size, remat."""
-  return {"num_microbatches": settings.num_inflight, "micro_batch_size": config.batch_size // settings.num_inflight,
-          "sync": "all-reduce BSP (MPI Allreduce per reduction segment, no PS)",
-          "remat": bool(config.get("remat", False))}
-
-
-_RECORDED_SETTINGS = ("vertical_sync",)  # method-only flags recorded in a PS method's method_settings
-_METHOD_SETTINGS = {"wsp": _wsp_method_settings, "allreduce": _allreduce_method_settings}  # by the method's sync
-
-
-def settings_summary(settings: JobSettings, partitions: Sequence[Sequence[Sequence[int]]],
-                     config: Any, spec: Any = None) -> dict[str, Any]:
-  """The settings that ran, as both jobs record them in ``summary.json`` (the same values as ``config.json``); with
-  ``config.optimizer='muon'`` and the model ``spec``, the optimizer's ``muon_params`` (the leaves its rule gave Muon,
-  ``"layer:path"``)."""
-  optimizer = optimizer_summary(config)
-  if config.optimizer == "muon" and spec is not None:
-    import jax  # pylint: disable=g-import-not-at-top
-    from hetpipe_jax import models  # pylint: disable=g-import-not-at-top
-    from hetpipe_jax.runtime import optimizers  # pylint: disable=g-import-not-at-top
-    shapes = jax.eval_shape(lambda: models.init_layer_params(spec, jax.random.key(config.seed)))
-    optimizer["muon_params"] = optimizers.muon_leaf_names(shapes)
-  return {
-      "method": settings.method,
-      "method_settings": _METHOD_SETTINGS[methods.get_method(settings.method).sync](settings, config),
-      "model": settings.model,
-      "optimizer": optimizer,
-      "batch_size": config.batch_size,
-      "num_virtual_workers": settings.num_virtual_workers,
-      "num_stages": settings.num_stages,
-      "num_stages_per_vw": [len(p) for p in partitions],
-      "partition": format_partitions(partitions),
-      "partitions": {str(v): [list(r) for r in p] for v, p in enumerate(partitions)},
-      "num_inflight": settings.num_inflight,
-      "local_staleness": settings.num_inflight - 1,
-      "staleness_bound": settings.staleness_bound,
-      "ps_apply": config.ps_apply,
-      "pull_every_wave": config.pull_every_wave,
-      "plan": settings.plan is not None,
-      "memory_caps": None if settings.memory_caps is None else [list(c) for c in settings.memory_caps],
-      "setting_sources": dict(settings.sources),
-  }
-
-
-def allreduce_results(final: Mapping[str, Any], train_loss: float, steps: int, num_vws: int,
-                      num_microbatches: int) -> dict[str, Any]:
-  """An all-reduce run's results as both its jobs record them in ``summary.json`` (MPI and virtual time): the final
-  test metrics, the last training loss and the (micro-)batches trained, ``steps`` steps of ``num_vws`` replicas,
-  ``num_microbatches`` (M) per step."""
-  return {
-      "test_accuracy": final["test_accuracy"],
-      "test_loss": final["test_loss"],
-      "final_train_loss": train_loss,
-      "num_minibatches": steps * num_vws,
-      "num_minibatches_per_vw": steps,
-      "num_microbatches_per_vw": steps * num_microbatches,
-  }
 
 
 def held_out_metric(lines: list[dict]) -> tuple[str, str]:

@@ -10,26 +10,27 @@ import os
 
 import jax
 
-from hetpipe_jax.jobs.job_config import ConfigError, JobSettings
+from hetpipe_jax.jobs.job import Job
+from hetpipe_jax.jobs.job_config import ConfigError
 from hetpipe_jax.mpi import rank_devices
 from hetpipe_jax.mpi.rank_layout import stage_rank_layout, stage_ranks_of_vw
 from hetpipe_jax.mpi.stage_link import StageLink, stage_boundaries
 
 
-def stage_link(config, settings, spec, partition, vw_id, num_mb, comm):
+def stage_link(settings: Job, spec, partition, vw_id, num_mb, comm):
   """This rank's :class:`hetpipe_jax.mpi.stage_link.StageLink` for VW ``vw_id`` (stage ranks)."""
   ranks = stage_ranks_of_vw(settings.num_ps_shards, settings.stage_groups, vw_id)
-  return StageLink(comm, vw_id, ranks, stage_boundaries(spec, partition, config.batch_size), num_mb,
+  return StageLink(comm, vw_id, ranks, stage_boundaries(spec, partition, settings.batch_size), num_mb,
                    ahead=settings.num_inflight + 1)
 
 
-def rank_devices_of(config, comm):
+def rank_devices_of(platform: str, comm):
   """This rank's GPU restriction from the launcher (:mod:`hetpipe_jax.mpi.rank_devices`; applied by ``train`` before
   jax started), or None. Read once per rank by the job, which passes it on."""
-  return rank_devices.apply(comm.Get_rank(), comm.Get_size(), config.platform, environ=dict(os.environ))
+  return rank_devices.apply(comm.Get_rank(), comm.Get_size(), platform, environ=dict(os.environ))
 
 
-def check_rank_devices(settings: JobSettings, table) -> None:
+def check_rank_devices(settings: Job, table) -> None:
   """Every rank's entry of the launcher's GPU table holds the plan GPUs of the stages it runs (ranks past the table
   or the job's layout are left to the world-size check).
 
@@ -80,7 +81,7 @@ def stage_devices(settings, vw_id: int, link, restricted=None) -> list:
   return out
 
 
-def stage_rank_fields(settings: JobSettings) -> dict:
+def stage_rank_fields(settings: Job) -> dict:
   """What config.json and summary.json record about stage ranks: per VW, its stage groups and each stage's rank."""
   if not settings.stage_groups:
     return {}

@@ -25,7 +25,8 @@ from absl import logging
 import numpy as np
 
 from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
-from hetpipe_jax.jobs.job_config import ConfigError, JobSettings, parse_debug_nan_update
+from hetpipe_jax.jobs.job import CheckpointSettings, Job
+from hetpipe_jax.jobs.job_config import ConfigError
 from hetpipe_jax.paths import REPO_ROOT
 
 
@@ -124,7 +125,7 @@ def check_resume_workdir(workdir: str | pathlib.Path, resume: bool) -> None:
                       "continue it, or choose a new --workdir")
 
 
-def load_resume_point(workdir: str | pathlib.Path, settings: JobSettings, partitions: Sequence[Sequence[Sequence[int]]],
+def load_resume_point(workdir: str | pathlib.Path, settings: Job, partitions: Sequence[Sequence[Sequence[int]]],
                       layout, num_layers: int, model_name: str) -> ResumePoint:
   """Reads the newest readable checkpoint of ``workdir`` and maps it onto ``settings`` (any plan of the same model).
 
@@ -178,7 +179,7 @@ def rewrite_lines(path: pathlib.Path, lines: Sequence[dict]) -> None:
   path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
-def checkpoint_meta(*, step: int, settings: JobSettings, partitions: Sequence[Sequence[Sequence[int]]],
+def checkpoint_meta(*, step: int, settings: Job, partitions: Sequence[Sequence[Sequence[int]]],
                     model_name: str, num_layers: int, opt_parts_per_layer: int,
                     minibatches_done: int, applied: Sequence[Sequence[int]], records: Sequence[dict],
                     metrics: Sequence[dict], evals: Sequence[dict], time_s: float, config_json: dict,
@@ -226,18 +227,19 @@ def save_training_checkpoint(store, step: int, weights: list, opt_states: dict, 
   return {"global_clock": step, **got}
 
 
-def checkpoint_summary(config: Any, stats: Sequence[dict], resumes: Sequence[dict]) -> dict[str, Any]:
+def checkpoint_summary(checkpoint: CheckpointSettings, stats: Sequence[dict], resumes: Sequence[dict]
+                       ) -> dict[str, Any]:
   """The summary's checkpoint fields: the interval, each checkpoint's clock, size and seconds, and the resumes."""
-  return {"checkpoint_every_waves": config.checkpoint_every_waves,
+  return {"checkpoint_every_waves": checkpoint.every_waves,
           "checkpoints": list(stats),
           "checkpoint_seconds_total": float(sum(s["seconds"] for s in stats)),
           "resumes": list(resumes)}
 
 
-def nan_injector(config: Any, vw_id: int, off: Offsets):
-  """The fault drill's hook for VW ``vw_id`` (``config.debug_nan_update``): ``(local wave, flat update) -> None``
-  puts a NaN into the update of the named global wave; None when this VW has no drill."""
-  target = parse_debug_nan_update(config.debug_nan_update)
+def nan_injector(target: tuple[int, int] | None, vw_id: int, off: Offsets):
+  """The fault drill's hook for VW ``vw_id`` (``target``: the job's ``run.debug_nan_update``, ``(vw, wave)`` or
+  None): ``(local wave, flat update) -> None`` puts a NaN into the update of the named global wave; None when this
+  VW has no drill."""
   if target is None or target[0] != vw_id:
     return None
 
