@@ -287,3 +287,5 @@ def test_ps_load_smoke(tmp_path):
   assert (row["num_vws"], row["num_ps_shards"], row["staleness_bound"]) == (4, 2, 4)
   assert row["applied"] == {"missing": [], "twice": [], "unexpected": []} and row["wsp_violations"] == 0
   assert row["max_staleness"] == 4 and row["num_records"] == 4 * 12
+  service = row["ps_service"]  # the lead shard applied its slice of every VW's 6 waves (Nm = 2)
+  assert service["waves"] == 4 * 6 and 0 < service["p50_ms"] <= service["p95_ms"] <= service["max_ms"]

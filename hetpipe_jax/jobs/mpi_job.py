@@ -372,6 +372,7 @@ def _run_ps(ctx: RunContext) -> dict:
       "wait_s": {vw: v["wait_s"] for vw, v in per_vw.items()},
       "idle_s": {vw: v["idle_s"] for vw, v in per_vw.items()},
       "checkpoint": str(ckpt),
+      "ps_service": _service_times(service.push_service_s),
       **resume_lib.checkpoint_summary(settings.checkpoint, ckpt_stats, resumes),
       # The slowest VW's seconds in checkpoint barriers (send its state, wait for the others and the save) over the
       # run's wall time: what checkpoints cost beyond the pipeline drain at each barrier.
@@ -383,6 +384,17 @@ def _run_ps(ctx: RunContext) -> dict:
   logging.info("[PS] done: test accuracy %.4f, %d minibatches in %.1f s (%.1f minibatches/s)",
                final["test_accuracy"], trained_mb, wall, trained_mb / wall)
   return summary
+
+
+def _service_times(seconds: list[float]) -> dict[str, Any]:
+  """The lead PS's per-wave service time (a wave update's header received to applied with the pulls it unblocked
+  sent; :attr:`hetpipe_jax.mpi.ps_server.ParameterServerService.push_service_s`) in milliseconds: count, mean,
+  median, 95th percentile and maximum (with several shards: the lead's slice)."""
+  ms = np.asarray(seconds, float) * 1e3
+  if ms.size == 0:
+    return {"waves": 0}
+  return {"waves": int(ms.size), "mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
+          "p95_ms": float(np.percentile(ms, 95)), "max_ms": float(ms.max())}
 
 
 def _write_runtime_trace(reports: dict, num_inflight: int, out: pathlib.Path) -> None:
