@@ -27,8 +27,44 @@ class VWLayout:
   devices: tuple[int, ...]
 
 
+class _RankLayout:
+  """The MPI layout's counts, read from ``method``, ``num_ps_shards``, ``num_virtual_workers``, ``vws`` and
+  ``stage_groups`` (one rule for :class:`JobSettings` and :class:`Job`)."""
+
+  @property
+  def num_stage_ranks(self) -> int:
+    """Ranks beyond the VWs' drivers that run stages (0 without stage ranks)."""
+    return sum(len(g) - 1 for g in self.stage_groups)
+
+  @property
+  def num_ps_ranks(self) -> int:
+    """MPI ranks of parameter servers (``num_ps_shards``; 0 for the all-reduce methods)."""
+    return methods.num_ps_ranks(methods.get_method(self.method), self.num_ps_shards)
+
+  @property
+  def world_size(self) -> int:
+    """MPI ranks: ``num_ps_shards`` PS shards (ranks ``0..S-1``), one rank per VW, then the stage ranks (all-reduce
+    methods: no PS)."""
+    return self.num_ps_ranks + self.num_virtual_workers + self.num_stage_ranks
+
+  @property
+  def num_stages(self) -> int | None:
+    """Stages per VW when every VW has the same count, else None."""
+    counts = {len(v.devices) for v in self.vws}
+    return counts.pop() if len(counts) == 1 else None
+
+  @property
+  def max_num_stages(self) -> int:
+    return max(len(v.devices) for v in self.vws)
+
+  @property
+  def devices_needed(self) -> int:
+    """Local devices one VW process needs (max device index + 1)."""
+    return 1 + max(max(v.devices) for v in self.vws)
+
+
 @dataclasses.dataclass(frozen=True)
-class JobSettings:
+class JobSettings(_RankLayout):
   """The layout a job resolves first (:func:`hetpipe_jax.jobs.job_config.settings_from_config`, then the MPI job's
   PS shards and stage ranks, :mod:`hetpipe_jax.jobs.job_ranks`); :func:`hetpipe_jax.jobs.job_config.resolve_job`
   turns it into the :class:`Job`'s sections. Nothing after ``resolve_job`` sees it.
@@ -70,36 +106,6 @@ class JobSettings:
   # driver rank (S + v), the further groups on ranks after the drivers; () = one process per VW.
   stage_groups: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
-  @property
-  def num_stage_ranks(self) -> int:
-    """Ranks beyond the VWs' drivers that run stages (0 without stage ranks)."""
-    return sum(len(g) - 1 for g in self.stage_groups)
-
-  @property
-  def num_ps_ranks(self) -> int:
-    """MPI ranks of parameter servers (``num_ps_shards``; 0 for the all-reduce methods)."""
-    return methods.num_ps_ranks(methods.get_method(self.method), self.num_ps_shards)
-
-  @property
-  def world_size(self) -> int:
-    """MPI ranks: ``num_ps_shards`` PS shards (ranks ``0..S-1``) then one rank per VW (WSP methods); one rank per VW
-    (all-reduce methods: no PS)."""
-    return self.num_ps_ranks + self.num_virtual_workers + self.num_stage_ranks
-
-  @property
-  def num_stages(self) -> int | None:
-    """Stages per VW when every VW has the same count, else None."""
-    counts = {len(v.devices) for v in self.vws}
-    return counts.pop() if len(counts) == 1 else None
-
-  @property
-  def max_num_stages(self) -> int:
-    return max(len(v.devices) for v in self.vws)
-
-  @property
-  def devices_needed(self) -> int:
-    """Local devices one VW process needs (max device index + 1)."""
-    return 1 + max(max(v.devices) for v in self.vws)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +252,7 @@ class RunSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
+class Job(_RankLayout):
   """A validated training job (:func:`hetpipe_jax.jobs.job_config.resolve_job`); what runs is what it holds.
 
   Attributes:
@@ -293,36 +299,6 @@ class Job:
   ps_placement = property(lambda self: self.ps.placement)
   shard_nodes = property(lambda self: self.ps.shard_nodes)
   vw_stage_nodes = property(lambda self: self.ps.vw_stage_nodes)
-
-  @property
-  def num_stage_ranks(self) -> int:
-    """Ranks beyond the VWs' drivers that run stages (0 without stage ranks)."""
-    return sum(len(g) - 1 for g in self.stage_groups)
-
-  @property
-  def num_ps_ranks(self) -> int:
-    """MPI ranks of parameter servers (S; 0 for the all-reduce methods)."""
-    return methods.num_ps_ranks(methods.get_method(self.method), self.num_ps_shards)
-
-  @property
-  def world_size(self) -> int:
-    """MPI ranks: the PS shards, one rank per VW, then the stage ranks."""
-    return self.num_ps_ranks + self.num_virtual_workers + self.num_stage_ranks
-
-  @property
-  def num_stages(self) -> int | None:
-    """Stages per VW when every VW has the same count, else None."""
-    counts = {len(v.devices) for v in self.vws}
-    return counts.pop() if len(counts) == 1 else None
-
-  @property
-  def max_num_stages(self) -> int:
-    return max(len(v.devices) for v in self.vws)
-
-  @property
-  def devices_needed(self) -> int:
-    """Local devices one VW process needs (max device index + 1)."""
-    return 1 + max(max(v.devices) for v in self.vws)
 
   @property
   def minibatches_per_wave(self) -> int:
