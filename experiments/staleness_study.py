@@ -45,6 +45,7 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -296,61 +297,98 @@ def command(task: Task, fields: dict, workdir: pathlib.Path) -> list[str]:
 
 
 def run_one(task: Task, row: Row, seed: int, fields: dict, out: pathlib.Path, rerun: bool, timeout_s: int) -> dict:
-  """Runs (or reuses) one seed of ``row``; returns its record (the command, the config, the curve, the result)."""
+  """Runs (or reuses) one seed of ``row``; returns its record (the command, the config, the curve, the result).
+
+  Reused: a record with the same command, or a finished run directory (``summary.json``) whose ``<key>.cmd`` is the
+  same command (a run that outlived the study process that started it; while its ``<key>.pid`` runs, this waits).
+  """
   key = f"{row.key}.s{seed}"
   record_path = out / "runs" / f"{key}.json"
+  cmd_path = out / "runs" / f"{key}.cmd"
   workdir = out / "runs" / key
   cmd = command(task, fields, workdir)
   if record_path.exists() and not rerun:
     rec = json.loads(record_path.read_text())
     if rec["command"] == shlex.join(cmd):
       return rec
-  if workdir.exists():
-    import shutil  # pylint: disable=g-import-not-at-top
-    shutil.rmtree(workdir)
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = str(REPO_ROOT)
-  env.setdefault("JAX_PLATFORMS", "cpu")
-  env.setdefault("JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(os.environ.get("TMPDIR", "/tmp")) /
-                                                   "hetpipe_staleness_jax_cache"))
-  argv = [sys.executable] + cmd[1:]
-  logging.info("[staleness] run %s: %s", key, shlex.join(cmd))
-  t0 = time.perf_counter()
-  proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
-  host_s = time.perf_counter() - t0
-  rec = {"key": key, "row": dataclasses.asdict(row), "seed": seed, "command": shlex.join(cmd), "config": fields,
-         "host_s": host_s, "returncode": proc.returncode}
-  if proc.returncode != 0:
-    rec["error"] = (proc.stdout + proc.stderr)[-2000:]
-    logging.warning("[staleness] %s failed (exit %d): %s", key, proc.returncode, rec["error"][-500:])
+  pid_path = out / "runs" / f"{key}.pid"
+  same = not rerun and cmd_path.exists() and cmd_path.read_text() == shlex.join(cmd)
+  if same and pid_path.exists():  # started by an earlier study process and maybe still running: wait for it
+    pid = int(pid_path.read_text())
+    while _alive(pid):
+      time.sleep(10)
+  if same and (workdir / "summary.json").exists():
+    rec = _record(task, row, seed, fields, cmd, workdir, None, 0, "")
   else:
-    s = json.loads((workdir / "summary.json").read_text())
-    for k in ("method", "num_virtual_workers", "num_inflight", "staleness_bound"):
-      want = fields[k]
-      if s[k] != want:
-        raise RuntimeError(f"{workdir}/summary.json says {k}={s[k]!r}, the study asked {want!r}")
-    per_vw = s["num_minibatches_per_vw"]
-    bits = task.metric == "test_bits_per_byte"
-    mb_per_clock = s["num_minibatches"] / max(1, s.get("global_clock", per_vw))
-
-    def quality(e):
-      return e["test_loss"] / math.log(2) if bits else e["test_accuracy"]
-
-    curve = [(e["global_clock"] * mb_per_clock, e["simulated_time_s"], quality(e)) for e in s["evaluations"]]
-    final = s[task.metric]
-    if not curve or curve[-1][0] < s["num_minibatches"]:
-      curve.append((s["num_minibatches"], s["simulated_time_s"], final))
-    rec.update(final=final, curve=curve, num_minibatches=s["num_minibatches"], num_minibatches_per_vw=per_vw,
-               simulated_time_s=s["simulated_time_s"], minibatches_per_s=s["minibatches_per_s"],
-               optimizer=s["optimizer"], method_settings=s.get("method_settings"),
-               extra_updates=s.get("extra_updates"), dataset_info=_dataset_info(workdir))
-    import shutil  # pylint: disable=g-import-not-at-top
-    for big in ("checkpoint", "minibatches.jsonl"):  # the record keeps what the tables need
-      p = workdir / big
-      shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-  record_path.parent.mkdir(parents=True, exist_ok=True)
+    if workdir.exists():
+      shutil.rmtree(workdir)
+    cmd_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd_path.write_text(shlex.join(cmd))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(os.environ.get("TMPDIR", "/tmp")) /
+                                                     "hetpipe_staleness_jax_cache"))
+    logging.info("[staleness] run %s: %s", key, shlex.join(cmd))
+    t0 = time.perf_counter()
+    with subprocess.Popen([sys.executable] + cmd[1:], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True) as proc:
+      pid_path.write_text(str(proc.pid))
+      try:
+        output, _ = proc.communicate(timeout=timeout_s)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+    rec = _record(task, row, seed, fields, cmd, workdir, time.perf_counter() - t0, proc.returncode, output)
   write_json(rec, record_path)
-  logging.info("[staleness] %s: %s in %.0f host s", key, rec.get("final", "failed"), host_s)
+  logging.info("[staleness] %s: %s in %s host s", key, rec.get("final", "failed"), rec["host_s"])
+  return rec
+
+
+def _alive(pid: int) -> bool:
+  """Whether process ``pid`` exists and is not a zombie."""
+  try:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+      return f.read().split(")")[-1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+def _record(task: Task, row: Row, seed: int, fields: dict, cmd: list[str], workdir: pathlib.Path,
+            host_s: float | None, returncode: int, output: str) -> dict:
+  """A finished run's record, read from its ``summary.json`` (checked against the fields the study asked for)."""
+  rec = {"key": f"{row.key}.s{seed}", "row": dataclasses.asdict(row), "seed": seed, "command": shlex.join(cmd),
+         "config": fields, "host_s": host_s, "returncode": returncode}
+  if returncode != 0:
+    rec["error"] = output[-2000:]
+    logging.warning("[staleness] %s failed (exit %d): %s", rec["key"], returncode, rec["error"][-500:])
+    return rec
+  s = json.loads((workdir / "summary.json").read_text())
+  for k in ("method", "num_virtual_workers", "num_inflight", "staleness_bound"):
+    if s[k] != fields[k]:
+      raise RuntimeError(f"{workdir}/summary.json says {k}={s[k]!r}, the study asked {fields[k]!r}")
+  bits = task.metric == "test_bits_per_byte"
+  mb_per_clock = s["num_minibatches"] / max(1, s["global_clock"])
+
+  def quality(e):
+    return e["test_loss"] / math.log(2) if bits else e["test_accuracy"]
+
+  curve = [(e["global_clock"] * mb_per_clock, e["simulated_time_s"], quality(e)) for e in s["evaluations"]]
+  if not curve or curve[-1][0] < s["num_minibatches"]:
+    curve.append((s["num_minibatches"], s["simulated_time_s"], s[task.metric]))
+  if rec["host_s"] is None:
+    rec["host_s"] = s.get("host_wall_time_s")
+  rec.update(final=s[task.metric], curve=curve, num_minibatches=s["num_minibatches"],
+             num_minibatches_per_vw=s["num_minibatches_per_vw"], simulated_time_s=s["simulated_time_s"],
+             minibatches_per_s=s["minibatches_per_s"], optimizer=s["optimizer"],
+             method_settings=s.get("method_settings"), extra_updates=s.get("extra_updates"),
+             dataset_info=_dataset_info(workdir))
+  for big in ("checkpoint", "minibatches.jsonl"):  # the record keeps what the tables need
+    p = workdir / big
+    if p.is_dir():
+      shutil.rmtree(p, ignore_errors=True)
+    else:
+      p.unlink(missing_ok=True)
   return rec
 
 
@@ -657,7 +695,7 @@ def main(argv):
   t0 = time.perf_counter()
   plans = paper_plans(out, todo) if not FLAGS.aggregate_only else {}
   n_train = {name: num_train(t) for name, t in tasks.items()}
-  jobs = [(r, s) for r in todo for s in range(r.seeds)]
+  jobs = sorted(((r, s) for r in todo for s in range(r.seeds)), key=lambda j: j[1])  # every row's seed 0 first
   records: dict[str, dict] = {}
   for p in sorted((out / "runs").glob("*.json")) if (out / "runs").exists() else []:
     rec = json.loads(p.read_text())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -59,11 +60,18 @@ def test_staleness_study_quick(tmp_path, synthetic_data_dir):
   out = tmp_path / "study"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = str(REPO_ROOT)
-  proc = subprocess.run([sys.executable, "experiments/staleness_study.py", "--quick", "--jobs=2",
-                         f"--text_dir={text}", f"--fashion_dir={synthetic_data_dir}", f"--output_dir={out}"],
-                        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
-  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-  summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+  # Its own process group: a timeout ends the study and the runs it started.
+  proc = subprocess.Popen([sys.executable, "experiments/staleness_study.py", "--quick", "--jobs=2",
+                           f"--text_dir={text}", f"--fashion_dir={synthetic_data_dir}", f"--output_dir={out}"],
+                          cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
+  try:
+    stdout, stderr = proc.communicate(timeout=600)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise
+  assert proc.returncode == 0, (stdout + stderr)[-3000:]
+  summary = json.loads(stdout[stdout.index("{"):])
   assert summary["output"] == str(out / "staleness_study.json")
   r = json.loads((out / "staleness_study.json").read_text())
   assert summary["goals"] == r["goals"] and len(summary["table"]) == len(r["table"])
