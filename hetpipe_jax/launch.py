@@ -40,12 +40,15 @@ import time
 
 from absl import app, flags
 
+from hetpipe_jax import recovery
+from hetpipe_jax.costs import cluster as cluster_lib
 from hetpipe_jax.jobs.job_config import plan_nodes
 from hetpipe_jax.mpi import rank_devices
 from hetpipe_jax.mpi import rank_layout
 from hetpipe_jax.mpi.rank_layout import LaunchError
 from hetpipe_jax.paths import REPO_ROOT, repo_path
 from hetpipe_jax.planning import plan_format
+from hetpipe_jax.rules import methods
 
 _PLAN = flags.DEFINE_string("plan", None, "Plan JSON (python -m hetpipe_jax.plan).")
 _HOSTFILE = flags.DEFINE_string("hostfile", "", "MPICH hostfile (host[:slots] per line); '' = every node on "
@@ -61,19 +64,52 @@ _GROUPING = flags.DEFINE_enum("stage_rank_grouping", "gpu", ["gpu", "node"], "Wi
 _OVERSUBSCRIBE = flags.DEFINE_bool("oversubscribe", False, "Allow more ranks on a host than its hostfile slots "
                                    "(default: refused, naming the host).")
 _MPIEXEC = flags.DEFINE_string("mpiexec", "", "mpiexec to run ('' = the one next to this Python, else on PATH).")
+_MAX_RESTARTS = flags.DEFINE_integer("max_restarts", 0, "Restart a failed run up to this many times "
+                                     "(hetpipe_jax.recovery: the failed rank named, a gone node planned away, resumed "
+                                     "from the newest checkpoint); 0: no restart.")
+_WATCHDOG_S = flags.DEFINE_float("watchdog_s", 300.0, "With --max_restarts and a PS method: the PS's progress "
+                                 "watchdog (--config.ps_watchdog_s): a VW silent this long is hung.")
+_NODE_PROBE = flags.DEFINE_string("node_probe", recovery.DEFAULT_NODE_PROBE, "With --max_restarts: a shell command "
+                                  "that exits 0 when a node answers ({host} and {node} are replaced).")
+_CLUSTER = flags.DEFINE_string("cluster", "", "With --max_restarts: the plan's cluster (name or JSON), for "
+                               "re-planning without a gone node ('' = the plan's cluster name).")
 flags.mark_flags_as_required(["plan"])
 
 
 def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_ps_shards: int | None,
                   extra: list[str], mpiexec: str = "", stage_rank_grouping: str | None = None,
-                  oversubscribe: bool = False) -> tuple[str, str, list[str]]:
+                  oversubscribe: bool = False, guard: bool = False) -> tuple[str, str, list[str]]:
   """``(mapping table, machinefile text, mpiexec argv)`` for a plan and a hostfile (``stage_rank_grouping``: stage
   ranks, ``"gpu"`` or ``"node"``; None: one process per VW; ``oversubscribe``: a host may get more ranks than its
-  hostfile slots).
+  hostfile slots; ``guard``: each rank runs under :mod:`hetpipe_jax.mpi.rank_guard`, which records how it ended).
 
   Raises:
     hetpipe_jax.mpi.rank_layout.LaunchError: unreadable plan or hostfile, or a mapping that cannot run (too few
       hosts, a VW across hosts without stage ranks, more ranks on a host than its slots).
+  """
+  slots, shards = rank_slots(plan_path, hostfile, num_ps_shards, stage_rank_grouping, oversubscribe)
+  if not mpiexec:
+    local = pathlib.Path(sys.executable).parent / "mpiexec"
+    mpiexec = str(local) if local.exists() else "mpiexec"
+  argv = [mpiexec, "-f", str(pathlib.Path(workdir) / "ranks.hosts"), "-genv", rank_devices.ENV,
+          device_table(slots), "-n", str(len(slots))]
+  if guard:
+    argv += [sys.executable, "-m", "hetpipe_jax.mpi.rank_guard", f"--workdir={workdir}", "--"]
+  argv += [sys.executable, "-m", "mpi4py", "-m", "hetpipe_jax.train", f"--config={config}", f"--workdir={workdir}",
+          f"--config.plan={plan_path}", f"--config.num_ps_shards={shards}"]
+  if stage_rank_grouping is not None:
+    argv += ["--config.stage_ranks=True", f"--config.stage_rank_grouping={stage_rank_grouping}"]
+  argv += extra
+  return rank_layout.format_table(slots), rank_layout.machinefile(slots), argv
+
+
+def rank_slots(plan_path: str, hostfile: str, num_ps_shards: int | None, stage_rank_grouping: str | None = None,
+               oversubscribe: bool = False) -> tuple[list[rank_layout.RankSlot], int]:
+  """The rank table of a plan on a hostfile (:func:`hetpipe_jax.mpi.rank_layout.map_ranks`) and the PS shard count
+  (``num_ps_shards``, or None: one per plan node).
+
+  Raises:
+    hetpipe_jax.mpi.rank_layout.LaunchError: as :func:`build_command`.
   """
   try:
     plan = plan_format.load_plan(str(repo_path(plan_path)))
@@ -89,17 +125,7 @@ def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_
   shards = len(nodes) if num_ps_shards is None else num_ps_shards
   slots = rank_layout.map_ranks(plan, nodes, shards, list(host_slots), stage_rank_grouping)
   rank_layout.check_slots(slots, host_slots, oversubscribe)
-  if not mpiexec:
-    local = pathlib.Path(sys.executable).parent / "mpiexec"
-    mpiexec = str(local) if local.exists() else "mpiexec"
-  argv = [mpiexec, "-f", str(pathlib.Path(workdir) / "ranks.hosts"), "-genv", rank_devices.ENV,
-          device_table(slots), "-n", str(len(slots)), sys.executable, "-m",
-          "mpi4py", "-m", "hetpipe_jax.train", f"--config={config}", f"--workdir={workdir}",
-          f"--config.plan={plan_path}", f"--config.num_ps_shards={shards}"]
-  if stage_rank_grouping is not None:
-    argv += ["--config.stage_ranks=True", f"--config.stage_rank_grouping={stage_rank_grouping}"]
-  argv += extra
-  return rank_layout.format_table(slots), rank_layout.machinefile(slots), argv
+  return slots, shards
 
 
 def device_table(slots) -> str:
@@ -129,12 +155,50 @@ def main(argv) -> None:
   print("command: " + " ".join(shlex.quote(a) for a in command), flush=True)
   if _DRY_RUN.value:
     return
+  _write_rank_files(workdir, hostlines, device_lines)
+  env = dict(os.environ)
+  env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(REPO_ROOT)
+  if not _MAX_RESTARTS.value:
+    sys.exit(subprocess.run(command, env=env, check=False).returncode)
+  sys.exit(_supervise(workdir, extra, env))
+
+
+def _write_rank_files(workdir: str, hostlines: str, device_lines: str) -> None:
   pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
   (pathlib.Path(workdir) / "ranks.hosts").write_text(hostlines)
   (pathlib.Path(workdir) / "ranks.devices").write_text(device_lines)
-  env = dict(os.environ)
-  env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(REPO_ROOT)
-  sys.exit(subprocess.run(command, env=env, check=False).returncode)
+
+
+def _supervise(workdir: str, extra: list[str], env: dict[str, str]) -> int:
+  """``--max_restarts``: runs the job under :class:`hetpipe_jax.recovery.Supervisor`."""
+  plan = plan_format.load_plan(str(repo_path(_PLAN.value)))
+  try:
+    cluster = cluster_lib.load_cluster(_CLUSTER.value or plan.cluster)
+  except ValueError as e:
+    print(f"error: --max_restarts re-plans on the plan's cluster: {e}; pass --cluster=<name or JSON>",
+          file=sys.stderr, flush=True)
+    return 2
+  watchdog = ([f"--config.ps_watchdog_s={_WATCHDOG_S.value}"] if plan.method in methods.PS_METHODS else [])
+  user_resume = "--resume" in extra
+  base = [a for a in extra if a != "--resume"]
+  grouping = _GROUPING.value if _STAGE_RANKS.value else None
+
+  def build(plan_path: str, hostfile: str, resume: bool):
+    table, hostlines, command = build_command(plan_path, hostfile, _CONFIG.value, workdir, _NUM_PS_SHARDS.value,
+                                              watchdog + base + (["--resume"] if resume else []), _MPIEXEC.value,
+                                              grouping, _OVERSUBSCRIBE.value, guard=True)
+    devices = command[command.index("-genv") + 2]
+    _write_rank_files(workdir, hostlines, "".join(f"{r} {ids}\n" for r, ids in enumerate(devices.split(";"))))
+    return rank_slots(plan_path, hostfile, _NUM_PS_SHARDS.value, grouping, _OVERSUBSCRIBE.value)[0], hostlines, command
+
+  supervisor = recovery.Supervisor(build, _PLAN.value, _HOSTFILE.value, workdir, _MAX_RESTARTS.value, cluster,
+                                   node_probe=_NODE_PROBE.value, resume=user_resume, env=env,
+                                   log=lambda line: print(line, flush=True))
+  try:
+    return supervisor.run()
+  except (ValueError, LaunchError) as e:
+    print(f"error: [recovery] {e}", file=sys.stderr, flush=True)
+    return 2
 
 
 if __name__ == "__main__":

@@ -21,8 +21,10 @@ from hetpipe_jax.data.fashion_mnist import DataError
 from hetpipe_jax.jobs.job_config import ConfigError, resolve_settings
 from hetpipe_jax.jobs.outputs import ReplicasDivergedError
 from hetpipe_jax.mpi import rank_devices
+from hetpipe_jax.mpi import rank_records
 from hetpipe_jax.ps.param_server import BadUpdateError
 from hetpipe_jax.rules import methods
+from hetpipe_jax.rules.watchdog import HungRankError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Job config file (ml_collections).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics, summary and checkpoint.")
@@ -57,6 +59,8 @@ def main(argv) -> None:
   rank = comm.Get_rank()
   logging.set_verbosity(logging.INFO if rank == 0 else logging.WARNING)
   config = _CONFIG.value
+  if _MODE.value == "mpi":  # who this rank is, for a launcher naming a failed rank (hetpipe_jax.mpi.rank_records)
+    rank_records.write_proc(_WORKDIR.value, rank, comm.Get_size())
   if _PLAN.value is not None:
     config.plan = _PLAN.value
   try:
@@ -80,10 +84,20 @@ def main(argv) -> None:
   except (ConfigError, DataError, FileExistsError, BadUpdateError, ReplicasDivergedError) as e:
     # Every rank validates the same settings; rank 0 reports and its exit aborts the mpi_job. Another rank reports
     # only if it is still alive after a moment (its failure was its own, e.g. a data file missing on its node).
+    if _MODE.value == "mpi":  # a launcher's recovery does not restart what would fail again
+      rank_records.write_failure(_WORKDIR.value, rank, e)
     if rank != 0:
       time.sleep(_REPORT_GRACE_S)
     print(f"error: {e}" if rank == 0 else f"error: [rank {rank}] {e}", file=sys.stderr, flush=True)
     sys.exit(2)
+  except HungRankError as e:  # the PS's watchdog (MPI): the launcher's recovery reads the blamed rank from the record
+    rank_records.write_failure(_WORKDIR.value, rank, e, suspect_rank=e.rank)
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(3)
+  except Exception as e:  # pylint: disable=broad-except  # a bug or a lost peer: recorded for the launcher, re-raised
+    if _MODE.value == "mpi":
+      rank_records.write_failure(_WORKDIR.value, rank, e)
+    raise
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def tiny_config(**overrides):
 def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_bound=0, optimizer=None,
              batch_size=16, seed=0, pull_every_wave=True, num_vws=1, vw_id=0, server=None, client_factory=None,
              ps_apply="on_receipt", dataset=None, method="hetpipe", vertical_sync=False, max_held=None, stages=None,
-             ps_channel="inline", delay_compensation="none", dc_lambda=0.04):
+             ps_channel="inline", delay_compensation="none", dc_lambda=0.04, **update_options):
   """Returns ``(vw, source, initial per-layer params, optimizer, server)`` for an in-process VW.
 
   ``dataset``: an already loaded dataset (e.g. text windows for a GPT) instead of Fashion-MNIST from ``data_dir``.
@@ -37,6 +37,9 @@ def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_b
 
   ``ps_channel``: the VW's ``ps_channel`` (``"inline"``: these tests' scenarios were written for PS calls on the
   scheduler thread, e.g. a slow poll delaying it; tests/test_ps_channel.py reruns the oracles with ``"thread"``).
+
+  ``update_options``: further :class:`~hetpipe_jax.runtime.update_rules.UpdateSettings` fields (e.g.
+  ``weight_prediction`` with ``optimizer_step``, ``delay_scaled_lr``).
   """
   spec = models.get_model(model)
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(seed)))
@@ -54,7 +57,7 @@ def build_vw(data_dir, *, model="mlp_tiny", partition, num_inflight, staleness_b
       stages, layout, params0,
       virtual_worker.WSPSettings(vw_id, num_vws, num_inflight, staleness_bound, pull_every_wave),
       virtual_worker.UpdateSettings(tx, method, vertical_sync=vertical_sync, max_held=max_held,
-                                    delay_compensation=delay_compensation, dc_lambda=dc_lambda),
+                                    delay_compensation=delay_compensation, dc_lambda=dc_lambda, **update_options),
       virtual_worker.VWHooks(source.get, client), host=virtual_worker.HostSettings(ps_channel=ps_channel))
   return vw, source, params0, tx, server
 

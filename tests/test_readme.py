@@ -122,6 +122,10 @@ HOW = (
         why="its run: tests/test_launch.py::test_launch_runs_an_ed_plan_with_local_placement_and_no_cross_node_"
             "ps_bytes"),
     How(r"launch --plan=.*local_cpu_2node_mlp_tiny_ed_local\.json --hostfile=hosts --stage_ranks", "dry_run"),
+    How(r"launch --plan=.*local_cpu_4node_mlp_tiny_ed\.json .*--workdir=runs/recovering .*--max_restarts=3", "dry_run",
+        why="its restarts: tests/test_recovery.py::test_recovery_drills_smoke"),
+    How(r"experiments/recovery_drill\.py --output_dir=runs/recovery_drill$", "skip",
+        why="its --smoke mode: tests/test_recovery.py::test_recovery_drills_smoke"),
     How(r"-n 7 .*--workdir=runs/stage_ranks --config\.num_stages=3 --config\.stage_ranks=True", "validate",
         why="2 VWs x 3 stage ranks run in tests/test_stage_ranks_mpi.py"),
     How(r"hetpipe_jax\.simulate --plan=plan\.json --num_waves=100", "run"),

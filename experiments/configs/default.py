@@ -55,6 +55,16 @@ def get_config() -> ml_collections.ConfigDict:
   # (hetpipe_jax.runtime.delay_compensation); dc_lambda is λ (0.04: the DC-ASGD paper's constant λ₀, DC-ASGD-c).
   c.delay_compensation = "none"
   c.dc_lambda = 0.04
+  # hetpipe / pipedream: "optimizer" runs minibatch p, forward and backward on every stage, on the weights its update
+  # will meet, predicted from the optimizer's own next step: W - s * lr * d (SpecTrain / PipeOptim), s the updates
+  # that land before p's own, d the step of adam / nadam / nadamw / momentum from its current state
+  # (hetpipe_jax.rules.weight_prediction); p's gradient then updates the current weights. "none": off.
+  c.weight_prediction = "none"
+  # hetpipe / pipedream: "pipemare" scales each minibatch's step by tau^-(1 - min(t/T, 1)) (PipeMare's learning-rate
+  # rescheduling), tau its delay (updates since the weights it used; tau = 0: scale 1), t its step, T =
+  # pipemare_warmup_minibatches (hetpipe_jax.rules.weight_prediction). "none": off.
+  c.delay_scaled_lr = "none"
+  c.pipemare_warmup_minibatches = 500
   c.remat = False  # gpipe / 1f1b_flush / horovod: rematerialise each stage's activations (jax.checkpoint)
   # HetPipe pipeline and WSP (HetPipe §4-§5).
   c.staleness_bound = 1  # D: a VW may run at most D waves ahead of the slowest
@@ -113,6 +123,10 @@ def get_config() -> ml_collections.ConfigDict:
   # barrier, docs/design.md) and at the end; 0: only the final weights. `--resume` continues from the newest.
   c.checkpoint_every_waves = 100
   c.checkpoint_max_to_keep = 3
+  # Progress watchdog on the PS (MPI jobs of the PS methods): a VW silent this many seconds while the PS owes it
+  # nothing (hetpipe_jax/rules/watchdog.py) is hung; the job stops with an error naming it, so that
+  # `python -m hetpipe_jax.launch --max_restarts=K` restarts it. 0: off (the launcher sets it with --max_restarts).
+  c.ps_watchdog_s = 0.0
   # Fault drill: "vw:wave" puts a NaN into that VW's update of that wave, which the PS must refuse ("" = none).
   c.debug_nan_update = ""
   return c

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from hetpipe_jax.paths import REPO_ROOT
 
@@ -232,6 +232,27 @@ def cluster_from_dict(d: Mapping[str, Any]) -> ClusterSpec:
         local_devices={k: v for k, v in d.get("local_devices", {}).items()})
   except KeyError as e:
     raise ValueError(f"cluster spec: missing field {e.args[0]!r}") from None
+  spec.validate()
+  return spec
+
+
+def without_nodes(cluster: ClusterSpec, names: Sequence[str]) -> ClusterSpec:
+  """``cluster`` less the nodes ``names`` (a node lost to a failure), the rest in their order; its name gets
+  ``-without-<names>``.
+
+  Raises:
+    ValueError: a name that is not a node of the cluster, or no node left.
+  """
+  known = [n.name for n in cluster.nodes]
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    raise ValueError(f"cluster {cluster.name!r} has no node {', '.join(unknown)} (nodes: {', '.join(known)})")
+  nodes = tuple(n for n in cluster.nodes if n.name not in names)
+  if not nodes:
+    raise ValueError(f"no node of cluster {cluster.name!r} is left without {', '.join(names)}")
+  gone = tuple(f"{n}/" for n in names)
+  spec = dataclasses.replace(cluster, name=f"{cluster.name}-without-{'-'.join(names)}", nodes=nodes,
+                             local_devices={g: d for g, d in cluster.local_devices.items() if not g.startswith(gone)})
   spec.validate()
   return spec
 

@@ -18,6 +18,7 @@ from hetpipe_jax.planning import plan_format
 from hetpipe_jax.planning import plan_times as plan_times_lib
 from hetpipe_jax.planning.ps_placement import PLACEMENTS, assign_layers, gpu_node
 from hetpipe_jax.rules import delay_compensation
+from hetpipe_jax.rules import weight_prediction
 from hetpipe_jax.rules import methods
 from hetpipe_jax.rules import partition as partition_rules
 from hetpipe_jax.rules import wsp
@@ -243,6 +244,8 @@ def _check_scalars(config: Any) -> None:
   if not config.get("grad_clip_norm", 0.0) >= 0:
     raise ConfigError(f"config.grad_clip_norm={config.get('grad_clip_norm')} must be >= 0 (0: no clipping)")
   _check_delay_compensation(config)
+  _check_watchdog(config)
+  _check_weight_prediction_and_pipemare(config)
   if not config.learning_rate > 0:
     raise ConfigError(f"config.learning_rate={config.learning_rate} must be > 0")
   if config.checkpoint_every_waves < 0:
@@ -273,6 +276,17 @@ def _check_scalars(config: Any) -> None:
   check_method_settings(config, method)
 
 
+def _check_watchdog(config: Any) -> None:
+  """``ps_watchdog_s`` (:mod:`hetpipe_jax.rules.watchdog`): >= 0, and > 0 only for the methods with a PS."""
+  limit = config.get("ps_watchdog_s", 0.0)
+  if not limit >= 0:
+    raise ConfigError(f"config.ps_watchdog_s={limit} must be >= 0 (seconds a VW may stay silent; 0: off)")
+  method = config.get("method", "hetpipe")
+  if limit > 0 and method in methods.METHODS and method not in methods.PS_METHODS:
+    raise ConfigError(f"config.ps_watchdog_s={limit} is the parameter server's watchdog; method {method!r} has no "
+                      "PS (all-reduce): set it to 0")
+
+
 def _check_delay_compensation(config: Any) -> None:
   """``delay_compensation`` and ``dc_lambda`` (:mod:`hetpipe_jax.runtime.delay_compensation`); the methods that take
   it are checked with :data:`METHOD_SETTINGS`.
@@ -290,6 +304,28 @@ def _check_delay_compensation(config: Any) -> None:
   if mode == "dc" and config.get("stage_ranks", False):
     raise ConfigError("config.delay_compensation='dc' runs with a VW's stages in its process, not with "
                       "config.stage_ranks=True: set one of them back")
+
+
+def _check_weight_prediction_and_pipemare(config: Any) -> None:
+  """``weight_prediction`` against ``config.optimizer``, ``delay_scaled_lr`` and ``pipemare_warmup_minibatches``
+  (:mod:`hetpipe_jax.rules.weight_prediction`); the methods that take them are checked with :data:`METHOD_SETTINGS`.
+
+  Raises:
+    ConfigError: an unknown mode, prediction with an optimizer that has no direction (``sgd``, ``muon``), T < 1,
+      or either one with stage ranks.
+  """
+  try:
+    weight_prediction.check(config.get("weight_prediction", "none"), config.optimizer)
+    weight_prediction.check_delay_scaled_lr(config.get("delay_scaled_lr", "none"),
+                                            config.get("pipemare_warmup_minibatches",
+                                                       weight_prediction.DEFAULT_PIPEMARE_WARMUP))
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
+  for name in ("weight_prediction", "delay_scaled_lr"):
+    mode = config.get(name, "none")
+    if mode != "none" and config.get("stage_ranks", False):
+      raise ConfigError(f"config.{name}={mode!r} runs with a VW's stages in its process, not with "
+                        "config.stage_ranks=True: set one of them back")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,6 +361,10 @@ METHOD_SETTINGS = (
     MethodSetting("vertical_sync", False, ("pipedream",), "is PipeDream's vertical sync"),
     MethodSetting("delay_compensation", "none", ("hetpipe", "pipedream"),
                   "corrects a stale gradient at its (asynchronous) step (DC-ASGD)"),
+    MethodSetting("weight_prediction", "none", ("hetpipe", "pipedream"),
+                  "runs each minibatch on weights predicted from the optimizer's next step"),
+    MethodSetting("delay_scaled_lr", "none", ("hetpipe", "pipedream"),
+                  "scales each (asynchronous) step by its delay (PipeMare)"),
     MethodSetting("stage_ranks", False, ("hetpipe",), "runs HetPipe's pipeline with a VW's stages on separate ranks"),
     MethodSetting("remat", False, _FLUSH_METHODS, "rematerialises the flush methods' activations"),
 )

@@ -41,6 +41,7 @@ from hetpipe_jax.mpi.stage_server import StageRankServer
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.ps.shards import ShardLayout
 from hetpipe_jax.rules import methods
+from hetpipe_jax.rules import weight_prediction
 from hetpipe_jax.runtime import opt_state
 from hetpipe_jax.runtime import optimizers
 from hetpipe_jax.runtime import placement as placement_lib
@@ -79,11 +80,7 @@ def make_optimizer(config: Any, num_minibatches: int, spec: models.ModelSpec | N
   Raises:
     ConfigError: ``muon`` without a model, or for a model with no 2-D hidden weights.
   """
-  lr = config.learning_rate
-  if config.lr_schedule == "cosine":
-    lr = optax.cosine_decay_schedule(config.learning_rate, num_minibatches)
-  if config.lr_schedule == "warmup_cosine":
-    lr = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup_minibatches, num_minibatches)
+  lr = learning_rate(config, num_minibatches)
   b1, b2 = config.get("adam_b1", 0.9), config.get("adam_b2", 0.999)
   decay = config.get("weight_decay", 0.0)
   if config.optimizer == "muon":
@@ -102,6 +99,29 @@ def make_optimizer(config: Any, num_minibatches: int, spec: models.ModelSpec | N
   else:
     tx = optax.sgd(lr)
   return tx
+
+
+def learning_rate(config: Any, num_minibatches: int) -> Any:
+  """``config.learning_rate`` under ``config.lr_schedule`` (:func:`make_optimizer`'s): a float, or an optax schedule
+  ``step count -> rate`` over ``num_minibatches`` steps."""
+  lr = config.learning_rate
+  if config.lr_schedule == "cosine":
+    lr = optax.cosine_decay_schedule(config.learning_rate, num_minibatches)
+  if config.lr_schedule == "warmup_cosine":
+    lr = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup_minibatches, num_minibatches)
+  return lr
+
+
+def optimizer_step(config: Any, num_minibatches: int) -> Any:
+  """What weight prediction reads of :func:`make_optimizer`'s optimizer (its rate or schedule and the settings it
+  uses; :class:`hetpipe_jax.rules.weight_prediction.OptimizerStep`), for ``config.weight_prediction`` other than
+  ``"none"``; None otherwise."""
+  if config.get("weight_prediction", "none") == "none":
+    return None
+  return weight_prediction.OptimizerStep(
+      config.optimizer, learning_rate(config, num_minibatches), b1=config.get("adam_b1", 0.9),
+      b2=config.get("adam_b2", 0.999), weight_decay=config.get("weight_decay", 0.0) if config.optimizer == "nadamw"
+      else 0.0, momentum=config.get("momentum", 0.9) if config.optimizer == "momentum" else 0.0)
 
 
 def build_stages(config: Any, spec: models.ModelSpec, partition, devices, optimizer: optax.GradientTransformation,
@@ -322,13 +342,20 @@ def _wsp_settings(settings, vw_id: int, pull_every_wave: bool = True):
                      pull_every_wave)
 
 
-def update_settings(config, settings, optimizer, vw_id: int, **options):
+def update_settings(config, settings, optimizer, vw_id: int, num_minibatches: int = 0, **options):
   """VW ``vw_id``'s :class:`~hetpipe_jax.runtime.update_rules.UpdateSettings`: the method, the optimizer and the
-  update-rule options the job sets (``vertical_sync``, ``delay_compensation`` and ``dc_lambda``; the plan's memory caps as ``max_held``), plus ``options``
+  update-rule options the job sets (``vertical_sync``, ``delay_compensation`` and ``dc_lambda``,
+  ``weight_prediction`` with the optimizer's hyperparameters (its schedule over ``num_minibatches``),
+  ``delay_scaled_lr`` and ``pipemare_warmup_minibatches``; the plan's memory caps as ``max_held``), plus ``options``
   (the flush methods' ``reducer`` and ``on_step``)."""
   return update_rules.UpdateSettings(optimizer, settings.method, vertical_sync=bool(config.get("vertical_sync", False)),
                         delay_compensation=config.get("delay_compensation", "none"),
                         dc_lambda=float(config.get("dc_lambda", update_rules.UpdateSettings.dc_lambda)),
+                        weight_prediction=config.get("weight_prediction", "none"),
+                        optimizer_step=optimizer_step(config, num_minibatches),
+                        delay_scaled_lr=config.get("delay_scaled_lr", "none"),
+                        pipemare_warmup_minibatches=config.get("pipemare_warmup_minibatches",
+                                                               update_rules.UpdateSettings.pipemare_warmup_minibatches),
                         max_held=settings.memory_caps[vw_id] if settings.memory_caps else None, **options)
 
 
@@ -418,7 +445,7 @@ def _run_vw(config, settings, spec, layout, flat0, dataset, num_mb, partition, v
   off = resume_lib.Offsets(clock0, start_mb, 0.0)
   vw = vw_lib.VirtualWorker(
       stages, layout, layout.unflatten(flat0), _wsp_settings(settings, vw_id, config.pull_every_wave),
-      update_settings(config, settings, optimizer, vw_id),
+      update_settings(config, settings, optimizer, vw_id, num_mb),
       vw_lib.VWHooks(lambda p: source.get_with_ids(off.minibatch + p), client, sharded,
                      corrupt_update=resume_lib.nan_injector(config, vw_id, off)),
       placement, vw_lib.HostSettings(task_time_s=task_times.task_duration_s if task_times else None))
@@ -510,7 +537,7 @@ def _run_ps(config, settings, spec, layout, flat0, dataset, num_mb, partitions, 
                                    evaluate=evaluator.evaluate, eval_every_waves=eval_every,
                                    log_every_waves=config.log_every_waves, log_metrics=outputs.log_metrics,
                                    progress=config.progress, first_vw_rank=settings.num_ps_shards,
-                                   parts=parts, shard=0)
+                                   parts=parts, shard=0, watchdog_s=config.ps_watchdog_s)
   service.minibatches_done = [start_mb] * n
   service.evals = list(meta.get("evals", []))
   service.last_loss = meta.get("last_loss", float("nan"))

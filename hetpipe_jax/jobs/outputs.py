@@ -189,13 +189,18 @@ class RunOutputs:
 
 def _wsp_method_settings(settings: JobSettings, config: Any) -> dict[str, Any]:
   """The PS methods' ``method_settings``: Nm, D, and the method's own settings of :data:`~hetpipe_jax.jobs.
-  job_config.METHOD_SETTINGS` that are recorded (pipedream's ``vertical_sync``), ``delay_compensation`` (and ``dc_lambda`` when on)."""
+  job_config.METHOD_SETTINGS` that are recorded (pipedream's ``vertical_sync``), ``delay_compensation`` (and ``dc_lambda`` when on),
+  ``weight_prediction``, ``delay_scaled_lr`` (and ``pipemare_warmup_minibatches`` when on)."""
   own = {s.name: bool(config.get(s.name, s.default)) for s in METHOD_SETTINGS
          if s.name in _RECORDED_SETTINGS and settings.method in s.methods}
   dc = config.get("delay_compensation", "none")  # DC-ASGD (runtime.delay_compensation): λ recorded when on
   own["delay_compensation"] = dc
   if dc != "none":
     own["dc_lambda"] = float(config.dc_lambda)
+  own["weight_prediction"] = config.get("weight_prediction", "none")  # rules.weight_prediction
+  own["delay_scaled_lr"] = config.get("delay_scaled_lr", "none")  # PipeMare: T recorded when on
+  if own["delay_scaled_lr"] != "none":
+    own["pipemare_warmup_minibatches"] = int(config.pipemare_warmup_minibatches)
   return {"num_inflight": settings.num_inflight, "staleness_bound": settings.staleness_bound,
           "sync": "WSP (parameter server)", **own,
           "ps_staleness_scaling": config.get("ps_staleness_scaling", "none"),

@@ -69,6 +69,9 @@ def run(config: Any, settings: JobSettings, workdir: str, resume: bool = False) 
   if config.get("num_ps_shards") not in (None, 1):
     raise ConfigError(f"config.num_ps_shards={config.num_ps_shards}: virtual time runs one in-process PS; leave it "
                       "unset or 1 (sharded parameter servers run under MPI)")
+  if config.get("ps_watchdog_s", 0.0):
+    raise ConfigError(f"config.ps_watchdog_s={config.ps_watchdog_s}: virtual time has no hung ranks to watch; set it "
+                      "to 0 (the watchdog runs under MPI)")
   # the PS methods' run, or all-reduce BSP (no PS: gpipe, 1f1b_flush, horovod), by the method's ``sync``
   return _RUNS[methods.get_method(settings.method).sync](config, settings, workdir, resume)
 
@@ -119,7 +122,7 @@ def _run_wsp(config: Any, settings: JobSettings, workdir: str, resume: bool) -> 
     source = sharding.ShardedMinibatches(dataset, n, v, config.batch_size, config.seed)
     vw = vw_lib.VirtualWorker(stages, layout, layout.unflatten(server.weights),
                               vw_lib.WSPSettings(v, n, nm, settings.staleness_bound, config.pull_every_wave),
-                              update_settings(config, settings, optimizer, v),
+                              update_settings(config, settings, optimizer, v, num_mb),
                               vw_lib.VWHooks(lambda p, get=source.get_with_ids, v=v: get(data_offset[v] + p),
                                              virtual_time.RecordingPSClient(v, outbox),
                                              corrupt_update=resume_lib.nan_injector(config, v, off)))

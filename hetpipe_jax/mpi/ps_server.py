@@ -25,6 +25,7 @@ from hetpipe_jax.mpi import wire
 from hetpipe_jax.mpi.wire import Kind
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.ps.shards import WaveAssembler
+from hetpipe_jax.rules import watchdog
 
 IDLE_MAX_S = 5e-4  # the service's longest poll pause while no message arrives (the cores belong to the VWs)
 
@@ -51,13 +52,16 @@ class ParameterServerService:
       (:class:`hetpipe_jax.ps.shards.WaveAssembler`); a pull's reply goes to each receiver as its part plus the
       vector clock. PULL, METRICS and DONE come from the VW's driver. None: rank ``first_vw_rank + v`` is all of VW v.
     shard: this shard's index (with ``parts``).
+    watchdog_s: the lead's progress watchdog (:mod:`hetpipe_jax.rules.watchdog`): a VW silent this many seconds
+      while the PS owes it nothing is hung and :meth:`run` raises; 0: off.
   """
 
   def __init__(self, comm, server: ParameterServer, *, num_minibatches_per_vw: int, num_inflight: int,
                evaluate: Callable[[np.ndarray], dict] | None, eval_every_waves: int, log_every_waves: int,
                log_metrics: Callable[[dict], None], progress: bool = True, first_vw_rank: int = 1,
-               lead: bool = True, parts=None, shard: int = 0):
+               lead: bool = True, parts=None, shard: int = 0, watchdog_s: float = 0.0):
     self.comm = comm
+    self.watchdog_s = watchdog_s if lead else 0.0
     self.parts = parts
     self.shard = shard
     self.assembler = None
@@ -69,6 +73,10 @@ class ParameterServerService:
     self.lead = lead
     self.server = server
     self.n = server.state.num_virtual_workers
+    # Per wave update applied here: seconds from its header's receipt to applied with the pulls it unblocked sent
+    # (receiving the payload, checking and adding it, answering pulls; not evaluation or metrics).
+    self.push_service_s: list[float] = []
+    self.unheard = set(range(self.n))  # VWs not heard from since this process started (the watchdog's start-up limit)
     self.num_minibatches_per_vw = num_minibatches_per_vw
     self.num_inflight = num_inflight
     self.evaluate = evaluate
@@ -103,6 +111,7 @@ class ParameterServerService:
     Raises:
       wire.ProtocolError: a malformed or unexpected message.
       BadUpdateError: a wave update with NaN/Inf or the wrong size (nothing of it is applied).
+      hetpipe_jax.rules.watchdog.HungRankError: the lead's watchdog found a VW silent for ``watchdog_s`` seconds.
     """
     from mpi4py import MPI
     status = MPI.Status()
@@ -114,6 +123,7 @@ class ParameterServerService:
     self.done_waves: dict[int, int] = {}  # VW -> waves it did (its DONE)
     fine_timer_slack()  # sleeps end within ~1 µs of their deadline, not the kernel's default 50 µs slack
     backoff = wire.Backoff(max_s=IDLE_MAX_S)
+    self.last_heard = dict.fromkeys(range(self.n), time.monotonic())  # VW -> when one of its ranks last sent
     while (len(self.reports) + len(self.segment_reports) < self.n or len(self.segment_opt) < self._opt_expected()
            or self._parts_outstanding()):
       if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=wire.TAG_PS_HEADER, status=status):
@@ -122,11 +132,15 @@ class ParameterServerService:
         # Otherwise back off from 20 µs to 0.5 ms while idle: quick when messages come often (a small model's
         # waves), few wake-ups when they do not (the cores are the VWs').
         backoff.wait(busy=bool(self.sends))
+        self._check_progress()
         continue
       backoff.reset()
       src = status.Get_source()
       self.comm.Recv(header, source=src, tag=wire.TAG_PS_HEADER)
+      t_header = time.perf_counter()
       vw = wire.check_header(header, source=src, dest=self.shard, kinds=kinds).vw  # its part's size depends on it
+      self.last_heard[vw] = time.monotonic()
+      self.unheard.discard(vw)
       num_params = self.server.weights.size
       if self.parts is not None and 0 <= vw < len(self.parts):
         num_params = self.parts[vw].part_size(src, self.shard)
@@ -144,6 +158,7 @@ class ParameterServerService:
           before = self.server.global_clock
           self.server.push(vw, wave, payload)
           self._serve_pulls(self.server.state.serve_pending_pulls())
+          self.push_service_s.append(time.perf_counter() - t_header)
           if self.lead:
             for clock in range(before + 1, self.server.global_clock + 1):
               self._on_clock(self.clock_offset + clock)
@@ -165,6 +180,22 @@ class ParameterServerService:
         self.reports[vw] = json.loads(payload.tobytes().decode()) if payload.size else {}
         logging.info("[PS] VW %d done (%d waves)", vw, wave)
     self.flush_sends()
+
+  def _check_progress(self) -> None:
+    """The watchdog (:func:`hetpipe_jax.rules.watchdog.silent_vws`): raises when a VW the PS owes nothing (no held
+    pull, no reported segment or end) has been silent for ``watchdog_s`` seconds."""
+    if not self.watchdog_s:
+      return
+    waiting = set(self.reports) | set(self.segment_reports) | set(self.server.state.pending_pulls)
+    silent = watchdog.silent_vws(time.monotonic(), self.last_heard, waiting, self.watchdog_s, self.unheard,
+                                 watchdog.STARTUP_LIMIT_S)
+    if silent:
+      vw, silence = silent[0]
+      rank = self.parts[vw].driver if self.parts is not None else self.first_vw_rank + vw
+      raise watchdog.HungRankError(
+          f"VW {vw} (driver rank {rank}) sent nothing for {silence:.1f} s (config.ps_watchdog_s={self.watchdog_s}): "
+          f"a rank of it is hung (stopped, or a wedged GPU); the job is stopped so that it can be restarted",
+          rank=rank)
 
   def _parts_outstanding(self) -> bool:
     """Stage ranks: some VW's DONE arrived before the last parts of its waves (they come from other ranks)."""

@@ -13,6 +13,7 @@ wave (with sharded parameter servers, shard by shard). With stage ranks the driv
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from absl import logging
@@ -20,21 +21,30 @@ import numpy as np
 
 from hetpipe_jax.ps.shards import rebase_on_shards
 from hetpipe_jax.rules import schedule
+from hetpipe_jax.rules import weight_prediction as rules_wp
 from hetpipe_jax.runtime import delay_compensation
+from hetpipe_jax.runtime import weight_prediction
 from hetpipe_jax.runtime.update_rules import WSPRule
 
 
 class PerMinibatchUpdate(WSPRule):
   """HetPipe's per-minibatch update (module docstring). Options: ``max_held``, ``delay_compensation`` (DC-ASGD: at
   completion each stage's gradient is corrected against the version the minibatch ran on, before clipping and the
-  step; :mod:`hetpipe_jax.runtime.delay_compensation`; stages in this process only).
+  step; :mod:`hetpipe_jax.runtime.delay_compensation`; stages in this process only), ``weight_prediction`` (minibatch
+  p runs on every stage on W − s·η·d from its injection's weights and optimizer states, s the VW's minibatches in
+  flight at p's injection: :func:`hetpipe_jax.rules.weight_prediction.hetpipe_lookahead`), ``delay_scaled_lr``
+  (PipeMare: p's step times τ^−(1 − min(t/T, 1)), τ the VW's updates between p's injection and its completion, t the
+  VW's updates before p's, counted over the whole run in this process); both with every stage in this process.
 
   Attributes:
     wave_delta: per stage, the current wave's summed delta (device trees; None for remote stages).
     own_flat: sharded PS or stage ranks: wave -> host copy of the own wave's flat update, until pulled.
+    predictor, pipemare: the remedies' device parts (None when off).
+    lookaheads: per injected minibatch in order, its s (also with prediction off).
+    pipemare_steps: with ``delay_scaled_lr``, per completed minibatch in order, ``(tau, t, factor)``.
   """
 
-  OPTIONS = ("max_held", "delay_compensation")
+  OPTIONS = ("max_held", "delay_compensation", "weight_prediction", "delay_scaled_lr")
   supports_stage_ranks = True
   supports_ps_channel = True
 
@@ -45,14 +55,45 @@ class PerMinibatchUpdate(WSPRule):
     self.compensator = delay_compensation.make(settings, vw)
     if self.compensator is not None and not vw.placement.all_local:
       raise ValueError("delay_compensation='dc' runs with every stage in the VW's process, not on stage ranks")
+    self.predictor = weight_prediction.make_predictor(settings)
+    self.pipemare = weight_prediction.make_pipemare(settings)
+    for name, part in (("weight_prediction", self.predictor), ("delay_scaled_lr", self.pipemare)):
+      if part is not None and not vw.placement.all_local:
+        raise ValueError(f"{name}={getattr(settings, name)!r} runs with every stage in the VW's process, not on "
+                         "stage ranks")
+    self.lookaheads: list[int] = []
+    self.pipemare_steps: list[tuple[int, int, float]] = []
+    self.total_updates = 0  # the VW's own updates in this process (PipeMare's t), carried over segments
 
   @property
   def max_held(self) -> list[int] | None:
     return self._max_held
 
+  def compile(self, params) -> None:
+    if self.predictor is not None:
+      for s in self.vw.local_stages:
+        self.predictor.compile(params[s], self.vw.opt_states[s])
+
   def reset(self) -> None:
     super().reset()
     self.wave_delta = list(self.vw.zeros)
+    self.injected = 0  # this segment's minibatches injected and completed (a segment starts with none in flight)
+    self.completed = 0
+    self._completed_at_injection: dict[int, int] = {}
+
+  def on_inject(self, rec, version):
+    """Counts p's look-ahead s; with prediction, p's version holds Ŵ (same version id and clocks as W)."""
+    s = rules_wp.hetpipe_lookahead(self.injected, self.completed)
+    self.injected += 1
+    self.lookaheads.append(s)
+    self._completed_at_injection[rec.minibatch_id] = self.completed
+    if self.predictor is None or s == 0:
+      return version
+    vw = self.vw
+    params = list(version.params)
+    for k in vw.local_stages:
+      params[k] = self.predictor(params[k], vw.opt_states[k], s)
+    return dataclasses.replace(version, params=tuple(params))
 
   def on_complete(self, mb) -> None:
     vw = self.vw
@@ -60,24 +101,33 @@ class PerMinibatchUpdate(WSPRule):
       for s in vw.local_stages:
         mb.grads[s] = self.compensator(s, mb.grads[s], vw.version.params[s], mb.version.params[s])
     norm = vw.minibatch_grad_norm(mb) if vw.grad_clip_norm else None
-    self.apply_update(mb, norm)
+    factor = None
+    tau = self.completed - self._completed_at_injection.pop(mb.record.minibatch_id)
+    if self.pipemare is not None:  # PipeMare: τ = the VW's updates since p's injection, t = its updates so far
+      factor = self.pipemare.factor(tau, self.total_updates)
+      self.pipemare_steps.append((tau, self.total_updates, factor))
+    self.apply_update(mb, norm, factor)
+    self.completed += 1
+    self.total_updates += 1
     vw.placement.on_update(mb.record.minibatch_id, vw.version.version_id, norm)
 
-  def apply_update(self, mb, norm: float | None = None) -> None:
+  def apply_update(self, mb, norm: float | None = None, factor: float | None = None) -> None:
     """Minibatch ``mb``'s optimizer step on every local stage: a new weight version, its delta added to the wave's.
 
     Args:
       mb: the completed minibatch (its stages' gradients in ``mb.grads``).
       norm: with clipping (``grad_clip_norm`` > 0), the minibatch's global gradient norm over every stage
         (``VirtualWorker.minibatch_grad_norm``; a stage rank gets it from the driver); ignored without clipping.
+      factor: PipeMare's factor of the step (None: the plain step).
     """
     vw = self.vw
     new_params, new_states, new_deltas = list(vw.version.params), list(vw.opt_states), list(self.wave_delta)
     norms = vw.placed_norms(norm)
     for s in vw.local_stages:
       st = vw.stages[s]
-      new_params[s], new_states[s], new_deltas[s] = st.update(vw.version.params[s], vw.opt_states[s], mb.grads[s],
-                                                              self.wave_delta[s], norms[s])
+      args = (vw.version.params[s], vw.opt_states[s], mb.grads[s], self.wave_delta[s], norms[s])
+      new_params[s], new_states[s], new_deltas[s] = (st.update(*args) if factor is None else
+                                                     self.pipemare.update(st, *args, factor))
     vw.opt_states = new_states
     self.wave_delta = new_deltas
     vw.version = vw.new_version(new_params, local_updates=vw.version.local_updates + 1)

@@ -19,7 +19,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from hetpipe_jax.rules import weight_prediction as rules_wp
 from hetpipe_jax.runtime import delay_compensation
+from hetpipe_jax.runtime import weight_prediction
 from hetpipe_jax.runtime.update_rules import WSPRule
 from hetpipe_jax.runtime.vw_state import InFlightMinibatch
 
@@ -28,22 +30,40 @@ class PerStageUpdate(WSPRule):
   """PipeDream's per-stage update (module docstring). Options: ``vertical_sync``, ``delay_compensation`` (DC-ASGD:
   each stage corrects its gradient at its own step against the weights its forward of that minibatch stashed, W_now
   its latest weights; with clipping every stage's gradient is corrected before the norm is taken;
-  :mod:`hetpipe_jax.runtime.delay_compensation`).
+  :mod:`hetpipe_jax.runtime.delay_compensation`), ``weight_prediction`` (each stage's forward of p uses, and stashes,
+  W − s·η·d from its weights and its current optimizer state, s its own updates that land between that forward and
+  p's update on it: :func:`hetpipe_jax.rules.weight_prediction.pipedream_lookahead`), ``delay_scaled_lr`` (PipeMare:
+  each stage's step times τ^−(1 − min(t/T, 1)), τ the stage's own updates since the weights its forward of p used,
+  t its updates before this one).
 
   Attributes:
     stage_params: per stage, its latest weights.
     stage_updates: per stage, its own updates so far (carried over segments).
+    stage_forwards: per stage, its forwards so far (carried over segments).
+    predictor, pipemare: the remedies' device parts (None when off).
+    lookaheads: per stage, per forward in order, its s (also with prediction off).
+    pipemare_steps: with ``delay_scaled_lr``, per stage, per update in order, ``(tau, t, factor)``.
     stage_wave_delta: per stage, wave -> its summed delta of that wave, not pushed yet.
     stage_history: vertical sync: per stage, own-update count -> its weights after that many updates.
   """
 
-  OPTIONS = ("vertical_sync", "delay_compensation")
+  OPTIONS = ("vertical_sync", "delay_compensation", "weight_prediction", "delay_scaled_lr")
 
   def __init__(self, vw: Any, settings):
     super().__init__(vw, settings)
     self.vertical_sync = settings.vertical_sync
     self.stage_updates = [0] * len(vw.stages)
+    self.stage_forwards = [0] * len(vw.stages)
     self.compensator = delay_compensation.make(settings, vw)
+    self.predictor = weight_prediction.make_predictor(settings)
+    self.pipemare = weight_prediction.make_pipemare(settings)
+    self.lookaheads: list[list[int]] = [[] for _ in vw.stages]
+    self.pipemare_steps: list[list[tuple[int, int, float]]] = [[] for _ in vw.stages]
+
+  def compile(self, params) -> None:
+    if self.predictor is not None:
+      for s, p in enumerate(params):
+        self.predictor.compile(p, self.vw.opt_states[s])
 
   def reset(self) -> None:
     """Per-stage latest weights, own-update counts (kept), per-wave deltas, version history and locks."""
@@ -70,6 +90,11 @@ class PerStageUpdate(WSPRule):
       else:
         k = self.stage_updates[stage_id]
         params = self.stage_params[stage_id]
+      s = rules_wp.pipedream_lookahead(self.stage_forwards[stage_id], k)
+      self.stage_forwards[stage_id] += 1
+      self.lookaheads[stage_id].append(s)
+      if self.predictor is not None:  # Ŵ: what the forward uses and its VJP closure stashes
+        params = self.predictor(params, self.vw.opt_states[stage_id], s, self.stage_updates[stage_id] - k)
     mb.record.stage_versions[stage_id] = k
     if self.compensator is not None:  # W_p of this stage's step (the weights the VJP closure stashes)
       self._used[(mb.record.minibatch_id, stage_id)] = params
@@ -95,7 +120,13 @@ class PerStageUpdate(WSPRule):
       if self.compensator is not None and norm is None:  # clipping corrected every stage's gradient already
         grads = self.compensator(s, grads, self.stage_params[s], self._used.pop((mb.record.minibatch_id, s)))
       acc = self.stage_wave_delta[s].get(wave, vw.zeros[s])
-      p, o, d = st.update(self.stage_params[s], vw.opt_states[s], grads, acc, placed)
+      if self.pipemare is None:
+        p, o, d = st.update(self.stage_params[s], vw.opt_states[s], grads, acc, placed)
+      else:  # PipeMare: τ = this stage's updates since the weights its forward of mb used
+        tau, t = self.stage_updates[s] - mb.record.stage_versions[s], self.stage_updates[s]
+        factor = self.pipemare.factor(tau, t)
+        self.pipemare_steps[s].append((tau, t, factor))
+        p, o, d = self.pipemare.update(st, self.stage_params[s], vw.opt_states[s], grads, acc, placed, factor)
       self.stage_params[s] = p
       vw.opt_states[s] = o
       self.stage_wave_delta[s][wave] = d

@@ -48,6 +48,7 @@ class Stage:
   backward: Any = None
   forward_backward: Any = None
   update: Any = None
+  update_scaled: Any = None
   add: Any = None
   ravel: Any = None
   apply_mean: Any = None
@@ -155,6 +156,14 @@ def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformat
     delta, opt_state = optimizer.update(clipped(grads, norm), opt_state, params)
     return optax.apply_updates(params, delta), opt_state, jax.tree.map(jnp.add, wave_delta, delta)
 
+  def update_scaled(params, opt_state, grads, wave_delta, norm, scale):
+    """:func:`update` with the optimizer's update times ``scale`` (float32 scalar): a step of ``scale`` times its
+    size, weight decay included (PipeMare's delay-scaled rate, :mod:`hetpipe_jax.runtime.weight_prediction`)."""
+    counts["update_scaled"] += 1
+    delta, opt_state = optimizer.update(clipped(grads, norm), opt_state, params)
+    delta = jax.tree.map(lambda d: (d * scale).astype(d.dtype), delta)
+    return optax.apply_updates(params, delta), opt_state, jax.tree.map(jnp.add, wave_delta, delta)
+
   def add(a, b):
     """Elementwise ``a + b`` of two params trees (rebasing local weights on pulled global ones)."""
     counts["add"] += 1
@@ -192,6 +201,7 @@ def _jit_stage(st: Stage, layers: Sequence, optimizer: optax.GradientTransformat
   st.backward = jax.jit(backward)
   st.forward_backward = jax.jit(forward_backward)
   st.update = jax.jit(update)
+  st.update_scaled = jax.jit(update_scaled)
   st.add = jax.jit(add)
   st.ravel = jax.jit(ravel)
   st.apply_mean = jax.jit(apply_mean)

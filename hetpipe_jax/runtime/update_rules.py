@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hetpipe_jax.rules import delay_compensation as delay_compensation_lib
+from hetpipe_jax.rules import weight_prediction as weight_prediction_lib
 from hetpipe_jax.rules import wsp
 
 
@@ -59,6 +60,13 @@ class UpdateSettings:
     delay_compensation: per-minibatch and per-stage rules: ``"dc"`` corrects each stage's gradient at the step by
       DC-ASGD's g + λ · g ⊙ g ⊙ (W_now − W_p) (:mod:`hetpipe_jax.runtime.delay_compensation`); ``"none"``: off.
     dc_lambda: DC-ASGD's λ ≥ 0 (used with ``delay_compensation="dc"`` only).
+    weight_prediction: per-minibatch and per-stage rules: ``"optimizer"`` runs each minibatch on weights predicted
+      from the optimizer's next step, W − s·η·d (:mod:`hetpipe_jax.rules.weight_prediction`); ``"none"``: off.
+    optimizer_step: the optimizer's hyperparameters prediction reads (:class:`hetpipe_jax.rules.weight_prediction.
+      OptimizerStep`; required with ``weight_prediction="optimizer"``, else unused).
+    delay_scaled_lr: per-minibatch and per-stage rules: ``"pipemare"`` scales each step by τ^−(1 − min(t/T, 1))
+      (PipeMare); ``"none"``: off.
+    pipemare_warmup_minibatches: PipeMare's T >= 1 (used with ``delay_scaled_lr="pipemare"`` only).
   """
 
   optimizer: Any
@@ -69,12 +77,17 @@ class UpdateSettings:
   on_step: Callable[[int, float], None] | None = None
   delay_compensation: str = "none"
   dc_lambda: float = delay_compensation_lib.DEFAULT_DC_LAMBDA
+  weight_prediction: str = "none"
+  optimizer_step: Any = None
+  delay_scaled_lr: str = "none"
+  pipemare_warmup_minibatches: int = weight_prediction_lib.DEFAULT_PIPEMARE_WARMUP
 
 
 # The options of UpdateSettings no rule takes by default (every rule takes ``optimizer`` and ``method``; ``dc_lambda``
-# is a parameter of ``delay_compensation``), and their unset values.
-_OPTIONS = tuple(f.name for f in dataclasses.fields(UpdateSettings) if f.name not in ("optimizer", "method",
-                                                                                         "dc_lambda"))
+# is a parameter of ``delay_compensation``, ``optimizer_step`` of ``weight_prediction``, ``pipemare_warmup_minibatches``
+# of ``delay_scaled_lr``), and their unset values.
+_OPTIONS = tuple(f.name for f in dataclasses.fields(UpdateSettings)
+                 if f.name not in ("optimizer", "method", "dc_lambda", "optimizer_step", "pipemare_warmup_minibatches"))
 _UNSET = (None, False, "none")
 
 
