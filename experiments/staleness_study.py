@@ -58,6 +58,9 @@ import numpy as np  # noqa: E402
 
 from hetpipe_jax.paths import REPO_ROOT, write_json  # noqa: E402
 
+# Every row of the grid, in batches as the machine allows (each run's own command is in its record).
+RERUN_COMMAND = ("nice -n 10 .venv/bin/python experiments/staleness_study.py --jobs=2 "
+                 "--output_dir=experiments/results/staleness --results_dir=experiments/paper/results")
 LOWER_IS_BETTER = {"test_bits_per_byte": True, "test_accuracy": False}
 
 
@@ -124,6 +127,12 @@ VARIANTS = {v.name: v for v in (
     Variant("nadam99_wp", "NAdam b1 0.99 + weight prediction",
             {"optimizer": "nadam", "adam_b1": 0.99, "weight_prediction": "optimizer"}, "nadam99",
             needs="weight_prediction"),
+    Variant("adam_pipemare", "Adam + PipeMare lr/τ^(1−t/T) (T 500)", {"optimizer": "adam",
+                                                                      "delay_scaled_lr": "pipemare"}, "adam",
+            needs="delay_scaled_lr"),
+    Variant("adam_wp_pipemare", "Adam + weight prediction + PipeMare",
+            {"optimizer": "adam", "weight_prediction": "optimizer", "delay_scaled_lr": "pipemare"}, "adam",
+            needs="delay_scaled_lr"),
     # The paper-timing proxy: SGD as experiments/paper/convergence.py trains it (lr 0.01 per VW).
     Variant("sgd", "SGD (lr 0.01 per VW)", {"optimizer": "sgd", "learning_rate": 0.01, "lr_schedule": "constant"},
             "sgd"),
@@ -176,13 +185,14 @@ def _rows(group, task, method, variants, num_vws, nms, ds, seeds, timing=""):
 GRID = tuple(
     # LM inside one VW (D = 0): Nm 1 (the reference) against Nm 2.
     _rows("lm_in_vw", "lm", "hetpipe", ["adam", "nadam99"], 1, [1, 2], [0], 2)
+    + _rows("lm_in_vw", "lm", "hetpipe", ["adam_wp"], 1, [2], [0], 2)
     + _rows("lm_in_vw", "lm", "hetpipe", ["adam_dc"], 1, [2], [0], 2)
     # LM across 2 VWs: Nm 1, D 0 (the reference) against Nm 2, D 1.
     + _rows("lm_cross_vw", "lm", "hetpipe", ["adam"], 2, [1], [0], 2)
     + _rows("lm_cross_vw", "lm", "hetpipe", ["adam", "adam_ps_inverse"], 2, [2], [1], 2)
     # CNN, 2 VWs, one epoch: Nm 1, D 0 (the reference) against Nm 4, D 4.
     + _rows("cnn", "cnn", "hetpipe", ["adam"], 2, [1], [0], 2)
-    + _rows("cnn", "cnn", "hetpipe", ["adam", "adam_dc", "adam_ps_inverse"], 2, [4], [4], 2)
+    + _rows("cnn", "cnn", "hetpipe", ["adam", "adam_dc", "adam_ps_inverse", "adam_wp"], 2, [4], [4], 2)
     # Time to target on the paper's cluster: VGG-19 timing (4 ED-local VWs, the plan's Nm 4), mlp_tiny numerics.
     + _rows("paper", "paper", "horovod", ["sgd"], 16, [1], [0], 2, "horovod")
     + _rows("paper", "paper", "1f1b_flush", ["sgd"], 4, [32], [0], 2, "1f1b_flush")
@@ -192,12 +202,13 @@ GRID = tuple(
 EXTENSION = tuple(
     _rows("lm_in_vw", "lm", "hetpipe", ["adam", "nadam99"], 1, [4], [0], 2)
     + _rows("lm_in_vw", "lm", "hetpipe", ["muon"], 1, [1, 2], [0], 2)
-    + _rows("lm_in_vw", "lm", "hetpipe", ["adam_wp", "nadam99_wp"], 1, [2, 4], [0], 2)
+    + _rows("lm_in_vw", "lm", "hetpipe", ["adam_wp", "nadam99_wp", "adam_pipemare"], 1, [4], [0], 2)
+    + _rows("lm_in_vw", "lm", "hetpipe", ["nadam99_wp"], 1, [2], [0], 2)
     + _rows("lm_in_vw", "lm", "pipedream", ["adam"], 1, [2], [0], 2)
     + _rows("lm_cross_vw", "lm", "hetpipe", ["nadam99"], 2, [1], [0], 2)
     + _rows("lm_cross_vw", "lm", "hetpipe", ["nadam99", "adam_dc"], 2, [2], [1], 2)
     + _rows("cnn", "cnn", "hetpipe", ["nadam99"], 2, [1], [0], 2)
-    + _rows("cnn", "cnn", "hetpipe", ["nadam99", "adam_ps_exp"], 2, [4], [4], 2)
+    + _rows("cnn", "cnn", "hetpipe", ["nadam99", "adam_ps_exp", "adam_pipemare", "adam_wp_pipemare"], 2, [4], [4], 2)
     + _rows("cnn", "cnn", "pipedream", ["adam"], 2, [4], [4], 2)
     + _rows("cnn", "cnn", "horovod", ["adam"], 2, [1], [0], 2)
     + _rows("cnn", "cnn", "1f1b_flush", ["adam"], 2, [1], [0], 2)
@@ -560,7 +571,12 @@ def goals(table: list[dict], paper: dict) -> list[dict]:
     out.append({"goal": g, "row": None, "met": False, "status": "not measured", "measured": why})
   for g in out:
     g.setdefault("status", "met" if g["met"] else "missed")
+    g["why"] = WHY.get(g["row"] or "", "")
   return out
+
+
+# Why a row measured what it did: the analysis of the full run (REPRODUCTION.md's "why" column; by row key).
+WHY: dict[str, str] = {}
 
 
 # Goals this script does not measure, and why (reported as such, never as met).
@@ -625,11 +641,12 @@ def paper_results(result: dict, png: pathlib.Path) -> dict:
   remedies": one claim per goal (``paper``: the goal, ``ours``: what was measured), the table, the plot, and the
   time-to-target rows shown beside the uncompensated ones of Figures 5 and 6 (``beside``)."""
   claims = [{"claim": g["goal"], "paper": "(issue 25 goal)", "ours": g["measured"], "difference": g["status"],
-             "why": g.get("why", ""), "command": result["command"], "calibrated": False} for g in result["goals"]]
+             "why": g.get("why", ""), "command": result["rerun_command"], "calibrated": False}
+            for g in result["goals"]]
   beside = []
   p = result.get("paper_time_to_target")
   if p:
-    beside = [f"Beside them, from `{result['command']}` (same proxy, timing and calibration; target "
+    beside = [f"Beside them, from `{result['rerun_command']}` (same proxy, timing and calibration; target "
               f"{p['target_accuracy']:.0%}, {len(next(iter(p['per_row'].values()))['per_seed'])} seeds): time to "
               "the target in simulated seconds of the paper's cluster, mean ± sd.", "",
               "| config (VGG-19 timing) | to target (s) |", "|---|---|"]
@@ -696,6 +713,8 @@ def main(argv):
   plans = paper_plans(out, todo) if not FLAGS.aggregate_only else {}
   n_train = {name: num_train(t) for name, t in tasks.items()}
   jobs = sorted(((r, s) for r in todo for s in range(r.seeds)), key=lambda j: j[1])  # every row's seed 0 first
+  if FLAGS.wait_only:  # only the runs an earlier study process started (their <key>.pid): wait, then read them
+    jobs = [(r, s) for r, s in jobs if (out / "runs" / f"{r.key}.s{s}.pid").exists()]
   records: dict[str, dict] = {}
   for p in sorted((out / "runs").glob("*.json")) if (out / "runs").exists() else []:
     rec = json.loads(p.read_text())
@@ -720,7 +739,8 @@ def main(argv):
             "plans": plans, "table": table, "paper_time_to_target": paper,
             "records": {k: v for k, v in sorted(records.items()) if k in keys},
             "host_seconds": time.perf_counter() - t0,
-            "command": shlex.join([".venv/bin/python", "experiments/staleness_study.py"] + sys.argv[1:])}
+            "command": shlex.join([".venv/bin/python", "experiments/staleness_study.py"] + sys.argv[1:]),
+            "rerun_command": RERUN_COMMAND}
   result["goals"] = goals(table, paper)
   md = markdown(result)
   (out / "staleness_study.md").write_text(md)
@@ -745,6 +765,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("jobs", 1, "Runs at a time (each is one process).")
   flags.DEFINE_bool("extensions", False, "Also run the EXTENSION rows (else they are reported as not run).")
   flags.DEFINE_bool("rerun", False, "Run every selected row again instead of reusing finished runs.")
+  flags.DEFINE_bool("wait_only", False, "Start no run: wait for the runs earlier study processes started (and "
+                    "left running), record them, and rebuild the tables.")
   flags.DEFINE_bool("aggregate_only", False, "Run nothing: rebuild the tables from finished runs.")
   flags.DEFINE_string("text_dir", "", "The lm task's text ('' = /usr/share/games/fortunes).")
   flags.DEFINE_string("fashion_dir", "", "Fashion-MNIST directory ('' = the default lookup).")

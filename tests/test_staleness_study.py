@@ -87,6 +87,9 @@ def test_staleness_study_quick(tmp_path, synthetic_data_dir):
     assert rec["command"].startswith(".venv/bin/python -m hetpipe_jax.train --mode=virtual"), key
     cfg = json.loads((out / "runs" / key / "config.json").read_text())
     for k, v in rec["config"].items():
+      if k == "partition" and v == "":  # "" asks for the even split, which config.json records resolved
+        assert cfg[k], key
+        continue
       assert cfg[k] == v or str(cfg[k]) == str(v), (key, k, cfg[k], v)
     assert rec["optimizer"]["name"] == study.VARIANTS[rec["row"]["variant"]].overrides["optimizer"]
   assert {g["row"] for g in r["goals"]} >= {"lm_in_vw.lm.hetpipe.adam_dc.v1.nm2.d0",
