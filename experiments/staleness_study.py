@@ -307,7 +307,8 @@ def command(task: Task, fields: dict, workdir: pathlib.Path) -> list[str]:
           f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in fields.items()]
 
 
-def run_one(task: Task, row: Row, seed: int, fields: dict, out: pathlib.Path, rerun: bool, timeout_s: int) -> dict:
+def run_one(task: Task, row: Row, seed: int, fields: dict, out: pathlib.Path, rerun: bool, timeout_s: int,
+            start: bool = True) -> dict:
   """Runs (or reuses) one seed of ``row``; returns its record (the command, the config, the curve, the result).
 
   Reused: a record with the same command, or a finished run directory (``summary.json``) whose ``<key>.cmd`` is the
@@ -330,6 +331,9 @@ def run_one(task: Task, row: Row, seed: int, fields: dict, out: pathlib.Path, re
       time.sleep(10)
   if same and (workdir / "summary.json").exists():
     rec = _record(task, row, seed, fields, cmd, workdir, None, 0, "")
+  elif not start:  # --wait_only: a run that ended without its summary is not started again
+    return {"key": key, "row": dataclasses.asdict(row), "seed": seed, "command": shlex.join(cmd),
+            "returncode": None}
   else:
     if workdir.exists():
       shutil.rmtree(workdir)
@@ -443,41 +447,75 @@ def time_to_target(curve, target: float, lower: bool) -> float | None:
   return None
 
 
-def aggregate(tasks: dict, rows, records: dict, missing: dict) -> list[dict]:
+def value_at(rec: dict, at: int) -> float | None:
+  """A run's held-out quality: its final value (``at`` = 0, finished runs only), or its evaluation at ``at``
+  minibatches (every VW together; the evaluation within half a wave of it), also of an unfinished run."""
+  if not at:
+    return rec.get("final") if rec.get("returncode") == 0 else None
+  tol = 0.5 * rec["row"]["nm"] * rec["row"]["num_vws"] + 1e-9
+  return next((q for mb, _, q in rec.get("curve", []) if abs(mb - at) <= tol), None)
+
+
+def aggregate(tasks: dict, rows, records: dict, missing: dict, at: dict[str, int] | None = None) -> list[dict]:
   """One table row per grid row: quality mean ± sd over seeds and the gap to its reference (same method family,
-  VWs and seeds; reference variant, Nm = 1, D = 0)."""
+  VWs and seeds; reference variant, Nm = 1, D = 0). ``at``: per task, the minibatch count whose evaluation is the
+  quality (unfinished runs count when they reached it); absent or 0: each finished run's final value."""
+  at = at or {}
   by_key = {}
   for r in rows:
     recs = [records.get(f"{r.key}.s{s}") for s in range(r.seeds)]
-    ok = [x for x in recs if x and x.get("returncode") == 0]
+    ok = [x for x in recs if x and value_at(x, at.get(r.task, 0)) is not None]
     by_key[r.key] = (r, ok, recs)
   out = []
   for r in rows:
     _, ok, recs = by_key[r.key]
     task = tasks[r.task]
+    point = at.get(r.task, 0)
     lower = LOWER_IS_BETTER[task.metric]
-    q = _stats([x["final"] for x in ok])
+    vals = [value_at(x, point) for x in ok]
+    q = _stats(vals)
     ref_row = Row(r.group, r.task, "hetpipe" if r.method in ("hetpipe", "pipedream") else r.method,
                   VARIANTS[r.variant].reference, r.num_vws, 1, 0, r.seeds, r.timing)
     ref = by_key.get(ref_row.key)
-    if ref is None:  # the reference of a row with more seeds than it: match on its seeds
-      ref = next((by_key[k] for k in by_key if k == ref_row.key), None)
     gap = None
     if ref and ref[1] and ok and ref_row.key != r.key:
-      refq = {x["seed"]: x["final"] for x in ref[1]}
-      pairs = [(x["final"], refq[x["seed"]]) for x in ok if x["seed"] in refq]
+      refq = {x["seed"]: value_at(x, point) for x in ref[1]}
+      pairs = [(value_at(x, point), refq[x["seed"]]) for x in ok if x["seed"] in refq]
       if pairs:
         rel = [(a - b) / b if lower else (a - b) for a, b in pairs]
         gap = {"kind": "relative" if lower else "points", "per_seed": rel, **_stats(rel)}
+    finished = [x for x in ok if x.get("returncode") == 0]
     out.append({"key": r.key, "group": r.group, "task": r.task, "method": r.method, "variant": r.variant,
                 "variant_label": VARIANTS[r.variant].label, "num_vws": r.num_vws, "nm": r.nm, "d": r.d,
-                "seeds_requested": r.seeds, "seeds_run": len(ok), "metric": task.metric, "quality": q,
-                "per_seed": [x["final"] for x in ok], "reference": ref_row.key if ref_row.key != r.key else None,
+                "seeds_requested": r.seeds, "seeds_run": len(ok), "seeds_finished": len(finished),
+                "metric": task.metric, "quality": q, "per_seed": vals, "seeds": [x["seed"] for x in ok],
+                "reference": ref_row.key if ref_row.key != r.key else None,
                 "gap_to_reference": gap, "not_run": missing.get(r.key),
-                "failed": [x["key"] for x in recs if x and x.get("returncode") != 0],
-                "minibatches": ok[0]["num_minibatches"] if ok else None,
-                "minibatches_per_s": _stats([x["minibatches_per_s"] for x in ok])})
+                "failed": [x["key"] for x in recs if x and x.get("returncode") not in (0, "partial")],
+                "minibatches": point or (finished[0]["num_minibatches"] if finished else None),
+                "minibatches_per_s": _stats([x["minibatches_per_s"] for x in finished])})
   return out
+
+
+def partial_record(task: Task, row: Row, seed: int, out: pathlib.Path) -> dict | None:
+  """An unfinished run's record from its ``metrics.jsonl`` evaluations (``returncode`` "partial"), or None."""
+  key = f"{row.key}.s{seed}"
+  workdir, cmd_path = out / "runs" / key, out / "runs" / f"{key}.cmd"
+  if not (workdir / "metrics.jsonl").exists() or not cmd_path.exists():
+    return None
+  curve = []
+  for line in (workdir / "metrics.jsonl").read_text().splitlines():
+    try:
+      e = json.loads(line)
+    except ValueError:
+      continue  # a line being written
+    if "test_accuracy" in e:
+      q = e["test_loss"] / math.log(2) if task.metric == "test_bits_per_byte" else e["test_accuracy"]
+      curve.append((e["minibatches"], e["simulated_time_s"], q))
+  if not curve:
+    return None
+  return {"key": key, "row": dataclasses.asdict(row), "seed": seed, "command": cmd_path.read_text(),
+          "returncode": "partial", "curve": curve, "num_minibatches": curve[-1][0]}
 
 
 def paper_time_to_target(table: list[dict], records: dict, tasks: dict) -> dict:
@@ -486,7 +524,7 @@ def paper_time_to_target(table: list[dict], records: dict, tasks: dict) -> dict:
   if not rows:
     return {}
   runs = {t["key"]: [records[f"{t['key']}.s{s}"] for s in range(t["seeds_requested"])
-                     if records.get(f"{t['key']}.s{s}", {}).get("returncode") == 0] for t in rows}
+                     if records.get(f"{t['key']}.s{s}", {}).get("returncode") in (0, "partial")] for t in rows}
   best = min(max(q for _, _, q in x["curve"]) for rs in runs.values() for x in rs)
   target = round(min(0.7, math.floor(best / 0.05 + 1e-9) * 0.05), 4)
   per = {}
@@ -532,16 +570,17 @@ def goals(table: list[dict], paper: dict) -> list[dict]:
 
   def fmt(t):
     q = t["quality"]
-    return f"{q['mean']:.3f} ± {q['std']:.3f} ({q['n']} seeds)"
+    return f"{q['mean']:.3f} ± {q['std']:.3f} ({q['n']} of {t['seeds_requested']} seeds, {t['minibatches']} minibatches)"
 
   for t in table:
     if t["group"] != "lm_in_vw" or t["nm"] == 1 or t["method"] != "hetpipe" or not t["seeds_run"]:
       continue
     ref = _row(table, key=t["reference"]) if t["reference"] else None
     g = t["gap_to_reference"]
-    met = bool(g and g["mean"] <= 0.02 and t["quality"]["mean"] <= 3.14)
-    out.append({"goal": f"LM in a VW: {t['variant_label']}, Nm={t['nm']}, 1 VW, D=0 within 2% of Nm=1 and <= 3.14 "
-                        "bits/byte", "row": t["key"], "met": met,
+    at_600 = t["minibatches"] == 600  # the issue's absolute bound (today's Adam at Nm = 1) is for 600 minibatches
+    met = bool(g and g["mean"] <= 0.02 and (not at_600 or t["quality"]["mean"] <= 3.14))
+    out.append({"goal": f"LM in a VW: {t['variant_label']}, Nm={t['nm']}, 1 VW, D=0 within 2% of Nm=1 (and <= 3.14 "
+                        "bits/byte at 600 minibatches)", "row": t["key"], "met": met,
                 "measured": f"{fmt(t)} bits/byte; Nm=1 reference {fmt(ref) if ref else 'not run'}; gap "
                             f"{_gap(g)}"})
   for t in table:
@@ -585,6 +624,8 @@ NOT_MEASURED = (
      "checked on the other model's Table 4 cells)",
      "not built: experiments/paper/calibration.py fits on the Horovod cells only; this study reports the Horovod-cell "
      "calibration"),
+    ("CNN: no regression of the main job (test accuracy >= 0.90)", "not re-run: every remedy is off by default, "
+     "so experiments/configs/default.py trains as before (its record: README's main job)"),
     ("LM, inside a VW, after 2,400 minibatches", "not run: a 2,400-minibatch gpt_bytes run takes about 20 minutes on "
      "the shared 2-core machine; rerun with --lm_minibatches=2400"),
     ("The LM config goes back on a pipeline: experiments/configs/lm.py at Nm >= 2, D >= 1 reaches >= 40% below the "
@@ -597,7 +638,13 @@ def markdown(result: dict) -> str:
   lines = ["# Staleness and its remedies", "",
            "Held-out quality after a fixed number of minibatches (every VW together), mean ± sd over seeds; gap: "
            "against the Nm = 1, D = 0 run of the same method family, VWs, optimizer and seeds (LM: relative, "
-           "positive = worse; accuracy: points). Virtual time: exact numerics; commands in the JSON.", ""]
+           "positive = worse; accuracy: points). Virtual time: exact numerics; commands in the JSON."]
+  if result.get("at_minibatches"):
+    lines.append(f"Quality read at a fixed evaluation, not the end of the run: "
+                 f"{', '.join(f'{k} at {v} minibatches' for k, v in result['at_minibatches'].items())}"
+                 + (" (unfinished runs included where they reached it; seeds column: counted / requested)."
+                    if result.get("partial") else "."))
+  lines.append("")
   for task_name, task in result["tasks"].items():
     rows = [t for t in result["table"] if t["task"] == task_name]
     if not rows:
@@ -608,7 +655,7 @@ def markdown(result: dict) -> str:
     for t in rows:
       q, g = t["quality"], t["gap_to_reference"]
       if not t["seeds_run"]:
-        qs = f"not run: {t['not_run'] or ('failed ' + ', '.join(t['failed']) if t['failed'] else 'not selected')}"
+        qs = f"not run: {t['not_run'] or ('failed ' + ', '.join(t['failed']) if t['failed'] else 'no finished run')}"
       else:
         qs = f"{q['mean']:.4f} ± {q['std']:.4f}"
       gs = ("reference" if t["reference"] is None else "n/a" if not g else
@@ -671,8 +718,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
     for t in result["table"]:
       if t["task"] != name or not t["seeds_run"]:
         continue
-      curves = [result["records"][f"{t['key']}.s{s}"]["curve"] for s in range(t["seeds_requested"])
-                if result["records"].get(f"{t['key']}.s{s}", {}).get("returncode") == 0]
+      curves = [result["records"][f"{t['key']}.s{s}"]["curve"] for s in t["seeds"]]
       n = min(len(c) for c in curves)
       x = [c[0] for c in curves[0][:n]]
       y = np.mean([[p[2] for p in c[:n]] for c in curves], axis=0)
@@ -722,12 +768,27 @@ def main(argv):
   if not FLAGS.aggregate_only:
     with concurrent.futures.ThreadPoolExecutor(max(1, FLAGS.jobs)) as pool:
       futures = {pool.submit(run_one, tasks[r.task], r, s, run_config(tasks[r.task], r, s, plans, n_train[r.task]),
-                             out, FLAGS.rerun, FLAGS.timeout_s): (r, s) for r, s in jobs}
+                             out, FLAGS.rerun, FLAGS.timeout_s, not FLAGS.wait_only): (r, s) for r, s in jobs}
       for f in concurrent.futures.as_completed(futures):
         rec = f.result()
-        records[rec["key"]] = rec
+        if rec["returncode"] is not None:
+          records[rec["key"]] = rec
   shown_rows = [r for r in grid if not FLAGS.groups or r.group in FLAGS.groups] if FLAGS.aggregate_only else rows
-  table = aggregate(tasks, shown_rows, records, missing)
+  if FLAGS.partial:  # unfinished runs' evaluations so far (a run killed or still running)
+    for r in shown_rows:
+      for seed in range(r.seeds):
+        key = f"{r.key}.s{seed}"
+        if records.get(key, {}).get("returncode") != 0:
+          part = partial_record(tasks[r.task], r, seed, out)
+          if part:
+            records[key] = part
+  at = {}
+  for item in FLAGS.at_minibatches:
+    name, _, n = item.partition("=")
+    if name not in tasks or not n.isdigit():
+      raise app.UsageError(f"--at_minibatches: {item!r} is not TASK=N with TASK in {sorted(tasks)}")
+    at[name] = int(n)
+  table = aggregate(tasks, shown_rows, records, missing, at)
   paper = paper_time_to_target(table, records, tasks)
   keys = {f"{t['key']}.s{s}" for t in table for s in range(t["seeds_requested"])}
   result = {"experiment": "staleness and its remedies (issue 25 item 5), virtual time", "quick": quick,
@@ -740,7 +801,7 @@ def main(argv):
             "records": {k: v for k, v in sorted(records.items()) if k in keys},
             "host_seconds": time.perf_counter() - t0,
             "command": shlex.join([".venv/bin/python", "experiments/staleness_study.py"] + sys.argv[1:]),
-            "rerun_command": RERUN_COMMAND}
+            "rerun_command": RERUN_COMMAND, "at_minibatches": at, "partial": FLAGS.partial}
   result["goals"] = goals(table, paper)
   md = markdown(result)
   (out / "staleness_study.md").write_text(md)
@@ -765,6 +826,10 @@ def define_flags() -> None:
   flags.DEFINE_integer("jobs", 1, "Runs at a time (each is one process).")
   flags.DEFINE_bool("extensions", False, "Also run the EXTENSION rows (else they are reported as not run).")
   flags.DEFINE_bool("rerun", False, "Run every selected row again instead of reusing finished runs.")
+  flags.DEFINE_list("at_minibatches", [], "TASK=N (e.g. lm=150): that task's quality is its evaluation at N "
+                    "minibatches (every VW together) instead of the final one.")
+  flags.DEFINE_bool("partial", False, "Also read unfinished runs (their metrics.jsonl evaluations so far); with "
+                    "--at_minibatches they count where they reached that point.")
   flags.DEFINE_bool("wait_only", False, "Start no run: wait for the runs earlier study processes started (and "
                     "left running), record them, and rebuild the tables.")
   flags.DEFINE_bool("aggregate_only", False, "Run nothing: rebuild the tables from finished runs.")
