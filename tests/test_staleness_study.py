@@ -111,3 +111,22 @@ def test_reproduction_shows_beside_rows_under_another_section(tmp_path):
   fig56 = page.index("## Figures 5 and 6")
   assert fig56 < page.index("| conv table |") < page.index("| compensated row |") < page.index(
       "## Staleness and its remedies") < page.index("| study table |")
+
+
+def test_quality_at_a_fixed_evaluation_reads_unfinished_runs(tmp_path):
+  task = study.Task("cnn", "cnn", "c", {}, "test_accuracy", 0, 3)
+  row = study.Row("cnn", "cnn", "hetpipe", "adam", 2, 4, 4, 1)  # 8 minibatches per wave: evaluations within 4
+  runs = tmp_path / "runs"
+  (runs / f"{row.key}.s0").mkdir(parents=True)
+  (runs / f"{row.key}.s0.cmd").write_text("cmd")
+  lines = [{"minibatches": 232, "simulated_time_s": 2.0, "test_accuracy": 0.6, "test_loss": 1.0},
+           {"minibatches": 240, "simulated_time_s": 2.1, "loss": 0.5},  # a training line, no evaluation
+           {"minibatches": 464, "simulated_time_s": 4.0, "test_accuracy": 0.7, "test_loss": 0.8}]
+  (runs / f"{row.key}.s0" / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n{\"minib")
+  rec = study.partial_record(task, row, 0, tmp_path)
+  assert rec["returncode"] == "partial" and rec["curve"] == [(232, 2.0, 0.6), (464, 4.0, 0.7)]
+  assert study.value_at(rec, 234) == 0.6 and study.value_at(rec, 468) == 0.7  # within half a wave
+  assert study.value_at(rec, 240) is None and study.value_at(rec, 0) is None  # no final value: not finished
+  finished = {**rec, "returncode": 0, "final": 0.75}
+  assert study.value_at(finished, 0) == 0.75
+  assert study.partial_record(task, row, 1, tmp_path) is None  # never started
