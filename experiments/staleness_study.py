@@ -520,17 +520,21 @@ def partial_record(task: Task, row: Row, seed: int, out: pathlib.Path) -> dict |
 
 def paper_time_to_target(table: list[dict], records: dict, tasks: dict) -> dict:
   """Time to the proxy's target on the paper's cluster: the highest multiple of 5% every paper run reaches."""
-  rows = [t for t in table if t["task"] == "paper" and t["seeds_run"]]
+  runs = {t["key"]: [records[f"{t['key']}.s{s}"] for s in range(t["seeds_requested"])
+                     if records.get(f"{t['key']}.s{s}", {}).get("returncode") in (0, "partial")]
+          for t in table if t["task"] == "paper"}
+  rows = [t for t in table if runs.get(t["key"])]
   if not rows:
     return {}
-  runs = {t["key"]: [records[f"{t['key']}.s{s}"] for s in range(t["seeds_requested"])
-                     if records.get(f"{t['key']}.s{s}", {}).get("returncode") in (0, "partial")] for t in rows}
   best = min(max(q for _, _, q in x["curve"]) for rs in runs.values() for x in rs)
   target = round(min(0.7, math.floor(best / 0.05 + 1e-9) * 0.05), 4)
   per = {}
   for t in rows:
     tt = [time_to_target(x["curve"], target, False) for x in runs[t["key"]]]
-    per[t["key"]] = {"label": f"{t['method']} {t['variant_label']} Nm={t['nm']} D={t['d']}", "method": t["method"],
+    unfinished = sum(x["returncode"] != 0 for x in runs[t["key"]])
+    per[t["key"]] = {"label": f"{t['method']} {t['variant_label']} Nm={t['nm']} D={t['d']}" + (
+                         f" ({unfinished} run(s) unfinished: curve so far)" if unfinished else ""),
+                     "method": t["method"],
                      "variant": t["variant"], "nm": t["nm"], "d": t["d"], "per_seed": tt, **_stats(tt),
                      "seeds": [x["seed"] for x in runs[t["key"]]]}
   comp = {k: v for k, v in per.items() if v["method"] == "hetpipe" and v["variant"] != "sgd" and v["mean"]}
