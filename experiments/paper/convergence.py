@@ -62,6 +62,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 from absl import app, flags, logging  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments.paper import timing_plans  # noqa: E402
+from experiments.paper.timing_plans import horovod_plan  # noqa: E402,F401  (re-exported)
 from hetpipe_jax.paths import REPO_ROOT, write_json  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False, "Seconds-long end-to-end check (CI): 1 seed, a few waves per config.")
@@ -138,73 +140,16 @@ STALENESS_WHY = ("; with D >= 1 the proxy loses more per example to staleness th
                  "identical ED VWs pull only when the bound requires it, and a pull under on_receipt brings every "
                  "other VW's waves since the last one at once (D=32: 32 waves of all four VWs after the first 32, "
                  "after which the proxy collapses); see the lr/2 sensitivity rows")
-PAPER_HOROVOD_NODES = {"resnet152_imagenet": ("V", "R", "Q"), "vgg19_imagenet": ("V", "R", "G", "Q")}
+PAPER_HOROVOD_NODES = timing_plans.PAPER_HOROVOD_NODES
 
 
 def _command(quick: bool) -> str:
   return ".venv/bin/python experiments/paper/convergence.py" + (" --quick" if quick else "")
 
 
-def horovod_plan(cluster, profile, nodes: tuple[str, ...]):
-  """The planner's Horovod plan extended to every GPU of ``nodes`` (the paper's GPUs), memory not checked.
-
-  Returns:
-    ``(plan, our_gpus, notes)``: the plan to time, the GPUs our memory model admits, and the planner's notes.
-  """
-  from hetpipe_jax.costs import cost_model, profile_format
-  from hetpipe_jax.planning import planner, plan_format
-  base = planner.make_plan(cluster, profile, planner.PlannerConfig(method="horovod"))
-  ours = [vw.gpus[0] for vw in base.virtual_workers]
-  cfg = cost_model.CostModelConfig(**{**base.cost_model, "method": "horovod"})
-  costs = cost_model.build_stage_costs(profile_format.micro_batch_profile(profile, base.num_inflight), cluster, cfg)
-  need = int(costs.stage_memory_bytes(0, profile.num_layers, True, 1, 1))
-  vws = []
-  for g in (g for g in cluster.gpus() if g.node in nodes):
-    ms = float(costs.compute_ms(g.gpu_type, 0, profile.num_layers))
-    vws.append(plan_format.VirtualWorkerEntry(
-        vw_id=len(vws), gpus=(g.gpu_id,), gpu_types=(g.gpu_type,), devices=(cluster.device_index(g.gpu_id),),
-        partition=((0, profile.num_layers),), stage_time_ms=(round(ms, 6),), stage_memory_bytes=(need,),
-        stage_capacity_bytes=(int(costs.capacity_bytes[g.gpu_type]),), max_num_inflight=1,
-        saturating_num_inflight=1, predicted_minibatches_per_s=round(1e3 / ms, 6)))
-  note = (f"experiments/paper/convergence.py: Horovod on the paper's GPUs (nodes {', '.join(nodes)}; HetPipe §8.3), "
-          f"memory not checked; our memory model admits {len(ours)} of them: {', '.join(ours)}")
-  plan = dataclasses.replace(base, virtual_workers=tuple(vws), notes=(note,) + tuple(base.notes),
-                             predicted_total_minibatches_per_s=0.0)
-  plan_format.validate_plan(plan)
-  return plan, ours, list(base.notes)
-
-
 def timing_clusters(out_dir: pathlib.Path, calibrated: bool) -> tuple[dict[str, str], dict[str, float] | None]:
-  """The timing clusters as files under ``out_dir/plans`` (a plan names its cluster, which the job loads): per
-  cluster name of :data:`CONFIGS` the file's absolute path (also its ``name``), and the fitted efficiencies.
-
-  ``calibrated``: every GPU type's ``roofline_efficiency`` as :mod:`experiments.paper.calibration` fits it on the
-  paper's Horovod throughputs (Table 4), as the throughput experiments use; else the cost model's defaults.
-  ``hetpipe_paper_vrq`` is ``hetpipe_paper`` without node G (its four RTX 2060s), Figure 5's 12 GPUs.
-  """
-  from hetpipe_jax.costs import cluster as cluster_lib
-  efficiency = None
-  if calibrated:
-    from experiments.paper import calibration  # pylint: disable=g-import-not-at-top
-    efficiency = dict(calibration.calibrate()[1].efficiency)
-  out = {}
-  for name in sorted({c.cluster for c in CONFIGS}):
-    d = json.loads((pathlib.Path(cluster_lib.CLUSTER_DIR) / "hetpipe_paper.json").read_text())
-    if name == "hetpipe_paper_vrq":
-      d["nodes"] = [n for n in d["nodes"] if n["name"] != "G"]
-    if efficiency:
-      for t in d["gpu_types"]:
-        t["roofline_efficiency"] = efficiency[t["name"]]
-    path = (out_dir / "plans" / f"{name}{'_calibrated' if calibrated else ''}.json").resolve()
-    # A path is loaded as it is (cluster.load_cluster): relative to the repository root when run from it, so the
-    # committed plans name no machine's paths.
-    d["name"] = str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) and \
-        pathlib.Path.cwd().resolve() == REPO_ROOT.resolve() else str(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(d, indent=1) + "\n")
-    cluster_lib.load_cluster(str(path))  # validates
-    out[name] = str(path)
-  return out, efficiency
+  """:func:`experiments.paper.timing_plans.timing_clusters` for the clusters of :data:`CONFIGS`."""
+  return timing_plans.timing_clusters(out_dir, calibrated, sorted({c.cluster for c in CONFIGS}))
 
 
 def make_timing_plans(confs, out_dir: pathlib.Path, clusters: dict[str, str]) -> dict[str, dict]:

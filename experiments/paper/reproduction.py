@@ -8,7 +8,9 @@ and the convergence scripts of branch ``paper-conv``); nothing is typed here. Ea
 ``"claims"`` list of ``{"claim", "paper", "ours", "difference", "why", "command", "calibrated"}``, ``"png"`` (path
 relative to the repository root) and ``"markdown"`` (its table). A file in ``SECTIONS`` that is missing becomes a
 "not run yet" row (with the paper's claims it would cover and the command that makes it); a results file not in
-``SECTIONS`` is appended as its own section, so a new script needs no change here to appear.
+``SECTIONS`` is appended as its own section, so a new script needs no change here to appear. A results file's optional
+``"beside"`` map (section stem -> Markdown lines) adds its rows under another section's table (the staleness study's
+time-to-target rows beside Figures 5 and 6).
 
 ``--quick`` first runs the throughput scripts' quick modes into ``--results_dir`` (seconds; for tests and CI, not a
 result), ``--run_all`` their full settings (about a minute on 2 cores), then writes the page.
@@ -51,6 +53,9 @@ SECTIONS = (
     # Written by experiments/paper/fsdp_compare.py (issue 26; not in --run_all: about a minute and a half on 2 cores).
     ("fsdp_compare", "Beyond the paper: HetPipe against fully sharded data parallelism (ZeRO-3 / FSDP)",
      common.command("fsdp_compare"), ["(no paper claim: the 2026 baseline beside HetPipe's best allocation)"]),
+    # Written by experiments/staleness_study.py --results_dir=experiments/paper/results (issue 25; hours on 2 cores).
+    ("staleness", "Staleness and its remedies", f"{common.PYTHON} experiments/staleness_study.py "
+     "--results_dir=experiments/paper/results", ["(no paper claim: issue 25's goals for compensated staleness)"]),
 )
 CLAIM_KEYS = ("claim", "paper", "ours", "difference", "why", "command", "calibrated")
 
@@ -124,6 +129,9 @@ def render(results: dict[str, dict], output_dir: str) -> str:
     lines += _claims_table(data["claims"]) + [""]
     if data.get("markdown"):
       lines += [data["markdown"], ""]
+    for other in results.values():  # rows another results file shows beside this section's (its "beside" map)
+      if other.get("beside", {}).get(stem):
+        lines += [*other["beside"][stem], ""]
     png = data.get("png")
     if png:
       target = png if os.path.isabs(png) else os.path.join(str(REPO_ROOT), png)
