@@ -54,7 +54,9 @@ def _config(path: str, overrides: dict):
 
 def _main_as_rank(monkeypatch, capsys, rank, size, config, workdir, mode):
   """``train.main`` as rank ``rank`` of ``size``; returns ``(exit code or None, stderr)``."""
+  from absl import logging
   from hetpipe_jax import train
+  monkeypatch.setattr(logging, "set_verbosity", lambda v: None)  # main sets the process's verbosity per rank
   mpi4py = types.ModuleType("mpi4py")
   mpi4py.MPI = types.SimpleNamespace(COMM_WORLD=_ChecksOnlyComm(rank, size))
   monkeypatch.setitem(sys.modules, "mpi4py", mpi4py)
