@@ -122,10 +122,27 @@ class LaggingPeerClient(param_server.LocalPSClient):
       self._peer_push(self.server.state.pushed_waves[1])
 
 
-def loss_and_grad(spec):
+_STEP_FNS: dict = {}
+
+
+def model_step_fn(spec, transform=jax.value_and_grad):
+  """``jax.jit(transform(loss))`` of the whole model's loss ``(params, x, y)``, one per (model, transform): equal
+  specs (a frozen dataclass of the same layers) share it, so the suite traces each model's step once rather than
+  once per test (an unhashable spec gets its own)."""
   def loss(params, x, y):
     return objectives.get_objective(spec.objective).loss(models.apply_layers(spec.layers, params, x), y)
-  return jax.jit(jax.value_and_grad(loss))
+  try:
+    fn = _STEP_FNS.get((spec, transform))
+  except TypeError:
+    return jax.jit(transform(loss))
+  if fn is None:
+    fn = _STEP_FNS[(spec, transform)] = jax.jit(transform(loss))
+  return fn
+
+
+def loss_and_grad(spec):
+  """The whole model's jitted ``(params, x, y) -> (loss, per-layer grads)`` (shared: :func:`model_step_fn`)."""
+  return model_step_fn(spec, jax.value_and_grad)
 
 
 def sequential_replay(spec, params0, tx, batches, versions):

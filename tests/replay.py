@@ -23,8 +23,8 @@ import numpy as np
 import optax
 
 from hetpipe_jax import models
-from hetpipe_jax.runtime import objectives
 from hetpipe_jax.runtime.param_layout import ParamLayout
+from tests.pipeline_util import model_step_fn
 
 
 def read_applied_order(workdir, shard: int | None = None) -> list[tuple[int, int]]:
@@ -190,10 +190,7 @@ def replay(records: list[dict], spec: models.ModelSpec, params0: list, tx: optax
   layout = ParamLayout.from_layer_params(params0)
   num_vws = len(sources)
 
-  def loss(params, x, y):
-    return objectives.get_objective(spec.objective).loss(models.apply_layers(spec.layers, params, x), y)
-
-  grad_fn = jax.jit(jax.grad(loss))
+  grad_fn = model_step_fn(spec, jax.grad)  # jax.jit(jax.grad(loss)), shared by every replay of the model
   by_vw = [sorted((r for r in records if r["vw_id"] == v), key=lambda r: r["minibatch_id"]) for v in range(num_vws)]
   result = Replay(layout.flatten(params0), [{} for _ in range(num_vws)], fixed_waves, num_inflight, applied_order,
                   applied_scales)
