@@ -26,7 +26,7 @@ if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a
 
 from absl import app, flags  # noqa: E402
 
-from experiments.run_checks import applied_once, max_staleness, read_jsonl, wsp_violations  # noqa: E402
+from experiments.run_checks import applied_once, max_staleness, output_and_data, read_jsonl, wsp_violations  # noqa: E402
 from hetpipe_jax.paths import REPO_ROOT  # noqa: E402
 
 _NUM_VWS = flags.DEFINE_integer("num_vws", 16, "Virtual workers (one MPI rank each).")
@@ -79,14 +79,7 @@ def run_case(out: pathlib.Path, data_dir: str, num_vws: int, shards: int, bound:
 
 def main(argv) -> None:
   del argv
-  out = pathlib.Path(_OUTPUT_DIR.value)
-  if not out.is_absolute():
-    out = REPO_ROOT / out
-  out.mkdir(parents=True, exist_ok=True)
-  data_dir = _DATA_DIR.value
-  if not data_dir:
-    from hetpipe_jax.data import synthetic  # pylint: disable=g-import-not-at-top
-    data_dir = str(synthetic.write_synthetic_fashion_mnist(out / "data", num_train=512, num_test=256))
+  out, data_dir = output_and_data(_OUTPUT_DIR.value, _DATA_DIR.value)
   if _SMOKE.value:
     cases, num_vws, num_mb = [(2, 4)], 4, 12
   else:

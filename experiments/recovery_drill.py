@@ -41,7 +41,8 @@ if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a
 
 from absl import app, flags  # noqa: E402
 
-from experiments.run_checks import applied_once, loss_jump, read_jsonl, wsp_violations  # noqa: E402
+from experiments.run_checks import applied_once, loss_jump, output_and_data, read_jsonl, wsp_violations  # noqa: E402
+from hetpipe_jax.recovery import newest_checkpoint  # noqa: E402
 from hetpipe_jax.paths import REPO_ROOT  # noqa: E402
 
 _DRILLS = flags.DEFINE_list("drills", ["vw", "ps", "hang", "node"], "Which drills: vw, ps, hang, node.")
@@ -57,12 +58,6 @@ _TIMEOUT_S = flags.DEFINE_float("timeout_s", 600.0, "Longest a drill may take.")
 PLAN = "experiments/plans/local_cpu_4node_mlp_tiny_ed.json"
 TARGETS = {"vw": (1, signal.SIGKILL), "ps": (0, signal.SIGKILL), "hang": (2, signal.SIGSTOP),
            "node": (1, signal.SIGKILL)}
-
-
-def _newest_checkpoint(workdir: pathlib.Path) -> int | None:
-  d = workdir / "checkpoints"
-  steps = [int(p.name) for p in d.iterdir() if p.name.isdigit()] if d.is_dir() else []
-  return max(steps) if steps else None
 
 
 def _launch(workdir: pathlib.Path, data_dir: str, probe_dir: pathlib.Path, num_minibatches: int, ckpt: int,
@@ -90,7 +85,7 @@ def run_drill(name: str, out: pathlib.Path, data_dir: str, num_minibatches: int,
   row: dict = {"drill": name}
   if name != "clean":
     deadline = time.time() + _TIMEOUT_S.value
-    while _newest_checkpoint(workdir) is None and proc.poll() is None and time.time() < deadline:
+    while newest_checkpoint(workdir) is None and proc.poll() is None and time.time() < deadline:
       time.sleep(0.05)
     rank, sig = TARGETS[name]
     procs = {int(p.stem[4:]): json.loads(p.read_text()) for p in (workdir / "procs").glob("rank*.json")}
@@ -98,7 +93,7 @@ def run_drill(name: str, out: pathlib.Path, data_dir: str, num_minibatches: int,
       (probe_dir / "down_n2").write_text("")
     row["fault_at"] = time.time()
     row["fault"] = f"{signal.Signals(sig).name} rank {rank}"
-    row["checkpoint_before_fault"] = _newest_checkpoint(workdir)
+    row["checkpoint_before_fault"] = newest_checkpoint(workdir)
     os.kill(int(procs[rank]["pid"]), sig)
   try:
     code = proc.wait(timeout=_TIMEOUT_S.value)
@@ -138,14 +133,7 @@ def run_drill(name: str, out: pathlib.Path, data_dir: str, num_minibatches: int,
 
 def main(argv) -> None:
   del argv
-  out = pathlib.Path(_OUTPUT_DIR.value)
-  if not out.is_absolute():
-    out = REPO_ROOT / out
-  out.mkdir(parents=True, exist_ok=True)
-  data_dir = _DATA_DIR.value
-  if not data_dir:
-    from hetpipe_jax.data import synthetic  # pylint: disable=g-import-not-at-top
-    data_dir = str(synthetic.write_synthetic_fashion_mnist(out / "data", num_train=512, num_test=256))
+  out, data_dir = output_and_data(_OUTPUT_DIR.value, _DATA_DIR.value)
   drills = ["vw", "hang"] if _SMOKE.value else list(_DRILLS.value)
   unknown = sorted(set(drills) - set(TARGETS))
   if unknown:

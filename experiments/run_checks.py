@@ -9,6 +9,21 @@ from __future__ import annotations
 import json
 import pathlib
 
+from hetpipe_jax.paths import REPO_ROOT
+
+
+def output_and_data(output_dir: str, data_dir: str) -> tuple[pathlib.Path, str]:
+  """A script's output directory (relative paths under the repository root), created, and its Fashion-MNIST-format
+  data directory (``data_dir``, or ``""``: a small synthetic set written under the output directory)."""
+  out = pathlib.Path(output_dir)
+  if not out.is_absolute():
+    out = REPO_ROOT / out
+  out.mkdir(parents=True, exist_ok=True)
+  if not data_dir:
+    from hetpipe_jax.data import synthetic  # pylint: disable=g-import-not-at-top  # numpy only, when needed
+    data_dir = str(synthetic.write_synthetic_fashion_mnist(out / "data", num_train=512, num_test=256))
+  return out, data_dir
+
 
 def read_jsonl(path: pathlib.Path) -> list[dict]:
   """The JSON lines of ``path`` ([] when it does not exist)."""

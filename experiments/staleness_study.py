@@ -56,6 +56,7 @@ if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a
 from absl import app, flags, logging  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments.paper import common  # noqa: E402
 from hetpipe_jax.paths import REPO_ROOT, write_json  # noqa: E402
 
 # Every row of the grid, in batches as the machine allows (each run's own command is in its record).
@@ -425,15 +426,6 @@ def paper_plans(out: pathlib.Path, rows) -> dict[str, dict]:
   return timing_plans.vgg19_study_plans(out / "plans", want)
 
 
-def _stats(xs) -> dict:
-  xs = [x for x in xs if x is not None]
-  if not xs:
-    return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
-  a = np.asarray(xs, dtype=float)
-  return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if len(a) > 1 else 0.0, "min": float(a.min()),
-          "max": float(a.max()), "n": len(a)}
-
-
 def time_to_target(curve, target: float, lower: bool) -> float | None:
   """Simulated seconds at which the held-out quality first reaches ``target`` (None: never), linearly
   interpolated between the evaluation before it and the first at or past it."""
@@ -473,7 +465,7 @@ def aggregate(tasks: dict, rows, records: dict, missing: dict, at: dict[str, int
     point = at.get(r.task, 0)
     lower = LOWER_IS_BETTER[task.metric]
     vals = [value_at(x, point) for x in ok]
-    q = _stats(vals)
+    q = common.stats(vals)
     ref_row = Row(r.group, r.task, "hetpipe" if r.method in ("hetpipe", "pipedream") else r.method,
                   VARIANTS[r.variant].reference, r.num_vws, 1, 0, r.seeds, r.timing)
     ref = by_key.get(ref_row.key)
@@ -483,7 +475,7 @@ def aggregate(tasks: dict, rows, records: dict, missing: dict, at: dict[str, int
       pairs = [(value_at(x, point), refq[x["seed"]]) for x in ok if x["seed"] in refq]
       if pairs:
         rel = [(a - b) / b if lower else (a - b) for a, b in pairs]
-        gap = {"kind": "relative" if lower else "points", "per_seed": rel, **_stats(rel)}
+        gap = {"kind": "relative" if lower else "points", "per_seed": rel, **common.stats(rel)}
     finished = [x for x in ok if x.get("returncode") == 0]
     out.append({"key": r.key, "group": r.group, "task": r.task, "method": r.method, "variant": r.variant,
                 "variant_label": VARIANTS[r.variant].label, "num_vws": r.num_vws, "nm": r.nm, "d": r.d,
@@ -493,7 +485,7 @@ def aggregate(tasks: dict, rows, records: dict, missing: dict, at: dict[str, int
                 "gap_to_reference": gap, "not_run": missing.get(r.key),
                 "failed": [x["key"] for x in recs if x and x.get("returncode") not in (0, "partial")],
                 "minibatches": point or (finished[0]["num_minibatches"] if finished else None),
-                "minibatches_per_s": _stats([x["minibatches_per_s"] for x in finished])})
+                "minibatches_per_s": common.stats([x["minibatches_per_s"] for x in finished])})
   return out
 
 
@@ -535,7 +527,7 @@ def paper_time_to_target(table: list[dict], records: dict, tasks: dict) -> dict:
     per[t["key"]] = {"label": f"{t['method']} {t['variant_label']} Nm={t['nm']} D={t['d']}" + (
                          f" ({unfinished} run(s) unfinished: curve so far)" if unfinished else ""),
                      "method": t["method"],
-                     "variant": t["variant"], "nm": t["nm"], "d": t["d"], "per_seed": tt, **_stats(tt),
+                     "variant": t["variant"], "nm": t["nm"], "d": t["d"], "per_seed": tt, **common.stats(tt),
                      "seeds": [x["seed"] for x in runs[t["key"]]]}
   comp = {k: v for k, v in per.items() if v["method"] == "hetpipe" and v["variant"] != "sgd" and v["mean"]}
   uncomp_d0 = next((v for v in per.values() if v["method"] == "hetpipe" and v["variant"] == "sgd" and v["d"] == 0),
@@ -551,7 +543,7 @@ def paper_time_to_target(table: list[dict], records: dict, tasks: dict) -> dict:
       pairs = [(a, b) for a, b, sa, sb in zip(best_comp[1]["per_seed"], other["per_seed"], best_comp[1]["seeds"],
                                              other["seeds"]) if a is not None and b is not None and sa == sb]
       red = [1 - a / b for a, b in pairs]
-      versus.append({"against": name, "time_reduction_per_seed": red, **_stats(red),
+      versus.append({"against": name, "time_reduction_per_seed": red, **common.stats(red),
                      "goal": 0.25, "met": bool(red) and float(np.mean(red)) >= 0.25})
   return {"target_accuracy": target, "per_row": per, "best_compensated": best_comp[0] if best_comp else None,
           "versus": versus, "calibration": "roofline efficiency per GPU type fitted on the paper's Horovod Table 4 "

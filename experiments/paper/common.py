@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Sequence
+from typing import Any
+
+import numpy as np
 
 from hetpipe_jax.costs import cluster as cluster_lib
 from hetpipe_jax.costs import cost_model
 from hetpipe_jax.costs import profile_format
-from hetpipe_jax.costs.cluster import ClusterSpec
+from hetpipe_jax.costs.cluster import ClusterSpec, sub_cluster  # noqa: F401  (sub_cluster: used by the paper scripts)
 from hetpipe_jax.paths import REPO_ROOT
 from hetpipe_jax.planning import compare as compare_lib
 
@@ -34,23 +36,15 @@ def load_profile(model: str, batch_size: int = 32) -> profile_format.ModelProfil
       str(REPO_ROOT / "experiments" / "profiles" / f"{model}_b{batch_size}_cpu_costonly.json"))
 
 
-def sub_cluster(cluster: ClusterSpec, nodes: Sequence[str]) -> ClusterSpec:
-  """``cluster`` restricted to ``nodes`` (in the cluster's order), named ``<name>_<nodes>`` (e.g. ``_VR``).
-
-  Raises:
-    ValueError: a node name the cluster does not have.
-  """
-  names = [n.name for n in cluster.nodes]
-  for n in nodes:
-    if n not in names:
-      raise ValueError(f"unknown node {n!r}: cluster {cluster.name!r} has nodes {names}")
-  if set(nodes) == set(names):
-    return cluster
-  keep = tuple(n for n in cluster.nodes if n.name in nodes)
-  out = dataclasses.replace(cluster, name=f"{cluster.name}_{''.join(n.name for n in keep)}", nodes=keep,
-                            local_devices={})
-  out.validate()
-  return out
+def stats(xs) -> dict:
+  """Mean, sample standard deviation (0 for one value), min, max and count of the values that are not None (all
+  None when there are none)."""
+  xs = [x for x in xs if x is not None]
+  if not xs:
+    return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
+  a = np.asarray(xs, dtype=float)
+  return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if len(a) > 1 else 0.0, "min": float(a.min()),
+          "max": float(a.max()), "n": len(a)}
 
 
 def cost_config() -> cost_model.CostModelConfig:

@@ -40,7 +40,6 @@ clusters and plans (``plans/``; a plan names its cluster file by absolute path) 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 import shutil
@@ -62,6 +61,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 from absl import app, flags, logging  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments.paper import common  # noqa: E402
 from experiments.paper import timing_plans  # noqa: E402
 from experiments.paper.timing_plans import horovod_plan  # noqa: E402,F401  (re-exported)
 from hetpipe_jax.paths import REPO_ROOT, write_json  # noqa: E402
@@ -240,15 +240,6 @@ def common_target(runs: dict, cap: float, step: float = 0.05) -> float:
   return round(min(cap, np.floor(best / step + 1e-9) * step), 4)
 
 
-def _stats(xs) -> dict:
-  xs = [x for x in xs if x is not None]
-  if not xs:
-    return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
-  a = np.asarray(xs, dtype=float)
-  return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if len(a) > 1 else 0.0, "min": float(a.min()),
-          "max": float(a.max()), "n": len(a)}
-
-
 def _fmt_pct(s: dict) -> str:
   if s["mean"] is None:
     return "not reached"
@@ -267,13 +258,13 @@ def analyse(confs, plans: dict, runs: dict, target: float, high_target: float, q
     per_config[c.name] = {
         "label": c.label, "figure": c.figure, "timing_model": c.timing_model, "cluster": c.cluster,
         "method": c.method, "staleness_bound": c.staleness_bound, "plan": plans[c.name],
-        "time_to_target_s": ttt[c.name], "time_to_target": _stats(ttt[c.name]),
+        "time_to_target_s": ttt[c.name], "time_to_target": common.stats(ttt[c.name]),
         "reached_in_every_seed": all(t is not None for t in ttt[c.name]),
-        "time_to_high_target_s": tth[c.name], "time_to_high_target": _stats(tth[c.name]),
-        "minibatches_per_s": _stats([r["minibatches_per_s"] for r in rs]),
-        "final_accuracy": _stats([r["final_accuracy"] for r in rs]),
-        "best_accuracy": _stats([max(a for _, a in r["curve"]) for r in rs]),
-        "mean_wait_s": _stats([r["mean_wait_s"] for r in rs]), "mean_idle_s": _stats([r["mean_idle_s"] for r in rs]),
+        "time_to_high_target_s": tth[c.name], "time_to_high_target": common.stats(tth[c.name]),
+        "minibatches_per_s": common.stats([r["minibatches_per_s"] for r in rs]),
+        "final_accuracy": common.stats([r["final_accuracy"] for r in rs]),
+        "best_accuracy": common.stats([max(a for _, a in r["curve"]) for r in rs]),
+        "mean_wait_s": common.stats([r["mean_wait_s"] for r in rs]), "mean_idle_s": common.stats([r["mean_idle_s"] for r in rs]),
         "runs": rs}
   names = {c.name for c in confs}
   claims, speedups = [], []
@@ -289,7 +280,7 @@ def analyse(confs, plans: dict, runs: dict, target: float, high_target: float, q
       continue
     sensitivity = fast in SENSITIVITY
     red, red_high = reductions(ttt, fast, slow), reductions(tth, fast, slow)
-    s, sh = _stats(red), _stats(red_high)
+    s, sh = common.stats(red), common.stats(red_high)
     thr = per_config[fast]["minibatches_per_s"]["mean"] / per_config[slow]["minibatches_per_s"]["mean"]
     speedups.append({"claim": claim, "faster": fast, "slower": slow, "paper_time_reduction": paper,
                      "time_reduction_per_seed": red, "time_reduction": s, "high_target_time_reduction_per_seed":

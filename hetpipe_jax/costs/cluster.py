@@ -236,9 +236,29 @@ def cluster_from_dict(d: Mapping[str, Any]) -> ClusterSpec:
   return spec
 
 
+def sub_cluster(cluster: ClusterSpec, nodes: Sequence[str]) -> ClusterSpec:
+  """``cluster`` restricted to ``nodes`` (in the cluster's order, each keeping its ``local_devices``), named
+  ``<name>_<nodes>`` (e.g. ``_VR``); ``cluster`` itself when ``nodes`` are all of its nodes.
+
+  Raises:
+    ValueError: a node name the cluster does not have, or no node.
+  """
+  names = [n.name for n in cluster.nodes]
+  for n in nodes:
+    if n not in names:
+      raise ValueError(f"unknown node {n!r}: cluster {cluster.name!r} has nodes {names}")
+  if set(nodes) == set(names):
+    return cluster
+  keep = tuple(n for n in cluster.nodes if n.name in nodes)
+  prefixes = tuple(f"{n.name}/" for n in keep)
+  out = dataclasses.replace(cluster, name=f"{cluster.name}_{''.join(n.name for n in keep)}", nodes=keep,
+                            local_devices={g: d for g, d in cluster.local_devices.items() if g.startswith(prefixes)})
+  out.validate()
+  return out
+
+
 def without_nodes(cluster: ClusterSpec, names: Sequence[str]) -> ClusterSpec:
-  """``cluster`` less the nodes ``names`` (a node lost to a failure), the rest in their order; its name gets
-  ``-without-<names>``.
+  """``cluster`` less the nodes ``names`` (a node lost to a failure): :func:`sub_cluster` of the others.
 
   Raises:
     ValueError: a name that is not a node of the cluster, or no node left.
@@ -247,14 +267,10 @@ def without_nodes(cluster: ClusterSpec, names: Sequence[str]) -> ClusterSpec:
   unknown = [n for n in names if n not in known]
   if unknown:
     raise ValueError(f"cluster {cluster.name!r} has no node {', '.join(unknown)} (nodes: {', '.join(known)})")
-  nodes = tuple(n for n in cluster.nodes if n.name not in names)
-  if not nodes:
+  rest = [n for n in known if n not in names]
+  if not rest:
     raise ValueError(f"no node of cluster {cluster.name!r} is left without {', '.join(names)}")
-  gone = tuple(f"{n}/" for n in names)
-  spec = dataclasses.replace(cluster, name=f"{cluster.name}-without-{'-'.join(names)}", nodes=nodes,
-                             local_devices={g: d for g, d in cluster.local_devices.items() if not g.startswith(gone)})
-  spec.validate()
-  return spec
+  return sub_cluster(cluster, rest)
 
 
 def available_clusters() -> list[str]:

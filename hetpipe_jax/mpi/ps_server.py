@@ -27,6 +27,7 @@ from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.ps.shards import WaveAssembler
 from hetpipe_jax.rules import watchdog
 
+WATCH_EVERY_S = 1.0  # the watchdog looks at most this often (the idle loop polls every 20 µs to 0.5 ms)
 IDLE_MAX_S = 5e-4  # the service's longest poll pause while no message arrives (the cores belong to the VWs)
 
 
@@ -76,6 +77,7 @@ class ParameterServerService:
     # Per wave update applied here: seconds from its header's receipt to applied with the pulls it unblocked sent
     # (receiving the payload, checking and adding it, answering pulls; not evaluation or metrics).
     self.push_service_s: list[float] = []
+    self._next_watch = 0.0  # the idle loop's next watchdog check (monotonic seconds)
     self.unheard = set(range(self.n))  # VWs not heard from since this process started (the watchdog's start-up limit)
     self.num_minibatches_per_vw = num_minibatches_per_vw
     self.num_inflight = num_inflight
@@ -184,10 +186,12 @@ class ParameterServerService:
   def _check_progress(self) -> None:
     """The watchdog (:func:`hetpipe_jax.rules.watchdog.silent_vws`): raises when a VW the PS owes nothing (no held
     pull, no reported segment or end) has been silent for ``watchdog_s`` seconds."""
-    if not self.watchdog_s:
+    now = time.monotonic()
+    if not self.watchdog_s or now < self._next_watch:
       return
+    self._next_watch = now + WATCH_EVERY_S
     waiting = set(self.reports) | set(self.segment_reports) | set(self.server.state.pending_pulls)
-    silent = watchdog.silent_vws(time.monotonic(), self.last_heard, waiting, self.watchdog_s, self.unheard,
+    silent = watchdog.silent_vws(now, self.last_heard, waiting, self.watchdog_s, self.unheard,
                                  watchdog.STARTUP_LIMIT_S)
     if silent:
       vw, silence = silent[0]
