@@ -186,8 +186,10 @@ class ParameterServerService:
   def _check_progress(self) -> None:
     """The watchdog (:func:`hetpipe_jax.rules.watchdog.silent_vws`): raises when a VW the PS owes nothing (no held
     pull, no reported segment or end) has been silent for ``watchdog_s`` seconds."""
+    if not self.watchdog_s:
+      return
     now = time.monotonic()
-    if not self.watchdog_s or now < self._next_watch:
+    if now < self._next_watch:
       return
     self._next_watch = now + WATCH_EVERY_S
     waiting = set(self.reports) | set(self.segment_reports) | set(self.server.state.pending_pulls)
