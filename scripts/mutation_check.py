@@ -1406,6 +1406,27 @@ MUTATIONS = (
              "pass",
              ("tests/test_resume.py::test_resume_needs_checkpoints",),
              "the one set-up starts a --resume run in a workdir without checkpoints (from scratch)"),
+    # ---- checkpoints with stage ranks and several PS shards
+    Mutation("stage_rank_forgets_opt_state_on_resume", "_run_stage_rank",
+             "vw.load_opt_state(*point.opt_states[vw_id])",
+             "pass",
+             ("tests/test_checkpoint_layouts.py::test_stage_ranks_and_shards_checkpoint_and_resume_onto_any_layout",),
+             "a resumed stage rank starts its stages' optimizer state afresh instead of from the checkpoint"),
+    Mutation("checkpoint_drops_stage_rank_opt_state", "_merge_opt_states",
+             "state = template if rank not in buffers else _opt_state_from_bytes(np.asarray(buffers[rank], np.uint8), template)",
+             "state = template if rank not in buffers or v in merged else _opt_state_from_bytes(np.asarray(buffers[rank], np.uint8), template)",
+             ("tests/test_checkpoint_layouts.py::test_stage_ranks_and_shards_checkpoint_and_resume_onto_any_layout",),
+             "the checkpoint keeps only the drivers' optimizer states: the stage ranks' layers get fresh ones"),
+    Mutation("shard_cut_log_not_shifted", "_run_ps",
+             "log += [(first + w, v) for w, v in seg_log]",
+             "log += [(w, v) for w, v in seg_log]",
+             ("tests/test_checkpoint_layouts.py::test_stage_ranks_and_shards_checkpoint_and_resume_onto_any_layout",),
+             "a non-lead shard's log of a segment keeps the segment's own wave numbers (waves look applied twice)"),
+    Mutation("segment_keeps_own_flat", "PerMinibatchUpdate.reset",
+             "self.own_flat = {}",
+             "",
+             ("tests/test_checkpoint_layouts.py::test_stage_ranks_and_shards_checkpoint_and_resume_onto_any_layout",),
+             "a segment starts with the last segment's own-wave copies (the barrier's weights already hold them)"),
 )
 
 

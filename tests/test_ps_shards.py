@@ -84,12 +84,15 @@ def test_a_shard_without_parameters_is_refused_under_default_placement():
     ({"num_ps_shards": 0}, "config.num_ps_shards=0"),
     ({"ps_placement": "local"}, "config.ps_placement='local' needs a plan"),
     ({"ps_placement": "nearest"}, "config.ps_placement='nearest'"),
-    ({"num_ps_shards": 2}, "config.checkpoint_every_waves=100 with 2 PS shards"),
     ({"num_ps_shards": 2, "checkpoint_every_waves": 0, "eval_every_epochs": 1.0}, "config.eval_every_epochs=1.0"),
 ])
 def test_bad_shard_settings_are_refused_naming_the_setting(overrides, message):
   with pytest.raises(job_config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
     _settings(**overrides)
+
+
+def test_checkpoints_with_several_shards_are_accepted():
+  assert _settings(num_ps_shards=2, eval_every_epochs=0.0).num_ps_shards == 2  # checkpoints every 100 waves
 
 
 def test_one_shard_is_the_default_without_a_plan():

@@ -70,15 +70,12 @@ def test_stage_rank_settings_world_size_and_refusals():
   # "node" grouping without a plan: every stage on one node, so no stage ranks
   assert _settings(num_stages=3, stage_ranks=True, stage_rank_grouping="node",
                    checkpoint_every_waves=0).world_size == 3
-  with pytest.raises(job_config.ConfigError, match="config.checkpoint_every_waves=100 with config.stage_ranks=True"):
-    _settings(stage_ranks=True)
+  assert _settings(stage_ranks=True, num_stages=3).stage_groups  # with checkpoints (the default, every 100 waves)
   with pytest.raises(job_config.ConfigError, match="config.stage_ranks=True runs HetPipe's pipeline"):
     _settings(stage_ranks=True, method="gpipe", checkpoint_every_waves=0)
   with pytest.raises(job_config.ConfigError, match="config.stage_rank_grouping='rack'"):
     _settings(stage_rank_grouping="rack")
-  c = tiny_config(stage_ranks=True, checkpoint_every_waves=0)
-  with pytest.raises(job_config.ConfigError, match="--resume with config.stage_ranks=True"):
-    job_config.with_stage_ranks(c, job_config.resolve_settings(c), resume=True)
+  assert job_config.resolve_job(tiny_config(stage_ranks=True, num_stages=3), resume=True).resume  # and resume
 
 
 # ------------------------------------------------------------------------------------------------ the header

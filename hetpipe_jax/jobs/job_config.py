@@ -308,7 +308,7 @@ def resolve_job(config: Any, mode: str = "mpi", resume: bool = False) -> Job:
     config: the job's flat ConfigDict (``experiments/configs/default.py``), ``config.plan`` set.
     mode: ``"mpi"`` (``hetpipe_jax.train``'s default: the parameter-server methods resolve their PS shards and stage
       ranks) or ``"virtual"`` (one process, one in-process PS).
-    resume: the run continues from its newest checkpoint (``--resume``; refused with stage ranks).
+    resume: the run continues from its newest checkpoint (``--resume``).
 
   Raises:
     ConfigError: any invalid setting (:func:`settings_from_config`, :func:`hetpipe_jax.jobs.job_ranks.
@@ -327,7 +327,7 @@ def resolve_job(config: Any, mode: str = "mpi", resume: bool = False) -> Job:
                         "it to 0 (the watchdog runs under MPI)")
   elif settings.num_ps_ranks:
     settings = with_ps_shards(config, settings)  # sharded PS: ranks 0..S-1
-    settings = with_stage_ranks(config, settings, resume)  # stage ranks: ranks S+N.. (after the VWs' drivers)
+    settings = with_stage_ranks(config, settings)  # stage ranks: ranks S+N.. (after the VWs' drivers)
   return _build_job(config, settings, mode, resume)
 
 

@@ -41,8 +41,8 @@ def with_ps_shards(config: Any, settings: JobSettings) -> JobSettings:
 
   Raises:
     ConfigError: ``num_ps_shards < 1``, an unknown placement, ``local`` without a plan or with a shard count other
-      than the plan's node count; with more than one shard, periodic checkpoints or evaluations (not supported
-      yet: they need every shard's weights on one rank during the run).
+      than the plan's node count; with more than one shard, periodic evaluations (not supported yet: they need
+      every shard's weights on one rank during the run) or staleness scaling.
   """
   plan = settings.plan
   nodes = plan_nodes(plan) if plan is not None else ["host"]
@@ -77,11 +77,6 @@ def with_ps_shards(config: Any, settings: JobSettings) -> JobSettings:
     raise ConfigError(f"config.ps_placement='local' needs a plan and one shard per plan node (config.num_ps_shards="
                       f"{num}, plan nodes: {len(nodes) if plan is not None else 'no plan'}): give a plan and leave "
                       "config.num_ps_shards unset, or use --config.ps_placement=default")
-  if num > 1 and config.checkpoint_every_waves > 0:
-    raise ConfigError(f"config.checkpoint_every_waves={config.checkpoint_every_waves} with {num} PS shards: "
-                      "checkpoint barriers are not supported with sharded parameter servers yet; set "
-                      "--config.checkpoint_every_waves=0 (the final weights are still saved) or "
-                      "--config.num_ps_shards=1")
   if num > 1 and config.eval_every_epochs > 0:
     raise ConfigError(f"config.eval_every_epochs={config.eval_every_epochs} with {num} PS shards: evaluation during "
                       "the run is not supported with sharded parameter servers yet; set "
@@ -138,25 +133,15 @@ def ps_layer_shards(settings: JobSettings, partitions: Sequence[Partition], has_
   return shards
 
 
-def with_stage_ranks(config: Any, settings: JobSettings, resume: bool = False) -> JobSettings:
+def with_stage_ranks(config: Any, settings: JobSettings) -> JobSettings:
   """Resolves stage ranks (``config.stage_ranks``): a VW's stages on separate MPI ranks, grouped by
   :func:`hetpipe_jax.mpi.rank_layout.stage_groups` (``config.stage_rank_grouping``: ``"gpu"``, one rank per stage;
   ``"node"``, the VW's stages on one plan node in one rank). Call after :func:`with_ps_shards` (it sets the stages'
-  nodes). Off: ``settings`` unchanged (one process per VW).
-
-  Raises:
-    ConfigError: checkpoint barriers (``config.checkpoint_every_waves > 0``) or ``--resume`` with stage ranks (the
-      optimizer states live on the stage ranks; not supported yet).
+  nodes). Off: ``settings`` unchanged (one process per VW). Checkpoints and ``--resume`` work as without stage
+  ranks: each stage rank sends its stages' optimizer state at a checkpoint barrier and takes it back on resume.
   """
   if not config.get("stage_ranks", False):
     return settings
-  if config.checkpoint_every_waves > 0:
-    raise ConfigError(f"config.checkpoint_every_waves={config.checkpoint_every_waves} with config.stage_ranks=True: "
-                      "checkpoint barriers are not supported with stage ranks yet; set "
-                      "--config.checkpoint_every_waves=0 (the final weights are still saved)")
-  if resume:
-    raise ConfigError("--resume with config.stage_ranks=True is not supported yet (stage ranks write no checkpoints "
-                      "with optimizer states): resume without stage ranks")
   grouping = config.get("stage_rank_grouping", "gpu")
   groups = tuple(rank_layout.stage_groups(nodes, grouping) for nodes in settings.vw_stage_nodes)
   return dataclasses.replace(settings, stage_groups=groups)

@@ -68,7 +68,7 @@ def run(job: Job, workdir: str, comm) -> dict | None:
     return _run_ps(ctx)
   if rank < num_shards:
     ps_shards.run_shard(job, job.wsp.ps_apply, ctx.flat0, ctx.shards, rank, comm, ctx.partitions,
-                        ctx.layout.layer_offsets)
+                        ctx.layout.layer_offsets, ctx.segments())
     return None
   if rank >= num_shards + job.num_virtual_workers:  # a stage rank
     vw_id = next(v for r, v, _ in stage_rank_layout(num_shards, job.stage_groups) if r == rank)
@@ -104,21 +104,41 @@ def update_settings(settings: Job, optimizer, vw_id: int, num_minibatches: int =
 def _run_stage_rank(ctx: RunContext, vw_id: int) -> None:
   """A stage rank: runs its stages of VW ``vw_id`` as the VW's driver commands
   (:class:`hetpipe_jax.mpi.stage_server.StageRankServer`), pushes and pulls its stages' parts of every shard
-  (:class:`hetpipe_jax.mpi.ps_client.StageRankPSClient`), then joins the job's final collective."""
-  settings, layout, comm, shards = ctx.job, ctx.layout, ctx.comm, ctx.shards
+  (:class:`hetpipe_jax.mpi.ps_client.StageRankPSClient`), then joins the job's final collective.
+
+  Checkpoint segments (:mod:`hetpipe_jax.jobs.resume`): the driver stops the rank at each segment's end; the rank
+  sends its stages' optimizer state to the lead shard when a checkpoint is due (a rank holding parameters), takes its
+  parts of the barrier's global weights from its shards and serves the next segment from them. A resumed run starts
+  from the checkpoint's optimizer state and version numbering, as the driver does."""
+  settings, layout, comm, shards, point = ctx.job, ctx.layout, ctx.comm, ctx.shards, ctx.point
   link = rank_setup.stage_link(settings, ctx.spec, ctx.partitions[vw_id], vw_id, ctx.num_minibatches, comm)
   devices = rank_setup.stage_devices(settings, vw_id, link, ctx.restricted)
   optimizer = ctx.optimizer()
   stages = ctx.stages(vw_id, devices, optimizer)
   vw = vw_lib.VirtualWorker(stages, layout, layout.unflatten(ctx.flat0), _wsp_settings(settings, vw_id),
                             vw_lib.UpdateSettings(optimizer, settings.method), placement=placement_lib.LinkedStages(link))
-  source = ctx.minibatches(vw_id)
+  if point is not None:
+    vw.load_opt_state(*point.opt_states[vw_id])
+    vw.set_version_id(point.meta["version_ids"][vw_id % len(point.meta["version_ids"])])
+  labels = ctx.minibatches(vw_id).get(0)[1]
+  local_index = StageRankServer.local_index_of(vw)
   ps = StageRankPSClient(comm, ps_shards.vw_parts(settings, shards, ctx.partitions, layout.layer_offsets)[vw_id],
-                         StageRankServer.local_index_of(vw), settings.num_virtual_workers)
-  server = StageRankServer(comm, vw, settings.num_ps_shards + vw_id, source.get(0)[1], ps, shards.index)
+                         local_index, settings.num_virtual_workers)
   logging.info("[VW %d] stage rank %d: stages %s on %s", vw_id, comm.Get_rank(), vw.local_stages,
                [str(devices[s]) for s in vw.local_stages])
-  server.serve()
+  segs, total = ctx.segments(), ctx.total_waves
+  for i, (first, end) in enumerate(segs):
+    server = StageRankServer(comm, vw, settings.num_ps_shards + vw_id, labels, ps, shards.index)
+    server.serve(last=i + 1 == len(segs))
+    due = settings.checkpoint.due(end, total) and bool(ps.shards)  # a rank without parameters has no state to save
+    opt = _opt_state_bytes(*vw.opt_state_by_layer()) if due else None
+    if i + 1 < len(segs):
+      flat = np.zeros(layout.num_params, np.float32)
+      flat[local_index] = ps.barrier(end - first, opt)
+      vw.begin_segment(flat)
+    elif opt is not None:  # the final checkpoint's
+      ps.send_opt_state(end - first, opt)
+      ps.flush()
   ps_shards.ps_byte_matrix(comm)
 
 
@@ -191,6 +211,7 @@ def _run_vw(ctx: RunContext, vw_id: int) -> None:
   peaks: list[int] = [0] * len(stages)
   max_concurrent = 0
   sent = 0  # records already sent to the PS
+  stage_reports: dict[int, dict] = {}  # stage rank -> its reports summed over segments
   for i, (first, end) in enumerate(segs):
     off.clock, off.minibatch = first, start_mb + (first - clock0) * nm
     mark = len(vw.records)
@@ -210,6 +231,8 @@ def _run_vw(ctx: RunContext, vw_id: int) -> None:
     sent = len(vw.records)
     if i + 1 < len(segs):  # a checkpoint barrier: the PS holds every VW's waves of the run so far
       t_barrier = time.perf_counter()
+      if remote is not None:  # the stage ranks end the segment too (they send their states and take their weights)
+        _add_stage_reports(stage_reports, remote.stop(client.num_pulls_requested, last=False))
       opt = _opt_state_bytes(*vw.opt_state_by_layer()) if settings.checkpoint.due(end, total) else None
       _, flat = client.barrier(end - first, report, opt)
       vw.begin_segment(flat)
@@ -217,10 +240,10 @@ def _run_vw(ctx: RunContext, vw_id: int) -> None:
   stats = {**dict(vw.stats.__dict__), **totals, "peak_inflight_per_stage": peaks,
            "max_concurrent_tasks": max_concurrent, "start_unix_s": first_start}
   if settings.checkpoint.due(total, total):  # the final checkpoint's optimizer state, before DONE
-    client.send_opt_state(num_mb // nm, _opt_state_bytes(*vw.opt_state_by_layer()))
+    client.send_opt_state(total - segs[-1][0], _opt_state_bytes(*vw.opt_state_by_layer()))
   trace_counts = {s.stage_id: dict(s.trace_counts) for s in stages}
   if remote is not None:  # the stage ranks' own counts replace the placeholders' (never traced here)
-    stage_reports = remote.stop(client.num_pulls_requested)
+    _add_stage_reports(stage_reports, remote.stop(client.num_pulls_requested))
     for rep in stage_reports.values():
       trace_counts.update({int(s): c for s, c in rep["trace_counts"].items()})
     report["stage_ranks"] = {"ranks": list(link.stage_ranks),
@@ -234,10 +257,68 @@ def _run_vw(ctx: RunContext, vw_id: int) -> None:
       "trace_counts": trace_counts,
       "tasks": vw.task_log if settings.run.save_task_trace else [],
   })
-  client.finish(num_mb // nm, report)
+  client.finish(total - segs[-1][0], report)  # the waves of the last segment (as SEGMENT counts a segment's)
   ps_shards.ps_byte_matrix(comm)
   logging.info("[VW %d] done: %.1f s, wait %.2f s, idle %.2f s", vw_id, totals["wall_time_s"], totals["wait_s"],
                totals["idle_s"])
+
+
+def _opt_templates(ctx: RunContext) -> dict[int, tuple[int, list[int], tuple[list, list]]]:
+  """Per VW rank (the VWs' ranks, then the stage ranks), ``(vw, its layers, the structure of its stages' optimizer
+  state by layer)``: what :func:`_opt_state_from_bytes` reads the rank's checkpoint bytes with (the initial state
+  of the job's optimizer on the start weights; only shapes and dtypes matter)."""
+  settings, layout = ctx.job, ctx.layout
+  params0 = layout.unflatten(ctx.flat0)
+  num_shards, n = settings.num_ps_shards, settings.num_virtual_workers
+  if settings.stage_groups:
+    owners = stage_rank_layout(num_shards, settings.stage_groups)
+  else:
+    owners = [(num_shards + v, v, tuple(range(len(ctx.partitions[v])))) for v in range(n)]
+  out = {}
+  for rank, v, stages in owners:
+    tx = ctx.optimizer()
+    scalars, per_layer, layers = None, [], []
+    for k in stages:
+      start, end = ctx.partitions[v][k]
+      sc, parts = opt_state.split_by_layer(optimizers.for_layers(tx, start, end).init(list(params0[start:end])),
+                                           params0[start:end])
+      scalars = sc if scalars is None else scalars
+      per_layer.extend(parts)
+      layers.extend(range(start, end))
+    out[rank] = (v, layers, (scalars, per_layer))
+  return out
+
+
+def _merge_opt_states(templates: dict, buffers: dict[int, np.ndarray], num_vws: int
+                      ) -> dict[int, tuple[list, list]]:
+  """Every VW's optimizer state over all its layers from its ranks' checkpoint bytes (``buffers``: rank -> bytes);
+  the scalars are the driver's (it runs stage 0). A rank that sent nothing holds no parameters: its layers keep the
+  template's (empty) parts.
+
+  Raises:
+    ValueError: a buffer that does not fit its rank's template, or a VW whose driver sent nothing.
+  """
+  merged: dict[int, tuple[list, list]] = {}
+  for rank in sorted(templates):  # the drivers (ranks S..S+N-1) come first
+    v, layers, template = templates[rank]
+    state = template if rank not in buffers else _opt_state_from_bytes(np.asarray(buffers[rank], np.uint8), template)
+    if v not in merged:
+      if rank not in buffers:
+        raise ValueError(f"VW {v}'s driver (rank {rank}) sent no optimizer state for the checkpoint")
+      merged[v] = (state[0], {})
+    merged[v][1].update(zip(layers, state[1]))
+  if sorted(merged) != list(range(num_vws)):
+    raise ValueError(f"optimizer states of VWs {sorted(merged)} for a job of {num_vws}")
+  return {v: (scalars, [by_layer[k] for k in sorted(by_layer)]) for v, (scalars, by_layer) in sorted(merged.items())}
+
+
+def _add_stage_reports(into: dict[int, dict], reports: dict[int, dict]) -> None:
+  """Adds one run's stage-rank reports (:meth:`hetpipe_jax.mpi.stage_client.RemoteStages.stop`) to ``into``: counts
+  and seconds summed over checkpoint segments, the trace counts (kept over the job by each stage) the newest."""
+  for rank, rep in reports.items():
+    had = into.setdefault(rank, {"version_waits": 0, "version_wait_s": 0.0, "tasks": 0})
+    had.update(trace_counts=rep["trace_counts"], version_waits=had["version_waits"] + rep["version_waits"],
+               version_wait_s=had["version_wait_s"] + rep["version_wait_s"], tasks=had["tasks"] + rep["tasks"])
 
 
 def _run_ps(ctx: RunContext) -> dict:
@@ -277,17 +358,8 @@ def _run_ps(ctx: RunContext) -> dict:
   records, applied, staleness, resumes = ctx.resumed_logs()  # staleness: (tau, scale) per applied wave
   start_unix = dict(meta.get("start_unix_s", {}))
   version_ids = list(meta.get("version_ids", [0] * n))
-  params0 = layout.unflatten(flat0)
-  templates = []  # per VW, the structure of its optimizer state by layer (to read the bytes it sends)
-  for part in partitions:
-    tx = ctx.optimizer()
-    scalars, per_layer = None, []
-    for start, end in part:
-      stage_tx = optimizers.for_layers(tx, start, end)
-      sc, layers = opt_state.split_by_layer(stage_tx.init(list(params0[start:end])), params0[start:end])
-      scalars = sc if scalars is None else scalars
-      per_layer.extend(layers)
-    templates.append((scalars, per_layer))
+  templates = _opt_templates(ctx)  # per VW rank, the structure of its stages' optimizer state (to read its bytes)
+  shard_applied = resume_lib.resumed_shard_logs(meta, settings.num_ps_shards, applied)  # shards 1..S-1
   every = settings.checkpoint
   store = TrainingCheckpoints(workdir, every.max_to_keep) if every.every_waves > 0 else None
   ckpt_stats: list[dict] = []
@@ -299,17 +371,19 @@ def _run_ps(ctx: RunContext) -> dict:
       version_ids[vw] = rep["version_id"]
       start_unix.setdefault(str(vw), rep["start_unix_s"])
 
-  def save(end: int, opt_buffers: dict) -> None:
-    opt_states = {v: _opt_state_from_bytes(np.asarray(buf, np.uint8), templates[v]) for v, buf in opt_buffers.items()}
+  def save(end: int, cut_flat: np.ndarray, opt_buffers: dict) -> None:
+    opt_states = _merge_opt_states(templates, opt_buffers, n)
     ckpt_meta = resume_lib.checkpoint_meta(
         step=end, settings=settings, partitions=partitions, model_name=spec.name, num_layers=spec.num_layers,
-        opt_parts_per_layer=len(templates[0][1][0]) if templates[0][1] else 0,
+        opt_parts_per_layer=len(opt_states[0][1][0]) if opt_states[0][1] else 0,
         minibatches_done=start_mb + (end - clock0) * nm, applied=applied, records=records,
         metrics=resume_lib.read_lines(outputs.dir / "metrics.jsonl"), evals=service.evals,
         time_s=service.time_offset_s + time.perf_counter() - service.t0, config_json=config_json, resumes=resumes,
         version_ids=version_ids, last_loss=service.last_loss, pending_losses=service.recent_losses,
-        extra={"mode": "mpi", "start_unix_s": start_unix, "applied_staleness": staleness})
-    ckpt_stats.append(resume_lib.save_training_checkpoint(store, end, layout.unflatten(server.weights), opt_states,
+        extra={"mode": "mpi", "start_unix_s": start_unix, "applied_staleness": staleness,
+               "num_ps_shards": settings.num_ps_shards, "shard_applied": shard_applied,
+               "stage_groups": [[list(g) for g in groups] for groups in settings.stage_groups]})
+    ckpt_stats.append(resume_lib.save_training_checkpoint(store, end, layout.unflatten(cut_flat), opt_states,
                                                           ckpt_meta))
 
   try:
@@ -321,19 +395,23 @@ def _run_ps(ctx: RunContext) -> dict:
       service.run()
       applied += [(first + w, v) for w, v in server.state.applied]
       staleness += server.state.staleness
+      # the cut: every shard's slice and log (each shard has every VW's waves of the segment: none starts the next)
+      cut_flat, logs = ps_shards.gather_shards(comm, shards, flat0, server.weights, [])
+      for log, seg_log in zip(shard_applied, logs[1:]):
+        log += [(first + w, v) for w, v in seg_log]
       take_reports(service.segment_reports if i + 1 < len(segs) else service.reports)
       if i + 1 < len(segs):
         if service.expect_opt_state:
-          save(end, service.segment_opt)
+          save(end, cut_flat, service.segment_opt)
         service.release_barrier()
     if store is not None and service.expect_opt_state:
-      save(total, service.segment_opt)
+      save(total, cut_flat, service.segment_opt)
   finally:
     if store is not None:
       store.close()
     service.close()
   wall = time.perf_counter() - t0
-  final_flat, shard_logs = ps_shards.gather_shards(comm, shards, flat0, server.weights, applied)
+  final_flat, shard_logs = cut_flat, [applied, *shard_applied]
   byte_matrix = ps_shards.ps_byte_matrix(comm)
   final = evaluator.evaluate(final_flat)
   service.last_eval = final

@@ -156,8 +156,10 @@ def load_resume_point(workdir: str | pathlib.Path, settings: Job, partitions: Se
   m_old = int(meta["minibatches_done_per_vw"])
   notes = []
   for key, now in (("num_virtual_workers", n_new), ("num_inflight", settings.num_inflight),
-                   ("partitions", [[list(r) for r in p] for p in partitions])):
-    if meta.get(key) != now:
+                   ("partitions", [[list(r) for r in p] for p in partitions]),
+                   ("num_ps_shards", settings.num_ps_shards),
+                   ("stage_groups", [[list(g) for g in groups] for groups in settings.stage_groups])):
+    if key in meta and meta.get(key) != now:
       notes.append(f"resume onto a new plan: {key} {meta.get(key)} -> {now}")
   if n_new != n_old:
     notes.append(f"{n_old} -> {n_new} VWs: data re-sharded over {n_new} VWs; each VW starts at minibatch "
@@ -165,6 +167,24 @@ def load_resume_point(workdir: str | pathlib.Path, settings: Job, partitions: Se
   for note in notes:
     logging.info("[resume] %s", note)
   return ResumePoint(step, flat, {v: opt_states[v % n_old] for v in range(n_new)}, m_old * n_old // n_new, meta, notes)
+
+
+def resumed_shard_logs(meta: dict, num_shards: int, applied: Sequence[Sequence[int]]) -> list[list[tuple[int, int]]]:
+  """The ``(wave, vw)`` application logs of PS shards ``1..S-1`` the run continues (empty lists for a fresh run).
+
+  A checkpoint written with the same shard count gives each shard its own log. Under another layout (a new plan,
+  fewer nodes) the old shards' slices are not this run's; every old shard applied every wave up to the cut, so each
+  new shard continues the old lead's log, ``applied`` (the same waves, once each).
+
+  Args:
+    meta: the checkpoint's metadata ({} for a fresh run).
+    num_shards: S of this run.
+    applied: the lead's log up to the checkpoint (:meth:`hetpipe_jax.jobs.run_context.RunContext.resumed_logs`).
+  """
+  old = meta.get("shard_applied")
+  if old is not None and int(meta.get("num_ps_shards", 1)) == num_shards:
+    return [[(int(w), int(v)) for w, v in log] for log in old]
+  return [[(int(w), int(v)) for w, v in applied] for _ in range(num_shards - 1)]
 
 
 def read_lines(path: pathlib.Path) -> list[dict]:

@@ -219,23 +219,23 @@ class MPIPSClient:
     wire.poll_until(lambda: not self._pull_requests or self.poll_pull() is not None)
 
   def barrier(self, num_waves: int, report: dict, opt_state: np.ndarray | None) -> tuple[tuple[int, ...], np.ndarray]:
-    """A checkpoint barrier: sends the segment's report (and the optimizer state, when a checkpoint is due) and
-    waits, without spinning, for the PS's global weights, which hold every VW's waves of the run so far.
+    """A checkpoint barrier: sends the segment's report to the lead (an empty SEGMENT to every other shard) and, when
+    a checkpoint is due, the optimizer state of this rank's stages, then waits, without spinning, for every shard's
+    global weights, which hold every VW's waves of the run so far.
 
     Returns:
-      ``(vector clock, float32 [num_params])`` as :meth:`poll_pull`.
-
-    Raises:
-      RuntimeError: sharded parameter servers (checkpoint barriers need one PS; the job refuses the setting).
+      ``(vector clock, float32 [num_params])`` as :meth:`poll_pull` (with stage ranks: this rank's elements).
     """
-    if self.num_shards != 1:
-      raise RuntimeError("checkpoint barriers need a single PS (config.num_ps_shards=1)")
     self.drain_pull()
     self._isend(Kind.SEGMENT, num_waves, np.frombuffer(json.dumps(report).encode(), dtype=np.uint8).copy())
+    for shard in range(1, self.num_shards):
+      self._isend(Kind.SEGMENT, num_waves, None, dest=shard)
     if opt_state is not None:
       self._isend(Kind.OPTSTATE, num_waves, opt_state)
-    self._expect_weights(0)
-    return wire.poll_until(self.poll_pull, wire.Backoff(max_s=BARRIER_MAX_S))
+    for shard in range(self.num_shards):
+      self._expect_weights(shard)
+    got = wire.poll_until(self.poll_pull, wire.Backoff(max_s=BARRIER_MAX_S))
+    return got[0], got[1]
 
   def send_opt_state(self, num_waves: int, opt_state: np.ndarray) -> None:
     """Sends the VW's optimizer state (uint8 bytes) for the checkpoint at the run's end (before :meth:`finish`)."""
@@ -350,6 +350,14 @@ class StageRankPSClient:
     Raises:
       ProtocolError: a malformed reply.
     """
+    got = self._take_reply()
+    if got is not None:
+      self.num_pulls_received += 1
+    return got
+
+  def _take_reply(self) -> tuple[dict[int, tuple[int, ...]], np.ndarray] | None:
+    """The next WEIGHTS reply from every shard of this rank (a pull's or a barrier's), or None while some part is
+    missing; posts the receives of the next one."""
     self._sends = [(r, b) for r, b in self._sends if not r.Test()]
     for shard, (request, header) in list(self._posted.items()):
       if shard in self._got or not request.Test():
@@ -368,11 +376,28 @@ class StageRankPSClient:
       return None
     got, self._got = self._got, {}
     self._post()
-    self.num_pulls_received += 1
     local = np.zeros(self.local_index.size, np.float32)
     for shard, (_, part) in got.items():
       local[self.positions[shard]] = part
     return {shard: vc for shard, (vc, _) in got.items()}, local
+
+  def barrier(self, num_waves: int, opt_state: np.ndarray | None) -> np.ndarray:
+    """A checkpoint barrier (after :meth:`finish` drained the segment's pulls): sends the optimizer state of this
+    rank's stages to the lead shard when a checkpoint is due, then waits for its parts of the barrier's global
+    weights from its shards (they hold every VW's waves so far; not counted as a pull).
+
+    Returns:
+      float32 ``[n]``: this rank's elements in ``local_index`` order.
+    """
+    if opt_state is not None:
+      self.send_opt_state(num_waves, opt_state)
+    if not self._posted:
+      self._post()
+    return wire.poll_until(self._take_reply, wire.Backoff(max_s=BARRIER_MAX_S))[1]
+
+  def send_opt_state(self, num_waves: int, opt_state: np.ndarray) -> None:
+    """Sends the optimizer state of this rank's stages (uint8 bytes) to the lead shard (a checkpoint's)."""
+    self._isend(Kind.OPTSTATE, num_waves, opt_state, dest=0)
 
   def finish(self, num_pulls: int) -> None:
     """Drops the replies of pulls the driver requested but never installed (``num_pulls`` requested in all), cancels
@@ -387,6 +412,11 @@ class StageRankPSClient:
       request.Cancel()
       request.Wait()
     self._posted = {}
+    wire.wait_all([r for r, _ in self._sends])
+    self._sends = []
+
+  def flush(self) -> None:
+    """Completes every send (the last checkpoint's optimizer state, after :meth:`finish`)."""
     wire.wait_all([r for r, _ in self._sends])
     self._sends = []
 

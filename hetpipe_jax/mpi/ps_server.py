@@ -108,7 +108,7 @@ class ParameterServerService:
   def run(self) -> None:
     """Serves one segment: until every VW has sent DONE or SEGMENT (a checkpoint barrier; see
     :mod:`hetpipe_jax.jobs.resume`). Their reports are in ``reports`` (DONE) and ``segment_reports`` (SEGMENT), the
-    optimizer states sent with SEGMENT in ``segment_opt``.
+    optimizer states sent at a checkpoint in ``segment_opt`` (by sending rank: each VW rank sends its stages').
 
     Raises:
       wire.ProtocolError: a malformed or unexpected message.
@@ -121,8 +121,8 @@ class ParameterServerService:
     self.segment_reports, self.segment_opt = {}, {}
     self.server.wave_offset = self.clock_offset
     kinds = ((Kind.PUSH, Kind.METRICS, Kind.PULL, Kind.DONE, Kind.SEGMENT, Kind.OPTSTATE) if self.lead else
-             (Kind.PUSH, Kind.PULL, Kind.DONE))
-    self.done_waves: dict[int, int] = {}  # VW -> waves it did (its DONE)
+             (Kind.PUSH, Kind.PULL, Kind.DONE, Kind.SEGMENT))
+    self.done_waves: dict[int, int] = {}  # VW -> waves it did (its DONE or SEGMENT)
     fine_timer_slack()  # sleeps end within ~1 µs of their deadline, not the kernel's default 50 µs slack
     backoff = wire.Backoff(max_s=IDLE_MAX_S)
     self.last_heard = dict.fromkeys(range(self.n), time.monotonic())  # VW -> when one of its ranks last sent
@@ -149,7 +149,7 @@ class ParameterServerService:
       h = ps_client.check_header(header, src, num_params=num_params, expect_kinds=kinds,
                                  first_vw_rank=self.first_vw_rank, vw_of_rank=self.vw_of_rank, dest=self.shard)
       kind, wave, size = h.kind, h.wave, h.size
-      if self.parts is not None and kind is not Kind.PUSH and src != self.parts[vw].driver:
+      if (self.parts is not None and kind not in (Kind.PUSH, Kind.OPTSTATE) and src != self.parts[vw].driver):
         raise wire.ProtocolError(f"rank {src} sent {kind.name} for VW {vw}; only its driver (rank "
                                  f"{self.parts[vw].driver}) does")
       payload = ps_client.recv_payload(self.comm, src, kind, size) if kind is not Kind.PULL else None
@@ -173,14 +173,15 @@ class ParameterServerService:
       elif kind is Kind.PULL:
         if self.server.state.request_pull(vw, wave):  # else pending until a push advances the global clock
           self._serve_pulls([vw])
-      elif kind is Kind.SEGMENT:
-        self.segment_reports[vw] = json.loads(payload.tobytes().decode())
-      elif kind is Kind.OPTSTATE:
-        self.segment_opt[vw] = payload
+      elif kind is Kind.SEGMENT:  # the lead gets the VW's report, every other shard an empty SEGMENT
+        self.done_waves[vw] = wave
+        self.segment_reports[vw] = json.loads(payload.tobytes().decode()) if payload.size else {}
+      elif kind is Kind.OPTSTATE:  # one per VW rank: the optimizer state of its stages
+        self.segment_opt[src] = payload
       else:
         self.done_waves[vw] = wave
         self.reports[vw] = json.loads(payload.tobytes().decode()) if payload.size else {}
-        logging.info("[PS] VW %d done (%d waves)", vw, wave)
+        logging.info("[PS] VW %d done (global clock %d)", vw, self.clock_offset + wave)
     self.flush_sends()
 
   def _check_progress(self) -> None:
@@ -204,15 +205,19 @@ class ParameterServerService:
           rank=rank)
 
   def _parts_outstanding(self) -> bool:
-    """Stage ranks: some VW's DONE arrived before the last parts of its waves (they come from other ranks)."""
+    """Stage ranks: some VW's DONE or SEGMENT arrived before the last parts of its waves (they come from other
+    ranks)."""
     if self.assembler is None:
       return False
     pushed = self.server.state.pushed_waves
     return any(pushed[vw] < waves for vw, waves in self.done_waves.items())
 
   def _opt_expected(self) -> int:
-    """Optimizer states expected this segment: one per VW when it ends in a checkpoint."""
-    return self.n if self.expect_opt_state else 0
+    """Optimizer states expected this segment: one per VW rank (drivers and stage ranks) when it ends in a
+    checkpoint."""
+    if not self.expect_opt_state:
+      return 0
+    return self.n if self.vw_of_rank is None else len(self.vw_of_rank)
 
   def flush_sends(self) -> None:
     wire.wait_all([r for r, _ in self.sends])

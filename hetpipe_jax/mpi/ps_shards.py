@@ -41,26 +41,45 @@ def vw_parts(settings, shards, partitions, layer_offsets) -> list | None:
           for v in range(settings.num_virtual_workers)]
 
 
-def run_shard(settings, ps_apply: str, flat0, shards, rank, comm, partitions, offsets) -> None:
-  """A non-lead PS shard (rank 1..S-1): applies its slice of every wave update on receipt (its own order), answers
-  pulls with its slice, then sends rank 0 its application log and final slice."""
+def run_shard(settings, ps_apply: str, flat0, shards, rank, comm, partitions, offsets,
+              segments: list[tuple[int, int]] | None = None) -> None:
+  """A non-lead PS shard (rank 1..S-1): applies its slice of every wave update on receipt (its own order) and answers
+  pulls with its slice, segment by segment (``segments``: the ``(first, end)`` global clocks of the run's checkpoint
+  segments, :func:`hetpipe_jax.jobs.resume.segments`; None: one). At each segment's end (a checkpoint barrier, every
+  VW's SEGMENT received and every part of their waves applied) it sends rank 0 its cut (:func:`send_cut`: the
+  segment's application log and its slice) and answers every VW's barrier pull; at the run's end, the same for the
+  last segment."""
+  segments = segments or [(0, 0)]
   server = ParameterServer(shards.gather(flat0, rank), settings.num_virtual_workers, ps_apply)
   service = ParameterServerService(comm, server, num_minibatches_per_vw=0, num_inflight=settings.num_inflight,
                                    evaluate=None, eval_every_waves=0, log_every_waves=1,
                                    log_metrics=lambda line: None, progress=False,
                                    first_vw_rank=settings.num_ps_shards, lead=False,
                                    parts=vw_parts(settings, shards, partitions, offsets), shard=rank)
-  service.run()
+  for i, (first, _) in enumerate(segments):
+    if i:
+      server.state = server.state.fresh()
+    service.clock_offset = first
+    service.run()
+    send_cut(comm, server)
+    if i + 1 < len(segments):
+      service.release_barrier()
+  ps_byte_matrix(comm)
+
+
+def send_cut(comm, server: ParameterServer) -> None:
+  """A non-lead shard's cut, to rank 0: the segment's ``(wave, vw)`` application log (waves numbered within the
+  segment) and the slice of global weights it holds now (:func:`gather_shards` receives it)."""
   log = np.array(server.state.applied, np.int64).reshape(-1, 2)
   comm.Send(np.array([log.shape[0]], np.int64), dest=0, tag=TAG_SHARD_FINAL)
   comm.Send(log, dest=0, tag=TAG_SHARD_FINAL)
   comm.Send(server.weights, dest=0, tag=TAG_SHARD_FINAL)
-  ps_byte_matrix(comm)
 
 
 def gather_shards(comm, shards, flat0: np.ndarray, lead_weights: np.ndarray,
                    lead_log: list) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
-  """Rank 0: the final global weights assembled from every shard's slice, and every shard's application log."""
+  """Rank 0: the global weights assembled from every shard's slice, and every shard's application log (the lead's
+  ``lead_log`` first), at a segment's end or the run's (every other shard's :func:`send_cut`)."""
   if shards.num_shards == 1:
     return lead_weights, [list(lead_log)]
   flat = np.array(flat0, np.float32, copy=True)

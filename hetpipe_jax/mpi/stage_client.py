@@ -96,7 +96,7 @@ class RemoteStages:
     """Tells every stage rank the run's start (their executors share the driver's clock) and starts listening for
     their completions, posted on ``done``."""
     if self._listener is not None:
-      raise RuntimeError("stage ranks run one VirtualWorker.run per job")
+      raise RuntimeError("a run of the stage ranks is under way: stop it first (RemoteStages.stop)")
     self._done, self._t0 = done, t0
     for r in self.followers:
       self._control(r, Kind.START, np.array([start_unix_s], np.float64), minibatch=num_minibatches)
@@ -154,11 +154,14 @@ class RemoteStages:
     for r in self.followers:
       self._control(r, Kind.END_WAVE, wave=wave)
 
-  def stop(self, num_pulls: int = 0) -> dict[int, dict]:
-    """Stops every stage rank; returns each one's final report (rank -> its JSON).
+  def stop(self, num_pulls: int = 0, last: bool = True) -> dict[int, dict]:
+    """Stops every stage rank; returns each one's report of the run (rank -> its JSON).
 
     Args:
-      num_pulls: pulls the driver requested in the run (each rank takes the replies of those it never installed).
+      num_pulls: pulls the driver requested in the job so far (each rank takes the replies of those it never
+        installed).
+      last: the job's last run: the link's receives posted beyond it are cancelled. False: a checkpoint segment's
+        end; the next :meth:`begin_run` starts the next segment over the same link.
     """
     for r in self.followers:
       self._control(r, Kind.STOP, arg0=num_pulls)
@@ -181,7 +184,11 @@ class RemoteStages:
     with self._send_lock:
       wire.wait_all([r for r, _ in self._sends])
       self._sends = []
-    self.link.close()
+    if last:
+      self.link.close()
+    else:
+      self._stop.clear()
+      self._listener, self._reports, self._done = None, {}, None
     return reports
 
   def _listen(self) -> None:

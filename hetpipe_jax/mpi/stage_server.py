@@ -183,8 +183,13 @@ class StageRankServer:
       return
     self._report(c)
 
-  def serve(self) -> dict:
-    """Runs until the driver's STOP; returns this rank's final report (also sent to the driver)."""
+  def serve(self, last: bool = True) -> dict:
+    """Runs until the driver's STOP; returns this rank's report of the run (also sent to the driver).
+
+    Args:
+      last: the job's last run on this rank: the link's receives posted beyond it are cancelled. False: a checkpoint
+        segment's (:mod:`hetpipe_jax.jobs.resume`): the link carries on into the next segment's server.
+    """
     control = collections.deque()  # received control messages: (header, payload request or None, payload)
     pending = self._post_header()
     fine_timer_slack()
@@ -233,7 +238,8 @@ class StageRankServer:
               "tasks": self.num_reported}
     self._send(Kind.STOPPED, TAG_REPLY, np.frombuffer(json.dumps(report).encode(), np.uint8).copy())
     wire.wait_all([r for r, _ in self._sends])
-    self.vw.placement.link.close()
+    if last:
+      self.vw.placement.link.close()
     return report
 
   def _post_header(self) -> tuple:

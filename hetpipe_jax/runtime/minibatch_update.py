@@ -77,6 +77,7 @@ class PerMinibatchUpdate(WSPRule):
   def reset(self) -> None:
     super().reset()
     self.wave_delta = list(self.vw.zeros)
+    self.own_flat = {}  # a segment starts from global weights that hold every own wave
     self.injected = 0  # this segment's minibatches injected and completed (a segment starts with none in flight)
     self.completed = 0
     self._completed_at_injection: dict[int, int] = {}

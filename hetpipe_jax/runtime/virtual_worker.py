@@ -501,9 +501,12 @@ class VirtualWorker:
     self.version = dataclasses.replace(self.version, version_id=version_id)
 
   def opt_state_by_layer(self) -> tuple[list[np.ndarray], list[list[Any]]]:
-    """The VW's optimizer state split by layer (:func:`hetpipe_jax.runtime.opt_state.split_by_layer`), all its layers
-    in order; the shared scalars are stage 0's (every stage updates once per minibatch, so they agree)."""
-    host_states, host_params = jax.device_get((self.opt_states, list(self.version.params)))
+    """The optimizer state of this process's stages (``local_stages``: all of them without stage ranks) split by layer
+    (:func:`hetpipe_jax.runtime.opt_state.split_by_layer`), their layers in order; the shared scalars are the first
+    local stage's (every stage updates once per minibatch, so they agree)."""
+    local = self.local_stages
+    host_states, host_params = jax.device_get(([self.opt_states[s] for s in local],
+                                               [self.version.params[s] for s in local]))
     scalars, per_layer = None, []
     for state, params in zip(host_states, host_params):
       s, layers = opt_state.split_by_layer(state, params)
@@ -512,17 +515,19 @@ class VirtualWorker:
     return scalars, per_layer
 
   def load_opt_state(self, scalars: list, per_layer: list[list[Any]]) -> None:
-    """Sets every stage's optimizer state from :meth:`opt_state_by_layer` parts (of any partition).
+    """Sets the optimizer state of this process's stages (``local_stages``) from :meth:`opt_state_by_layer` parts of
+    all the model's layers (of any partition).
 
     Raises:
       ValueError: the parts do not fit this model and optimizer.
     """
-    states = []
-    for st, params in zip(self.stages, jax.device_get(list(self.version.params))):
+    states = list(self.opt_states)
+    for s in self.local_stages:
+      st = self.stages[s]
       start, end = st.layer_range
-      state = opt_state.join_layers(optimizers.for_layers(self.optimizer, start, end), params, scalars,
-                                    per_layer[start:end])
-      states.append(jax.device_put(state, st.device))
+      state = opt_state.join_layers(optimizers.for_layers(self.optimizer, start, end),
+                                    jax.device_get(self.version.params[s]), scalars, per_layer[start:end])
+      states[s] = jax.device_put(state, st.device)
     self.opt_states = states
 
   # ---------------------------------------------------------------- results
