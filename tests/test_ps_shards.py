@@ -2,6 +2,7 @@
 whose final weights equal a per-shard sequential replay and whose PS traffic matches the planner's prediction."""
 
 import json
+import time
 
 import jax
 import numpy as np
@@ -85,11 +86,15 @@ def test_a_shard_without_parameters_is_refused_under_default_placement():
     ({"ps_placement": "local"}, "config.ps_placement='local' needs a plan"),
     ({"ps_placement": "nearest"}, "config.ps_placement='nearest'"),
     ({"num_ps_shards": 2}, "config.checkpoint_every_waves=100 with 2 PS shards"),
-    ({"num_ps_shards": 2, "checkpoint_every_waves": 0, "eval_every_epochs": 1.0}, "config.eval_every_epochs=1.0"),
 ])
 def test_bad_shard_settings_are_refused_naming_the_setting(overrides, message):
   with pytest.raises(job_config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
     _settings(**overrides)
+
+
+def test_evaluation_during_the_run_is_accepted_with_several_shards():
+  s = _settings(num_ps_shards=2, checkpoint_every_waves=0, eval_every_epochs=1.0)
+  assert s.num_ps_shards == 2
 
 
 def test_one_shard_is_the_default_without_a_plan():
@@ -451,3 +456,97 @@ def test_stage_ranks_parts_and_a_wave_counted_once_all_parts_arrived():
     assembler.add(0, 1, 9, np.array([1.0, 2.0], np.float32))
   empty = WaveAssembler([parts], 2, shards.size(2))
   assert empty.add(0, 0, 7, np.zeros(0, np.float32)).size == 0  # the driver alone: whole at once
+
+
+def test_sharded_lead_evaluates_the_slices_every_shard_held_when_its_clock_reached_c():
+  """Two PS shards (service loops on fake MPI), 2 VWs, evaluations every 2 global-clock ticks: VW 0 pushes its 4 waves,
+  then VW 1 its 4. Shard 1 starts only once the lead applied everything, so every evaluation waits for shard 1's
+  slice and the lead holds back its metrics lines. Oracle: each evaluated slice is W0 plus the prefix of that
+  shard's application log up to the entry that brought its global clock to c (every VW's waves below c, here also
+  all of VW 0's); the lines come in clock order, evaluated exactly at clocks 2 and 4."""
+  import threading
+  from hetpipe_jax.mpi.ps_client import MPIPSClient
+  from hetpipe_jax.mpi.ps_server import ParameterServerService
+  from hetpipe_jax.ps.param_server import ParameterServer
+  from tests.fake_mpi import FakeWorld
+  layout = ShardLayout.build([0, 2, 5, 6], [0, 1, 0], 2)  # shard 0: elements 0, 1, 5; shard 1: 2, 3, 4
+  num_waves, every = 4, 2
+  w0 = np.arange(6, dtype=np.float32) * 1000
+  world = FakeWorld()
+  lines, evaluated = [], []
+
+  def evaluate(flat):
+    evaluated.append(flat.copy())
+    return {"test_accuracy": float(len(evaluated)), "test_loss": 0.0}
+
+  def service(shard):
+    server = ParameterServer(layout.gather(w0, shard).copy(), 2)
+    return server, ParameterServerService(
+        world.comm(shard), server, num_minibatches_per_vw=num_waves, num_inflight=1,
+        evaluate=evaluate if shard == 0 else None, eval_every_waves=every, log_every_waves=1,
+        log_metrics=lines.append, progress=False, first_vw_rank=2, lead=shard == 0, shard=shard,
+        eval_shards=layout)
+  (lead_server, lead), (shard1_server, shard1) = service(0), service(1)
+  errors = []
+
+  def run(svc):
+    try:
+      svc.run()
+    except BaseException as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  lead_thread = threading.Thread(target=run, args=(lead,), daemon=True)
+  lead_thread.start()
+  delta = lambda v, w: np.full(6, 2.0 ** (4 * v + w), np.float32)  # each wave's own bit: sums are exact
+  for v in range(2):
+    client = MPIPSClient(world.comm(2 + v), v, 6, 2, shards=layout, first_vw_rank=2)
+    for w in range(num_waves):
+      client.push(w, delta(v, w), 0.0, 1)
+    client.finish(num_waves, {})
+  deadline = time.monotonic() + 30
+  while len(lead.reports) < 2 and time.monotonic() < deadline and not errors:
+    time.sleep(1e-3)
+  assert lead_server.global_clock == num_waves and not errors
+  assert [line["global_clock"] for line in lines] == [1]  # clock 2's evaluation waits for shard 1, and 3-4 behind it
+  shard1_thread = threading.Thread(target=run, args=(shard1,), daemon=True)
+  shard1_thread.start()
+  for t in (lead_thread, shard1_thread):
+    t.join(30)
+  assert not errors and not lead_thread.is_alive() and not shard1_thread.is_alive()
+  assert [line["global_clock"] for line in lines] == [1, 2, 3, 4]
+  assert [line["global_clock"] for line in lines if "test_accuracy" in line] == [2, 4]
+  assert [e["global_clock"] for e in lead.evals] == [2, 4] and len(evaluated) == 2
+  for shard, server in ((0, lead_server), (1, shard1_server)):
+    log = list(server.state.applied)  # (wave, vw) in application order
+    for flat, clock in zip(evaluated, (2, 4)):
+      below = {(w, v) for w in range(clock) for v in range(2)}
+      reached = next(i for i in range(len(log) + 1) if below <= set(log[:i]))
+      expected = layout.gather(w0, shard) + sum(delta(v, w)[0] for w, v in log[:reached])
+      np.testing.assert_array_equal(layout.gather(flat, shard), expected)
+      if clock == 2:  # the case under test: the slices hold later waves (all of VW 0's)
+        assert {(w, 0) for w in range(num_waves)} <= set(log[:reached])
+
+
+def test_sharded_lead_refuses_a_slice_for_a_clock_without_evaluation_or_sent_twice():
+  from mpi4py import MPI
+  from hetpipe_jax.mpi.ps_server import ParameterServerService
+  from hetpipe_jax.ps.param_server import ParameterServer
+  from tests.fake_mpi import FakeWorld
+  layout = ShardLayout.build([0, 2, 5], [0, 1], 2)
+  world = FakeWorld()
+  lead = ParameterServerService(world.comm(0), ParameterServer(np.zeros(2, np.float32), 1),
+                                num_minibatches_per_vw=1, num_inflight=1, evaluate=lambda flat: {},
+                                eval_every_waves=2, log_every_waves=1, log_metrics=lambda line: None,
+                                progress=False, first_vw_rank=2, eval_shards=layout)
+  sender = world.comm(1)
+  for clock, message in ((3, r"global clock 3 \(evaluations every 2\)"), (2, None), (2, "global clock 2 twice")):
+    sender.Isend(wire.make_header(wire.Kind.WEIGHTS, 0, wave=clock, size=3), dest=0, tag=wire.TAG_SHARD_EVAL)
+    sender.Isend(np.zeros(3, np.float32), dest=0, tag=wire.TAG_SHARD_EVAL)
+    if message is None:
+      lead._take_eval_slices(MPI.Status())  # pylint: disable=protected-access
+      continue
+    with pytest.raises(wire.ProtocolError, match=f"shard 1's slice for an evaluation at {message}"):
+      lead._take_eval_slices(MPI.Status())  # pylint: disable=protected-access
+  sender.Isend(wire.make_header(wire.Kind.WEIGHTS, 0, wave=4, size=2), dest=0, tag=wire.TAG_SHARD_EVAL)
+  with pytest.raises(wire.ProtocolError, match=r"rank 0 received from rank 1 a WEIGHTS header .*size 2 \(expected 3\)"):
+    lead._take_eval_slices(MPI.Status())  # pylint: disable=protected-access

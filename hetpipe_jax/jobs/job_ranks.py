@@ -41,8 +41,7 @@ def with_ps_shards(config: Any, settings: JobSettings) -> JobSettings:
 
   Raises:
     ConfigError: ``num_ps_shards < 1``, an unknown placement, ``local`` without a plan or with a shard count other
-      than the plan's node count; with more than one shard, periodic checkpoints or evaluations (not supported
-      yet: they need every shard's weights on one rank during the run).
+      than the plan's node count; with more than one shard, periodic checkpoints (not supported yet).
   """
   plan = settings.plan
   nodes = plan_nodes(plan) if plan is not None else ["host"]
@@ -81,11 +80,6 @@ def with_ps_shards(config: Any, settings: JobSettings) -> JobSettings:
     raise ConfigError(f"config.checkpoint_every_waves={config.checkpoint_every_waves} with {num} PS shards: "
                       "checkpoint barriers are not supported with sharded parameter servers yet; set "
                       "--config.checkpoint_every_waves=0 (the final weights are still saved) or "
-                      "--config.num_ps_shards=1")
-  if num > 1 and config.eval_every_epochs > 0:
-    raise ConfigError(f"config.eval_every_epochs={config.eval_every_epochs} with {num} PS shards: evaluation during "
-                      "the run is not supported with sharded parameter servers yet; set "
-                      "--config.eval_every_epochs=0 (the final weights are still evaluated) or "
                       "--config.num_ps_shards=1")
   scaling = config.get("ps_staleness_scaling", "none")
   if num > 1 and scaling != "none":

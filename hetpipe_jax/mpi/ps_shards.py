@@ -41,12 +41,15 @@ def vw_parts(settings, shards, partitions, layer_offsets) -> list | None:
           for v in range(settings.num_virtual_workers)]
 
 
-def run_shard(settings, ps_apply: str, flat0, shards, rank, comm, partitions, offsets) -> None:
+def run_shard(settings, ps_apply: str, flat0, shards, rank, comm, partitions, offsets,
+              eval_every_waves: int = 0) -> None:
   """A non-lead PS shard (rank 1..S-1): applies its slice of every wave update on receipt (its own order), answers
-  pulls with its slice, then sends rank 0 its application log and final slice."""
+  pulls with its slice, sends rank 0 a copy of its slice whenever its global clock reaches a multiple of
+  ``eval_every_waves`` (> 0; the lead evaluates the assembled weights), then sends rank 0 its application log and
+  final slice."""
   server = ParameterServer(shards.gather(flat0, rank), settings.num_virtual_workers, ps_apply)
   service = ParameterServerService(comm, server, num_minibatches_per_vw=0, num_inflight=settings.num_inflight,
-                                   evaluate=None, eval_every_waves=0, log_every_waves=1,
+                                   evaluate=None, eval_every_waves=eval_every_waves, log_every_waves=1,
                                    log_metrics=lambda line: None, progress=False,
                                    first_vw_rank=settings.num_ps_shards, lead=False,
                                    parts=vw_parts(settings, shards, partitions, offsets), shard=rank)
