@@ -154,6 +154,50 @@ def test_sharded_run_equals_per_shard_replay_and_moves_the_predicted_bytes(tmp_p
   np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.mpi
+def test_sharded_run_evaluates_during_training_the_weights_of_synchronous_sgd(tmp_path, synthetic_data_dir):
+  """Two PS shards, 2 VWs, D = 0, Nm = 1, plain SGD, clock_aligned: every shard reaches clock c holding exactly every
+  VW's waves below c (no VW computes wave c before every shard reached c), added in VW order. So the evaluations
+  during the run (every 3 global-clock ticks of 8: clocks 3 and 6) are those of synchronous data-parallel SGD after
+  3 and 6 steps, computed here apart (no PS, no pipeline, the whole eval set at once). The metrics lines come in
+  clock order, evaluated at 3, 6 and at the end (8)."""
+  from hetpipe_jax.models import apply_layers
+  from tests.pipeline_util import loss_and_grad
+  num_vws, steps, lr, batch = 2, 8, 0.1, 16
+  workdir = tmp_path / "run"
+  # 512 examples / 2 VWs / batch 16 = 16 waves per epoch (Nm = 1): 3 / 16 of an epoch is 3 waves
+  proc = run_job(workdir, 4, {"data_dir": synthetic_data_dir, "num_ps_shards": 2, "checkpoint_every_waves": 0,
+                              "num_virtual_workers": num_vws, "num_minibatches": steps, "num_inflight": 1,
+                              "staleness_bound": 0, "optimizer": "sgd", "learning_rate": lr, "batch_size": batch,
+                              "ps_apply": "clock_aligned", "eval_every_epochs": 3 / 16, "log_every_waves": 1})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["num_ps_shards"] == 2
+  evals = summary["evaluations"]
+  assert [e["global_clock"] for e in evals] == [3, 6]
+  metrics = read_jsonl(workdir / "metrics.jsonl")
+  assert [m["global_clock"] for m in metrics] == list(range(1, steps + 1)) + [steps]
+  assert [m["global_clock"] for m in metrics if "test_accuracy" in m] == [3, 6, steps]
+  spec = models.get_model("mlp_tiny")
+  params = jax.device_get(models.init_layer_params(spec, jax.random.key(0)))
+  dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
+  sources = [sharding.ShardedMinibatches(dataset, num_vws, v, batch, 0) for v in range(num_vws)]
+  grad_fn, tx = loss_and_grad(spec), optax.sgd(lr)
+  expected = {}
+  for step in range(1, steps + 1):
+    updates = [tx.update(grad_fn(params, *src.get(step - 1))[1], tx.init(params), params)[0] for src in sources]
+    for u in updates:
+      params = jax.device_get(optax.apply_updates(params, u))
+    logits = apply_layers(spec.layers, params, dataset.eval_inputs)
+    expected[step] = (float(np.mean(np.argmax(logits, -1) == dataset.eval_targets)),
+                      float(optax.softmax_cross_entropy_with_integer_labels(logits, dataset.eval_targets).mean()))
+  for e in evals + [{"global_clock": steps, **{k: summary[k] for k in ("test_accuracy", "test_loss")}}]:
+    accuracy, loss = expected[e["global_clock"]]
+    assert e["test_accuracy"] == accuracy, (e, accuracy)
+    assert e["test_loss"] == pytest.approx(loss, rel=1e-5), (e, loss)
+  assert expected[3] != expected[6]  # the two evaluations tell the clocks apart
+
+
 class _LaggingShardClient:
   """VW 0's client of two in-process PS shards (each an on-receipt :class:`ParameterServer` over its slice) where
   shard 1 receives each of VW 0's waves ``lag`` waves late, and a scripted VW 1 pushes wave ``c - 1`` to both shards
