@@ -587,10 +587,10 @@ def test_sharded_lead_refuses_a_slice_for_a_clock_without_evaluation_or_sent_twi
     sender.Isend(wire.make_header(wire.Kind.WEIGHTS, 0, wave=clock, size=3), dest=0, tag=wire.TAG_SHARD_EVAL)
     sender.Isend(np.zeros(3, np.float32), dest=0, tag=wire.TAG_SHARD_EVAL)
     if message is None:
-      lead._take_eval_slices(MPI.Status())  # pylint: disable=protected-access
+      lead._take_eval_slices(MPI.Status(), MPI.ANY_SOURCE)  # pylint: disable=protected-access
       continue
     with pytest.raises(wire.ProtocolError, match=f"shard 1's slice for an evaluation at {message}"):
-      lead._take_eval_slices(MPI.Status())  # pylint: disable=protected-access
+      lead._take_eval_slices(MPI.Status(), MPI.ANY_SOURCE)  # pylint: disable=protected-access
   sender.Isend(wire.make_header(wire.Kind.WEIGHTS, 0, wave=4, size=2), dest=0, tag=wire.TAG_SHARD_EVAL)
   with pytest.raises(wire.ProtocolError, match=r"rank 0 received from rank 1 a WEIGHTS header .*size 2 \(expected 3\)"):
-    lead._take_eval_slices(MPI.Status())  # pylint: disable=protected-access
+    lead._take_eval_slices(MPI.Status(), MPI.ANY_SOURCE)  # pylint: disable=protected-access

@@ -7,7 +7,8 @@ a fixed 0.5 ms sleep with the kernel's default slack cost 2-2.5 ms per push + pu
 ``scripts/bench_ps.py``), applies wave updates (on receipt, or clock-aligned) through :class:`ParameterServer`,
 answers pulls once the global clock allows (pending ones are kept by
 :class:`hetpipe_jax.rules.wsp.ParameterServerState`), evaluates the global weights every ``eval_every_waves`` clock
-ticks and writes ``metrics.jsonl`` lines through the run's :class:`~hetpipe_jax.jobs.outputs.RunOutputs`.
+ticks (with several shards: assembled from every shard's slice at that clock) and writes ``metrics.jsonl`` lines
+through the run's :class:`~hetpipe_jax.jobs.outputs.RunOutputs`.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ class ParameterServerService:
     while (len(self.reports) + len(self.segment_reports) < self.n or len(self.segment_opt) < self._opt_expected()
            or self._parts_outstanding()):
       if self.eval_shards is not None:
-        self._take_eval_slices(status)
+        self._take_eval_slices(status, MPI.ANY_SOURCE)
       if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=wire.TAG_PS_HEADER, status=status):
         self.sends = [(r, b) for r, b in self.sends if not r.Test()]
         # Large replies (rendezvous protocol) progress only while this rank calls into MPI: poll fast until sent.
@@ -197,7 +198,7 @@ class ParameterServerService:
         self.reports[vw] = json.loads(payload.tobytes().decode()) if payload.size else {}
         logging.info("[PS] VW %d done (%d waves)", vw, wave)
     if self._eval_lines:
-      self._await_evals(status, backoff)
+      self._await_evals(status, MPI.ANY_SOURCE, backoff)
     self.flush_sends()
 
   def _check_progress(self) -> None:
@@ -278,18 +279,17 @@ class ParameterServerService:
     self.sends.append((self.comm.Isend(header, dest=0, tag=wire.TAG_SHARD_EVAL), header))
     self.sends.append((self.comm.Isend(part, dest=0, tag=wire.TAG_SHARD_EVAL), part))
 
-  def _take_eval_slices(self, status) -> None:
-    """The sharded lead: receives every shard slice that has arrived for an evaluation, then evaluates what is
-    complete (:meth:`_finish_evals`).
+  def _take_eval_slices(self, status, any_source: int) -> None:
+    """The sharded lead: receives every shard slice that has arrived for an evaluation (``status``: an MPI status
+    the probe fills; ``any_source``: ``MPI.ANY_SOURCE``), then evaluates what is complete (:meth:`_finish_evals`).
 
     Raises:
       wire.ProtocolError: a slice from a rank that is not a non-lead shard, of the wrong size, for a clock where no
         evaluation is due, or sent twice for one clock.
     """
-    from mpi4py import MPI
     layout = self.eval_shards
     header = np.empty(wire.HEADER_SIZE, np.int64)
-    while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=wire.TAG_SHARD_EVAL, status=status):
+    while self.comm.Iprobe(source=any_source, tag=wire.TAG_SHARD_EVAL, status=status):
       src = status.Get_source()
       self.comm.Recv(header, source=src, tag=wire.TAG_SHARD_EVAL)
       if not 0 < src < layout.num_shards:
@@ -324,12 +324,12 @@ class ParameterServerService:
       self._eval_lines.pop(0)
       self.log_metrics(clock, evaluated)
 
-  def _await_evals(self, status, backoff) -> None:
+  def _await_evals(self, status, any_source: int, backoff) -> None:
     """The sharded lead at the end of a segment (every VW sent DONE or SEGMENT, so every shard reaches every clock
     the lead reached): waits for the slices of its outstanding evaluations."""
     while self._eval_lines:
       self.sends = [(r, b) for r, b in self.sends if not r.Test()]
-      self._take_eval_slices(status)
+      self._take_eval_slices(status, any_source)
       if self._eval_lines:
         backoff.wait(busy=bool(self.sends))
 
