@@ -62,7 +62,7 @@ class ParameterServerService:
       evaluates the weights assembled from all S slices of c once the last arrived, in clock order, and holds back
       later metrics lines until then. A shard's clock is the minimum over VWs, so each slice holds every VW's waves
       below c and possibly some later ones: what a VW's pull at clock c could see. None: one shard (the lead
-      evaluates its own weights at once).
+      evaluates its own weights at once); ignored without evaluations during the run (``eval_every_waves`` 0).
   """
 
   def __init__(self, comm, server: ParameterServer, *, num_minibatches_per_vw: int, num_inflight: int,
@@ -70,7 +70,7 @@ class ParameterServerService:
                log_metrics: Callable[[dict], None], progress: bool = True, first_vw_rank: int = 1,
                lead: bool = True, parts=None, shard: int = 0, watchdog_s: float = 0.0, eval_shards=None):
     self.comm = comm
-    self.eval_shards = eval_shards if lead else None
+    self.eval_shards = eval_shards if lead and eval_every_waves > 0 else None
     self._eval_slices: dict[int, dict[int, np.ndarray]] = {}  # the sharded lead's: clock -> shard -> slice at clock
     self._eval_lines: list[tuple[int, bool]] = []  # its metrics lines held back: (clock, evaluated), clock order
     self.watchdog_s = watchdog_s if lead else 0.0
