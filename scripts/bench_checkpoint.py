@@ -1,13 +1,15 @@
 """What checkpoints cost the default job: the same MPI run with and without checkpoints, alternated, printing JSON.
 
-  .venv/bin/python scripts/bench_checkpoint.py [--repeats=1] [--smoke --data_dir=DIR]
+  .venv/bin/python scripts/bench_checkpoint.py [--repeats=1] [--layout=one_ps|stage_ranks_shards] [--smoke --data_dir=DIR]
 
 Each repeat runs the default config (experiments/configs/default.py, 3 MPI ranks) twice, back to back: at the
 default interval (``checkpoint_every_waves`` of the config) and with ``checkpoint_every_waves=0`` (only the final
 weights are saved). The overhead is the ratio of the two wall times of one repeat (issue 9 target: at most 5% at the
 default interval); the JSON also gives each checkpoint's size and save time and the slowest VW's share of the wall
 time spent in checkpoint barriers (``checkpoint_barrier_fraction`` of summary.json, measured inside the run).
-``--smoke`` (CI, seconds): 8 minibatches per VW with a checkpoint every 2 waves, on ``--data_dir``.
+``--layout``: ``one_ps`` (3 ranks: one PS, one process per VW) or ``stage_ranks_shards`` (6 ranks: two PS shards,
+each VW's second stage on a stage rank; the checkpoint cut gathers every shard's slice and every stage rank's
+optimizer state). ``--smoke`` (CI, seconds): 8 minibatches per VW with a checkpoint every 2 waves, on ``--data_dir``.
 """
 
 from __future__ import annotations
@@ -31,13 +33,18 @@ _REPEATS = flags.DEFINE_integer("repeats", 1, "Pairs of runs (with, without chec
 _SMOKE = flags.DEFINE_bool("smoke", False, "8 minibatches per VW, a checkpoint every 2 waves (seconds; CI).")
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "Fashion-MNIST directory (default: the config's).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where the runs go (default: a temporary directory).")
+_LAYOUT = flags.DEFINE_enum("layout", "one_ps", list(("one_ps", "stage_ranks_shards")),
+                            "one_ps: 3 ranks; stage_ranks_shards: 2 PS shards and a stage rank per VW (6 ranks).")
+LAYOUTS = {"one_ps": (3, []), "stage_ranks_shards": (6, ["--config.stage_ranks=True", "--config.num_ps_shards=2"])}
 
 TARGET_OVERHEAD = 0.05
 
 
 def _run(workdir: pathlib.Path, every: int | None, extra: list[str]) -> dict:
-  """One MPI run of the default config; returns its summary.json."""
-  args = [str(REPO_ROOT / ".venv/bin/mpiexec"), "-n", "3", sys.executable, "-m", "mpi4py", "-m", "hetpipe_jax.train",
+  """One MPI run of the default config in ``--layout``; returns its summary.json."""
+  num_ranks, layout_args = LAYOUTS[_LAYOUT.value]
+  extra = [*layout_args, *extra]
+  args = [str(REPO_ROOT / ".venv/bin/mpiexec"), "-n", str(num_ranks), sys.executable, "-m", "mpi4py", "-m", "hetpipe_jax.train",
           "--config=experiments/configs/default.py", f"--workdir={workdir}", "--config.progress=False", *extra]
   if every is not None:
     args.append(f"--config.checkpoint_every_waves={every}")
@@ -74,6 +81,7 @@ def main(argv):
         "test_accuracy_with": with_ckpt["test_accuracy"], "test_accuracy_without": without["test_accuracy"]})
   overhead = statistics.median(p["overhead"] for p in pairs)
   print(json.dumps({"machine": {"python": platform.python_version(), "cpus": os.cpu_count()}, "smoke": _SMOKE.value,
+                    "layout": _LAYOUT.value,
                     "workdir": str(root), "pairs": pairs, "median_overhead": overhead,
                     "target_overhead": None if _SMOKE.value else TARGET_OVERHEAD,
                     "meets_target": None if _SMOKE.value else overhead <= TARGET_OVERHEAD}, indent=1))

@@ -1427,6 +1427,17 @@ MUTATIONS = (
              "",
              ("tests/test_checkpoint_layouts.py::test_stage_ranks_and_shards_checkpoint_and_resume_onto_any_layout",),
              "a segment starts with the last segment's own-wave copies (the barrier's weights already hold them)"),
+    # ---- periodic evaluation with several PS shards
+    Mutation("sharded_eval_before_all_slices", "ParameterServerService._finish_evals",
+             "if len(slices) < layout.num_shards:",
+             "if not slices:",
+             ("tests/test_ps_shards.py::test_sharded_lead_evaluates_the_slices_every_shard_held_when_its_clock_reached_c",),
+             "the sharded lead evaluates at clock c before every shard's slice arrived (its own slice, zeros elsewhere)"),
+    Mutation("sharded_lead_returns_before_evals", "ParameterServerService.run",
+             "self._await_evals(status, MPI.ANY_SOURCE, backoff)",
+             "pass",
+             ("tests/test_ps_shards.py::test_sharded_lead_evaluates_the_slices_every_shard_held_when_its_clock_reached_c",),
+             "the sharded lead ends its segment with evaluations still waiting for slices: they are never made"),
 )
 
 

@@ -144,10 +144,11 @@ def test_wsp_study_smoke(tmp_path, synthetic_data_dir):
 
 @pytest.mark.mpi
 def test_bench_checkpoint_smoke(tmp_path, synthetic_data_dir):
-  """The checkpoint-overhead benchmark: both runs of a pair really ran, with and without checkpoints."""
+  """The checkpoint-overhead benchmark: both runs of a pair really ran, with and without checkpoints (stage ranks and
+  two shards: the layout whose cut gathers the most)."""
   out = json.loads(_run(["scripts/bench_checkpoint.py", "--smoke", f"--data_dir={synthetic_data_dir}",
-                         f"--workdir={tmp_path}"], timeout=300).stdout)
-  assert out["smoke"] is True and out["meets_target"] is None
+                         f"--workdir={tmp_path}", "--layout=stage_ranks_shards"], timeout=300).stdout)
+  assert out["smoke"] is True and out["meets_target"] is None and out["layout"] == "stage_ranks_shards"
   (pair,) = out["pairs"]
   with_ckpt = json.loads((tmp_path / "r0_ckpt" / "summary.json").read_text())
   waves = 8 // with_ckpt["num_inflight"]  # 8 minibatches per VW
@@ -155,6 +156,8 @@ def test_bench_checkpoint_smoke(tmp_path, synthetic_data_dir):
   assert [c["global_clock"] for c in with_ckpt["checkpoints"]] == list(range(2, waves + 1, 2))
   assert all(mb > 0 for mb in pair["checkpoint_mb"]) and _finite(pair["overhead"], pair["checkpoint_barrier_fraction"])
   assert 0 < pair["checkpoint_barrier_fraction"] < 1
+  assert with_ckpt["num_ps_shards"] == 2 and with_ckpt["applied_waves_count_per_shard"] == [2 * waves] * 2
+  assert with_ckpt["stage_rank_of_stage"] == [[2, 4], [3, 5]]  # each VW's second stage on its own rank
   without = json.loads((tmp_path / "r0_none" / "summary.json").read_text())
   assert without["checkpoint_every_waves"] == 0 and without["checkpoints"] == []
 

@@ -41,8 +41,7 @@ def with_ps_shards(config: Any, settings: JobSettings) -> JobSettings:
 
   Raises:
     ConfigError: ``num_ps_shards < 1``, an unknown placement, ``local`` without a plan or with a shard count other
-      than the plan's node count; with more than one shard, periodic evaluations (not supported yet: they need
-      every shard's weights on one rank during the run) or staleness scaling.
+      than the plan's node count; with more than one shard, staleness scaling.
   """
   plan = settings.plan
   nodes = plan_nodes(plan) if plan is not None else ["host"]
@@ -77,11 +76,6 @@ def with_ps_shards(config: Any, settings: JobSettings) -> JobSettings:
     raise ConfigError(f"config.ps_placement='local' needs a plan and one shard per plan node (config.num_ps_shards="
                       f"{num}, plan nodes: {len(nodes) if plan is not None else 'no plan'}): give a plan and leave "
                       "config.num_ps_shards unset, or use --config.ps_placement=default")
-  if num > 1 and config.eval_every_epochs > 0:
-    raise ConfigError(f"config.eval_every_epochs={config.eval_every_epochs} with {num} PS shards: evaluation during "
-                      "the run is not supported with sharded parameter servers yet; set "
-                      "--config.eval_every_epochs=0 (the final weights are still evaluated) or "
-                      "--config.num_ps_shards=1")
   scaling = config.get("ps_staleness_scaling", "none")
   if num > 1 and scaling != "none":
     raise ConfigError(f"config.ps_staleness_scaling={scaling!r} with {num} PS shards: the shards see the VWs' "

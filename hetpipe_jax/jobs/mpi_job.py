@@ -68,7 +68,7 @@ def run(job: Job, workdir: str, comm) -> dict | None:
     return _run_ps(ctx)
   if rank < num_shards:
     ps_shards.run_shard(job, job.wsp.ps_apply, ctx.flat0, ctx.shards, rank, comm, ctx.partitions,
-                        ctx.layout.layer_offsets, ctx.segments())
+                        ctx.layout.layer_offsets, ctx.segments(), ctx.eval_every)
     return None
   if rank >= num_shards + job.num_virtual_workers:  # a stage rank
     vw_id = next(v for r, v, _ in stage_rank_layout(num_shards, job.stage_groups) if r == rank)
@@ -344,7 +344,8 @@ def _run_ps(ctx: RunContext) -> dict:
                                    evaluate=evaluator.evaluate, eval_every_waves=eval_every,
                                    log_every_waves=settings.run.log_every_waves, log_metrics=outputs.log_metrics,
                                    progress=settings.run.progress, first_vw_rank=settings.num_ps_shards,
-                                   parts=parts, shard=0, watchdog_s=settings.ps.watchdog_s)
+                                   parts=parts, shard=0, watchdog_s=settings.ps.watchdog_s,
+                                   eval_shards=shards if settings.num_ps_shards > 1 else None)
   service.minibatches_done = [start_mb] * n
   service.evals = list(meta.get("evals", []))
   service.last_loss = meta.get("last_loss", float("nan"))

@@ -7,7 +7,8 @@ a fixed 0.5 ms sleep with the kernel's default slack cost 2-2.5 ms per push + pu
 ``scripts/bench_ps.py``), applies wave updates (on receipt, or clock-aligned) through :class:`ParameterServer`,
 answers pulls once the global clock allows (pending ones are kept by
 :class:`hetpipe_jax.rules.wsp.ParameterServerState`), evaluates the global weights every ``eval_every_waves`` clock
-ticks and writes ``metrics.jsonl`` lines through the run's :class:`~hetpipe_jax.jobs.outputs.RunOutputs`.
+ticks (with several shards: assembled from every shard's slice at that clock) and writes ``metrics.jsonl`` lines
+through the run's :class:`~hetpipe_jax.jobs.outputs.RunOutputs`.
 """
 
 from __future__ import annotations
@@ -55,13 +56,23 @@ class ParameterServerService:
     shard: this shard's index (with ``parts``).
     watchdog_s: the lead's progress watchdog (:mod:`hetpipe_jax.rules.watchdog`): a VW silent this many seconds
       while the PS owes it nothing is hung and :meth:`run` raises; 0: off.
+    eval_shards: the lead of several shards: their :class:`hetpipe_jax.ps.shards.ShardLayout`. Each shard keeps its
+      slice at the moment its own global clock reaches an evaluation clock c (:meth:`eval_due`; a non-lead shard
+      with ``eval_every_waves > 0`` sends it to rank 0 on :data:`~hetpipe_jax.mpi.wire.TAG_SHARD_EVAL`); the lead
+      evaluates the weights assembled from all S slices of c once the last arrived, in clock order, and holds back
+      later metrics lines until then. A shard's clock is the minimum over VWs, so each slice holds every VW's waves
+      below c and possibly some later ones: what a VW's pull at clock c could see. None: one shard (the lead
+      evaluates its own weights at once); ignored without evaluations during the run (``eval_every_waves`` 0).
   """
 
   def __init__(self, comm, server: ParameterServer, *, num_minibatches_per_vw: int, num_inflight: int,
                evaluate: Callable[[np.ndarray], dict] | None, eval_every_waves: int, log_every_waves: int,
                log_metrics: Callable[[dict], None], progress: bool = True, first_vw_rank: int = 1,
-               lead: bool = True, parts=None, shard: int = 0, watchdog_s: float = 0.0):
+               lead: bool = True, parts=None, shard: int = 0, watchdog_s: float = 0.0, eval_shards=None):
     self.comm = comm
+    self.eval_shards = eval_shards if lead and eval_every_waves > 0 else None
+    self._eval_slices: dict[int, dict[int, np.ndarray]] = {}  # the sharded lead's: clock -> shard -> slice at clock
+    self._eval_lines: list[tuple[int, bool]] = []  # its metrics lines held back: (clock, evaluated), clock order
     self.watchdog_s = watchdog_s if lead else 0.0
     self.parts = parts
     self.shard = shard
@@ -128,6 +139,8 @@ class ParameterServerService:
     self.last_heard = dict.fromkeys(range(self.n), time.monotonic())  # VW -> when one of its ranks last sent
     while (len(self.reports) + len(self.segment_reports) < self.n or len(self.segment_opt) < self._opt_expected()
            or self._parts_outstanding()):
+      if self.eval_shards is not None:
+        self._take_eval_slices(status, MPI.ANY_SOURCE)
       if not self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=wire.TAG_PS_HEADER, status=status):
         self.sends = [(r, b) for r, b in self.sends if not r.Test()]
         # Large replies (rendezvous protocol) progress only while this rank calls into MPI: poll fast until sent.
@@ -164,6 +177,9 @@ class ParameterServerService:
           if self.lead:
             for clock in range(before + 1, self.server.global_clock + 1):
               self._on_clock(self.clock_offset + clock)
+          elif self.eval_every_waves > 0:
+            for clock in range(before + 1, self.server.global_clock + 1):
+              self._send_eval_slice(self.clock_offset + clock)
       elif kind is Kind.METRICS:
         loss_sum, count, _ = payload
         self.minibatches_done[vw] += int(count)
@@ -182,6 +198,8 @@ class ParameterServerService:
         self.done_waves[vw] = wave
         self.reports[vw] = json.loads(payload.tobytes().decode()) if payload.size else {}
         logging.info("[PS] VW %d done (global clock %d)", vw, self.clock_offset + wave)
+    if self._eval_lines:
+      self._await_evals(status, MPI.ANY_SOURCE, backoff)
     self.flush_sends()
 
   def _check_progress(self) -> None:
@@ -251,9 +269,86 @@ class ParameterServerService:
         self.sends.append((self.comm.Isend(part, dest=dest, tag=wire.TAG_PS_DATA), part))
         self.sends.append((self.comm.Isend(vc, dest=dest, tag=wire.TAG_PS_DATA), vc))
 
+  def eval_due(self, clock: int) -> bool:
+    """Whether the global weights are evaluated at (absolute) global clock ``clock``: a multiple of
+    ``eval_every_waves`` (never when it is 0). The one rule of the lead and of every shard."""
+    return self.eval_every_waves > 0 and clock % self.eval_every_waves == 0
+
+  def _send_eval_slice(self, clock: int) -> None:
+    """A non-lead shard whose global clock just reached ``clock``: when an evaluation is due there, sends rank 0 a
+    copy of its slice now (a WEIGHTS header with ``wave`` = ``clock``, then the float32 slice; non-blocking)."""
+    if not self.eval_due(clock):
+      return
+    part = self.server.weights.copy()
+    header = wire.make_header(Kind.WEIGHTS, 0, wave=clock, size=part.size)
+    self.sends.append((self.comm.Isend(header, dest=0, tag=wire.TAG_SHARD_EVAL), header))
+    self.sends.append((self.comm.Isend(part, dest=0, tag=wire.TAG_SHARD_EVAL), part))
+
+  def _take_eval_slices(self, status, any_source: int) -> None:
+    """The sharded lead: receives every shard slice that has arrived for an evaluation (``status``: an MPI status
+    the probe fills; ``any_source``: ``MPI.ANY_SOURCE``), then evaluates what is complete (:meth:`_finish_evals`).
+
+    Raises:
+      wire.ProtocolError: a slice from a rank that is not a non-lead shard, of the wrong size, for a clock where no
+        evaluation is due, or sent twice for one clock.
+    """
+    layout = self.eval_shards
+    header = np.empty(wire.HEADER_SIZE, np.int64)
+    while self.comm.Iprobe(source=any_source, tag=wire.TAG_SHARD_EVAL, status=status):
+      src = status.Get_source()
+      self.comm.Recv(header, source=src, tag=wire.TAG_SHARD_EVAL)
+      if not 0 < src < layout.num_shards:
+        raise wire.ProtocolError(f"rank 0 received an evaluation slice from rank {src}, not a PS shard "
+                                 f"(ranks 1..{layout.num_shards - 1})")
+      h = wire.check_header(header, source=src, dest=0, kinds=(Kind.WEIGHTS,), size=layout.size(src))
+      part = np.empty(h.size, np.float32)
+      self.comm.Recv(part, source=src, tag=wire.TAG_SHARD_EVAL)
+      slices = self._eval_slices.setdefault(h.wave, {})
+      if not self.eval_due(h.wave) or src in slices:
+        raise wire.ProtocolError(f"rank 0 received shard {src}'s slice for an evaluation at global clock {h.wave} "
+                                 f"{'twice' if src in slices else f'(evaluations every {self.eval_every_waves})'}")
+      slices[src] = part
+    self._finish_evals()
+
+  def _finish_evals(self) -> None:
+    """The sharded lead: writes its held-back metrics lines in clock order, each evaluated one once all S slices
+    of its clock are in (the flat weights assembled by :meth:`hetpipe_jax.ps.shards.ShardLayout.scatter`)."""
+    layout = self.eval_shards
+    while self._eval_lines:
+      clock, evaluated = self._eval_lines[0]
+      if evaluated:
+        slices = self._eval_slices.get(clock, {})
+        if len(slices) < layout.num_shards:
+          return
+        flat = np.zeros(layout.num_params, np.float32)
+        for shard, part in slices.items():
+          layout.scatter(flat, shard, part)
+        del self._eval_slices[clock]
+        self.last_eval = self.evaluate(flat)
+        self.evals.append({"global_clock": clock, **self.last_eval})
+      self._eval_lines.pop(0)
+      self.log_metrics(clock, evaluated)
+
+  def _await_evals(self, status, any_source: int, backoff) -> None:
+    """The sharded lead at the end of a segment (every VW sent DONE or SEGMENT, so every shard reaches every clock
+    the lead reached): waits for the slices of its outstanding evaluations."""
+    while self._eval_lines:
+      self.sends = [(r, b) for r, b in self.sends if not r.Test()]
+      self._take_eval_slices(status, any_source)
+      if self._eval_lines:
+        backoff.wait(busy=bool(self.sends))
+
   def _on_clock(self, clock: int) -> None:
+    if self.eval_shards is not None:  # several shards: the evaluation waits for every shard's slice of this clock
+      due = self.evaluate is not None and self.eval_due(clock)
+      if due:
+        self._eval_slices.setdefault(clock, {})[self.shard] = self.server.weights.copy()
+      if clock % self.log_every_waves == 0 or due:
+        self._eval_lines.append((clock, due))
+      self._finish_evals()
+      return
     evaluated = False
-    if self.evaluate is not None and self.eval_every_waves > 0 and clock % self.eval_every_waves == 0:
+    if self.evaluate is not None and self.eval_due(clock):
       self.last_eval = self.evaluate(self.server.weights)
       self.evals.append({"global_clock": clock, **self.last_eval})
       evaluated = True

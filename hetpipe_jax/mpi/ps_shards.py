@@ -42,17 +42,18 @@ def vw_parts(settings, shards, partitions, layer_offsets) -> list | None:
 
 
 def run_shard(settings, ps_apply: str, flat0, shards, rank, comm, partitions, offsets,
-              segments: list[tuple[int, int]] | None = None) -> None:
+              segments: list[tuple[int, int]] | None = None, eval_every_waves: int = 0) -> None:
   """A non-lead PS shard (rank 1..S-1): applies its slice of every wave update on receipt (its own order) and answers
   pulls with its slice, segment by segment (``segments``: the ``(first, end)`` global clocks of the run's checkpoint
-  segments, :func:`hetpipe_jax.jobs.resume.segments`; None: one). At each segment's end (a checkpoint barrier, every
-  VW's SEGMENT received and every part of their waves applied) it sends rank 0 its cut (:func:`send_cut`: the
-  segment's application log and its slice) and answers every VW's barrier pull; at the run's end, the same for the
-  last segment."""
+  segments, :func:`hetpipe_jax.jobs.resume.segments`; None: one). It sends rank 0 a copy of its slice whenever its
+  global clock reaches a multiple of ``eval_every_waves`` (> 0; the lead evaluates the assembled weights). At each
+  segment's end (a checkpoint barrier, every VW's SEGMENT received and every part of their waves applied) it sends
+  rank 0 its cut (:func:`send_cut`: the segment's application log and its slice) and answers every VW's barrier
+  pull; at the run's end, the same for the last segment."""
   segments = segments or [(0, 0)]
   server = ParameterServer(shards.gather(flat0, rank), settings.num_virtual_workers, ps_apply)
   service = ParameterServerService(comm, server, num_minibatches_per_vw=0, num_inflight=settings.num_inflight,
-                                   evaluate=None, eval_every_waves=0, log_every_waves=1,
+                                   evaluate=None, eval_every_waves=eval_every_waves, log_every_waves=1,
                                    log_metrics=lambda line: None, progress=False,
                                    first_vw_rank=settings.num_ps_shards, lead=False,
                                    parts=vw_parts(settings, shards, partitions, offsets), shard=rank)

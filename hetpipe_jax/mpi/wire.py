@@ -17,6 +17,8 @@ PUSH          VW rank → PS shard   ``wave``                        float32: th
 METRICS       VW → PS (lead)       ``wave``                        float64 ``[3]``: loss sum, minibatches, seconds
 PULL          VW → PS shard        ``wave``: the required clock    none
 WEIGHTS       PS shard → VW rank   ``wave``: the global clock      float32 slice (or part), then int64 ``[N]``
+              or shard → rank 0                                    (to rank 0: the slice alone, on
+              (an evaluation)                                      ``TAG_SHARD_EVAL``)
 DONE          VW → PS shard        ``wave``: waves done            uint8 JSON: records, stats (lead; else empty)
 SEGMENT       VW → PS (lead)       ``wave``: waves done            uint8 JSON (a checkpoint barrier)
 OPTSTATE      VW → PS (lead)       ``wave``: waves done            uint8: the optimizer state by layer
@@ -59,6 +61,7 @@ HEADER_SIZE = len(FIELDS)
 TAG_PS_HEADER = 11  # VW <-> PS shard headers
 TAG_PS_DATA = 12  # their payloads
 TAG_SHARD_FINAL = 13  # a non-lead shard's applied log and weights, to rank 0 at the end
+TAG_SHARD_EVAL = 15  # a non-lead shard's slice at an evaluation clock, to rank 0 (a WEIGHTS header, then the slice)
 TAG_CONTROL = 40  # driver -> stage rank, in order
 TAG_REPORT = 41  # stage rank -> driver: task completions
 TAG_REPLY = 42  # stage rank -> driver: the final report
