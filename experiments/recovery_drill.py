@@ -16,7 +16,8 @@ the launcher:
   new stage ranks).
 
 ``--sequence`` runs the drills in one launch instead, one fault after each restart's next checkpoint (``--smoke``:
-the vw, stage, shard and hang faults in one launch of 200 minibatches).
+the stage, vw, shard and hang faults in one launch of 200 minibatches, on the same layout over the 2-node ED plan
+``experiments/plans/local_cpu_2node_mlp_tiny_ed_local.json``: 6 ranks, the drivers 2 and 3, VW 0's stage rank 4).
 
 Checks per drill (oracles written here, apart from the job's code): the launcher exits 0 after exactly one restart
 per fault; each restart names the rank the drill hit; every VW's waves ``0..W-1`` appear exactly once on every shard
@@ -27,7 +28,7 @@ the failed attempt's end), restart (→ the next attempt's start, re-planning in
 wall time minus a clean run's, ``--clean``, per fault), against the goal checkpoint interval + 60 s.
 
   .venv/bin/python experiments/recovery_drill.py [--drills=vw,stage,shard,ps,hang,node] [--output_dir=runs/recovery_drill]
-  .venv/bin/python experiments/recovery_drill.py --smoke   # CI: vw, stage, shard and hang in one launch
+  .venv/bin/python experiments/recovery_drill.py --smoke   # CI: stage, vw, shard and hang in one 2-node launch
 
 Writes ``recovery_drill.json`` and ``recovery_drill.md`` in ``--output_dir`` and prints the JSON.
 """
@@ -48,7 +49,9 @@ if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a
 from absl import app, flags  # noqa: E402
 
 from experiments.run_checks import applied_once, loss_jump, output_and_data, read_jsonl, wsp_violations  # noqa: E402
+from hetpipe_jax.jobs.job_config import plan_nodes  # noqa: E402
 from hetpipe_jax.mpi import rank_records  # noqa: E402
+from hetpipe_jax.planning.plan_format import load_plan  # noqa: E402
 from hetpipe_jax.recovery import newest_checkpoint  # noqa: E402
 from hetpipe_jax.paths import REPO_ROOT  # noqa: E402
 
@@ -61,20 +64,29 @@ _MINIBATCHES = flags.DEFINE_integer("num_minibatches", 1200, "Minibatches per VW
 _CKPT = flags.DEFINE_integer("checkpoint_every_waves", 40, "Checkpoint interval (global clock ticks).")
 _WATCHDOG_S = flags.DEFINE_float("watchdog_s", 20.0, "The PS's watchdog limit for the run (seconds).")
 _CLEAN = flags.DEFINE_bool("clean", True, "Also time a run without a fault (time lost = drill - clean).")
-_SMOKE = flags.DEFINE_bool("smoke", False, "CI: the vw, stage, shard and hang faults in one launch of 200 minibatches, "
+_SMOKE = flags.DEFINE_bool("smoke", False, "CI: the stage, vw, shard and hang faults in one launch of 200 minibatches, "
                            "no clean run.")
 _TIMEOUT_S = flags.DEFINE_float("timeout_s", 600.0, "Longest a drill may take.")
 
 PLAN = "experiments/plans/local_cpu_4node_mlp_tiny_ed.json"
-TARGETS = {"vw": (4, signal.SIGKILL), "stage": (6, signal.SIGKILL), "shard": (1, signal.SIGKILL),
-           "ps": (0, signal.SIGKILL), "hang": (5, signal.SIGSTOP), "node": (2, signal.SIGKILL)}
-SMOKE_FAULTS = ["vw", "stage", "shard", "hang"]
+SMOKE_PLAN = "experiments/plans/local_cpu_2node_mlp_tiny_ed_local.json"  # the same layout on 2 nodes: 6 ranks
+# In turn on n1, n0, n1, n0: a rank failing again on the node of the previous failure would count the node as gone.
+SMOKE_FAULTS = ["stage", "vw", "shard", "hang"]
+DRILLS = ("vw", "stage", "shard", "ps", "hang", "node")
 
 
-def _launch(workdir: pathlib.Path, data_dir: str, probe_dir: pathlib.Path, num_minibatches: int, ckpt: int,
+def targets(num_nodes: int) -> dict[str, tuple[int, signal.Signals]]:
+  """Each drill's rank and signal on an ED plan of ``num_nodes`` nodes and 2 VWs with stage ranks and one shard per
+  node: shards ``0..S-1`` (S = ``num_nodes``), drivers ``S, S+1``, then VW 0's stage ranks (the rank layout rule,
+  :func:`hetpipe_jax.mpi.rank_layout.stage_rank_layout`). The node drill loses node ``n2`` and kills its shard."""
+  return {"vw": (num_nodes, signal.SIGKILL), "stage": (num_nodes + 2, signal.SIGKILL), "shard": (1, signal.SIGKILL),
+          "ps": (0, signal.SIGKILL), "hang": (num_nodes + 1, signal.SIGSTOP), "node": (2, signal.SIGKILL)}
+
+
+def _launch(plan: str, workdir: pathlib.Path, data_dir: str, probe_dir: pathlib.Path, num_minibatches: int, ckpt: int,
             watchdog_s: float, max_restarts: int) -> subprocess.Popen:
   env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-  argv = [sys.executable, "-m", "hetpipe_jax.launch", f"--plan={PLAN}", "--config=experiments/configs/tiny.py",
+  argv = [sys.executable, "-m", "hetpipe_jax.launch", f"--plan={plan}", "--config=experiments/configs/tiny.py",
           f"--workdir={workdir}", "--stage_ranks", f"--max_restarts={max_restarts}", f"--watchdog_s={watchdog_s}",
           f"--node_probe=test ! -e {probe_dir}/down_{{node}}", "--",
           f"--config.data_dir={data_dir}", "--config.check_counts=False", "--config.progress=False",
@@ -84,15 +96,16 @@ def _launch(workdir: pathlib.Path, data_dir: str, probe_dir: pathlib.Path, num_m
   return subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def run_drill(name: str, faults: list[str], out: pathlib.Path, data_dir: str, num_minibatches: int, ckpt: int,
-              watchdog_s: float) -> dict:
+def run_drill(plan: str, name: str, faults: list[str], out: pathlib.Path, data_dir: str, num_minibatches: int,
+              ckpt: int, watchdog_s: float) -> dict:
   """Runs one launch with ``faults`` (drill names, one after each restart's next checkpoint; [] for a clean run) and
   checks it (module docstring); returns its row."""
   workdir = out / name
   probe_dir = out / f"{name}_probe"
   probe_dir.mkdir(parents=True, exist_ok=True)
   t0 = time.time()
-  proc = _launch(workdir, data_dir, probe_dir, num_minibatches, ckpt, watchdog_s, max_restarts=len(faults))
+  proc = _launch(plan, workdir, data_dir, probe_dir, num_minibatches, ckpt, watchdog_s, max_restarts=len(faults))
+  hits = targets(len(plan_nodes(load_plan(plan))))
   row: dict = {"drill": name, "faults": []}
   since, after = t0, -1  # the current attempt's start; the checkpoint it resumed from
   deadline = time.time() + _TIMEOUT_S.value
@@ -103,7 +116,7 @@ def run_drill(name: str, faults: list[str], out: pathlib.Path, data_dir: str, nu
       if newest is not None and newest > after and len(procs) == procs_expected(procs):
         break
       time.sleep(0.05)
-    rank, sig = TARGETS[fault]
+    rank, sig = hits[fault]
     if fault == "node":
       (probe_dir / "down_n2").write_text("")
     hit = {"fault": f"{signal.Signals(sig).name} rank {rank} ({fault})", "fault_at": time.time(),
@@ -163,9 +176,10 @@ def main(argv) -> None:
   del argv
   out, data_dir = output_and_data(_OUTPUT_DIR.value, _DATA_DIR.value)
   drills = SMOKE_FAULTS if _SMOKE.value else list(_DRILLS.value)
-  unknown = sorted(set(drills) - set(TARGETS))
+  unknown = sorted(set(drills) - set(DRILLS))
   if unknown:
-    raise app.UsageError(f"--drills: unknown {', '.join(unknown)}; use some of {', '.join(TARGETS)}")
+    raise app.UsageError(f"--drills: unknown {', '.join(unknown)}; use some of {', '.join(DRILLS)}")
+  plan = SMOKE_PLAN if _SMOKE.value else PLAN
   num_mb = 200 if _SMOKE.value else _MINIBATCHES.value
   ckpt = 5 if _SMOKE.value else _CKPT.value
   watchdog_s = min(_WATCHDOG_S.value, 8.0) if _SMOKE.value else _WATCHDOG_S.value
@@ -173,14 +187,14 @@ def main(argv) -> None:
   for name, _ in launches:
     if (out / name).exists():
       raise app.UsageError(f"{out / name} exists: choose a new --output_dir")
-  rows = [run_drill(name, faults, out, data_dir, num_mb, ckpt, watchdog_s) for name, faults in launches]
+  rows = [run_drill(plan, name, faults, out, data_dir, num_mb, ckpt, watchdog_s) for name, faults in launches]
   clean = None
   if _CLEAN.value and not _SMOKE.value:
-    clean = run_drill("clean", [], out, data_dir, num_mb, ckpt, watchdog_s)
+    clean = run_drill(plan, "clean", [], out, data_dir, num_mb, ckpt, watchdog_s)
     for row in rows:
       row["time_lost_s"] = row["wall_s"] - clean["wall_s"]
       row["time_lost_per_fault_s"] = row["time_lost_s"] / len(row["faults"])
-  report = {"plan": PLAN, "layout": "stage ranks (one per stage), one PS shard per node",
+  report = {"plan": plan, "layout": "stage ranks (one per stage), one PS shard per node",
             "num_minibatches_per_vw": num_mb, "checkpoint_every_waves": ckpt, "watchdog_s": watchdog_s,
             "clean_wall_s": clean["wall_s"] if clean else None, "drills": rows,
             "all_ok": all(r["ok"] for r in rows)}

@@ -255,8 +255,9 @@ def test_supervisor_stops_at_once_on_an_error_a_restart_would_repeat(tmp_path):
 
 @pytest.mark.mpi
 def test_recovery_drills_smoke(tmp_path):
-  """On the 4-node ED plan with stage ranks and one shard per node (12 ranks), one launch survives in turn a VW's
-  driver killed, a stage rank killed, a PS shard killed and a driver stopped (hang): it finishes after four restarts,
+  """On a 2-node ED plan with stage ranks and one shard per node (6 ranks; the full drills run 4 nodes, 12 ranks),
+  one launch survives in turn a stage rank killed, a VW's driver killed, a PS shard killed and a driver stopped
+  (hang): it finishes after four restarts,
   each naming the rank hit, with every wave applied once on every shard, WSP's bound on every record and no jump in
   the loss after any resume (experiments/recovery_drill.py)."""
   env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
@@ -265,10 +266,11 @@ def test_recovery_drills_smoke(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   report = json.loads(proc.stdout.strip().splitlines()[-1])
   (row,) = report["drills"]
-  assert report["all_ok"] and row["restarts"] == 4 and row["num_ps_shards_after"] == 4
+  assert report["all_ok"] and row["restarts"] == 4 and row["num_ps_shards_after"] == 2
   faults = row["faults"]
-  assert [f["drill"] for f in faults] == ["vw", "stage", "shard", "hang"]
-  assert [f["rank_named"] for f in faults] == [4, 6, 1, 5]  # driver, stage rank, shard, driver (12 ranks)
+  assert [f["drill"] for f in faults] == ["stage", "vw", "shard", "hang"]
+  assert [f["rank_named"] for f in faults] == [4, 2, 1, 3]  # stage rank, driver, shard, driver (6 ranks)
+  assert all(f["gone_nodes"] == [] for f in faults)  # transient faults: the same plan each time
   assert [f["cause"] for f in faults][:3] == ["killed"] * 3 and faults[3]["cause"] == "hang"
   assert faults[3]["detection_s"] >= report["watchdog_s"]  # detected by the watchdog, not sooner
   resumed = [f["resume_from"] for f in faults]
