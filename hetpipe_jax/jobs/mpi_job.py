@@ -19,6 +19,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from hetpipe_jax.jobs import opt_checkpoint
 from hetpipe_jax.jobs import rank_setup
 from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs import training_setup
@@ -34,8 +35,6 @@ from hetpipe_jax.mpi.rank_layout import stage_rank_layout
 from hetpipe_jax.mpi.stage_client import RemoteStages
 from hetpipe_jax.mpi.stage_server import StageRankServer
 from hetpipe_jax.ps.param_server import ParameterServer
-from hetpipe_jax.runtime import opt_state
-from hetpipe_jax.runtime import optimizers
 from hetpipe_jax.runtime import placement as placement_lib
 from hetpipe_jax.runtime import update_rules
 from hetpipe_jax.runtime import virtual_worker as vw_lib
@@ -131,7 +130,7 @@ def _run_stage_rank(ctx: RunContext, vw_id: int) -> None:
     server = StageRankServer(comm, vw, settings.num_ps_shards + vw_id, labels, ps, shards.index)
     server.serve(last=i + 1 == len(segs))
     due = settings.checkpoint.due(end, total) and bool(ps.shards)  # a rank without parameters has no state to save
-    opt = _opt_state_bytes(*vw.opt_state_by_layer()) if due else None
+    opt = opt_checkpoint.state_bytes(*vw.opt_state_by_layer()) if due else None
     if i + 1 < len(segs):
       flat = np.zeros(layout.num_params, np.float32)
       flat[local_index] = ps.barrier(end - first, opt)
@@ -140,31 +139,6 @@ def _run_stage_rank(ctx: RunContext, vw_id: int) -> None:
       ps.send_opt_state(end - first, opt)
       ps.flush()
   ps_shards.ps_byte_matrix(comm)
-
-
-def _opt_state_bytes(scalars: list, per_layer: list) -> np.ndarray:
-  """A VW's optimizer state by layer as one uint8 buffer (its leaves' bytes in tree order; nothing pickled)."""
-  leaves = jax.tree.leaves((scalars, per_layer))
-  return np.concatenate([np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8) for x in leaves] or
-                        [np.zeros(0, np.uint8)])
-
-
-def _opt_state_from_bytes(buffer: np.ndarray, template: tuple[list, list]) -> tuple[list, list]:
-  """Inverse of :func:`_opt_state_bytes` given a state of the same structure (shapes and dtypes).
-
-  Raises:
-    ValueError: the buffer's size does not match the template's.
-  """
-  leaves, treedef = jax.tree.flatten(template)
-  out, pos = [], 0
-  for leaf in leaves:
-    leaf = np.asarray(leaf)
-    n = leaf.size * leaf.dtype.itemsize
-    out.append(buffer[pos:pos + n].view(leaf.dtype).reshape(leaf.shape).copy())
-    pos += n
-  if pos != buffer.size:
-    raise ValueError(f"optimizer state of {buffer.size} bytes, expected {pos}")
-  return jax.tree.unflatten(treedef, out)
 
 
 _STAT_SUMS = ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes", "num_tasks", "num_overruns", "overrun_s",
@@ -233,14 +207,14 @@ def _run_vw(ctx: RunContext, vw_id: int) -> None:
       t_barrier = time.perf_counter()
       if remote is not None:  # the stage ranks end the segment too (they send their states and take their weights)
         _add_stage_reports(stage_reports, remote.stop(client.num_pulls_requested, last=False))
-      opt = _opt_state_bytes(*vw.opt_state_by_layer()) if settings.checkpoint.due(end, total) else None
+      opt = opt_checkpoint.state_bytes(*vw.opt_state_by_layer()) if settings.checkpoint.due(end, total) else None
       _, flat = client.barrier(end - first, report, opt)
       vw.begin_segment(flat)
       totals["barrier_s"] += time.perf_counter() - t_barrier
   stats = {**dict(vw.stats.__dict__), **totals, "peak_inflight_per_stage": peaks,
            "max_concurrent_tasks": max_concurrent, "start_unix_s": first_start}
   if settings.checkpoint.due(total, total):  # the final checkpoint's optimizer state, before DONE
-    client.send_opt_state(total - segs[-1][0], _opt_state_bytes(*vw.opt_state_by_layer()))
+    client.send_opt_state(total - segs[-1][0], opt_checkpoint.state_bytes(*vw.opt_state_by_layer()))
   trace_counts = {s.stage_id: dict(s.trace_counts) for s in stages}
   if remote is not None:  # the stage ranks' own counts replace the placeholders' (never traced here)
     _add_stage_reports(stage_reports, remote.stop(client.num_pulls_requested))
@@ -261,55 +235,6 @@ def _run_vw(ctx: RunContext, vw_id: int) -> None:
   ps_shards.ps_byte_matrix(comm)
   logging.info("[VW %d] done: %.1f s, wait %.2f s, idle %.2f s", vw_id, totals["wall_time_s"], totals["wait_s"],
                totals["idle_s"])
-
-
-def _opt_templates(ctx: RunContext) -> dict[int, tuple[int, list[int], tuple[list, list]]]:
-  """Per VW rank (the VWs' ranks, then the stage ranks), ``(vw, its layers, the structure of its stages' optimizer
-  state by layer)``: what :func:`_opt_state_from_bytes` reads the rank's checkpoint bytes with (the initial state
-  of the job's optimizer on the start weights; only shapes and dtypes matter)."""
-  settings, layout = ctx.job, ctx.layout
-  params0 = layout.unflatten(ctx.flat0)
-  num_shards, n = settings.num_ps_shards, settings.num_virtual_workers
-  if settings.stage_groups:
-    owners = stage_rank_layout(num_shards, settings.stage_groups)
-  else:
-    owners = [(num_shards + v, v, tuple(range(len(ctx.partitions[v])))) for v in range(n)]
-  out = {}
-  for rank, v, stages in owners:
-    tx = ctx.optimizer()
-    scalars, per_layer, layers = None, [], []
-    for k in stages:
-      start, end = ctx.partitions[v][k]
-      sc, parts = opt_state.split_by_layer(optimizers.for_layers(tx, start, end).init(list(params0[start:end])),
-                                           params0[start:end])
-      scalars = sc if scalars is None else scalars
-      per_layer.extend(parts)
-      layers.extend(range(start, end))
-    out[rank] = (v, layers, (scalars, per_layer))
-  return out
-
-
-def _merge_opt_states(templates: dict, buffers: dict[int, np.ndarray], num_vws: int
-                      ) -> dict[int, tuple[list, list]]:
-  """Every VW's optimizer state over all its layers from its ranks' checkpoint bytes (``buffers``: rank -> bytes);
-  the scalars are the driver's (it runs stage 0). A rank that sent nothing holds no parameters: its layers keep the
-  template's (empty) parts.
-
-  Raises:
-    ValueError: a buffer that does not fit its rank's template, or a VW whose driver sent nothing.
-  """
-  merged: dict[int, tuple[list, list]] = {}
-  for rank in sorted(templates):  # the drivers (ranks S..S+N-1) come first
-    v, layers, template = templates[rank]
-    state = template if rank not in buffers else _opt_state_from_bytes(np.asarray(buffers[rank], np.uint8), template)
-    if v not in merged:
-      if rank not in buffers:
-        raise ValueError(f"VW {v}'s driver (rank {rank}) sent no optimizer state for the checkpoint")
-      merged[v] = (state[0], {})
-    merged[v][1].update(zip(layers, state[1]))
-  if sorted(merged) != list(range(num_vws)):
-    raise ValueError(f"optimizer states of VWs {sorted(merged)} for a job of {num_vws}")
-  return {v: (scalars, [by_layer[k] for k in sorted(by_layer)]) for v, (scalars, by_layer) in sorted(merged.items())}
 
 
 def _add_stage_reports(into: dict[int, dict], reports: dict[int, dict]) -> None:
@@ -359,7 +284,7 @@ def _run_ps(ctx: RunContext) -> dict:
   records, applied, staleness, resumes = ctx.resumed_logs()  # staleness: (tau, scale) per applied wave
   start_unix = dict(meta.get("start_unix_s", {}))
   version_ids = list(meta.get("version_ids", [0] * n))
-  templates = _opt_templates(ctx)  # per VW rank, the structure of its stages' optimizer state (to read its bytes)
+  templates = opt_checkpoint.rank_templates(ctx)  # per VW rank, the structure of its stages' optimizer state (to read its bytes)
   shard_applied = resume_lib.resumed_shard_logs(meta, settings.num_ps_shards, applied)  # shards 1..S-1
   every = settings.checkpoint
   store = TrainingCheckpoints(workdir, every.max_to_keep) if every.every_waves > 0 else None
@@ -373,7 +298,7 @@ def _run_ps(ctx: RunContext) -> dict:
       start_unix.setdefault(str(vw), rep["start_unix_s"])
 
   def save(end: int, cut_flat: np.ndarray, opt_buffers: dict) -> None:
-    opt_states = _merge_opt_states(templates, opt_buffers, n)
+    opt_states = opt_checkpoint.merge_states(templates, opt_buffers, n)
     ckpt_meta = resume_lib.checkpoint_meta(
         step=end, settings=settings, partitions=partitions, model_name=spec.name, num_layers=spec.num_layers,
         opt_parts_per_layer=len(opt_states[0][1][0]) if opt_states[0][1] else 0,
