@@ -1438,6 +1438,16 @@ MUTATIONS = (
              "pass",
              ("tests/test_ps_shards.py::test_sharded_lead_evaluates_the_slices_every_shard_held_when_its_clock_reached_c",),
              "the sharded lead ends its segment with evaluations still waiting for slices: they are never made"),
+    Mutation("checkpoint_scalars_from_a_stage_rank", "merge_states",
+             "for rank in sorted(templates):",
+             "for rank in sorted(templates, reverse=True):",
+             ("tests/test_checkpoint_layouts.py::test_the_checkpoint_merges_each_vw_from_its_driver_and_stage_ranks_by_layer",),
+             "a VW's shared optimizer scalars come from a stage rank, and a driver without state goes unnoticed"),
+    Mutation("resume_shard_logs_ignore_layout", "resumed_shard_logs",
+             "if old is not None and int(meta.get(\"num_ps_shards\", 1)) == num_shards:",
+             "if old is not None:",
+             ("tests/test_checkpoint_layouts.py::test_a_resume_continues_each_shards_log_or_the_leads_under_another_layout",),
+             "a resume onto another shard count gives the new shards the old shards' logs (some shards none)"),
 )
 
 

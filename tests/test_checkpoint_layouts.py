@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from hetpipe_jax.jobs import checkpoint
+from hetpipe_jax.jobs import opt_checkpoint
+from hetpipe_jax.jobs.resume import resumed_shard_logs
 from tests.mpi_util import read_jsonl, run_job
-
-pytestmark = pytest.mark.mpi
 
 SETTINGS = {"num_virtual_workers": 2, "num_minibatches": 24, "num_inflight": 1, "staleness_bound": 0,
             "optimizer": "momentum", "learning_rate": 0.05, "batch_size": 16, "emulate_stage_ms": "20,20",
@@ -46,6 +46,7 @@ def _resume_from(source, workdir, step: int) -> None:
   shutil.copytree(source / "checkpoints" / str(step), workdir / "checkpoints" / str(step))
 
 
+@pytest.mark.mpi
 def test_stage_ranks_and_shards_checkpoint_and_resume_onto_any_layout(tmp_path, synthetic_data_dir):
   base = {"data_dir": synthetic_data_dir, **SETTINGS}
   plain = run_job(tmp_path / "plain", 3, {**base, "checkpoint_every_waves": 0})
@@ -83,3 +84,40 @@ def test_stage_ranks_and_shards_checkpoint_and_resume_onto_any_layout(tmp_path, 
     if name == "one_ps":  # the change of layout is said
       notes = summary["resumes"][0]["notes"]
       assert any("num_ps_shards 2 -> 1" in n for n in notes) and any("stage_groups" in n for n in notes), notes
+
+
+# ---------------------------------------------------------------------------------------------- the pieces, by hand
+def _state(scalar: float, layers: list[list[float]]):
+  """An optimizer state by layer as a VW rank sends it: one scalar leaf, each layer's one part ``{"m": array}``."""
+  return [np.array(scalar, np.float32)], [[{"m": np.array(v, np.float32)}] for v in layers]
+
+
+def test_the_checkpoint_merges_each_vw_from_its_driver_and_stage_ranks_by_layer():
+  # VW 0: driver rank 2 runs layers 0-1, stage rank 4 runs layers 2-3; VW 1: driver rank 3 runs all four.
+  zeros = lambda n: _state(0.0, [[0.0, 0.0]] * n)  # noqa: E731  (templates: the shapes only)
+  templates = {2: (0, [0, 1], zeros(2)), 4: (0, [2, 3], zeros(2)), 3: (1, [0, 1, 2, 3], zeros(4))}
+  sent = {2: _state(7.0, [[1, 1], [2, 2]]), 4: _state(9.0, [[3, 3], [4, 4]]),
+          3: _state(5.0, [[5, 5], [6, 6], [7, 7], [8, 8]])}
+  merged = opt_checkpoint.merge_states(templates, {r: opt_checkpoint.state_bytes(*st) for r, st in sent.items()}, 2)
+  (s0,), layers0 = merged[0]
+  assert float(s0) == 7.0  # the driver's scalars (stage 0's), not the stage rank's 9
+  assert [p[0]["m"].tolist() for p in layers0] == [[1, 1], [2, 2], [3, 3], [4, 4]]
+  assert [p[0]["m"].tolist() for p in merged[1][1]] == [[5, 5], [6, 6], [7, 7], [8, 8]]
+  # A stage rank without parameters sends nothing: its layers keep the template's parts.
+  del sent[4]
+  kept = opt_checkpoint.merge_states(templates, {r: opt_checkpoint.state_bytes(*st) for r, st in sent.items()}, 2)
+  assert [p[0]["m"].tolist() for p in kept[0][1]] == [[1, 1], [2, 2], [0, 0], [0, 0]]
+  with pytest.raises(ValueError, match=r"VW 1's driver \(rank 3\) sent no optimizer state"):
+    opt_checkpoint.merge_states(templates, {2: opt_checkpoint.state_bytes(*sent[2])}, 2)
+  with pytest.raises(ValueError, match="optimizer state of 8 bytes, expected 20"):
+    opt_checkpoint.merge_states(templates, {2: np.zeros(8, np.uint8), 3: opt_checkpoint.state_bytes(*sent[3])}, 2)
+
+
+def test_a_resume_continues_each_shards_log_or_the_leads_under_another_layout():
+  lead = [(0, 0), (0, 1), (1, 1), (1, 0)]
+  own = [[(0, 1), (0, 0), (1, 0), (1, 1)]]  # shard 1 applied in its own order
+  meta = {"num_ps_shards": 2, "shard_applied": own}
+  assert resumed_shard_logs(meta, 2, lead) == own  # the same layout: each shard its own log
+  assert resumed_shard_logs(meta, 3, lead) == [lead, lead]  # another: every new shard continues the lead's
+  assert resumed_shard_logs(meta, 1, lead) == []
+  assert resumed_shard_logs({}, 2, []) == [[]]  # a fresh run

@@ -34,14 +34,15 @@ def state_from_bytes(buffer: np.ndarray, template: tuple[list, list]) -> tuple[l
     ValueError: the buffer's size does not match the template's.
   """
   leaves, treedef = jax.tree.flatten(template)
+  leaves = [np.asarray(leaf) for leaf in leaves]
+  expected = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+  if buffer.size != expected:
+    raise ValueError(f"optimizer state of {buffer.size} bytes, expected {expected}")
   out, pos = [], 0
   for leaf in leaves:
-    leaf = np.asarray(leaf)
     n = leaf.size * leaf.dtype.itemsize
     out.append(buffer[pos:pos + n].view(leaf.dtype).reshape(leaf.shape).copy())
     pos += n
-  if pos != buffer.size:
-    raise ValueError(f"optimizer state of {buffer.size} bytes, expected {pos}")
   return jax.tree.unflatten(treedef, out)
 
 
