@@ -12,8 +12,8 @@ waves they hold; HetPipe §5 under ``ps_apply="on_receipt"``), whose minimum mus
 
 Stage ranks (:class:`hetpipe_jax.ps.shards.VWParts`): a VW's ranks each PUSH their part of a shard's slice (their
 stages' elements; the shard applies the wave once every part arrived), WEIGHTS go to each rank holding a part (its
-part) and to the driver (its part, possibly empty, with the vector clock); PULL, METRICS and DONE come from the
-driver only. Sizes are then the part's.
+part) and to the driver (its part, possibly empty, with the vector clock); PULL, METRICS, SEGMENT and DONE come from
+the driver only, OPTSTATE from every rank holding parameters (its stages'). Sizes are then the part's.
 """
 
 from __future__ import annotations

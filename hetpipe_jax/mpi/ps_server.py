@@ -52,7 +52,8 @@ class ParameterServerService:
     parts: stage ranks (:class:`hetpipe_jax.ps.shards.VWParts` per VW): a VW's wave reaches this shard as one part
       from each of its senders and is pushed (applied, counted by the WSP state) once the last part arrived
       (:class:`hetpipe_jax.ps.shards.WaveAssembler`); a pull's reply goes to each receiver as its part plus the
-      vector clock. PULL, METRICS and DONE come from the VW's driver. None: rank ``first_vw_rank + v`` is all of VW v.
+      vector clock. PULL, METRICS, SEGMENT and DONE come from the VW's driver, OPTSTATE from each of its ranks that
+      holds parameters. None: rank ``first_vw_rank + v`` is all of VW v.
     shard: this shard's index (with ``parts``).
     watchdog_s: the lead's progress watchdog (:mod:`hetpipe_jax.rules.watchdog`): a VW silent this many seconds
       while the PS owes it nothing is hung and :meth:`run` raises; 0: off.

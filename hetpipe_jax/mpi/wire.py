@@ -20,8 +20,8 @@ WEIGHTS       PS shard → VW rank   ``wave``: the global clock      float32 sli
               or shard → rank 0                                    (to rank 0: the slice alone, on
               (an evaluation)                                      ``TAG_SHARD_EVAL``)
 DONE          VW → PS shard        ``wave``: waves done            uint8 JSON: records, stats (lead; else empty)
-SEGMENT       VW → PS (lead)       ``wave``: waves done            uint8 JSON (a checkpoint barrier)
-OPTSTATE      VW → PS (lead)       ``wave``: waves done            uint8: the optimizer state by layer
+SEGMENT       VW → PS shard        ``wave``: waves done            uint8 JSON (a checkpoint barrier; lead; else empty)
+OPTSTATE      VW rank → PS (lead)  ``wave``: waves done            uint8: its stages' optimizer state by layer
 ACTIVATION    stage s → s + 1      ``minibatch``, ``stage`` = s,   the activation (``size`` elements)
                                    ``version``
 GRADIENT      stage s → s - 1      as ACTIVATION                   the gradient of stage s's input
@@ -60,7 +60,7 @@ HEADER_SIZE = len(FIELDS)
 # Tags: one per stream, so that a receive posted ahead on one never takes another's message.
 TAG_PS_HEADER = 11  # VW <-> PS shard headers
 TAG_PS_DATA = 12  # their payloads
-TAG_SHARD_FINAL = 13  # a non-lead shard's applied log and weights, to rank 0 at the end
+TAG_SHARD_FINAL = 13  # a non-lead shard's cut (applied log and weights), to rank 0 at each checkpoint barrier and the end
 TAG_SHARD_EVAL = 15  # a non-lead shard's slice at an evaluation clock, to rank 0 (a WEIGHTS header, then the slice)
 TAG_CONTROL = 40  # driver -> stage rank, in order
 TAG_REPORT = 41  # stage rank -> driver: task completions
