@@ -6,8 +6,12 @@ VW's waves applied exactly once on every shard, every minibatch within WSP's bou
 bound reached; the run's minibatch count. Reported per case: wall time, minibatches/s and the PS's per-wave service
 time (from a wave update's arrival to applied, with the pulls it unblocked sent; ``summary.json``'s ``ps_service``).
 
-  .venv/bin/python experiments/ps_load.py [--num_vws=16] [--shards=1,4] [--bounds=0,4] [--output_dir=runs/ps_load]
+  .venv/bin/python experiments/ps_load.py [--num_vws=16] [--shards=1,3] [--bounds=0,4] [--output_dir=runs/ps_load]
   .venv/bin/python experiments/ps_load.py --smoke   # CI: 4 VWs, 2 shards, D = 4, a few waves
+
+Several shards: the tiny MLP has 3 layers with parameters, and a shard must hold some (``default`` placement), so 3
+shards is the most it fills. Every case checkpoints every ``--checkpoint_every_waves`` clock ticks: the cut (every
+shard's slice and log, every VW's optimizer state) at 16 VWs, with the same checks across the barriers.
 
 Writes ``ps_load.json`` and ``ps_load.md`` in ``--output_dir`` and prints the JSON; exits 1 when a check fails.
 """
@@ -30,7 +34,8 @@ from experiments.run_checks import applied_once, max_staleness, output_and_data,
 from hetpipe_jax.paths import REPO_ROOT  # noqa: E402
 
 _NUM_VWS = flags.DEFINE_integer("num_vws", 16, "Virtual workers (one MPI rank each).")
-_SHARDS = flags.DEFINE_list("shards", ["1", "4"], "PS shard counts.")
+_SHARDS = flags.DEFINE_list("shards", ["1", "3"], "PS shard counts (the tiny MLP fills at most 3).")
+_CKPT = flags.DEFINE_integer("checkpoint_every_waves", 10, "Checkpoint interval (clock ticks; 0: none).")
 _BOUNDS = flags.DEFINE_list("bounds", ["0", "4"], "Staleness bounds D.")
 _MINIBATCHES = flags.DEFINE_integer("num_minibatches", 60, "Minibatches per VW.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "runs/ps_load", "Where the runs and the report go.")
@@ -48,7 +53,8 @@ def run_case(out: pathlib.Path, data_dir: str, num_vws: int, shards: int, bound:
           f"--config.data_dir={data_dir}", "--config.check_counts=False", "--config.progress=False",
           f"--config.num_virtual_workers={num_vws}", f"--config.num_ps_shards={shards}",
           f"--config.staleness_bound={bound}", f"--config.num_minibatches={num_mb}",
-          "--config.checkpoint_every_waves=0", "--config.log_every_waves=5", "--config.optimizer=sgd",
+          f"--config.checkpoint_every_waves={0 if _SMOKE.value else _CKPT.value}", "--config.log_every_waves=5",
+          "--config.optimizer=sgd",
           "--config.learning_rate=0.05"]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = str(REPO_ROOT)
@@ -71,9 +77,14 @@ def run_case(out: pathlib.Path, data_dir: str, num_vws: int, shards: int, bound:
   row.update(num_minibatches=summary["num_minibatches"], num_records=len(records),
              minibatches_per_s=summary["minibatches_per_s"], training_wall_s=summary["wall_time_s"],
              ps_service=summary.get("ps_service"), applied=applied,
-             wsp_violations=len(wsp_violations(records, bound)), max_staleness=reached)
+             wsp_violations=len(wsp_violations(records, bound)), max_staleness=reached,
+             checkpoints=[c["global_clock"] for c in summary.get("checkpoints", [])],
+             checkpoint_barrier_fraction=summary.get("checkpoint_barrier_fraction"))
+  every, total = summary["checkpoint_every_waves"], summary["global_clock"]
+  expected = sorted({*range(every, total, every), total}) if every else []  # the multiples of the interval, the end
   row["ok"] = bool(not any(applied.values()) and row["wsp_violations"] == 0 and len(records) == num_vws * num_mb
-                   and summary["num_minibatches"] == num_vws * num_mb and (bound == 0 or reached == bound))
+                   and summary["num_minibatches"] == num_vws * num_mb and (bound == 0 or reached == bound)
+                   and row["checkpoints"] == expected)
   return row
 
 
