@@ -12,7 +12,9 @@ one):
   {"name", "date" (UTC, ISO 8601), "command" (as run), "git" (``git describe --always --dirty``), "machine" (CPUs,
    load average before and after), "result" (the script's JSON)}
 
-and a row naming the file, the command and the date is added to ``<out_dir>/README.md``'s table. So a number in the
+and a row naming the file, the command and the date is added to ``<out_dir>/README.md``'s table.
+``--from_output=FILE`` records a run that already finished instead (its saved stdout; the arguments after ``--``
+name its command, and ``machine`` then says the load was not seen). So a number in the
 docs comes from a file the measuring run wrote, not from a copy by hand. A script that fails or prints no JSON
 writes nothing (exit 1).
 """
@@ -33,6 +35,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NAME = flags.DEFINE_string("name", None, "The record's name: [a-z0-9_]+, e.g. engine_speed.")
 _OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(REPO_ROOT, "docs", "measurements"), "Where records go.")
 _TIMEOUT_S = flags.DEFINE_integer("timeout_s", 3600, "Wall-clock limit of the measuring run.")
+_FROM_OUTPUT = flags.DEFINE_string("from_output", "", "Record a finished run from its saved stdout (the arguments "
+                                   "after -- name its command) instead of running it.")
 flags.mark_flags_as_required(["name"])
 
 
@@ -81,16 +85,21 @@ def main(argv):
     raise app.UsageError(f"--name must be [a-z0-9_]+, got {_NAME.value!r}")
   command = " ".join([".venv/bin/python", *args])
   load_before = os.getloadavg()
-  env = dict(os.environ, PYTHONPATH=REPO_ROOT)
-  proc = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                        timeout=_TIMEOUT_S.value, check=False)
-  sys.stdout.write(proc.stdout)
-  sys.stderr.write(proc.stderr)
-  if proc.returncode:
-    print(f"error: {command} exited {proc.returncode}; nothing recorded", file=sys.stderr)
-    sys.exit(1)
+  if _FROM_OUTPUT.value:
+    with open(_FROM_OUTPUT.value, encoding="utf-8") as f:
+      stdout = f.read()
+  else:
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    proc = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=_TIMEOUT_S.value, check=False)
+    sys.stdout.write(proc.stdout)
+    sys.stderr.write(proc.stderr)
+    if proc.returncode:
+      print(f"error: {command} exited {proc.returncode}; nothing recorded", file=sys.stderr)
+      sys.exit(1)
+    stdout = proc.stdout
   try:
-    result = last_json(proc.stdout)
+    result = last_json(stdout)
   except ValueError as e:
     print(f"error: {command}: {e}; nothing recorded", file=sys.stderr)
     sys.exit(1)
@@ -102,8 +111,10 @@ def main(argv):
   with open(path, "w") as f:
     json.dump({"name": _NAME.value, "date": now.isoformat(timespec="seconds"), "command": command,
                "git": git.stdout.strip() if git.returncode == 0 else None,
-               "machine": {"cpus": os.cpu_count(), "load_average_before": [round(x, 2) for x in load_before],
-                           "load_average_after": [round(x, 2) for x in os.getloadavg()]},
+               "machine": ({"cpus": os.cpu_count(), "load_average_before": [round(x, 2) for x in load_before],
+                            "load_average_after": [round(x, 2) for x in os.getloadavg()]} if not _FROM_OUTPUT.value
+                           else {"cpus": os.cpu_count(), "recorded_from": _FROM_OUTPUT.value,
+                                 "load_average": "not seen (recorded after the run)"}),
                "result": result}, f, indent=1)
     f.write("\n")
   add_to_index(_OUT_DIR.value, os.path.basename(path), _NAME.value, command, now.date().isoformat())

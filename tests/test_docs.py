@@ -79,6 +79,16 @@ def test_record_keeps_a_scripts_json_output_as_a_dated_indexed_record(tmp_path):
   script.write_text("print('no json here')\n")
   proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False)
   assert proc.returncode == 1 and len(list(out.glob("*.json"))) == 2
+  # A run that already finished, from its saved stdout: the script is not run again.
+  saved = tmp_path / "stdout.txt"
+  saved.write_text("log line\n" + json.dumps({"rate": 3.5}) + "\n")
+  proc = subprocess.run([sys.executable, "scripts/record.py", "--name=toy", f"--out_dir={out}",
+                         f"--from_output={saved}", "--", str(script), "--flag"], cwd=REPO_ROOT, capture_output=True,
+                        text=True, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  third = json.loads((out / f"{record['date'][:10]}_toy_3.json").read_text())
+  assert third["result"] == {"rate": 3.5} and third["command"].endswith(f"python {script} --flag")
+  assert third["machine"]["recorded_from"] == str(saved)
 
 
 def test_make_docs_draws_the_gantt_and_readme_holds_the_compare_table(tmp_path):
