@@ -171,7 +171,18 @@ BAD_INPUTS = [(*b, ()) for b in BAD_INPUTS] + [
 ]
 
 
-@pytest.mark.parametrize("overrides,num_ranks,message,config,extra_args", BAD_INPUTS)
+# Under mpiexec: one case of each kind of check (the settings before jax starts, the world size, a sharded PS's
+# layout after the data is read, the process's own device count, the mode). Every case of BAD_INPUTS runs on every
+# rank of its world, in one process, in tests/test_train_checks.py.
+MPI_BAD_INPUTS = [b for b in BAD_INPUTS if b[2] in (
+    "num_inflight", "MPI world size is 2",
+    "config.num_ps_shards=4: PS shard 3 would hold no parameters (the model has 3 layers with parameters",
+    "2 stages need 3 local devices per VW but only 2 cpu device(s) exist",
+    "--mode=virtual runs in one process; launch it without mpiexec (world size is 3)")]
+assert len(MPI_BAD_INPUTS) == 5
+
+
+@pytest.mark.parametrize("overrides,num_ranks,message,config,extra_args", MPI_BAD_INPUTS)
 def test_bad_input_fails_fast_on_every_rank(tmp_path, synthetic_data_dir, overrides, num_ranks, message, config,
                                             extra_args):
   workdir = tmp_path / "run"
