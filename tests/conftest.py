@@ -31,3 +31,16 @@ def synthetic_data_dir(tmp_path_factory) -> pathlib.Path:
   """A small learnable dataset in the real Fashion-MNIST IDX format (512 train / 256 test images)."""
   from hetpipe_jax.data import synthetic
   return synthetic.write_synthetic_fashion_mnist(tmp_path_factory.mktemp("fmnist"), num_train=512, num_test=256)
+
+
+
+@pytest.fixture(scope="session")
+def stage_ranks_run(tmp_path_factory, synthetic_data_dir) -> pathlib.Path:
+  """The workdir of one finished run under mpiexec, read by two tests (``tests/mpi_util.STAGE_RANKS_RUN``): 2 VWs x 3
+  stages on separate ranks, 2 PS shards (8 ranks), VWs of unequal speed (emulated), Nm = 2, D = 1, SGD with momentum
+  and the global-norm clip."""
+  from tests.mpi_util import STAGE_RANKS_RUN, run_job
+  workdir = tmp_path_factory.mktemp("stage_ranks_run") / "run"
+  proc = run_job(workdir, 8, {"data_dir": synthetic_data_dir, **STAGE_RANKS_RUN}, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return workdir
