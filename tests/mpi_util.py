@@ -30,6 +30,18 @@ STAGE_RANKS_RUN = {"num_virtual_workers": 2, "num_stages": 3, "partition": "0:2,
                    "grad_clip_norm": 1.5}
 
 
+# tests/conftest.py's ``three_rank_run``: 1 PS + 2 VWs, read by tests/test_mpi_job.py::test_three_rank_run_writes_
+# every_output and tests/test_ps_channel.py::test_an_mpi_vw_pushes_through_its_channel_and_records_it (one shard: the
+# channel thread).
+THREE_RANK_RUN = {"num_minibatches": 24, "num_inflight": 2, "staleness_bound": 1, "eval_every_epochs": 1.0}
+# tests/conftest.py's ``sharded_run``: the 2-node ED plan with default placement (2 PS shards + 2 VWs), read by
+# tests/test_ps_shards.py::test_sharded_run_equals_per_shard_replay_and_moves_the_predicted_bytes and
+# tests/test_ps_channel.py::test_an_mpi_vw_pushes_through_its_channel_and_records_it (two shards: inline).
+SHARDED_RUN = {"plan": "experiments/plans/local_cpu_2node_mlp_tiny_ed_default.json", "num_minibatches": 16,
+               "staleness_bound": 1, "optimizer": "momentum", "learning_rate": 0.05, "checkpoint_every_waves": 0,
+               "emulate_stage_ms": "5,5;15,15"}
+
+
 def run_job(workdir, num_ranks: int, overrides: dict, config: str = "experiments/configs/tiny.py",
             timeout: float = 240, extra_args: tuple = ()) -> subprocess.CompletedProcess:
   """Runs ``hetpipe_jax.train`` on ``num_ranks`` ranks; returns the completed process (never hangs past timeout)."""

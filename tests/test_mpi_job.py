@@ -12,8 +12,8 @@ from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs import checkpoint
 from hetpipe_jax.rules import wsp
 from hetpipe_jax.runtime.stage_executor import OVERRUN_TOLERANCE_S
-from tests.mpi_util import (check_task_trace, excess_over_stage_ms, max_clock_distance, read_jsonl, run_job,
-                             vw_start_times)
+from tests.mpi_util import (THREE_RANK_RUN, check_task_trace, excess_over_stage_ms, max_clock_distance, read_jsonl,
+                             run_job, vw_start_times)
 from tests.pipeline_util import assert_params_close, loss_and_grad
 
 pytestmark = pytest.mark.mpi
@@ -57,11 +57,9 @@ def _check_wsp(workdir, num_vws, num_minibatches, num_inflight, bound, reach=Tru
   return summary, records
 
 
-def test_three_rank_run_writes_every_output(tmp_path, synthetic_data_dir):
-  workdir = tmp_path / "run"
-  proc = run_job(workdir, 3, {"data_dir": synthetic_data_dir, "num_minibatches": 24, "num_inflight": 2,
-                              "staleness_bound": 1, "eval_every_epochs": 1.0})
-  assert proc.returncode == 0, proc.stderr[-3000:]
+def test_three_rank_run_writes_every_output(three_rank_run):
+  assert THREE_RANK_RUN == {"num_minibatches": 24, "num_inflight": 2, "staleness_bound": 1, "eval_every_epochs": 1.0}
+  workdir = three_rank_run  # tests/conftest.py's: 1 PS + 2 VWs
   for name in ["config.json", "metrics.jsonl", "minibatches.jsonl", "summary.json", "checkpoint"]:
     assert (workdir / name).exists(), name
   summary, _ = _check_wsp(workdir, 2, 24, 2, 1, reach=False)  # two VWs at the same pace
