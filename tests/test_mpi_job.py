@@ -161,6 +161,11 @@ BAD_INPUTS = [
     ({"stage_devices": "0"}, 3, "config.stage_devices lists 1 devices for 2 stages", TINY),
     ({"stage_devices": "0,2", "num_cpu_devices": 2}, 3,
      "2 stages need 3 local devices per VW but only 2 cpu device(s) exist", TINY),
+    # The all-reduce methods: one rank per VW and no PS; Horovod keeps the whole model on one device.
+    ({"method": "gpipe", "num_inflight": 2}, 3, "MPI world size is 3 but the job has 2 virtual workers "
+     "(config.num_virtual_workers): run `mpiexec -n 2 ...` (one rank per VW: config.method='gpipe' has no PS)", TINY),
+    ({"method": "horovod", "num_stages": 2}, 2,
+     "config.method='horovod' holds the whole model on one device per worker: num_stages must be 1", TINY),
 ]
 # Virtual time runs in one process: under mpiexec it stops with one error on every rank.
 BAD_INPUTS = [(*b, ()) for b in BAD_INPUTS] + [
