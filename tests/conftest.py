@@ -31,3 +31,36 @@ def synthetic_data_dir(tmp_path_factory) -> pathlib.Path:
   """A small learnable dataset in the real Fashion-MNIST IDX format (512 train / 256 test images)."""
   from hetpipe_jax.data import synthetic
   return synthetic.write_synthetic_fashion_mnist(tmp_path_factory.mktemp("fmnist"), num_train=512, num_test=256)
+
+
+
+@pytest.fixture(scope="session")
+def stage_ranks_run(tmp_path_factory, synthetic_data_dir) -> pathlib.Path:
+  """The workdir of one finished run under mpiexec, read by two tests (``tests/mpi_util.STAGE_RANKS_RUN``): 2 VWs x 3
+  stages on separate ranks, 2 PS shards (8 ranks), VWs of unequal speed (emulated), Nm = 2, D = 1, SGD with momentum
+  and the global-norm clip."""
+  from tests.mpi_util import STAGE_RANKS_RUN
+  return _shared_run(tmp_path_factory, "stage_ranks_run", 8, STAGE_RANKS_RUN, synthetic_data_dir)
+
+
+def _shared_run(tmp_path_factory, name: str, num_ranks: int, overrides: dict, data_dir) -> pathlib.Path:
+  from tests.mpi_util import run_job
+  workdir = tmp_path_factory.mktemp(name) / "run"
+  proc = run_job(workdir, num_ranks, {"data_dir": data_dir, **overrides}, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return workdir
+
+
+@pytest.fixture(scope="session")
+def three_rank_run(tmp_path_factory, synthetic_data_dir) -> pathlib.Path:
+  """The workdir of one finished 3-rank run (1 PS, 2 VWs; ``tests/mpi_util.THREE_RANK_RUN``), read by two tests."""
+  from tests.mpi_util import THREE_RANK_RUN
+  return _shared_run(tmp_path_factory, "three_rank_run", 3, THREE_RANK_RUN, synthetic_data_dir)
+
+
+@pytest.fixture(scope="session")
+def sharded_run(tmp_path_factory, synthetic_data_dir) -> pathlib.Path:
+  """The workdir of one finished run of the 2-node ED plan with 2 PS shards (4 ranks; ``tests/mpi_util.SHARDED_RUN``),
+  read by two tests."""
+  from tests.mpi_util import SHARDED_RUN
+  return _shared_run(tmp_path_factory, "sharded_run", 4, SHARDED_RUN, synthetic_data_dir)

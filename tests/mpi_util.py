@@ -19,6 +19,29 @@ def mpiexec() -> str:
   return str(exe) if exe.exists() else "mpiexec"
 
 
+# The run of tests/conftest.py's ``stage_ranks_run`` (8 ranks: 2 PS shards, 2 VWs x 3 stage ranks), read by
+# tests/test_stage_ranks_mpi.py::test_two_vws_of_three_stage_ranks_equal_the_per_shard_replay (the per-shard replay,
+# WSP, the task trace) and tests/test_global_clip.py::test_mpi_stage_ranks_clip_by_the_global_norm (the replay with
+# and without the clip). The unclipped stage-rank replay: tests/test_launch.py's 4-node ED and HD launches.
+STAGE_RANKS_RUN = {"num_virtual_workers": 2, "num_stages": 3, "partition": "0:2,2:3,3:4", "num_ps_shards": 2,
+                   "checkpoint_every_waves": 0, "optimizer": "momentum", "momentum": 0.9, "learning_rate": 0.05,
+                   "batch_size": 16, "num_minibatches": 16, "num_inflight": 2, "staleness_bound": 1,
+                   "stage_ranks": True, "emulate_stage_ms": "3,3,3;9,9,9", "save_task_trace": True,
+                   "grad_clip_norm": 1.5}
+
+
+# tests/conftest.py's ``three_rank_run``: 1 PS + 2 VWs, read by tests/test_mpi_job.py::test_three_rank_run_writes_
+# every_output and tests/test_ps_channel.py::test_an_mpi_vw_pushes_through_its_channel_and_records_it (one shard: the
+# channel thread).
+THREE_RANK_RUN = {"num_minibatches": 24, "num_inflight": 2, "staleness_bound": 1, "eval_every_epochs": 1.0}
+# tests/conftest.py's ``sharded_run``: the 2-node ED plan with default placement (2 PS shards + 2 VWs), read by
+# tests/test_ps_shards.py::test_sharded_run_equals_per_shard_replay_and_moves_the_predicted_bytes and
+# tests/test_ps_channel.py::test_an_mpi_vw_pushes_through_its_channel_and_records_it (two shards: inline).
+SHARDED_RUN = {"plan": "experiments/plans/local_cpu_2node_mlp_tiny_ed_default.json", "num_minibatches": 16,
+               "staleness_bound": 1, "optimizer": "momentum", "learning_rate": 0.05, "checkpoint_every_waves": 0,
+               "emulate_stage_ms": "5,5;15,15"}
+
+
 def run_job(workdir, num_ranks: int, overrides: dict, config: str = "experiments/configs/tiny.py",
             timeout: float = 240, extra_args: tuple = ()) -> subprocess.CompletedProcess:
   """Runs ``hetpipe_jax.train`` on ``num_ranks`` ranks; returns the completed process (never hangs past timeout)."""

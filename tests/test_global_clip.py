@@ -274,22 +274,18 @@ def test_mpi_replicas_that_diverge_exit_non_zero_with_an_error(tmp_path, synthet
 
 
 @pytest.mark.mpi
-def test_mpi_stage_ranks_clip_by_the_global_norm(tmp_path, synthetic_data_dir):
-  """Under mpiexec: 2 VWs whose 3 stages run on separate ranks (2 PS shards: 8 ranks), Nm = 2, D = 1, clipping on:
-  the squared norms travel from the stage ranks to their drivers and the norm back with each UPDATE; the final
-  global weights equal the per-shard replay of the records with a whole-model optax ``clip_by_global_norm``."""
+def test_mpi_stage_ranks_clip_by_the_global_norm(stage_ranks_run, synthetic_data_dir):
+  """Under mpiexec: 2 VWs whose 3 stages run on separate ranks (2 PS shards: 8 ranks), Nm = 2, D = 1, clipping on
+  (``tests/conftest.py``'s ``stage_ranks_run``, also read by ``tests/test_stage_ranks_mpi.py``): the squared norms
+  travel from the stage ranks to their drivers and the norm back with each UPDATE; the final global weights equal the
+  per-shard replay of the records with a whole-model optax ``clip_by_global_norm``."""
   from hetpipe_jax.jobs import checkpoint
   from hetpipe_jax.ps.shards import ShardLayout
-  from tests.mpi_util import read_jsonl, run_job
+  from tests.mpi_util import STAGE_RANKS_RUN as run, read_jsonl
   from tests.replay import read_applied_order, replay_final_weights
-  nm, mb = 2, 12
-  workdir = tmp_path / "run"
-  proc = run_job(workdir, 8, {"data_dir": synthetic_data_dir, "num_virtual_workers": 2, "num_stages": 3,
-                              "partition": "0:2,2:3,3:4", "num_ps_shards": 2, "optimizer": "momentum",
-                              "momentum": 0.9, "learning_rate": 0.1, "batch_size": 16, "num_minibatches": mb,
-                              "num_inflight": nm, "staleness_bound": 1, "stage_ranks": True,
-                              "grad_clip_norm": CLIP, "checkpoint_every_waves": 0}, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  nm, batch, lr = run["num_inflight"], run["batch_size"], run["learning_rate"]
+  assert run["grad_clip_norm"] == CLIP and run["optimizer"] == "momentum" and run["momentum"] == 0.9
+  workdir = stage_ranks_run
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["stage_rank_of_stage"] == [[2, 4, 5], [3, 6, 7]]
   records = read_jsonl(workdir / "minibatches.jsonl")
@@ -299,13 +295,13 @@ def test_mpi_stage_ranks_clip_by_the_global_norm(tmp_path, synthetic_data_dir):
   logs = [read_applied_order(workdir, s) for s in range(2)]
   shard_layout = ShardLayout.build(layout.layer_offsets, summary["ps_shards"]["layer_shards"], 2)
   dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
-  sources = [sharding.ShardedMinibatches(dataset, 2, v, 16, 0) for v in range(2)]
-  tx = optax.chain(optax.clip_by_global_norm(CLIP), _tx())
+  sources = [sharding.ShardedMinibatches(dataset, 2, v, batch, 0) for v in range(2)]
+  tx = optax.chain(optax.clip_by_global_norm(CLIP), optax.sgd(lr, momentum=0.9))
   expected = replay_final_weights(records, spec, params0, tx, sources, nm, logs[0],
                                   shards=list(zip(shard_layout.index, logs)))
   actual = layout.flatten(checkpoint.restore_weights(workdir / "checkpoint"))
   np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
-  unclipped = replay_final_weights(records, spec, params0, _tx(), sources, nm, logs[0],
+  unclipped = replay_final_weights(records, spec, params0, optax.sgd(lr, momentum=0.9), sources, nm, logs[0],
                                    shards=list(zip(shard_layout.index, logs)))
   assert np.max(np.abs(actual - unclipped)) > 1e-3  # the clip was active
 

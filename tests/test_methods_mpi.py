@@ -1,4 +1,5 @@
-"""The all-reduce methods under MPI (one rank per VW, no PS): oracles against single-device training."""
+"""The all-reduce methods under MPI (one rank per VW, no PS): oracles against single-device training. Their refusals
+of a PS world size and of stages for Horovod are cases of tests/test_mpi_job.BAD_INPUTS (tests/test_train_checks.py)."""
 
 import json
 
@@ -74,15 +75,6 @@ def test_allreduce_methods_equal_single_device_training(tmp_path, synthetic_data
     for s in range(stages):
       got = [t["task"] for t in tasks if t["vw_id"] == v and int(t["task"][0]) == s]
       assert got == [str(t) for t in order.stage_tasks(s)]
-
-
-def test_allreduce_methods_refuse_a_ps_world_size_and_resume(tmp_path, synthetic_data_dir):
-  proc = run_job(tmp_path / "a", 3, {"data_dir": synthetic_data_dir, "method": "gpipe", "num_inflight": 2})
-  assert proc.returncode != 0
-  assert "MPI world size is 3 but the job has 2 virtual workers" in proc.stderr
-  assert "one rank per VW: config.method='gpipe' has no PS" in proc.stderr
-  proc = run_job(tmp_path / "b", 2, {"data_dir": synthetic_data_dir, "method": "horovod", "num_stages": 2})
-  assert proc.returncode != 0 and "num_stages must be 1" in proc.stderr
 
 
 @pytest.mark.parametrize("vertical_sync", [False, True])

@@ -12,8 +12,8 @@ from hetpipe_jax.data import fashion_mnist, sharding
 from hetpipe_jax.jobs import checkpoint
 from hetpipe_jax.rules import wsp
 from hetpipe_jax.runtime.stage_executor import OVERRUN_TOLERANCE_S
-from tests.mpi_util import (check_task_trace, excess_over_stage_ms, max_clock_distance, read_jsonl, run_job,
-                             vw_start_times)
+from tests.mpi_util import (THREE_RANK_RUN, check_task_trace, excess_over_stage_ms, max_clock_distance, read_jsonl,
+                             run_job, vw_start_times)
 from tests.pipeline_util import assert_params_close, loss_and_grad
 
 pytestmark = pytest.mark.mpi
@@ -57,11 +57,9 @@ def _check_wsp(workdir, num_vws, num_minibatches, num_inflight, bound, reach=Tru
   return summary, records
 
 
-def test_three_rank_run_writes_every_output(tmp_path, synthetic_data_dir):
-  workdir = tmp_path / "run"
-  proc = run_job(workdir, 3, {"data_dir": synthetic_data_dir, "num_minibatches": 24, "num_inflight": 2,
-                              "staleness_bound": 1, "eval_every_epochs": 1.0})
-  assert proc.returncode == 0, proc.stderr[-3000:]
+def test_three_rank_run_writes_every_output(three_rank_run):
+  assert THREE_RANK_RUN == {"num_minibatches": 24, "num_inflight": 2, "staleness_bound": 1, "eval_every_epochs": 1.0}
+  workdir = three_rank_run  # tests/conftest.py's: 1 PS + 2 VWs
   for name in ["config.json", "metrics.jsonl", "minibatches.jsonl", "summary.json", "checkpoint"]:
     assert (workdir / name).exists(), name
   summary, _ = _check_wsp(workdir, 2, 24, 2, 1, reach=False)  # two VWs at the same pace
@@ -163,6 +161,11 @@ BAD_INPUTS = [
     ({"stage_devices": "0"}, 3, "config.stage_devices lists 1 devices for 2 stages", TINY),
     ({"stage_devices": "0,2", "num_cpu_devices": 2}, 3,
      "2 stages need 3 local devices per VW but only 2 cpu device(s) exist", TINY),
+    # The all-reduce methods: one rank per VW and no PS; Horovod keeps the whole model on one device.
+    ({"method": "gpipe", "num_inflight": 2}, 3, "MPI world size is 3 but the job has 2 virtual workers "
+     "(config.num_virtual_workers): run `mpiexec -n 2 ...` (one rank per VW: config.method='gpipe' has no PS)", TINY),
+    ({"method": "horovod", "num_stages": 2}, 2,
+     "config.method='horovod' holds the whole model on one device per worker: num_stages must be 1", TINY),
 ]
 # Virtual time runs in one process: under mpiexec it stops with one error on every rank.
 BAD_INPUTS = [(*b, ()) for b in BAD_INPUTS] + [
@@ -171,7 +174,18 @@ BAD_INPUTS = [(*b, ()) for b in BAD_INPUTS] + [
 ]
 
 
-@pytest.mark.parametrize("overrides,num_ranks,message,config,extra_args", BAD_INPUTS)
+# Under mpiexec: one case of each kind of check (the settings before jax starts, the world size, a sharded PS's
+# layout after the data is read, the process's own device count, the mode). Every case of BAD_INPUTS runs on every
+# rank of its world, in one process, in tests/test_train_checks.py.
+MPI_BAD_INPUTS = [b for b in BAD_INPUTS if b[2] in (
+    "num_inflight", "MPI world size is 2",
+    "config.num_ps_shards=4: PS shard 3 would hold no parameters (the model has 3 layers with parameters",
+    "2 stages need 3 local devices per VW but only 2 cpu device(s) exist",
+    "--mode=virtual runs in one process; launch it without mpiexec (world size is 3)")]
+assert len(MPI_BAD_INPUTS) == 5
+
+
+@pytest.mark.parametrize("overrides,num_ranks,message,config,extra_args", MPI_BAD_INPUTS)
 def test_bad_input_fails_fast_on_every_rank(tmp_path, synthetic_data_dir, overrides, num_ranks, message, config,
                                             extra_args):
   workdir = tmp_path / "run"

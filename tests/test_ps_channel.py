@@ -221,17 +221,15 @@ def test_where_the_channel_runs(synthetic_data_dir):
 
 
 @pytest.mark.mpi
-def test_an_mpi_vw_pushes_through_its_channel_and_records_it(tmp_path, synthetic_data_dir):
+def test_an_mpi_vw_pushes_through_its_channel_and_records_it(three_rank_run, sharded_run):
   """Under mpiexec (one PS, two VWs) each VW's PS operations ran on its channel thread, as summary.json records;
-  two PS shards keep them inline, recorded too."""
-  from tests.mpi_util import run_job  # pylint: disable=g-import-not-at-top
+  two PS shards keep them inline, recorded too (the runs of tests/conftest.py's ``three_rank_run`` and
+  ``sharded_run``)."""
   import json  # pylint: disable=g-import-not-at-top
-  for shards, ranks, mode in ((1, 3, "thread"), (2, 4, "inline")):
-    workdir = tmp_path / f"run{shards}"
-    proc = run_job(workdir, ranks, {"data_dir": synthetic_data_dir, "num_minibatches": 8, "num_inflight": 2,
-                                    "staleness_bound": 1, "num_ps_shards": shards, "checkpoint_every_waves": 0})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    per_vw = json.loads((workdir / "summary.json").read_text())["per_vw"]
+  for workdir, shards, mode in ((three_rank_run, 1, "thread"), (sharded_run, 2, "inline")):
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["num_ps_shards"] == shards and summary["num_virtual_workers"] == 2
+    per_vw = summary["per_vw"]
     assert {v: (s["ps_channel"], s["ps_channel_s"] > 0) for v, s in per_vw.items()} == {
         "0": (mode, mode == "thread"), "1": (mode, mode == "thread")}, per_vw
 

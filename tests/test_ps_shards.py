@@ -15,7 +15,7 @@ from hetpipe_jax.jobs import checkpoint, job_config
 from hetpipe_jax.mpi import wire
 from hetpipe_jax.planning import plan_format, ps_placement
 from hetpipe_jax.ps.shards import ShardLayout, VWParts, WaveAssembler
-from tests.mpi_util import read_jsonl, run_job
+from tests.mpi_util import SHARDED_RUN, read_jsonl, run_job
 from tests.pipeline_util import tiny_config
 
 ED_DEFAULT = "experiments/plans/local_cpu_2node_mlp_tiny_ed_default.json"
@@ -102,17 +102,15 @@ def test_one_shard_is_the_default_without_a_plan():
 
 
 @pytest.mark.mpi
-def test_sharded_run_equals_per_shard_replay_and_moves_the_predicted_bytes(tmp_path, synthetic_data_dir):
+def test_sharded_run_equals_per_shard_replay_and_moves_the_predicted_bytes(sharded_run, synthetic_data_dir):
   """ED plan on two mapped nodes, default placement, 2 shards, VWs of unequal speed, on_receipt: every shard
   applied every wave once (its own order), the final weights equal a replay that follows each shard's log, the
   WSP bound holds, and the transport's cross-node PS bytes equal ps_placement's prediction (within 1%)."""
   from tests.replay import read_applied_order, replay_final_weights
   nm, mb, batch = 2, 16, 32
-  workdir = tmp_path / "run"
-  proc = run_job(workdir, 4, {"data_dir": synthetic_data_dir, "plan": ED_DEFAULT, "num_minibatches": mb,
-                              "staleness_bound": 1, "optimizer": "momentum", "learning_rate": 0.05,
-                              "checkpoint_every_waves": 0, "emulate_stage_ms": "5,5;15,15"})
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert SHARDED_RUN == {"plan": ED_DEFAULT, "num_minibatches": mb, "staleness_bound": 1, "optimizer": "momentum",
+                         "learning_rate": 0.05, "checkpoint_every_waves": 0, "emulate_stage_ms": "5,5;15,15"}
+  workdir = sharded_run  # tests/conftest.py's: 2 PS shards + 2 VWs
   summary = json.loads((workdir / "summary.json").read_text())
   config = json.loads((workdir / "config.json").read_text())
   assert summary["num_ps_shards"] == config["num_ps_shards"] == 2

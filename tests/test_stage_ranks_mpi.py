@@ -36,17 +36,16 @@ def _params0_and_layout():
   return spec, params0, ParamLayout.from_layer_params(params0)
 
 
-def test_two_vws_of_three_stage_ranks_equal_the_per_shard_replay(tmp_path, synthetic_data_dir):
-  """Stage ranks + 2 PS shards (on receipt), VWs of unequal speed (emulated), Nm = 2, D = 1: every shard applied
-  every wave once, every WSP bound holds, each stage ran on its own rank, and the final global weights equal the
-  sequential replay of the recorded versions (rtol 1e-5)."""
+def test_two_vws_of_three_stage_ranks_equal_the_per_shard_replay(stage_ranks_run, synthetic_data_dir):
+  """Stage ranks + 2 PS shards (on receipt), VWs of unequal speed (emulated), Nm = 2, D = 1, the global-norm clip on
+  (``tests/conftest.py``'s ``stage_ranks_run``): every shard applied every wave once, every WSP bound
+  holds, each stage ran on its own rank, and the final global weights equal the sequential replay of the recorded
+  versions (rtol 1e-5)."""
+  from tests.mpi_util import STAGE_RANKS_RUN as run
   from tests.replay import read_applied_order, replay_final_weights
-  nm, mb, d = 2, 16, 1
-  workdir = tmp_path / "run"
-  proc = run_job(workdir, RANKS, {"data_dir": synthetic_data_dir, **LAYOUT, "num_minibatches": mb,
-                                  "num_inflight": nm, "staleness_bound": d, "stage_ranks": True,
-                                  "emulate_stage_ms": "3,3,3;9,9,9", "save_task_trace": True}, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  nm, mb, d = run["num_inflight"], run["num_minibatches"], run["staleness_bound"]
+  assert {k: run[k] for k in LAYOUT} == LAYOUT and run["emulate_stage_ms"] == "3,3,3;9,9,9"
+  workdir = stage_ranks_run
   summary = json.loads((workdir / "summary.json").read_text())
   config = json.loads((workdir / "config.json").read_text())
   assert config["stage_ranks"] is True and config["stage_rank_grouping"] == "gpu"
@@ -76,7 +75,8 @@ def test_two_vws_of_three_stage_ranks_equal_the_per_shard_replay(tmp_path, synth
   shard_layout = ShardLayout.build(layout.layer_offsets, summary["ps_shards"]["layer_shards"], 2)
   dataset = fashion_mnist.load_fashion_mnist(synthetic_data_dir, expected_counts=None)
   sources = [sharding.ShardedMinibatches(dataset, 2, v, 16, 0) for v in range(2)]
-  expected = replay_final_weights(records, spec, params0, optax.sgd(0.05, momentum=0.9), sources, nm, logs[0],
+  tx = optax.chain(optax.clip_by_global_norm(run["grad_clip_norm"]), optax.sgd(0.05, momentum=0.9))
+  expected = replay_final_weights(records, spec, params0, tx, sources, nm, logs[0],
                                   shards=list(zip(shard_layout.index, logs)))
   actual = layout.flatten(checkpoint.restore_weights(workdir / "checkpoint"))
   np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
