@@ -14,28 +14,30 @@ import pytest
 
 from hetpipe_jax.paths import REPO_ROOT
 
+from experiments import staleness_grid as grid
+from experiments import staleness_report as report
 from experiments import staleness_study as study
 
 
 def test_time_to_target_interpolates_between_evaluations():
   curve = [(100, 10.0, 0.50), (200, 20.0, 0.70), (300, 30.0, 0.80)]  # (minibatches, simulated s, accuracy)
-  assert study.time_to_target(curve, 0.60, lower=False) == pytest.approx(15.0)  # halfway from 0.50 to 0.70
-  assert study.time_to_target(curve, 0.40, lower=False) == 10.0  # the first evaluation already reaches it
-  assert study.time_to_target(curve, 0.90, lower=False) is None
+  assert report.time_to_target(curve, 0.60, lower=False) == pytest.approx(15.0)  # halfway from 0.50 to 0.70
+  assert report.time_to_target(curve, 0.40, lower=False) == 10.0  # the first evaluation already reaches it
+  assert report.time_to_target(curve, 0.90, lower=False) is None
   bits = [(100, 1.0, 4.0), (200, 2.0, 3.0)]
-  assert study.time_to_target(bits, 3.5, lower=True) == pytest.approx(1.5)
+  assert report.time_to_target(bits, 3.5, lower=True) == pytest.approx(1.5)
 
 
 def test_gap_pairs_seeds_with_the_reference_of_the_same_optimizer():
-  tasks = {"lm": study.Task("lm", "lm", "c", {}, "test_bits_per_byte", 600, 0)}
-  ref = study.Row("g", "lm", "hetpipe", "adam", 1, 1, 0, 2)
-  dc = study.Row("g", "lm", "hetpipe", "adam_dc", 1, 2, 0, 2)  # DC's reference: Adam at Nm = 1
+  tasks = {"lm": grid.Task("lm", "lm", "c", {}, "test_bits_per_byte", 600, 0)}
+  ref = grid.Row("g", "lm", "hetpipe", "adam", 1, 1, 0, 2)
+  dc = grid.Row("g", "lm", "hetpipe", "adam_dc", 1, 2, 0, 2)  # DC's reference: Adam at Nm = 1
   records = {}
   for row, finals in ((ref, (3.0, 3.2)), (dc, (3.3, 3.2))):
     for seed, q in enumerate(finals):
       records[f"{row.key}.s{seed}"] = {"key": f"{row.key}.s{seed}", "seed": seed, "returncode": 0, "final": q,
                                        "num_minibatches": 600, "minibatches_per_s": 1.0}
-  table = {t["key"]: t for t in study.aggregate(tasks, [ref, dc], records, {})}
+  table = {t["key"]: t for t in report.aggregate(tasks, [ref, dc], records, {})}
   gap = table[dc.key]["gap_to_reference"]
   assert table[dc.key]["reference"] == ref.key and table[ref.key]["reference"] is None
   assert gap["kind"] == "relative" and gap["per_seed"] == pytest.approx([0.1, 0.0])  # 3.3/3.0 - 1, 3.2/3.2 - 1
