@@ -284,9 +284,10 @@ def _run_ps(ctx: RunContext) -> dict:
   records, applied, staleness, resumes = ctx.resumed_logs()  # staleness: (tau, scale) per applied wave
   start_unix = dict(meta.get("start_unix_s", {}))
   version_ids = list(meta.get("version_ids", [0] * n))
-  templates = opt_checkpoint.rank_templates(ctx)  # per VW rank, the structure of its stages' optimizer state (to read its bytes)
   shard_applied = resume_lib.resumed_shard_logs(meta, settings.num_ps_shards, applied)  # shards 1..S-1
   every = settings.checkpoint
+  # per VW rank, the structure of its stages' optimizer state (to read its bytes); only a run that checkpoints needs it
+  templates = opt_checkpoint.rank_templates(ctx) if every.every_waves > 0 else {}
   store = TrainingCheckpoints(workdir, every.max_to_keep) if every.every_waves > 0 else None
   ckpt_stats: list[dict] = []
   t0 = time.perf_counter()

@@ -243,9 +243,9 @@ class ParameterServerService:
     self.sends = []
 
   def release_barrier(self) -> None:
-    """Ends a checkpoint barrier: sends every VW the global weights (they hold every VW's waves so far)."""
+    """Ends a checkpoint barrier: sends every VW the global weights (they hold every VW's waves so far). The sends
+    complete in the next segment's loop, where the watchdog runs: a rank hung at the barrier cannot block the PS."""
     self._serve_pulls(list(range(self.n)))
-    self.flush_sends()
 
   def close(self) -> None:
     if self._bar is not None:
