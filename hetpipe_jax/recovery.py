@@ -6,11 +6,12 @@ membership change on restart), Oobleck (SOSP'23: the pipelines re-instantiated o
 is one ``mpiexec`` of ``hetpipe_jax.train``; when it fails:
 
 1. **Which rank** (:func:`diagnose`): a hang blamed by the PS's watchdog (its failure record,
-   :mod:`hetpipe_jax.mpi.rank_records`); else the rank whose process ended first with a non-zero status (each rank
-   runs under :mod:`hetpipe_jax.mpi.rank_guard`, which records its end); else the process MPICH reports as
-   terminated badly ("PID p RUNNING AT host": the lowest rank its clean-up killed, so a last resort), mapped to its
-   rank by the ranks' process records; else the first failure record. The rank's role, host,
-   plan nodes and GPUs come from the launch's rank table (:func:`hetpipe_jax.mpi.rank_layout.map_ranks`).
+   :mod:`hetpipe_jax.mpi.rank_records`), unless a rank had already ended (a killed stage rank silences its VW's
+   driver, and MPICH's clean-up may come after the watchdog's limit); else the rank whose process ended first with
+   a non-zero status (each rank runs under :mod:`hetpipe_jax.mpi.rank_guard`, which records its end); else the
+   process MPICH reports as terminated badly ("PID p RUNNING AT host": the lowest rank its clean-up killed, so a
+   last resort), mapped to its rank by the ranks' process records; else the first failure record. The rank's role,
+   host, plan nodes and GPUs come from the launch's rank table (:func:`hetpipe_jax.mpi.rank_layout.map_ranks`).
 2. **Restart at all?** Not after an error that a restart repeats (a bad config, missing data, a NaN update the PS
    refused, diverged replicas: :data:`FATAL_ERRORS`), and not beyond ``max_restarts``.
 3. **Node gone or fault transient** (:func:`gone_nodes`): each of the rank's nodes is probed (``node_probe``, a
@@ -114,6 +115,8 @@ def diagnose(output: str, workdir: str | os.PathLike, since: float, slots: Seque
   hangs = [f for f in failures if f.get("suspect_rank") is not None]
   exits = [e for e in rank_guard.read_exits(workdir, since) if e["exit_code"] != 0 and e["rank"] is not None]
   recorded = {int(f["rank"]): f for f in failures}
+  if exits and hangs and exits[0]["time"] < hangs[0]["time"]:
+    hangs = []  # a rank ended before the watchdog blamed one: the silence it saw was that rank's end
   if hangs:
     rank, cause, message, error = int(hangs[0]["suspect_rank"]), "hang", hangs[0]["message"], hangs[0]["error"]
   elif exits:  # the guards' records: the rank that ended first failed first

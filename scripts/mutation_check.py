@@ -1448,6 +1448,13 @@ MUTATIONS = (
              "if old is not None:",
              ("tests/test_checkpoint_layouts.py::test_a_resume_continues_each_shards_log_or_the_leads_under_another_layout",),
              "a resume onto another shard count gives the new shards the old shards' logs (some shards none)"),
+    Mutation("recovery_hang_over_earlier_kill", "diagnose",
+             'if exits and hangs and exits[0]["time"] < hangs[0]["time"]:',
+             "if False:",
+             ("tests/test_recovery.py::test_a_hang_blamed_by_the_watchdog_comes_first_unless_a_rank_ended_before_and_a_"
+              "config_error_is_not_restarted",),
+             "a stage rank killed before the watchdog fired is blamed on its VW's driver (a hang): the drill smoke's "
+             "CI failure of stop 31"),
 )
 
 

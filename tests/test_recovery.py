@@ -98,7 +98,7 @@ def test_the_rank_that_ended_first_is_named_not_mpichs_lowest_rank(tmp_path):
   assert (f.cause, f.rank) == ("killed", 0)
 
 
-def test_a_hang_blamed_by_the_watchdog_comes_first_and_a_config_error_is_not_restarted(tmp_path):
+def test_a_hang_blamed_by_the_watchdog_comes_first_unless_a_rank_ended_before_and_a_config_error_is_not_restarted(tmp_path):
   _write(tmp_path / "failures/rank0-1.json", {"rank": 0, "pid": 1, "host": "h0", "time": 30.0, "error":
                                               "HungRankError", "message": "VW 0 (driver rank 1) sent nothing",
                                               "suspect_rank": 1})
@@ -106,6 +106,17 @@ def test_a_hang_blamed_by_the_watchdog_comes_first_and_a_config_error_is_not_res
                                            "signal": None})
   f = recovery.diagnose("", tmp_path, since=10.0, slots=_slots(), exit_code=3)
   assert (f.cause, f.rank, f.role, f.error) == ("hang", 1, "VW 0", "HungRankError") and f.restartable
+  # A rank killed before the watchdog fired (a stage rank: its VW's driver fell silent) is named, not the driver.
+  killed = tmp_path / "killed"
+  _write(killed / "exits/rank2-9.json", {"rank": 2, "pid": 9, "host": "h1", "time": 21.0, "exit_code": 137,
+                                         "signal": 9})
+  _write(killed / "failures/rank0-1.json", {"rank": 0, "pid": 1, "host": "h0", "time": 29.5, "error":
+                                            "HungRankError", "message": "VW 0 (driver rank 1) sent nothing",
+                                            "suspect_rank": 1})
+  _write(killed / "exits/rank0-1.json", {"rank": 0, "pid": 1, "host": "h0", "time": 29.6, "exit_code": 3,
+                                         "signal": None})
+  f = recovery.diagnose("", killed, since=10.0, slots=_slots(), exit_code=9)
+  assert (f.cause, f.rank, f.role) == ("killed", 2, "VW 1")
   other = tmp_path / "other"
   _write(other / "failures/rank2-5.json", {"rank": 2, "pid": 5, "host": "h1", "time": 40.0, "error": "ConfigError",
                                            "message": "config.x is bad", "suspect_rank": None})
