@@ -1,17 +1,19 @@
-"""Load on the parameter server: many VWs of the tiny model under one PS and under several shards, D = 0 and D = 4.
+"""Load on the parameter server: many VWs of a tiny model under one PS and under several shards, D = 0 and D = 4.
 
-Each case is one MPI run (``experiments/configs/tiny.py``: the tiny MLP, 2 stages per VW; every rank a process on
-this machine) and is checked with the same oracles as the recovery drills (``experiments/run_checks.py``): every
-VW's waves applied exactly once on every shard, every minibatch within WSP's bound D (HetPipe §5) and, for D > 0, the
-bound reached; the run's minibatch count. Reported per case: wall time, minibatches/s and the PS's per-wave service
-time (from a wave update's arrival to applied, with the pulls it unblocked sent; ``summary.json``'s ``ps_service``).
+Each case is one MPI run (``experiments/configs/tiny.py`` with ``--model``, by default ``mlp_deep``: a tiny MLP of 4
+layers with parameters, 2 stages per VW; every rank a process on this machine) and is checked with the same oracles
+as the recovery drills (``experiments/run_checks.py``): every VW's waves applied exactly once on every shard, every
+minibatch within WSP's bound D (HetPipe §5) and, for D > 0, the bound reached; the run's minibatch count. Reported
+per case: wall time, minibatches/s and the PS's per-wave service time (from a wave update's arrival to applied, with
+the pulls it unblocked sent; ``summary.json``'s ``ps_service``).
 
-  .venv/bin/python experiments/ps_load.py [--num_vws=16] [--shards=1,3] [--bounds=0,4] [--output_dir=runs/ps_load]
+  .venv/bin/python experiments/ps_load.py [--num_vws=16] [--shards=1,4] [--bounds=0,4] [--output_dir=runs/ps_load]
   .venv/bin/python experiments/ps_load.py --smoke   # CI: 4 VWs, 2 shards, D = 4, a few waves
 
-Several shards: the tiny MLP has 3 layers with parameters, and a shard must hold some (``default`` placement), so 3
-shards is the most it fills. Every case checkpoints every ``--checkpoint_every_waves`` clock ticks: the cut (every
-shard's slice and log, every VW's optimizer state) at 16 VWs, with the same checks across the barriers.
+Several shards: each layer lives on one shard and a shard must hold some (``default`` placement, HetPipe §8.1), so
+``mlp_deep``'s 4 layers with parameters fill at most 4 shards (``mlp_tiny``'s 3). Every case checkpoints every
+``--checkpoint_every_waves`` clock ticks: the cut (every shard's slice and log, every VW's optimizer state) at 16
+VWs, with the same checks across the barriers.
 
 Writes ``ps_load.json`` and ``ps_load.md`` in ``--output_dir`` and prints the JSON; exits 1 when a check fails.
 """
@@ -34,7 +36,8 @@ from experiments.run_checks import applied_once, max_staleness, output_and_data,
 from hetpipe_jax.paths import REPO_ROOT  # noqa: E402
 
 _NUM_VWS = flags.DEFINE_integer("num_vws", 16, "Virtual workers (one MPI rank each).")
-_SHARDS = flags.DEFINE_list("shards", ["1", "3"], "PS shard counts (the tiny MLP fills at most 3).")
+_SHARDS = flags.DEFINE_list("shards", ["1", "4"], "PS shard counts (at most the model's layers with parameters).")
+_MODEL = flags.DEFINE_string("model", "mlp_deep", "The model (a registry name; mlp_deep fills 4 shards).")
 _CKPT = flags.DEFINE_integer("checkpoint_every_waves", 10, "Checkpoint interval (clock ticks; 0: none).")
 _BOUNDS = flags.DEFINE_list("bounds", ["0", "4"], "Staleness bounds D.")
 _MINIBATCHES = flags.DEFINE_integer("num_minibatches", 60, "Minibatches per VW.")
@@ -50,6 +53,7 @@ def run_case(out: pathlib.Path, data_dir: str, num_vws: int, shards: int, bound:
   mpiexec = pathlib.Path(sys.executable).parent / "mpiexec"
   argv = [str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(shards + num_vws), sys.executable, "-m", "mpi4py",
           "-m", "hetpipe_jax.train", "--config=experiments/configs/tiny.py", f"--workdir={workdir}",
+          f"--config.model={_MODEL.value}",
           f"--config.data_dir={data_dir}", "--config.check_counts=False", "--config.progress=False",
           f"--config.num_virtual_workers={num_vws}", f"--config.num_ps_shards={shards}",
           f"--config.staleness_bound={bound}", f"--config.num_minibatches={num_mb}",
@@ -100,7 +104,8 @@ def main(argv) -> None:
   for shards, bound in cases:
     rows.append(run_case(out, data_dir, num_vws, shards, bound, num_mb))
     print(json.dumps({k: v for k, v in rows[-1].items() if k != "applied"}, default=str), file=sys.stderr, flush=True)
-  report = {"config": "experiments/configs/tiny.py", "num_minibatches_per_vw": num_mb, "cases": rows,
+  report = {"config": "experiments/configs/tiny.py", "model": _MODEL.value, "num_minibatches_per_vw": num_mb,
+            "cases": rows,
             "all_ok": all(r["ok"] for r in rows)}
   (out / "ps_load.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
   lines = ["| VWs | shards | D | wall s | minibatches/s | PS service ms per wave (mean / p95 / max) | waves lost | "

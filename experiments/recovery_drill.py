@@ -67,6 +67,8 @@ _CLEAN = flags.DEFINE_bool("clean", True, "Also time a run without a fault (time
 _SMOKE = flags.DEFINE_bool("smoke", False, "CI: the stage, vw, shard and hang faults in one launch of 200 minibatches, "
                            "no clean run.")
 _TIMEOUT_S = flags.DEFINE_float("timeout_s", 600.0, "Longest a drill may take.")
+_CACHE = flags.DEFINE_string("compilation_cache", "auto", "launch --compilation_cache for every launch ('' = none: "
+                             "each restart compiles its stage programs again).")
 
 PLAN = "experiments/plans/local_cpu_4node_mlp_tiny_ed.json"
 SMOKE_PLAN = "experiments/plans/local_cpu_2node_mlp_tiny_ed_local.json"  # the same layout on 2 nodes: 6 ranks
@@ -88,7 +90,7 @@ def _launch(plan: str, workdir: pathlib.Path, data_dir: str, probe_dir: pathlib.
   env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
   argv = [sys.executable, "-m", "hetpipe_jax.launch", f"--plan={plan}", "--config=experiments/configs/tiny.py",
           f"--workdir={workdir}", "--stage_ranks", f"--max_restarts={max_restarts}", f"--watchdog_s={watchdog_s}",
-          f"--node_probe=test ! -e {probe_dir}/down_{{node}}", "--",
+          f"--node_probe=test ! -e {probe_dir}/down_{{node}}", f"--compilation_cache={_CACHE.value}", "--",
           f"--config.data_dir={data_dir}", "--config.check_counts=False", "--config.progress=False",
           f"--config.num_minibatches={num_minibatches}", f"--config.checkpoint_every_waves={ckpt}",
           "--config.log_every_waves=5"]
@@ -195,6 +197,7 @@ def main(argv) -> None:
       row["time_lost_s"] = row["wall_s"] - clean["wall_s"]
       row["time_lost_per_fault_s"] = row["time_lost_s"] / len(row["faults"])
   report = {"plan": plan, "layout": "stage ranks (one per stage), one PS shard per node",
+            "compilation_cache": _CACHE.value,
             "num_minibatches_per_vw": num_mb, "checkpoint_every_waves": ckpt, "watchdog_s": watchdog_s,
             "clean_wall_s": clean["wall_s"] if clean else None, "drills": rows,
             "all_ok": all(r["ok"] for r in rows)}

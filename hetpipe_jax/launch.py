@@ -73,6 +73,10 @@ _NODE_PROBE = flags.DEFINE_string("node_probe", recovery.DEFAULT_NODE_PROBE, "Wi
                                   "that exits 0 when a node answers ({host} and {node} are replaced).")
 _CLUSTER = flags.DEFINE_string("cluster", "", "With --max_restarts: the plan's cluster (name or JSON), for "
                                "re-planning without a gone node ('' = the plan's cluster name).")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache", "auto", "With --max_restarts: JAX's persistent compilation cache for every attempt (a "
+    "restart's ranks load their stage programs instead of compiling them again); 'auto' = $JAX_COMPILATION_CACHE_DIR "
+    "when set, else <workdir>/jax_cache; '' = none.")
 flags.mark_flags_as_required(["plan"])
 
 
@@ -191,6 +195,8 @@ def _supervise(workdir: str, extra: list[str], env: dict[str, str]) -> int:
     _write_rank_files(workdir, hostlines, "".join(f"{r} {ids}\n" for r, ids in enumerate(devices.split(";"))))
     return rank_slots(plan_path, hostfile, _NUM_PS_SHARDS.value, grouping, _OVERSUBSCRIBE.value)[0], hostlines, command
 
+  env = recovery.compilation_cache_env(_COMPILATION_CACHE.value, workdir, env)
+  print(f"[recovery] compilation cache: {env.get(recovery.CACHE_ENV) or 'none'} (--compilation_cache)", flush=True)
   supervisor = recovery.Supervisor(build, _PLAN.value, _HOSTFILE.value, workdir, _MAX_RESTARTS.value, cluster,
                                    node_probe=_NODE_PROBE.value, resume=user_resume, env=env,
                                    log=lambda line: print(line, flush=True))

@@ -218,6 +218,27 @@ class Restart:
     return d
 
 
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def compilation_cache_env(setting: str, workdir: str, env: dict[str, str]) -> dict[str, str]:
+  """The attempts' environment with JAX's persistent compilation cache (``launch --compilation_cache``): ``"auto"``
+  keeps a ``JAX_COMPILATION_CACHE_DIR`` the user set, else ``<workdir>/jax_cache``; ``""`` removes it; any other
+  value is the directory. Every compilation is cached (the minimum compile time and entry size set to 0 unless the user set
+  them): a CPU stage program compiles in well under JAX's default 1 s threshold, and a restart compiles them all."""
+  out = dict(env)
+  if setting == "":
+    out.pop(CACHE_ENV, None)
+    return out
+  if setting != "auto":
+    out[CACHE_ENV] = str(pathlib.Path(setting).resolve())
+  elif not out.get(CACHE_ENV):
+    out[CACHE_ENV] = str((pathlib.Path(workdir) / "jax_cache").resolve())
+  out.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  out.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+  return out
+
+
 def newest_checkpoint(workdir: str | os.PathLike) -> int | None:
   """The global clock of the newest checkpoint directory in ``<workdir>/checkpoints`` (None: none)."""
   ckpts = pathlib.Path(workdir) / "checkpoints"
@@ -225,7 +246,8 @@ def newest_checkpoint(workdir: str | os.PathLike) -> int | None:
   return max(steps) if steps else None
 
 
-_KEEP = ("procs", "failures", "exits", "recovery", "restarts.jsonl", "checkpoints", "ranks.hosts", "ranks.devices")
+_KEEP = ("procs", "failures", "exits", "recovery", "restarts.jsonl", "checkpoints", "ranks.hosts", "ranks.devices",
+         "jax_cache")
 
 
 def set_aside_outputs(workdir: str | os.PathLike, attempt: int) -> pathlib.Path:

@@ -1,6 +1,7 @@
 """What checkpoints cost the default job: the same MPI run with and without checkpoints, alternated, printing JSON.
 
-  .venv/bin/python scripts/bench_checkpoint.py [--repeats=1] [--layout=one_ps|stage_ranks_shards] [--smoke --data_dir=DIR]
+  .venv/bin/python scripts/bench_checkpoint.py [--repeats=1] [--layout=one_ps|stage_ranks_shards] \
+      [--num_minibatches=N] [--smoke --data_dir=DIR]
 
 Each repeat runs the default config (experiments/configs/default.py, 3 MPI ranks) twice, back to back: at the
 default interval (``checkpoint_every_waves`` of the config) and with ``checkpoint_every_waves=0`` (only the final
@@ -9,7 +10,9 @@ default interval); the JSON also gives each checkpoint's size and save time and 
 time spent in checkpoint barriers (``checkpoint_barrier_fraction`` of summary.json, measured inside the run).
 ``--layout``: ``one_ps`` (3 ranks: one PS, one process per VW) or ``stage_ranks_shards`` (6 ranks: two PS shards,
 each VW's second stage on a stage rank; the checkpoint cut gathers every shard's slice and every stage rank's
-optimizer state). ``--smoke`` (CI, seconds): 8 minibatches per VW with a checkpoint every 2 waves, on ``--data_dir``.
+optimizer state). ``--num_minibatches``: minibatches per VW instead of the config's epochs (the interval stays the
+default; ``num_checkpoints`` in the JSON says how many the run made). ``--smoke`` (CI, seconds): 8 minibatches per VW
+with a checkpoint every 2 waves, on ``--data_dir``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from hetpipe_jax.paths import REPO_ROOT  # pylint: disable=wrong-import-position
 
 _REPEATS = flags.DEFINE_integer("repeats", 1, "Pairs of runs (with, without checkpoints).")
 _SMOKE = flags.DEFINE_bool("smoke", False, "8 minibatches per VW, a checkpoint every 2 waves (seconds; CI).")
+_MINIBATCHES = flags.DEFINE_integer("num_minibatches", 0, "Minibatches per VW (0: the config's epochs).")
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "Fashion-MNIST directory (default: the config's).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where the runs go (default: a temporary directory).")
 _LAYOUT = flags.DEFINE_enum("layout", "one_ps", list(("one_ps", "stage_ranks_shards")),
@@ -61,6 +65,8 @@ def main(argv):
   extra = []
   if _SMOKE.value:
     extra += ["--config.num_minibatches=8", "--config.eval_every_epochs=0", "--config.check_counts=False"]
+  elif _MINIBATCHES.value:
+    extra.append(f"--config.num_minibatches={_MINIBATCHES.value}")
   if _DATA_DIR.value:
     extra.append(f"--config.data_dir={_DATA_DIR.value}")
   every = 2 if _SMOKE.value else None  # None: the config's default interval, as the user runs it
@@ -81,7 +87,7 @@ def main(argv):
         "test_accuracy_with": with_ckpt["test_accuracy"], "test_accuracy_without": without["test_accuracy"]})
   overhead = statistics.median(p["overhead"] for p in pairs)
   print(json.dumps({"machine": {"python": platform.python_version(), "cpus": os.cpu_count()}, "smoke": _SMOKE.value,
-                    "layout": _LAYOUT.value,
+                    "layout": _LAYOUT.value, "num_minibatches_per_vw": _MINIBATCHES.value or None,
                     "workdir": str(root), "pairs": pairs, "median_overhead": overhead,
                     "target_overhead": None if _SMOKE.value else TARGET_OVERHEAD,
                     "meets_target": None if _SMOKE.value else overhead <= TARGET_OVERHEAD}, indent=1))

@@ -1455,6 +1455,16 @@ MUTATIONS = (
               "config_error_is_not_restarted",),
              "a stage rank killed before the watchdog fired is blamed on its VW's driver (a hang): the drill smoke's "
              "CI failure of stop 31"),
+    Mutation("restart_cache_skips_small_compiles", "compilation_cache_env",
+             'out.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")',
+             "pass",
+             ("tests/test_launch.py::test_restarts_share_a_compilation_cache_that_the_user_can_name_or_turn_off",),
+             "a restart's cache keeps JAX's 1 s threshold: no CPU stage program is cached, every restart compiles"),
+    Mutation("restart_cache_overrides_the_users", "compilation_cache_env",
+             "elif not out.get(CACHE_ENV):",
+             "else:",
+             ("tests/test_launch.py::test_restarts_share_a_compilation_cache_that_the_user_can_name_or_turn_off",),
+             "--compilation_cache=auto replaces the cache directory the user set"),
 )
 
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from hetpipe_jax import recovery
 from hetpipe_jax.jobs.job_config import plan_nodes
 from hetpipe_jax.paths import REPO_ROOT
 from hetpipe_jax.mpi import rank_layout
@@ -369,3 +370,23 @@ def test_hostfile_slots_limit_the_ranks_on_each_host_unless_oversubscribed(tmp_p
   hosts.write_text("node-a:3\nnode-b:3\n")
   proc = _launch(f"--plan={ED_LOCAL}", f"--hostfile={hosts}", "--stage_ranks", "--dry_run")
   assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_restarts_share_a_compilation_cache_that_the_user_can_name_or_turn_off(tmp_path):
+  compilation_cache_env = recovery.compilation_cache_env
+  work = tmp_path / "run"
+  env = compilation_cache_env("auto", str(work), {"PATH": "/bin"})
+  assert env["JAX_COMPILATION_CACHE_DIR"] == str((work / "jax_cache").resolve())
+  assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0" and env["PATH"] == "/bin"
+  assert env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] == "0"
+  mine = {"JAX_COMPILATION_CACHE_DIR": "/data/cache", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "2"}
+  env = compilation_cache_env("auto", str(work), mine)  # the user's own cache and threshold are kept
+  assert (env["JAX_COMPILATION_CACHE_DIR"], env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]) == ("/data/cache", "2")
+  assert compilation_cache_env(str(tmp_path / "c"), str(work), mine)["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "c")
+  assert "JAX_COMPILATION_CACHE_DIR" not in compilation_cache_env("", str(work), mine)
+  assert mine["JAX_COMPILATION_CACHE_DIR"] == "/data/cache"  # the caller's dict is not changed
+  # The cache survives a start-over: set_aside_outputs keeps it in the workdir.
+  (work / "jax_cache").mkdir(parents=True)
+  (work / "metrics.jsonl").write_text("")
+  recovery.set_aside_outputs(work, 0)
+  assert (work / "jax_cache").is_dir() and not (work / "metrics.jsonl").exists()

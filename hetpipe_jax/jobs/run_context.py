@@ -30,6 +30,7 @@ from hetpipe_jax.jobs.job_config import (ConfigError, check_devices, check_parti
                                          ps_layer_shards, resolved_config)
 from hetpipe_jax.jobs.outputs import RunOutputs, check_workdir, weights_sha256
 from hetpipe_jax.jobs.training_setup import _muon_layer_shapes, build_stages, make_optimizer
+from hetpipe_jax.mpi import wire
 from hetpipe_jax.ps.shards import ShardLayout
 from hetpipe_jax.rules import methods
 from hetpipe_jax.runtime.objectives import get_objective
@@ -204,13 +205,13 @@ def set_up(job: Job, workdir: str, comm: Any = None) -> RunContext:
   elif comm is None:
     flat0 = layout.flatten(params0)
   if comm is not None:
-    comm.Barrier()  # every rank passed validation (a failing rank aborts the job before this)
+    wire.idle_collective(comm.Ibarrier())  # every rank passed validation (a failing rank aborts the job first)
     if point is None:
       if comm.Get_rank() == 0:
         flat0 = layout.flatten(jax.device_get(models.init_layer_params(spec, jax.random.key(job.seed))))
       else:
         flat0 = np.empty(layout.num_params, np.float32)
-      comm.Bcast(flat0, root=0)  # every VW starts from rank 0's W0, bit for bit
+      wire.idle_collective(comm.Ibcast(flat0, root=0))  # every VW starts from rank 0's W0, bit for bit
   return RunContext(job, str(workdir), spec, partitions, dataset, num_mb, layout, flat0, params0, times,
                     emulate_plan, shards, point, restricted, comm)
 

@@ -16,6 +16,7 @@ FACTORIES: dict[str, Callable[[], ModelSpec]] = {
     "cnn": cnn.cnn,
     "cnn_small": cnn.cnn_small,
     "mlp_tiny": mlp.mlp_tiny,
+    "mlp_deep": mlp.mlp_deep,
     "resnet": resnet.resnet,
     "gpt_tiny": gpt.gpt_tiny,
     "gpt_bytes": gpt.gpt_bytes,

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from hetpipe_jax.mpi import ps_client
+from hetpipe_jax.mpi import wire
 from hetpipe_jax.mpi.ps_server import ParameterServerService
 from hetpipe_jax.mpi.rank_layout import stage_rank_layout, stage_ranks_of_vw
 from hetpipe_jax.mpi.wire import TAG_SHARD_FINAL
@@ -27,7 +28,7 @@ def ps_byte_matrix(comm) -> np.ndarray | None:
   rank, world = comm.Get_rank(), comm.Get_size()
   row = ps_client.PS_BYTES.matrix_row(rank, world)
   total = np.zeros_like(row) if rank == 0 else None
-  comm.Reduce(row, total, op=MPI.SUM, root=0)
+  wire.idle_collective(comm.Ireduce(row, total, op=MPI.SUM, root=0))  # the others wait while rank 0 evaluates
   return total
 
 

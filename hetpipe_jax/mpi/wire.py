@@ -201,6 +201,16 @@ def poll_until(attempt: Callable[[], T], backoff: Backoff | None = None) -> T:
   return result
 
 
+IDLE_COLLECTIVE_MAX_S = 0.02  # a rank waiting in a collective for a busy rank (start-up, the end) looks this often
+
+
+def idle_collective(request: Any) -> None:
+  """Waits for a non-blocking collective (``Ibarrier``, ``Ibcast``, ``Ireduce``) without spinning, backing off to
+  :data:`IDLE_COLLECTIVE_MAX_S`: MPICH's blocking collectives busy-poll, so on an oversubscribed host the ranks that
+  wait would starve the one they wait for (rank 0 compiling W0's initialisation, or evaluating at the end)."""
+  poll_until(request.Test, Backoff(max_s=IDLE_COLLECTIVE_MAX_S))
+
+
 def wait_all(requests: Sequence[Any], backoff: Backoff | None = None) -> None:
   """Polls MPI ``requests`` (``Test()``) until all completed, backing off while they do not."""
   backoff = backoff or Backoff()
