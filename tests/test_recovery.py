@@ -98,23 +98,23 @@ def test_the_rank_that_ended_first_is_named_not_mpichs_lowest_rank(tmp_path):
   assert (f.cause, f.rank) == ("killed", 0)
 
 
+def _watchdog_blames_rank_1(workdir: pathlib.Path, at: float) -> None:
+  """The lead's failure record of a hang blamed on rank 1 at time ``at``, then its own exit (status 3)."""
+  _write(workdir / "failures/rank0-1.json", {"rank": 0, "pid": 1, "host": "h0", "time": at, "error": "HungRankError",
+                                             "message": "VW 0 (driver rank 1) sent nothing", "suspect_rank": 1})
+  _write(workdir / "exits/rank0-1.json", {"rank": 0, "pid": 1, "host": "h0", "time": at + 0.1, "exit_code": 3,
+                                          "signal": None})
+
+
 def test_a_hang_blamed_by_the_watchdog_comes_first_unless_a_rank_ended_before_and_a_config_error_is_not_restarted(tmp_path):
-  _write(tmp_path / "failures/rank0-1.json", {"rank": 0, "pid": 1, "host": "h0", "time": 30.0, "error":
-                                              "HungRankError", "message": "VW 0 (driver rank 1) sent nothing",
-                                              "suspect_rank": 1})
-  _write(tmp_path / "exits/rank0-1.json", {"rank": 0, "pid": 1, "host": "h0", "time": 30.1, "exit_code": 3,
-                                           "signal": None})
+  _watchdog_blames_rank_1(tmp_path, at=30.0)
   f = recovery.diagnose("", tmp_path, since=10.0, slots=_slots(), exit_code=3)
   assert (f.cause, f.rank, f.role, f.error) == ("hang", 1, "VW 0", "HungRankError") and f.restartable
   # A rank killed before the watchdog fired (a stage rank: its VW's driver fell silent) is named, not the driver.
   killed = tmp_path / "killed"
   _write(killed / "exits/rank2-9.json", {"rank": 2, "pid": 9, "host": "h1", "time": 21.0, "exit_code": 137,
                                          "signal": 9})
-  _write(killed / "failures/rank0-1.json", {"rank": 0, "pid": 1, "host": "h0", "time": 29.5, "error":
-                                            "HungRankError", "message": "VW 0 (driver rank 1) sent nothing",
-                                            "suspect_rank": 1})
-  _write(killed / "exits/rank0-1.json", {"rank": 0, "pid": 1, "host": "h0", "time": 29.6, "exit_code": 3,
-                                         "signal": None})
+  _watchdog_blames_rank_1(killed, at=29.5)
   f = recovery.diagnose("", killed, since=10.0, slots=_slots(), exit_code=9)
   assert (f.cause, f.rank, f.role) == ("killed", 2, "VW 1")
   other = tmp_path / "other"
