@@ -412,11 +412,10 @@ class StageRankPSClient:
       request.Cancel()
       request.Wait()
     self._posted = {}
-    wire.wait_all([r for r, _ in self._sends])
-    self._sends = []
+    self.flush()
 
   def flush(self) -> None:
-    """Completes every send (the last checkpoint's optimizer state, after :meth:`finish`)."""
+    """Completes every send (the end of :meth:`finish`; the last checkpoint's optimizer state after it)."""
     wire.wait_all([r for r, _ in self._sends])
     self._sends = []
 
