@@ -188,3 +188,16 @@ def test_records_digest_smoke_and_compare():
   assert mod.compare(a, a) == []
   assert mod.compare(a, {"run": {"summary.json": "1", "weights": "3"}}) == ["run/weights"]
   assert mod.compare(a, {}) == ["run: only in first"]
+
+
+@pytest.mark.mpi
+def test_bench_ps_quick():
+  """scripts/bench_ps.py --quick: push + pull through 1 and 2 shards against raw Send/Recv of the same bytes."""
+  proc = subprocess.run([sys.executable, "scripts/bench_ps.py", "--quick"], cwd=REPO_ROOT, capture_output=True,
+                        text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = json.loads(proc.stdout)
+  assert sorted((r["num_shards"], r["size_bytes"]) for r in out["rows"]) == [(1, 1024), (1, 1 << 20), (2, 1024),
+                                                                             (2, 1 << 20)]
+  for r in out["rows"]:
+    assert r["waves"] >= 3 and 0 < r["ratio"] < 50 and r["ps_s_per_wave"] > 0 and r["raw_s_per_wave"] > 0
