@@ -6,7 +6,10 @@
 Each repeat runs the default config (experiments/configs/default.py, 3 MPI ranks) twice, back to back: at the
 default interval (``checkpoint_every_waves`` of the config) and with ``checkpoint_every_waves=0`` (only the final
 weights are saved). The overhead is the ratio of the two wall times of one repeat (issue 9 target: at most 5% at the
-default interval); the JSON also gives each checkpoint's size and save time and the slowest VW's share of the wall
+default interval). Odd repeats run the pair in the other order (without checkpoints first), so a drift of the machine
+between the two runs of a pair does not always count against the same side; ``cpu_s_with``/``cpu_s_without`` are
+the CPU seconds of all the run's processes (``getrusage`` of the children), a second, less load-sensitive view.
+The JSON also gives each checkpoint's size and save time and the slowest VW's share of the wall
 time spent in checkpoint barriers (``checkpoint_barrier_fraction`` of summary.json, measured inside the run).
 ``--layout``: ``one_ps`` (3 ranks: one PS, one process per VW) or ``stage_ranks_shards`` (6 ranks: two PS shards,
 each VW's second stage on a stage rank; the checkpoint cut gathers every shard's slice and every stage rank's
@@ -21,6 +24,7 @@ import json
 import os
 import pathlib
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -54,10 +58,14 @@ def _run(workdir: pathlib.Path, every: int | None, extra: list[str]) -> dict:
     args.append(f"--config.checkpoint_every_waves={every}")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = str(REPO_ROOT)
+  before = resource.getrusage(resource.RUSAGE_CHILDREN)
   proc = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=False)
+  after = resource.getrusage(resource.RUSAGE_CHILDREN)
   if proc.returncode != 0:
     raise SystemExit(f"error: the run in {workdir} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-  return json.loads((workdir / "summary.json").read_text())
+  summary = json.loads((workdir / "summary.json").read_text())
+  cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+  return {**summary, "cpu_s": cpu_s}
 
 
 def main(argv):
@@ -73,11 +81,18 @@ def main(argv):
   root = pathlib.Path(_WORKDIR.value or tempfile.mkdtemp(prefix="bench_checkpoint_"))
   pairs = []
   for r in range(_REPEATS.value):
-    with_ckpt = _run(root / f"r{r}_ckpt", every, extra)
-    without = _run(root / f"r{r}_none", 0, extra)
+    if r % 2 == 0:
+      with_ckpt = _run(root / f"r{r}_ckpt", every, extra)
+      without = _run(root / f"r{r}_none", 0, extra)
+    else:
+      without = _run(root / f"r{r}_none", 0, extra)
+      with_ckpt = _run(root / f"r{r}_ckpt", every, extra)
     pairs.append({
+        "first": "with" if r % 2 == 0 else "without",
         "wall_time_s_with": with_ckpt["wall_time_s"], "wall_time_s_without": without["wall_time_s"],
         "overhead": with_ckpt["wall_time_s"] / without["wall_time_s"] - 1.0,
+        "cpu_s_with": round(with_ckpt["cpu_s"], 2), "cpu_s_without": round(without["cpu_s"], 2),
+        "cpu_overhead": with_ckpt["cpu_s"] / without["cpu_s"] - 1.0,
         "checkpoint_every_waves": with_ckpt["checkpoint_every_waves"],
         "num_checkpoints": len(with_ckpt["checkpoints"]),
         "checkpoint_mb": [round(c["bytes"] / 1e6, 3) for c in with_ckpt["checkpoints"]],
@@ -86,9 +101,11 @@ def main(argv):
         "checkpoint_barrier_fraction": with_ckpt["checkpoint_barrier_fraction"],
         "test_accuracy_with": with_ckpt["test_accuracy"], "test_accuracy_without": without["test_accuracy"]})
   overhead = statistics.median(p["overhead"] for p in pairs)
+  cpu_overhead = statistics.median(p["cpu_overhead"] for p in pairs)
   print(json.dumps({"machine": {"python": platform.python_version(), "cpus": os.cpu_count()}, "smoke": _SMOKE.value,
                     "layout": _LAYOUT.value, "num_minibatches_per_vw": _MINIBATCHES.value or None,
                     "workdir": str(root), "pairs": pairs, "median_overhead": overhead,
+                    "median_cpu_overhead": cpu_overhead,
                     "target_overhead": None if _SMOKE.value else TARGET_OVERHEAD,
                     "meets_target": None if _SMOKE.value else overhead <= TARGET_OVERHEAD}, indent=1))
 

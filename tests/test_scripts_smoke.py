@@ -155,6 +155,7 @@ def test_bench_checkpoint_smoke(tmp_path, synthetic_data_dir):
   assert pair["checkpoint_every_waves"] == 2 and pair["num_checkpoints"] == waves // 2 >= 1
   assert [c["global_clock"] for c in with_ckpt["checkpoints"]] == list(range(2, waves + 1, 2))
   assert all(mb > 0 for mb in pair["checkpoint_mb"]) and _finite(pair["overhead"], pair["checkpoint_barrier_fraction"])
+  assert pair["first"] == "with" and pair["cpu_s_with"] > 0 and pair["cpu_s_without"] > 0  # 6 ranks' CPU seconds
   assert 0 < pair["checkpoint_barrier_fraction"] < 1
   assert with_ckpt["num_ps_shards"] == 2 and with_ckpt["applied_waves_count_per_shard"] == [2 * waves] * 2
   assert with_ckpt["stage_rank_of_stage"] == [[2, 4], [3, 5]]  # each VW's second stage on its own rank
