@@ -87,3 +87,14 @@ def test_train_rejects_a_conflicting_setting_before_any_work(tmp_path):
   assert proc.returncode == 2
   assert "error: config.num_stages=2 but the plan" in proc.stderr and "[4, 4, 4, 4] stages" in proc.stderr
   assert not workdir.exists()
+
+
+@pytest.mark.parametrize("workers", ["two", "-1", "2x"])
+def test_run_tests_refuses_a_bad_worker_count_before_set_up(workers):
+  """scripts/run_tests.sh: HETPIPE_TEST_WORKERS that is not a number of workers (empty: the default, 2) is one error
+  naming it, exit 2, and nothing runs (no set-up line, no pytest)."""
+  proc = subprocess.run(["bash", "scripts/run_tests.sh"], cwd=REPO_ROOT, env=_env(HETPIPE_TEST_WORKERS=workers),
+                        capture_output=True, text=True, timeout=30, check=False)
+  assert proc.returncode == 2, proc.stderr
+  assert f"HETPIPE_TEST_WORKERS={workers} must be a number of workers" in proc.stderr
+  assert "setup:" not in proc.stdout + proc.stderr and "passed" not in proc.stdout
