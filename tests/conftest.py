@@ -64,3 +64,26 @@ def sharded_run(tmp_path_factory, synthetic_data_dir) -> pathlib.Path:
   read by two tests."""
   from tests.mpi_util import SHARDED_RUN
   return _shared_run(tmp_path_factory, "sharded_run", 4, SHARDED_RUN, synthetic_data_dir)
+
+
+@pytest.fixture(scope="session")
+def text_dir(tmp_path_factory) -> pathlib.Path:
+  """A small English-like corpus in the layouts the text loader reads: two .txt files (one in a subdirectory) of words
+  drawn from a 10-word vocabulary (learnable structure, so a few minibatches move the weights), and a binary file it
+  skips."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  def corpus(num_bytes: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    words = [b"the", b"pipeline", b"virtual", b"worker", b"wave", b"of", b"stale", b"weights", b"is", b"bounded"]
+    out = bytearray()
+    while len(out) < num_bytes:
+      out += b" ".join(words[i] for i in rng.integers(0, len(words), 12)) + b".\n"
+    return bytes(out[:num_bytes])
+
+  d = tmp_path_factory.mktemp("text")
+  (d / "a.txt").write_bytes(corpus(30_000, 0))
+  (d / "sub").mkdir()
+  (d / "sub" / "b.txt").write_bytes(corpus(30_000, 1))
+  (d / "b.dat").write_bytes(b"\x00\x01binary index")  # skipped: not text
+  return d

@@ -20,11 +20,11 @@ from hetpipe_jax.jobs import checkpoint, job_config, virtual_job
 from hetpipe_jax.paths import REPO_ROOT
 from hetpipe_jax.runtime.param_layout import ParamLayout
 from tests.mpi_util import read_jsonl
-from tests.test_text_lm import SEQ, text_dir  # noqa: F401  (the module's corpus fixture)
+from tests.test_text_lm import SEQ
 
 
 @pytest.mark.parametrize("variant", ["adam:1", "adam:1:predict=1", "adam:2"])
-def test_the_closed_form_delay_is_a_hetpipe_vw_in_virtual_time(tmp_path, text_dir, variant):  # noqa: F811
+def test_the_closed_form_delay_is_a_hetpipe_vw_in_virtual_time(tmp_path, text_dir, variant):
   """One VW, D = 0, Nm = delay + 1, 2 stages, run by the job in virtual time (the LM config on gpt_tiny), ends on the
   weights of sequential training where minibatch p's gradient is taken after max(0, p - delay) updates (with
   prediction: at the predicted weights), and the run's recorded versions are that rule."""
@@ -63,7 +63,7 @@ def test_a_bad_variant_is_one_error_naming_it(bad, match):
     delay_sweep.parse_variant(bad, 1e-3)
 
 
-def test_delay_sweep_smoke(text_dir):  # noqa: F811
+def test_delay_sweep_smoke(text_dir):
   """The CLI end to end: three rows, curves at the evaluation points, the gap to delay 0 beside the delayed rows."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = str(REPO_ROOT)

@@ -19,26 +19,6 @@ from tests.pipeline_util import assert_params_close, build_vw, sequential_replay
 SEQ = 16  # gpt_tiny's context
 
 
-def _english_like_corpus(num_bytes: int, seed: int = 0) -> bytes:
-  """Words drawn from a small vocabulary (learnable structure, so a few minibatches move the weights)."""
-  rng = np.random.default_rng(seed)
-  words = [b"the", b"pipeline", b"virtual", b"worker", b"wave", b"of", b"stale", b"weights", b"is", b"bounded"]
-  out = bytearray()
-  while len(out) < num_bytes:
-    out += b" ".join(words[i] for i in rng.integers(0, len(words), 12)) + b".\n"
-  return bytes(out[:num_bytes])
-
-
-@pytest.fixture(scope="module")
-def text_dir(tmp_path_factory):
-  d = tmp_path_factory.mktemp("text")
-  (d / "a.txt").write_bytes(_english_like_corpus(30_000, 0))
-  (d / "sub").mkdir()
-  (d / "sub" / "b.txt").write_bytes(_english_like_corpus(30_000, 1))
-  (d / "b.dat").write_bytes(b"\x00\x01binary index")  # skipped: not text
-  return d
-
-
 def test_causal_masking_later_tokens_do_not_change_earlier_logits():
   spec = models.get_model("gpt_tiny")
   params = models.init_layer_params(spec, jax.random.key(3))
