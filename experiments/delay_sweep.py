@@ -136,6 +136,12 @@ def train_delayed(v: Variant, spec, params0, get_minibatch, num_minibatches: int
   objective = objectives.get_objective(spec.objective)
   grad = jax.jit(jax.grad(lambda p, x, y: objective.loss(models.apply_layers(spec.layers, p, x), y)))
   tx = make_optimizer(v, spec, params0, schedule)
+
+  @jax.jit
+  def apply(g, state, params):  # one compiled step (Muon's Newton-Schulz loop op by op exhausts LLVM's memory)
+    updates, state = tx.update(g, state, params)
+    return optax.apply_updates(params, updates), state
+
   params, state = params0, tx.init(params0)
   kept = {0: (params0, state)}  # updates applied -> (weights, optimizer state)
   for p in range(num_minibatches):
@@ -149,8 +155,7 @@ def train_delayed(v: Variant, spec, params0, get_minibatch, num_minibatches: int
       w = jax.tree.map(lambda w_, m, n: w_ - rate * (m / (1 - v.b1 ** c)) / (jnp.sqrt(n / (1 - v.b2 ** c)) + 1e-8),
                        w, adam.mu, adam.nu)
     x, y = get_minibatch(p)
-    updates, state = tx.update(grad(w, x, y), state, params)
-    params = optax.apply_updates(params, updates)
+    params, state = apply(grad(w, x, y), state, params)
     kept[p + 1] = (params, state)
     kept.pop(p - v.delay, None)  # no later minibatch uses these weights
     if on_eval is not None and eval_every and (p + 1) % eval_every == 0:
