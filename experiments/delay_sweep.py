@@ -97,7 +97,7 @@ def parse_variant(text: str, lr: float) -> Variant:
   return Variant(text, delay, optimizer, **fields)
 
 
-def make_optimizer(v: Variant, spec, params, schedule):
+def variant_optimizer(v: Variant, params, schedule):
   """The variant's optax optimizer (the clip first, as ``grad_clip_norm`` clips before the job's optimizer)."""
   import optax  # pylint: disable=g-import-not-at-top
   if v.optimizer == "muon":
@@ -107,7 +107,6 @@ def make_optimizer(v: Variant, spec, params, schedule):
   else:
     tx = optax.chain(optax.scale_by_adam(b1=v.b1, b2=v.b2, nesterov=v.optimizer == "nadam"),
                      optax.scale_by_learning_rate(schedule))
-  del spec
   return optax.chain(optax.clip_by_global_norm(v.clip), tx) if v.clip else tx
 
 
@@ -135,7 +134,7 @@ def train_delayed(v: Variant, spec, params0, get_minibatch, num_minibatches: int
 
   objective = objectives.get_objective(spec.objective)
   grad = jax.jit(jax.grad(lambda p, x, y: objective.loss(models.apply_layers(spec.layers, p, x), y)))
-  tx = make_optimizer(v, spec, params0, schedule)
+  tx = variant_optimizer(v, params0, schedule)
 
   @jax.jit
   def apply(g, state, params):  # one compiled step (Muon's Newton-Schulz loop op by op exhausts LLVM's memory)

@@ -1031,8 +1031,8 @@ MUTATIONS = (
              ("tests/test_optimizers.py::test_muon_rule_picks_the_hand_listed_hidden_matrices",),
              "Muon takes 4-D convolution kernels as well as Dense matrices"),
     Mutation("muon_stage_takes_first_layers_rule", "make_optimizer",
-             "adam_weight_decay=decay, muon_weight_dimension_numbers=dims[start:end]))",
-             "adam_weight_decay=decay, muon_weight_dimension_numbers=dims[:end - start]))",
+             "adam_weight_decay=decay, muon_weight_dimension_numbers=dims[start:end],",
+             "adam_weight_decay=decay, muon_weight_dimension_numbers=dims[:end - start],",
              ("tests/test_optimizers.py::test_each_stage_gives_muon_the_same_leaves_whichever_stage_holds_them",),
              "a stage applies the rule of the model's first layers to its own (a layer's rule depends on its stage)"),
     Mutation("stage_builds_another_stages_optimizer", "build_stages",
@@ -1465,6 +1465,16 @@ MUTATIONS = (
              "else:",
              ("tests/test_launch.py::test_restarts_share_a_compilation_cache_that_the_user_can_name_or_turn_off",),
              "--compilation_cache=auto replaces the cache directory the user set"),
+    Mutation("muon_consistent_rms_ignored", "make_optimizer",
+             "consistent_rms=optim.muon_consistent_rms or None))",
+             "consistent_rms=None))",
+             ("tests/test_optimizers.py::test_pipelined_vw_equals_whole_model_optax",),
+             "config.muon_consistent_rms is recorded but Muon runs optax's width scaling"),
+    Mutation("delay_sweep_off_by_one", "train_delayed",
+             "used = max(0, p - v.delay)",
+             "used = max(0, p - v.delay + 1)",
+             ("tests/test_delay_sweep.py::test_the_closed_form_delay_is_a_hetpipe_vw_in_virtual_time",),
+             "the sweep's closed form takes each gradient one update later than HetPipe's Nm - 1 delay"),
 )
 
 

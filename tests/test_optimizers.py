@@ -75,7 +75,8 @@ def reference_tx(name: str, settings: dict, lr, model: str, params: list) -> opt
     return optax.nadamw(lr, b1=b1, b2=b2, weight_decay=decay)
   assert name == "muon"
   return optax.contrib.muon(lr, beta=settings.get("muon_beta", 0.95), weight_decay=decay, adam_b1=b1, adam_b2=b2,
-                            adam_weight_decay=decay, muon_weight_dimension_numbers=hand_muon_dims(model, params))
+                            adam_weight_decay=decay, muon_weight_dimension_numbers=hand_muon_dims(model, params),
+                            consistent_rms=settings.get("muon_consistent_rms") or None)
 
 
 def _shapes(model: str) -> list:
@@ -147,7 +148,12 @@ def test_each_stage_gives_muon_the_same_leaves_whichever_stage_holds_them(model,
 # ------------------------------------------------------------------------------------------ in process
 
 
-@pytest.mark.parametrize("optimizer,settings", CASES, ids=[c[0] for c in CASES])
+# ... and Muon with its updates scaled to a consistent RMS (optax's consistent_rms; lm_delay_sweep.md).
+PIPELINED_CASES = CASES + [("muon", {"muon_consistent_rms": 0.2})]
+
+
+@pytest.mark.parametrize("optimizer,settings", PIPELINED_CASES,
+                         ids=[c[0] + ("_rms" if "muon_consistent_rms" in c[1] else "") for c in PIPELINED_CASES])
 @pytest.mark.parametrize("model,partition", [("gpt_tiny", [(0, 2), (2, 4)]), ("mlp_tiny", [(0, 1), (1, 3), (3, 4)])])
 def test_pipelined_vw_equals_whole_model_optax(synthetic_data_dir, text_data, optimizer, settings, model, partition):
   """One VW, Nm = 1, D = 0, each stage with its own state: the final weights equal one optax loop on the whole model
@@ -245,8 +251,10 @@ def test_every_method_in_virtual_time_equals_whole_model_optax(tmp_path, synthet
   recorded = {"name": optimizer, "learning_rate": lr, "lr_schedule": "cosine", "warmup_minibatches": 0,
               "adam_b1": 0.99, "adam_b2": settings.get("adam_b2", 0.999)}
   recorded.update({k: v for k, v in (("weight_decay", settings.get("weight_decay", 0.0)),
-                                     ("muon_beta", settings.get("muon_beta", 0.95)))
-                   if optimizer in {"weight_decay": ("nadamw", "muon"), "muon_beta": ("muon",)}[k]})
+                                     ("muon_beta", settings.get("muon_beta", 0.95)),
+                                     ("muon_consistent_rms", settings.get("muon_consistent_rms", 0.0)))
+                   if optimizer in {"weight_decay": ("nadamw", "muon"), "muon_beta": ("muon",),
+                                    "muon_consistent_rms": ("muon",)}[k]})
   if optimizer == "muon":
     assert summary["optimizer"].pop("muon_params") == HAND_MUON["mlp_tiny"]
   assert summary["optimizer"] == recorded
@@ -264,6 +272,10 @@ def test_every_method_in_virtual_time_equals_whole_model_optax(tmp_path, synthet
      r"config.weight_decay=0.1 is a weight-decay setting; config.optimizer='adam' \(it is used by 'nadamw', 'muon'"),
     ({"optimizer": "nadamw", "muon_beta": 0.9}, r"config.muon_beta=0.9 is a Muon setting; config.optimizer='nadamw'"),
     ({"optimizer": "muon", "muon_beta": 1.0}, r"config.muon_beta=1.0 must be in \[0, 1\)"),
+    ({"optimizer": "muon", "muon_consistent_rms": -0.2}, r"config.muon_consistent_rms=-0.2 must be >= 0"),
+    ({"optimizer": "adam", "muon_consistent_rms": 0.2},
+     r"config.muon_consistent_rms=0.2 is a muon-consistent-rms setting; config.optimizer='adam' \(it is used by "
+     r"'muon'\)"),
     ({"optimizer": "sgd", "adam_b2": 0.99}, r"config.adam_b2=0.99 is an Adam setting; config.optimizer='sgd'"),
     ({"optimizer": "lion"}, r"config.optimizer='lion' must be one of 'sgd', 'momentum', 'adam', 'nadam', 'nadamw'"),
 ])

@@ -109,6 +109,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.adam_b2 = 0.999
   c.weight_decay = 0.0  # nadamw / muon only (>= 0): decoupled weight decay, multiplied by the learning rate (optax)
   c.muon_beta = 0.95  # muon only: its momentum decay rate, in [0, 1)
+  # muon only (>= 0): > 0 scales each orthogonalized update to this RMS per element (optax's consistent_rms; 0.2
+  # matches AdamW's, so Muon's weights take the Adam learning rate: Liu et al., arXiv 2502.16982); 0 = optax's
+  # width scaling sqrt(max(1, fan_out / fan_in)). 0.2 made gpt_bytes nearly delay-tolerant (lm_delay_sweep.md).
+  c.muon_consistent_rms = 0.0
   c.grad_clip_norm = 0.0  # > 0: clip each minibatch's gradient to this norm over ALL stages (optax clip_by_global_norm
   # on the whole model, whatever the partition; the stages exchange their squared norms); 0 = off
   # Length, logging, evaluation.

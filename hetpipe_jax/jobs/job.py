@@ -204,6 +204,7 @@ class OptimSettings:
   weight_prediction: str = "none"
   delay_scaled_lr: str = "none"
   pipemare_warmup_minibatches: int = 500
+  muon_consistent_rms: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,7 @@ OPTIMIZER_SETTINGS = {
     "adam_b1": (0.9, ("adam", "nadam", "nadamw", "muon")),
     "adam_b2": (0.999, ("adam", "nadam", "nadamw", "muon")),
     "muon_beta": (0.95, ("muon",)),
+    "muon_consistent_rms": (0.0, ("muon",)),
     "weight_decay": (0.0, ("nadamw", "muon")),
 }
 _DECAY_RATES = {"adam_b1": "an Adam setting (Adam's decay rate of the gradient's mean)",
@@ -63,6 +64,10 @@ def _check_optimizer_settings(config: Any) -> None:
   decay = config.get("weight_decay", 0.0)
   if not decay >= 0:
     raise ConfigError(f"config.weight_decay={decay} must be >= 0 (decoupled weight decay, times the learning rate)")
+  rms = config.get("muon_consistent_rms", 0.0)
+  if not rms >= 0:
+    raise ConfigError(f"config.muon_consistent_rms={rms} must be >= 0 (the RMS of Muon's scaled update, e.g. 0.2; "
+                      "0 = optax's width scaling)")
   for name, (default, users) in OPTIMIZER_SETTINGS.items():
     value = config.get(name, default)
     if value != default and config.optimizer not in users:

@@ -27,7 +27,8 @@ def make_optimizer(optim: OptimSettings, num_minibatches: int, spec: models.Mode
   learning rate as optax does) with ``adam_b1`` / ``adam_b2``; ``muon`` (``optax.contrib.muon``: Nesterov
   momentum ``muon_beta`` orthogonalized by 5 Newton–Schulz steps on the 2-D hidden weights that
   :func:`hetpipe_jax.runtime.optimizers.muon_dimension_numbers` picks, optax's adamw with Nesterov momentum, i.e.
-  NAdamW, with ``adam_b1`` / ``adam_b2`` on every other parameter, ``weight_decay`` on both).
+  NAdamW, with ``adam_b1`` / ``adam_b2`` on every other parameter, ``weight_decay`` on both; ``muon_consistent_rms``
+  > 0: optax's ``consistent_rms``, each orthogonalized update scaled to that RMS, else optax's width scaling).
   ``grad_clip_norm`` is not part of it: the stages clip each minibatch's gradient by its global norm over
   every stage before this optimizer (:func:`build_stages`, :mod:`hetpipe_jax.runtime.grad_clip`), which a per-stage
   optax chain could not.
@@ -52,7 +53,8 @@ def make_optimizer(optim: OptimSettings, num_minibatches: int, spec: models.Mode
     dims = optimizers.muon_dimension_numbers(_muon_layer_shapes(spec))
     return optimizers.PerStage(lambda start, end: optax.contrib.muon(
         lr, beta=optim.muon_beta, weight_decay=decay, adam_b1=b1, adam_b2=b2,
-        adam_weight_decay=decay, muon_weight_dimension_numbers=dims[start:end]))
+        adam_weight_decay=decay, muon_weight_dimension_numbers=dims[start:end],
+        consistent_rms=optim.muon_consistent_rms or None))
   if optim.optimizer == "adam":
     tx = optax.adam(lr, b1=b1, b2=b2)
   elif optim.optimizer == "nadam":
