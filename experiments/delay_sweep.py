@@ -32,6 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # pylint: disable=wrong-import-position
 
+FLAGS = flags.FLAGS
+
 PRESETS = {  # name -> (optimizer, settings); the LM config's Adam is "adam"
     "adam": ("adam", {}),
     "adam_clip": ("adam", {"clip": 1.0}),
@@ -41,16 +43,19 @@ PRESETS = {  # name -> (optimizer, settings); the LM config's Adam is "adam"
 }
 _KEYS = ("lr", "b1", "b2", "clip", "predict", "rms")
 
-_VARIANTS = flags.DEFINE_list("variants", ["adam:0", "adam:1"], "NAME:DELAY[:key=value...] (module docstring).")
-_MINIBATCHES = flags.DEFINE_integer("minibatches", 600, "Minibatches (updates) per variant; the schedule's length.")
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", 150, "Held-out bits/byte every this many minibatches.")
-_LR = flags.DEFINE_float("learning_rate", 1e-3, "Peak learning rate (experiments/configs/lm.py's).")
-_WARMUP = flags.DEFINE_integer("warmup_minibatches", 100, "Linear warm-up before the cosine decay.")
-_BATCH = flags.DEFINE_integer("batch_size", 32, "Windows per minibatch.")
-_SEED = flags.DEFINE_integer("seed", 0, "Initial weights (jax.random.key(seed)) and data order, as the job's.")
-_MODEL = flags.DEFINE_string("model", "gpt_bytes", "A text model of the registry.")
-_TEXT_DIR = flags.DEFINE_string("text_dir", "", "Text files or directories ('': /usr/share/games/fortunes).")
-_SMOKE = flags.DEFINE_bool("smoke", False, "gpt_tiny, 6 minibatches, adam at delays 0 and 1 (CI).")
+
+def _define_flags() -> None:
+  """The CLI's flags, defined only when run as a script (tests import this module beside other scripts' flags)."""
+  flags.DEFINE_list("variants", ["adam:0", "adam:1"], "NAME:DELAY[:key=value...] (module docstring).")
+  flags.DEFINE_integer("minibatches", 600, "Minibatches (updates) per variant; the schedule's length.")
+  flags.DEFINE_integer("eval_every", 150, "Held-out bits/byte every this many minibatches.")
+  flags.DEFINE_float("learning_rate", 1e-3, "Peak learning rate (experiments/configs/lm.py's).")
+  flags.DEFINE_integer("warmup_minibatches", 100, "Linear warm-up before the cosine decay.")
+  flags.DEFINE_integer("batch_size", 32, "Windows per minibatch.")
+  flags.DEFINE_integer("seed", 0, "Initial weights (jax.random.key(seed)) and data order, as the job's.")
+  flags.DEFINE_string("model", "gpt_bytes", "A text model of the registry.")
+  flags.DEFINE_string("text_dir", "", "Text files or directories ('': /usr/share/games/fortunes).")
+  flags.DEFINE_bool("smoke", False, "gpt_tiny, 6 minibatches, adam at delays 0 and 1 (CI).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,13 +176,16 @@ def main(argv):
   from hetpipe_jax import models  # pylint: disable=g-import-not-at-top
   from hetpipe_jax.data import sharding, text  # pylint: disable=g-import-not-at-top
 
-  model, minibatches, every = _MODEL.value, _MINIBATCHES.value, _EVAL_EVERY.value
-  variant_texts, warmup = _VARIANTS.value, _WARMUP.value
-  if _SMOKE.value:
+  model, minibatches, every = FLAGS.model, FLAGS.minibatches, FLAGS.eval_every
+  variant_texts, warmup = FLAGS.variants, FLAGS.warmup_minibatches
+  if FLAGS.smoke:
     model, minibatches, every, variant_texts, warmup = "gpt_tiny", 6, 3, ["adam:0", "adam:1", "adam:1:predict=1"], 2
-  variants = [parse_variant(t, _LR.value) for t in variant_texts]  # every error before any work
+  try:
+    variants = [parse_variant(t, FLAGS.learning_rate) for t in variant_texts]  # every error before any work
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
   spec = models.get_model(model)
-  data = text.load_text_dataset(text.parse_paths(_TEXT_DIR.value), seq_len=spec.input_shape[0])
+  data = text.load_text_dataset(text.parse_paths(FLAGS.text_dir), seq_len=spec.input_shape[0])
   ex, ey = data.eval_inputs, data.eval_targets
 
   @jax.jit
@@ -189,11 +197,11 @@ def main(argv):
     total = sum(float(loss_sum(p, ex[i:i + 500], ey[i:i + 500])) for i in range(0, ex.shape[0], 500))
     return total / ex.size / float(np.log(2))
 
-  schedule = optax.warmup_cosine_decay_schedule(0.0, _LR.value, warmup, minibatches)
-  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(_SEED.value)))
+  schedule = optax.warmup_cosine_decay_schedule(0.0, FLAGS.learning_rate, warmup, minibatches)
+  params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(FLAGS.seed)))
   rows, by_key = [], {}
   for v in variants:
-    source = sharding.ShardedMinibatches(data, 1, 0, _BATCH.value, _SEED.value)
+    source = sharding.ShardedMinibatches(data, 1, 0, FLAGS.batch_size, FLAGS.seed)
     curve: dict[int, float] = {}
     t0 = time.time()
     train_delayed(v, spec, params0, source.get, minibatches, schedule,
@@ -208,10 +216,11 @@ def main(argv):
       last = max(row["bits_per_byte"], default=None)
       if last is not None:
         row["gap_to_delay_0"] = round(row["bits_per_byte"][last] / ref["bits_per_byte"][last] - 1.0, 4)
-  print(json.dumps({"model": model, "minibatches": minibatches, "batch_size": _BATCH.value, "seed": _SEED.value,
-                    "learning_rate": _LR.value, "warmup_minibatches": warmup, "smoke": _SMOKE.value,
-                    "text_dir": _TEXT_DIR.value or "/usr/share/games/fortunes", "variants": rows}, indent=1))
+  print(json.dumps({"model": model, "minibatches": minibatches, "batch_size": FLAGS.batch_size, "seed": FLAGS.seed,
+                    "learning_rate": FLAGS.learning_rate, "warmup_minibatches": warmup, "smoke": FLAGS.smoke,
+                    "text_dir": FLAGS.text_dir or "/usr/share/games/fortunes", "variants": rows}, indent=1))
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -79,3 +79,12 @@ def test_delay_sweep_smoke(text_dir):
   assert delayed["gap_to_delay_0"] == round(delayed["bits_per_byte"]["6"] / ref["bits_per_byte"]["6"] - 1, 4)
   assert predicted["predict"] is True and "gap_to_delay_0" in predicted
   assert delayed["bits_per_byte"] != ref["bits_per_byte"]  # the delay changed the numerics
+
+
+def test_the_cli_refuses_a_bad_variant_in_one_line_before_any_work():
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = str(REPO_ROOT)
+  proc = subprocess.run([sys.executable, "experiments/delay_sweep.py", "--variants=adam:0,bogus:1"], cwd=REPO_ROOT,
+                        env=env, capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 1 and proc.stdout == ""
+  assert proc.stderr.strip().splitlines()[-1].startswith("error: --variants: 'bogus:1' must be NAME:DELAY")
