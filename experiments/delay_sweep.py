@@ -49,13 +49,13 @@ def _define_flags() -> None:
   flags.DEFINE_list("variants", ["adam:0", "adam:1"], "NAME:DELAY[:key=value...] (module docstring).")
   flags.DEFINE_integer("minibatches", 600, "Minibatches (updates) per variant; the schedule's length.")
   flags.DEFINE_integer("eval_every", 150, "Held-out bits/byte every this many minibatches.")
-  flags.DEFINE_float("learning_rate", 1e-3, "Peak learning rate (experiments/configs/lm.py's).")
+  flags.DEFINE_float("learning_rate", 1e-3, "Peak learning rate of a variant without an lr key (lm.py's).")
   flags.DEFINE_integer("warmup_minibatches", 100, "Linear warm-up before the cosine decay.")
   flags.DEFINE_integer("batch_size", 32, "Windows per minibatch.")
   flags.DEFINE_integer("seed", 0, "Initial weights (jax.random.key(seed)) and data order, as the job's.")
   flags.DEFINE_string("model", "gpt_bytes", "A text model of the registry.")
   flags.DEFINE_string("text_dir", "", "Text files or directories ('': /usr/share/games/fortunes).")
-  flags.DEFINE_bool("smoke", False, "gpt_tiny, 6 minibatches, adam at delays 0 and 1 (CI).")
+  flags.DEFINE_bool("smoke", False, "gpt_tiny, 6 minibatches, adam at delays 0 and 1, and at rate 0 (CI).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +179,8 @@ def main(argv):
   model, minibatches, every = FLAGS.model, FLAGS.minibatches, FLAGS.eval_every
   variant_texts, warmup = FLAGS.variants, FLAGS.warmup_minibatches
   if FLAGS.smoke:
-    model, minibatches, every, variant_texts, warmup = "gpt_tiny", 6, 3, ["adam:0", "adam:1", "adam:1:predict=1"], 2
+    model, minibatches, every, warmup = "gpt_tiny", 6, 3, 2
+    variant_texts = ["adam:0", "adam:1", "adam:1:predict=1", "adam:0:lr=0"]
   try:
     variants = [parse_variant(t, FLAGS.learning_rate) for t in variant_texts]  # every error before any work
   except ValueError as e:
@@ -197,13 +198,13 @@ def main(argv):
     total = sum(float(loss_sum(p, ex[i:i + 500], ey[i:i + 500])) for i in range(0, ex.shape[0], 500))
     return total / ex.size / float(np.log(2))
 
-  schedule = optax.warmup_cosine_decay_schedule(0.0, FLAGS.learning_rate, warmup, minibatches)
   params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(FLAGS.seed)))
   rows, by_key = [], {}
   for v in variants:
     source = sharding.ShardedMinibatches(data, 1, 0, FLAGS.batch_size, FLAGS.seed)
     curve: dict[int, float] = {}
     t0 = time.time()
+    schedule = optax.warmup_cosine_decay_schedule(0.0, v.lr, warmup, minibatches)  # the variant's own peak rate
     train_delayed(v, spec, params0, source.get, minibatches, schedule,
                   on_eval=lambda n, p, curve=curve: curve.__setitem__(n, round(bits_per_byte(p), 4)), eval_every=every)
     row = {**dataclasses.asdict(v), "bits_per_byte": curve, "seconds": round(time.time() - t0, 1)}

@@ -64,21 +64,24 @@ def test_a_bad_variant_is_one_error_naming_it(bad, match):
 
 
 def test_delay_sweep_smoke(text_dir):
-  """The CLI end to end: three rows, curves at the evaluation points, the gap to delay 0 beside the delayed rows."""
+  """The CLI end to end: four rows, curves at the evaluation points, the gap to delay 0 beside the delayed rows, and
+  a variant's own rate used (rate 0 learns nothing)."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = str(REPO_ROOT)
   proc = subprocess.run([sys.executable, "experiments/delay_sweep.py", "--smoke", f"--text_dir={text_dir}"],
                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout)
-  assert out["smoke"] is True and out["model"] == "gpt_tiny" and len(out["variants"]) == 3
+  assert out["smoke"] is True and out["model"] == "gpt_tiny" and len(out["variants"]) == 4
   for row in out["variants"]:
     assert sorted(row["bits_per_byte"]) == ["3", "6"] and all(np.isfinite(list(row["bits_per_byte"].values())))
-  ref, delayed, predicted = out["variants"]
+  ref, delayed, predicted, frozen = out["variants"]
   assert "gap_to_delay_0" not in ref
   assert delayed["gap_to_delay_0"] == round(delayed["bits_per_byte"]["6"] / ref["bits_per_byte"]["6"] - 1, 4)
   assert predicted["predict"] is True and "gap_to_delay_0" in predicted
   assert delayed["bits_per_byte"] != ref["bits_per_byte"]  # the delay changed the numerics
+  assert frozen["lr"] == 0.0 and "gap_to_delay_0" not in frozen
+  assert frozen["bits_per_byte"]["3"] == frozen["bits_per_byte"]["6"] > ref["bits_per_byte"]["6"]
 
 
 def test_the_cli_refuses_a_bad_variant_in_one_line_before_any_work():
