@@ -14,8 +14,9 @@ it reproduces the study's virtual-time runs at Nm = 1 and Nm = 2 (with and witho
 
 A variant is ``NAME:DELAY[:key=value...]``, NAME one of :data:`PRESETS` (an optimizer setting), DELAY = Nm − 1 and
 the keys overriding the preset: ``lr`` (peak rate of the warm-up + cosine schedule), ``b1``, ``b2``, ``clip``
-(global-norm clip, 0: off), ``predict`` (1: weight prediction at injection, Ŵ = W − η·s·m̂/(√v̂ + ε) from the state that
-goes with W, Adam only; :mod:`hetpipe_jax.rules.weight_prediction`), ``rms`` (Muon's ``consistent_rms``). The JSON
+(global-norm clip, 0: off), ``predict`` (1: weight prediction at injection, Ŵ = W − η·s·d from the state that goes
+with W, d Adam's m̂/(√v̂ + ε) or Muon's own step for its momentum, written here apart from
+:mod:`hetpipe_jax.rules.weight_prediction`), ``rms`` (Muon's ``consistent_rms``). The JSON
 gives per variant the bits/byte at every ``--eval_every`` minibatches and, beside each variant with DELAY > 0, its
 gap to the same settings at DELAY 0 when that ran too.
 """
@@ -81,8 +82,8 @@ def parse_variant(text: str, lr: float) -> Variant:
   """``NAME:DELAY[:key=value...]`` -> :class:`Variant`.
 
   Raises:
-    ValueError: an unknown preset or key, a negative delay, or ``predict`` with an optimizer other than Adam; the
-      message names the variant.
+    ValueError: an unknown preset or key, a negative delay, or ``predict`` with an optimizer other than Adam or
+      Muon; the message names the variant.
   """
   name, *rest = text.split(":")
   if name not in PRESETS or not rest:
@@ -97,8 +98,8 @@ def parse_variant(text: str, lr: float) -> Variant:
     if key not in _KEYS:
       raise ValueError(f"--variants: {text!r}: unknown key {key!r} (one of {', '.join(_KEYS)})")
     fields[key] = bool(int(value)) if key == "predict" else float(value)
-  if fields.get("predict") and optimizer != "adam":
-    raise ValueError(f"--variants: {text!r}: predict=1 is written here for Adam only")
+  if fields.get("predict") and optimizer not in ("adam", "muon"):
+    raise ValueError(f"--variants: {text!r}: predict=1 is written here for Adam and Muon only")
   return Variant(text, delay, optimizer, **fields)
 
 
@@ -146,13 +147,18 @@ def train_delayed(v: Variant, spec, params0, get_minibatch, num_minibatches: int
     updates, state = tx.update(g, state, params)
     return optax.apply_updates(params, updates), state
 
+  # Muon's prediction: optax's own step at rate 1 for the gradient that leaves its momentum in place (the constant
+  # schedule keeps the state's structure)
+  unit_step = jax.jit(variant_optimizer(v, params0, lambda count: 1.0).update) if v.optimizer == "muon" else None
   params, state = params0, tx.init(params0)
   kept = {0: (params0, state)}  # updates applied -> (weights, optimizer state)
   for p in range(num_minibatches):
     used = max(0, p - v.delay)
     w, w_state = kept[used]
     s = p - used  # updates that land before p's
-    if v.predict and s:
+    if v.predict and s and v.optimizer == "muon":
+      w = _muon_predicted(v, w, w_state, unit_step, schedule, s)
+    elif v.predict and s:
       adam = w_state[1][0] if v.clip else w_state[0]  # optax's ScaleByAdamState
       c = adam.count.astype(jnp.float32) + 1.0
       rate = sum(float(schedule(int(adam.count) + k)) for k in range(s))
@@ -165,6 +171,36 @@ def train_delayed(v: Variant, spec, params0, get_minibatch, num_minibatches: int
     if on_eval is not None and eval_every and (p + 1) % eval_every == 0:
       on_eval(p + 1, params)
   return params
+
+
+def _muon_predicted(v: Variant, w, w_state, unit_step, schedule, s: int):
+  """Muon's Ŵ = W − (η_c + … + η_{c+s−1}) · d, c its step count: on its matrices d is optax's own step at rate 1 (over
+  −1) for the gradient μ (its momentum), which leaves μ in place; on the other leaves (Muon's Adam part, Nesterov
+  Adam) d = (β1·m/(1 − β1^(c+2)) + (1 − β1)·m/(1 − β1^(c+1))) / (√(v/(1 − β2^(c+1))) + 1e-8)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from optax.contrib import MuonState  # pylint: disable=g-import-not-at-top
+  from optax.transforms import MaskedNode  # pylint: disable=g-import-not-at-top
+
+  found = {}
+  jax.tree.map(lambda x: x, w_state, is_leaf=lambda x: isinstance(x, (MuonState, optax.ScaleByAdamState))
+               and found.setdefault(type(x), x) is not None)
+  muon, adam = found[MuonState], found[optax.ScaleByAdamState]
+  masked = lambda x: isinstance(x, MaskedNode)  # noqa: E731
+  g = jax.tree.map(lambda m_muon, m_adam: m_adam if masked(m_muon) else m_muon, muon.mu, adam.mu, is_leaf=masked)
+  step, _ = unit_step(g, w_state, w)
+  c = int(muon.count)
+  rate = sum(float(schedule(c + k)) for k in range(s))
+  b1, b2 = v.b1, v.b2
+
+  def leaf(w_, st, m_muon, m, n):
+    if not masked(m_muon):
+      return w_ + rate * st
+    m_hat = b1 * m / (1 - b1 ** (c + 2)) + (1 - b1) * m / (1 - b1 ** (c + 1))
+    return w_ - rate * m_hat / (jnp.sqrt(n / (1 - b2 ** (c + 1))) + 1e-8)
+
+  return jax.tree.map(leaf, w, step, muon.mu, adam.mu, adam.nu, is_leaf=masked)
 
 
 def main(argv):

@@ -23,7 +23,7 @@ from tests.mpi_util import read_jsonl
 from tests.test_text_lm import SEQ
 
 
-@pytest.mark.parametrize("variant", ["adam:1", "adam:1:predict=1", "adam:2"])
+@pytest.mark.parametrize("variant", ["adam:1", "adam:1:predict=1", "adam:2", "muon:1:predict=1", "muon:2:predict=1"])
 def test_the_closed_form_delay_is_a_hetpipe_vw_in_virtual_time(tmp_path, text_dir, variant):
   """One VW, D = 0, Nm = delay + 1, 2 stages, run by the job in virtual time (the LM config on gpt_tiny), ends on the
   weights of sequential training where minibatch p's gradient is taken after max(0, p - delay) updates (with
@@ -35,7 +35,8 @@ def test_the_closed_form_delay_is_a_hetpipe_vw_in_virtual_time(tmp_path, text_di
             "num_inflight": v.delay + 1, "staleness_bound": 0, "batch_size": 8, "learning_rate": lr,
             "warmup_minibatches": 3, "num_minibatches": n, "eval_every_epochs": 0, "check_counts": False,
             "progress": False, "emulate_stage_ms": "10,10", "checkpoint_every_waves": 0,
-            "weight_prediction": "optimizer" if v.predict else "none"})
+            "weight_prediction": "optimizer" if v.predict else "none", "optimizer": v.optimizer,
+            "adam_b1": v.b1, "adam_b2": v.b2, "muon_beta": 0.95, "muon_consistent_rms": v.rms or 0.0})
   virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path))
   records = read_jsonl(tmp_path / "minibatches.jsonl")
   assert [r["version_local_updates"] for r in sorted(records, key=lambda r: r["minibatch_id"])] == [
@@ -57,7 +58,8 @@ def test_the_closed_form_delay_is_a_hetpipe_vw_in_virtual_time(tmp_path, text_di
 
 
 @pytest.mark.parametrize("bad,match", [("sgd:1", "NAME one of"), ("adam", "NAME one of"), ("adam:-1", ">= 0"),
-                                       ("adam:1:lr2=3", "unknown key 'lr2'"), ("muon:1:predict=1", "Adam only")])
+                                       ("adam:1:lr2=3", "unknown key 'lr2'"),
+                                       ("nadam99:1:predict=1", "Adam and Muon only")])
 def test_a_bad_variant_is_one_error_naming_it(bad, match):
   with pytest.raises(ValueError, match=match):
     delay_sweep.parse_variant(bad, 1e-3)

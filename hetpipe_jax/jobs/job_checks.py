@@ -178,7 +178,7 @@ def _check_weight_prediction_and_pipemare(config: Any) -> None:
   (:mod:`hetpipe_jax.rules.weight_prediction`); the methods that take them are checked with :data:`METHOD_SETTINGS`.
 
   Raises:
-    ConfigError: an unknown mode, prediction with an optimizer that has no direction (``sgd``, ``muon``), T < 1,
+    ConfigError: an unknown mode, prediction with an optimizer that has no direction (``sgd``), T < 1,
       or either one with stage ranks.
   """
   try:

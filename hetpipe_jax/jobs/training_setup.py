@@ -87,8 +87,9 @@ def optimizer_step(optim: OptimSettings, num_minibatches: int) -> Any:
     return None
   return weight_prediction.OptimizerStep(
       optim.optimizer, learning_rate(optim, num_minibatches), b1=optim.adam_b1, b2=optim.adam_b2,
-      weight_decay=optim.weight_decay if optim.optimizer == "nadamw" else 0.0,
-      momentum=optim.momentum if optim.optimizer == "momentum" else 0.0)
+      weight_decay=optim.weight_decay if optim.optimizer in ("nadamw", "muon") else 0.0,
+      momentum=optim.momentum if optim.optimizer == "momentum" else 0.0,
+      muon_consistent_rms=optim.muon_consistent_rms)
 
 
 def build_stages(optim: OptimSettings, spec: models.ModelSpec, partition, devices, optimizer: optax.GradientTransformation,

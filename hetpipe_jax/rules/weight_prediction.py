@@ -27,8 +27,14 @@ c + 1 with that gradient, divided by −η:
   times η).
 * ``momentum``: d = buf (optax's ``trace``, ``buf ← g + μ·buf``, no dampening, not Nesterov: with g = (1 − μ)·buf
   the buffer, and so the step, stays buf).
-* ``sgd`` and ``muon`` have no direction of their own (SGD's next step is the next gradient; Muon's orthogonalised
-  momentum is not elementwise): :func:`check` refuses them.
+* ``muon`` (optax's ``contrib.muon`` as :mod:`hetpipe_jax.jobs.training_setup` builds it), on its matrices
+  (:func:`muon_direction`): d = σ · NS(μ) + λ_wd · W, with μ its momentum, NS optax's Newton–Schulz
+  orthogonalisation (passed in: not elementwise) and σ its shape scale (:func:`muon_shape_scale`). Muon orthogonalises
+  its bias-corrected Nesterov momentum μ̂ = β · μ' / (1 − β^(c+2)) + (1 − β) · g / (1 − β^(c+1)); with the gradient
+  that leaves μ in place (g = μ, μ' = β·μ + (1 − β)·μ = μ) μ̂ is a positive multiple of μ, and NS starts by dividing
+  by the Frobenius norm, so NS(μ̂) = NS(μ). On every other leaf: the ``nadamw`` direction above (Muon's Adam part is
+  optax's adamw with Nesterov momentum, ``adam_b1``/``adam_b2``, the same ``weight_decay``).
+* ``sgd`` has no direction of its own (its next step is the next gradient): :func:`check` refuses it.
 
 With s = 0 (nothing lands before p's update) Ŵ = W and nothing is computed. p's gradient, taken at Ŵ, updates the
 current weights when p completes (HetPipe) or after its backward (PipeDream), as without prediction. Ŵ is the version
@@ -45,11 +51,12 @@ min(k/K, 1), with τ the measured delay instead of the pipeline's nominal one).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 WEIGHT_PREDICTION = ("none", "optimizer")  # "none": off (bit-identical to runs without the setting)
 # The optimizers weight prediction has a direction for (``config.optimizer`` names).
-PREDICTABLE_OPTIMIZERS = ("adam", "nadam", "nadamw", "momentum")
+PREDICTABLE_OPTIMIZERS = ("adam", "nadam", "nadamw", "momentum", "muon")
 DELAY_SCALED_LR = ("none", "pipemare")  # "none": off (bit-identical to runs without the setting)
 DEFAULT_PIPEMARE_WARMUP = 500  # T, minibatches (steps) until PipeMare's scale reaches 1
 
@@ -63,8 +70,9 @@ class OptimizerStep:
     learning_rate: η, a float, or a schedule ``step count -> rate`` (optax's, traceable: the runtime evaluates it on
       the device).
     b1, b2, eps: Adam's (``adam``, ``nadam``, ``nadamw``; optax's ``eps`` default 1e-8).
-    weight_decay: ``nadamw``'s decoupled weight decay (times η, as optax applies it).
+    weight_decay: ``nadamw``'s and ``muon``'s decoupled weight decay (times η, as optax applies it).
     momentum: ``momentum``'s μ (its buffer is the direction; μ itself is not read).
+    muon_consistent_rms: ``muon``'s consistent RMS (> 0), or 0 for optax's width scaling (:func:`muon_shape_scale`).
   """
 
   name: str
@@ -74,6 +82,7 @@ class OptimizerStep:
   eps: float = 1e-8
   weight_decay: float = 0.0
   momentum: float = 0.0
+  muon_consistent_rms: float = 0.0
 
 
 def check(mode: str, optimizer: str) -> None:
@@ -81,13 +90,13 @@ def check(mode: str, optimizer: str) -> None:
 
   Raises:
     ValueError: ``mode`` not in :data:`WEIGHT_PREDICTION`, or ``"optimizer"`` with an optimizer that has no
-      direction (``sgd``, ``muon``); the message names ``weight_prediction`` and the optimizer.
+      direction (``sgd``); the message names ``weight_prediction`` and the optimizer.
   """
   if mode not in WEIGHT_PREDICTION:
     raise ValueError(f"weight_prediction={mode!r} must be one of {', '.join(map(repr, WEIGHT_PREDICTION))}")
   if mode != "none" and optimizer not in PREDICTABLE_OPTIMIZERS:
     raise ValueError(f"weight_prediction={mode!r} predicts from the optimizer's own next step, which optimizer="
-                     f"{optimizer!r} does not have (no momentum to extrapolate, or not elementwise): use one of "
+                     f"{optimizer!r} does not have (no momentum to extrapolate): use one of "
                      f"{', '.join(map(repr, PREDICTABLE_OPTIMIZERS))}, or weight_prediction='none'")
 
 
@@ -147,7 +156,8 @@ def pipedream_lookahead(forwarded_before: int, used_updates: int) -> int:
 
 
 def direction(opt: OptimizerStep, count: Any, w: Any, mu: Any, nu: Any, sqrt: Callable[[Any], Any]) -> Any:
-  """d of one leaf (module docstring), elementwise in any array module.
+  """d of one leaf (module docstring), elementwise in any array module; for ``muon`` the leaves its Adam part takes
+  (its matrices: :func:`muon_direction`).
 
   Args:
     opt: the optimizer (its ``name`` picks the formula).
@@ -165,19 +175,51 @@ def direction(opt: OptimizerStep, count: Any, w: Any, mu: Any, nu: Any, sqrt: Ca
   """
   if opt.name == "momentum":
     return mu
-  if opt.name not in ("adam", "nadam", "nadamw"):
+  if opt.name not in ("adam", "nadam", "nadamw", "muon"):
     raise ValueError(f"weight_prediction has no direction for optimizer={opt.name!r}")
   b1, b2 = opt.b1, opt.b2
   c1 = count + 1.0
   v_hat = nu / (1.0 - b2 ** c1)
-  if opt.name == "adam":
-    m_hat = mu / (1.0 - b1 ** c1)
-  else:
-    m_hat = b1 * mu / (1.0 - b1 ** (c1 + 1.0)) + (1.0 - b1) * mu / (1.0 - b1 ** c1)
+  m_hat = mu / (1.0 - b1 ** c1) if opt.name == "adam" else _nesterov_hat(mu, count, b1)
   d = m_hat / (sqrt(v_hat) + opt.eps)
-  if opt.name == "nadamw":
+  if opt.name in ("nadamw", "muon"):
     d = d + opt.weight_decay * w
   return d
+
+
+def _nesterov_hat(mu: Any, count: Any, beta: float) -> Any:
+  """β · μ / (1 − β^(c+2)) + (1 − β) · μ / (1 − β^(c+1)): optax's bias-corrected Nesterov momentum at step c + 1
+  when the next gradient is μ itself."""
+  c1 = count + 1.0
+  return beta * mu / (1.0 - beta ** (c1 + 1.0)) + (1.0 - beta) * mu / (1.0 - beta ** c1)
+
+
+def muon_shape_scale(fan_in: int, fan_out: int, consistent_rms: float) -> float:
+  """σ, Muon's scale of an orthogonalised ``[fan_in, fan_out]`` update (optax's ``scale_by_shape``):
+  √max(fan_in, fan_out) · rms for a consistent RMS > 0 (Liu et al. 2025, arXiv 2502.16982), else
+  √max(1, fan_out / fan_in) (Jordan's width scaling)."""
+  if consistent_rms:
+    return math.sqrt(max(fan_in, fan_out)) * consistent_rms
+  return math.sqrt(max(1.0, fan_out / fan_in))
+
+
+def muon_direction(opt: OptimizerStep, w: Any, mu: Any, orthogonalize: Callable[[Any], Any]) -> Any:
+  """d of one of Muon's matrices (module docstring): σ · NS(μ) + λ_wd · W.
+
+  Args:
+    opt: the optimizer (``muon``: its ``muon_consistent_rms`` and ``weight_decay``).
+    w: the matrix W, ``[fan_in, fan_out]``.
+    mu: Muon's momentum μ, ``w``'s shape.
+    orthogonalize: NS, a matrix -> the orthogonalised matrix of its shape (the runtime passes optax's Newton–Schulz
+      iteration with Muon's coefficients).
+
+  Raises:
+    ValueError: ``w`` not 2-D, or ``opt`` not ``muon``.
+  """
+  if opt.name != "muon" or len(w.shape) != 2:
+    raise ValueError(f"muon_direction: a 2-D matrix of optimizer 'muon', got {opt.name!r} and shape {w.shape}")
+  sigma = muon_shape_scale(w.shape[0], w.shape[1], opt.muon_consistent_rms)
+  return sigma * orthogonalize(mu) + opt.weight_decay * w
 
 
 def lookahead_rate(learning_rate: float | Callable[[Any], Any], count: int, s: int) -> float:

@@ -2,9 +2,9 @@
 ``delay_scaled_lr``; the rules, formulas and their sources: :mod:`hetpipe_jax.rules.weight_prediction`).
 
 Runtime layer. :class:`Predictor` computes a stage's predicted weights Ŵ = W − (η_c + … + η_{c+s−1}) · d with one
-jitted elementwise pass on the stage's device, reading m, v (or momentum's buffer) and the step count c from the
-stage's optax state; the rates are summed on the device for a schedule (no host read of c) and on the host for a
-constant rate. The update rules call it (:mod:`hetpipe_jax.runtime.minibatch_update` at injection, every local stage
+jitted pass on the stage's device (elementwise; for Muon's matrices plus optax's 5 Newton–Schulz steps), reading m,
+v (or momentum's buffer, or Muon's momentum) and the step count c from the stage's optax state; the rates are summed
+on the device for a schedule (no host read of c) and on the host for a constant rate. The update rules call it (:mod:`hetpipe_jax.runtime.minibatch_update` at injection, every local stage
 with the VW's s; :mod:`hetpipe_jax.runtime.pipedream_updates` at each stage's forward, with that stage's s).
 :class:`PipeMareScale` gives the factor of a step and applies it through the stage's ``update_scaled`` (the optimizer's
 update times the factor, in the same jitted step; a factor of 1 takes the plain ``update``).
@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from optax.contrib import MuonDimensionNumbers, MuonState
+from optax.contrib._muon import orthogonalize_via_newton_schulz  # pylint: disable=protected-access  (pinned optax)
+from optax.transforms import MaskedNode
 
 from hetpipe_jax.rules import weight_prediction as rules_wp
 
@@ -62,6 +65,38 @@ def moments(opt: OptimizerStep, opt_state: Any) -> tuple[Any, Any, Any]:
   return adam.count, adam.mu, adam.nu
 
 
+def _find_nested(state: Any, cls: type) -> Any:
+  """The first ``cls`` node anywhere in an optax state (inside ``partition``'s and ``masked``'s states too), or
+  None."""
+  found = []
+  jax.tree.map(lambda x: x, state, is_leaf=lambda x: isinstance(x, cls) and not found.append(x))
+  return found[0] if found else None
+
+
+def _is_masked(x: Any) -> bool:
+  return isinstance(x, MaskedNode)
+
+
+def _predict_muon(opt: OptimizerStep, params: Any, opt_state: Any, rate: jax.Array) -> Any:
+  """Ŵ = W − rate · d for ``optax.contrib.muon``'s state: Muon's direction on the leaves its ``MuonState`` holds
+  (the others are ``MaskedNode`` there), the Adam part's on the rest (both counts are the step count c)."""
+  muon, adam = _find_nested(opt_state, MuonState), _find_nested(opt_state, optax.ScaleByAdamState)
+  if muon is None or adam is None:
+    raise ValueError("weight_prediction: optimizer 'muon' without Muon's and Adam's moments in its state")
+
+  def orthogonalize(x):  # optax's Newton-Schulz steps as ``contrib.muon`` runs them (its defaults, its coefficients)
+    return orthogonalize_via_newton_schulz(x, muon.ns_coeffs, 5, "frobenius", 1e-8, MuonDimensionNumbers(0, 1))
+
+  def leaf(w, m_muon, m_adam, v_adam):
+    if _is_masked(m_muon):
+      d = rules_wp.direction(opt, adam.count.astype(jnp.float32), w, m_adam, v_adam, jnp.sqrt)
+    else:
+      d = rules_wp.muon_direction(opt, w, m_muon, orthogonalize)
+    return w - (rate * d).astype(w.dtype)
+
+  return jax.tree.map(leaf, params, muon.mu, adam.mu, adam.nu, is_leaf=_is_masked)
+
+
 def predict(opt: OptimizerStep, params: Any, opt_state: Any, s: jax.Array, back: jax.Array) -> Any:
   """Ŵ = W − (η_{c0} + … + η_{c0+s−1}) · d, leaf by leaf (traced; :class:`Predictor` jits it per stage).
 
@@ -75,7 +110,10 @@ def predict(opt: OptimizerStep, params: Any, opt_state: Any, s: jax.Array, back:
   Returns:
     Ŵ, ``params``' structure, shapes and dtypes.
   """
-  count, mu, nu = moments(opt, opt_state)
+  if opt.name == "muon":
+    count, mu, nu = _find_nested(opt_state, MuonState).count, None, None
+  else:
+    count, mu, nu = moments(opt, opt_state)
   c = jnp.zeros((), jnp.int32) if count is None else count.astype(jnp.int32)
   c0 = c - back
   if callable(opt.learning_rate):
@@ -84,6 +122,8 @@ def predict(opt: OptimizerStep, params: Any, opt_state: Any, s: jax.Array, back:
   else:
     rate = s.astype(jnp.float32) * jnp.float32(opt.learning_rate)
   cf = c.astype(jnp.float32)
+  if opt.name == "muon":
+    return _predict_muon(opt, params, opt_state, rate)
   if nu is None:
     return jax.tree.map(lambda w, m: w - (rate * rules_wp.direction(opt, cf, w, m, None, jnp.sqrt)).astype(w.dtype),
                         params, mu)
