@@ -82,6 +82,9 @@ VARIANTS = {v.name: v for v in (
     Variant("adam_wp_pipemare", "Adam + weight prediction + PipeMare",
             {"optimizer": "adam", "weight_prediction": "optimizer", "delay_scaled_lr": "pipemare"}, "adam",
             needs="delay_scaled_lr"),
+    Variant("muon_rms", "Muon, consistent RMS 0.2", {"optimizer": "muon", "muon_consistent_rms": 0.2}, "muon_rms"),
+    Variant("muon_rms_wp", "Muon, consistent RMS 0.2 + weight prediction",
+            {"optimizer": "muon", "muon_consistent_rms": 0.2, "weight_prediction": "optimizer"}, "muon_rms"),
     # The paper-timing proxy: SGD as experiments/paper/convergence.py trains it (lr 0.01 per VW).
     Variant("sgd", "SGD (lr 0.01 per VW)", {"optimizer": "sgd", "learning_rate": 0.01, "lr_schedule": "constant"},
             "sgd"),
@@ -161,6 +164,9 @@ EXTENSION = tuple(
     + _rows("cnn", "cnn", "pipedream", ["adam"], 2, [4], [4], 2)
     + _rows("cnn", "cnn", "horovod", ["adam"], 2, [1], [0], 2)
     + _rows("cnn", "cnn", "1f1b_flush", ["adam"], 2, [1], [0], 2)
+    # Muon at Adam's RMS, the LM's best setting (docs/measurements/lm_delay_sweep.md), on the CNN.
+    + _rows("cnn", "cnn", "hetpipe", ["muon_rms"], 2, [1], [0], 2)
+    + _rows("cnn", "cnn", "hetpipe", ["muon_rms", "muon_rms_wp"], 2, [4], [4], 2)
 )
 
 QUICK_GRID = tuple(
@@ -176,7 +182,10 @@ def make_tasks(quick: bool, lm_minibatches: int, text_dir: str, fashion_dir: str
   """The study's tasks; ``quick`` shrinks each to a few minibatches of a tiny model (synthetic data allowed)."""
   common = {"plan": "", "partition": "", "progress": False, "checkpoint_every_waves": 0, "log_every_waves": 10**6,
             "emulate_stage_ms": "10,10"}
-  text = {"data_dir": text_dir} if text_dir else {}
+  # The LM rows start from lm.py's model, data and schedule with plain Adam and no remedy (lm.py's own default is
+  # Muon with weight prediction); each variant names its optimizer and remedies.
+  text = {"optimizer": "adam", "muon_consistent_rms": 0.0, "weight_prediction": "none",
+          **({"data_dir": text_dir} if text_dir else {})}
   fashion = {"data_dir": fashion_dir} if fashion_dir else {}
   if quick:
     return {

@@ -126,19 +126,24 @@ def test_lm_config_smoke_under_mpi(tmp_path, text_dir):
   assert config["model"] == summary["model"] == "gpt_bytes" and config["dataset"] == "text"
   assert summary["objective"] == config["objective"] == "next_token"
   assert summary["partition"] == config["partition"] == "0:3,3:6"
-  # The config's choice (no stale gradients: Nm = 1, D = 0) is what ran and what config.json records as its source.
-  assert summary["num_inflight"] == config["num_inflight"] == 1
+  # The config's choice (HetPipe's staleness on: Nm = 2, D = 1; Muon at Adam's RMS with weight prediction) is what
+  # ran and what config.json records as its source.
+  assert summary["num_inflight"] == config["num_inflight"] == 2
   assert config["setting_sources"]["num_inflight"] == "config"
-  assert summary["staleness_bound"] == config["staleness_bound"] == 0
-  assert (config["optimizer"], config["learning_rate"], config["lr_schedule"]) == ("adam", 1e-3, "warmup_cosine")
+  assert summary["staleness_bound"] == config["staleness_bound"] == 1
+  assert (config["optimizer"], config["learning_rate"], config["lr_schedule"]) == ("muon", 1e-3, "warmup_cosine")
+  assert (config["muon_consistent_rms"], config["weight_prediction"]) == (0.2, "optimizer")
+  assert summary["optimizer"]["muon_consistent_rms"] == 0.2
   info = config["dataset_info"]
   assert info["eval_sha256"] and 0 < info["unigram_entropy_bits_per_byte"] < 8
   assert summary["test_bits_per_byte"] == pytest.approx(summary["test_loss"] / np.log(2))
   records = read_jsonl(tmp_path / "minibatches.jsonl")
   assert len(records) == 8
-  for r in records:  # no staleness: minibatch p of either VW ran on both VWs' minibatches 0..p-1 and nothing else
-    assert r["wave_id"] == r["minibatch_id"] and r["version_local_updates"] == r["minibatch_id"]
-    assert r["version_vector_clock"] == [r["minibatch_id"]] * 2
+  for r in records:  # HetPipe §4-5: minibatch p of a VW ran on its own first p - (Nm - 1) updates or more (never
+    # its own p-th: not done yet), in wave p // Nm, on weights holding every VW's waves below its clock - D
+    p = r["minibatch_id"]
+    assert r["wave_id"] == p // 2 and max(0, p - 1) <= r["version_local_updates"] <= p
+    assert r["version_global_clock"] >= r["local_clock_at_injection"] - 1
   assert (tmp_path / "metrics.png").exists()
 
 
