@@ -57,7 +57,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.dc_lambda = 0.04
   # hetpipe / pipedream: "optimizer" runs minibatch p, forward and backward on every stage, on the weights its update
   # will meet, predicted from the optimizer's own next step: W - s * lr * d (SpecTrain / PipeOptim), s the updates
-  # that land before p's own, d the step of adam / nadam / nadamw / momentum from its current state
+  # that land before p's own, d the step of adam / nadam / nadamw / momentum / muon from its current state
   # (hetpipe_jax.rules.weight_prediction); p's gradient then updates the current weights. "none": off.
   c.weight_prediction = "none"
   # hetpipe / pipedream: "pipemare" scales each minibatch's step by tau^-(1 - min(t/T, 1)) (PipeMare's learning-rate
