@@ -230,26 +230,34 @@ def goals(table: list[dict], paper: dict) -> list[dict]:
 # Why a row measured what it did: the analysis of the full run (REPRODUCTION.md's "why" column; by row key).
 WHY: dict[str, str] = {
     "lm_in_vw.lm.hetpipe.adam.v1.nm2.d0": (
-        "each gradient is taken at weights one Adam update old; early in training (150 minibatches, just after the "
-        "100-minibatch warm-up) that lag costs most of the progress (+16% bits/byte; Nm=1 already reaches 3.42 at "
-        "300). The 600-minibatch runs did not finish: the shared 2-core machine ran at load 30-37 and each LM run "
-        "got 2-8% of a core"),
+        "each gradient is taken at weights one Adam update old: +16% bits/byte at 150 minibatches, +24% at 600. "
+        "experiments/delay_sweep.py trains with the same delay sequentially and matches these runs to 4 decimals, so "
+        "it is the optimizer's response to the delay; Muon (consistent RMS 0.2) with weight prediction loses 2.0% "
+        "there (docs/measurements/lm_delay_sweep.md)"),
+    "lm_in_vw.lm.hetpipe.adam_wp.v1.nm2.d0": (
+        "prediction extrapolates Adam's momentum and closes a tenth of the gap; for Muon it closes 45% "
+        "(docs/measurements/lm_delay_sweep.md)"),
     "lm_in_vw.lm.hetpipe.nadam99.v1.nm2.d0": (
         "tolerant of the lag (within 1% of its own Nm=1, one seed) but about 1 bit/byte behind Adam b1 0.9 at 150 "
         "minibatches: a 0.99 momentum averages ~100 steps and delays early progress; whether it catches up by 600 "
         "was not measured (runs unfinished)"),
     "cnn.cnn.hetpipe.adam.v2.nm4.d4": (
         "Nm=4 and D=4 with 2 VWs: gradients up to 3 local updates old and up to 4 waves (16 minibatches) of the "
-        "other VW missing; the gap is largest early (-21 points at 234 minibatches) and narrows (at 468: 0.766 and "
-        "0.777 against 0.872, seed 0 reference)"),
+        "other VW missing; the gap is largest early (-21 points at 234 minibatches) and narrows to -7 after the "
+        "epoch"),
     "cnn.cnn.hetpipe.adam_dc.v2.nm4.d4": (
         "indistinguishable from no compensation (0.6373 vs 0.6375 at 234 minibatches): with λ = 0.04 the term "
         "λ·g⊙g⊙(W − W_p) is orders of magnitude below g at these gradient sizes; DC-ASGD's adaptive λ "
         "(λ0/√E[g²]) was not tried"),
     "cnn.cnn.hetpipe.adam_wp.v2.nm4.d4": (
-        "weight prediction recovers a third of the gap at 234 minibatches (0.706 against 0.638 uncompensated) and "
-        "more by 468 (0.817 against 0.766 and 0.777; reference 0.872): it removes the in-VW lag, not the D=4 drift "
-        "between VWs; one seed"),
+        "weight prediction recovers half of Adam's gap after the epoch (-3.8 against -7.2 points): it removes the "
+        "in-VW lag, not the D=4 drift between VWs"),
+    "cnn.cnn.hetpipe.muon_rms.v2.nm4.d4": (
+        "Muon at Adam's RMS takes the same staleness with a third of Adam's loss (-2.2 against -7.2 points); its "
+        "Nm=1, D=0 reference is 0.8 points above Adam's"),
+    "cnn.cnn.hetpipe.muon_rms_wp.v2.nm4.d4": (
+        "the best remedy measured: a fifth of Adam's gap (-1.4 points), 0.884 against Adam's 0.890 at "
+        "Nm=1, D=0; still outside the 0.5-point goal against its own reference"),
 }
 
 
@@ -261,8 +269,8 @@ NOT_MEASURED = (
      "calibration"),
     ("CNN: no regression of the main job (test accuracy >= 0.90)", "not re-run: every remedy is off by default, "
      "so experiments/configs/default.py trains as before (its record: README's main job)"),
-    ("LM, inside a VW, after 2,400 minibatches", "not run: on the shared 2-core machine even the 600-minibatch runs "
-     "did not finish (rerun with --lm_minibatches=2400)"),
+    ("LM, inside a VW, after 2,400 minibatches", "not run: four times the 600-minibatch rows' hours of virtual time "
+     "(rerun with --lm_minibatches=2400; experiments/delay_sweep.py --minibatches=2400 is the fast stand-in)"),
     ("The LM config goes back on a pipeline: experiments/configs/lm.py at Nm >= 2, D >= 1 reaches >= 40% below the "
      "unigram entropy within 15 minutes with set-up", "an MPI run of lm.py, not a virtual-time row of this study; "
      "measured by experiments/lm_check.py (docs/measurements/lm_fortunes.md, 2026-11-27): met with Muon and weight prediction, "
