@@ -1351,8 +1351,9 @@ MUTATIONS = (
              ("tests/test_weight_prediction.py::test_adam_prediction_against_a_hand_computed_case",),
              "Adam's predicted direction bias-corrected at the state's count, not the next step's"),
     Mutation("wp_nadam_as_adam", "direction",
-             "if opt.name == \"adam\":",
-             "if opt.name in (\"adam\", \"nadam\", \"nadamw\"):",
+             "m_hat = mu / (1.0 - b1 ** c1) if opt.name == \"adam\" else _nesterov_hat(mu, count, b1)",
+             "m_hat = mu / (1.0 - b1 ** c1) if opt.name in (\"adam\", \"nadam\", \"nadamw\") else "
+             "_nesterov_hat(mu, count, b1)",
              ("tests/test_weight_prediction.py::test_nadam_and_nadamw_prediction_against_hand_computed_cases",),
              "NAdam predicts with Adam's direction instead of its look-ahead form"),
     Mutation("wp_hetpipe_lookahead_counts_p", "hetpipe_lookahead",
