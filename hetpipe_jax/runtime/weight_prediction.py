@@ -4,8 +4,9 @@
 Runtime layer. :class:`Predictor` computes a stage's predicted weights Ŵ = W − (η_c + … + η_{c+s−1}) · d with one
 jitted pass on the stage's device (elementwise; for Muon's matrices plus optax's 5 Newton–Schulz steps), reading m,
 v (or momentum's buffer, or Muon's momentum) and the step count c from the stage's optax state; the rates are summed
-on the device for a schedule (no host read of c) and on the host for a constant rate. The update rules call it (:mod:`hetpipe_jax.runtime.minibatch_update` at injection, every local stage
-with the VW's s; :mod:`hetpipe_jax.runtime.pipedream_updates` at each stage's forward, with that stage's s).
+on the device for a schedule (no host read of c) and on the host for a constant rate. The update rules call it
+(:mod:`hetpipe_jax.runtime.minibatch_update` at injection, every local stage with the VW's s;
+:mod:`hetpipe_jax.runtime.pipedream_updates` at each stage's forward, with that stage's s).
 :class:`PipeMareScale` gives the factor of a step and applies it through the stage's ``update_scaled`` (the optimizer's
 update times the factor, in the same jitted step; a factor of 1 takes the plain ``update``).
 
@@ -77,12 +78,22 @@ def _is_masked(x: Any) -> bool:
   return isinstance(x, MaskedNode)
 
 
-def _predict_muon(opt: OptimizerStep, params: Any, opt_state: Any, rate: jax.Array) -> Any:
-  """Ŵ = W − rate · d for ``optax.contrib.muon``'s state: Muon's direction on the leaves its ``MuonState`` holds
-  (the others are ``MaskedNode`` there), the Adam part's on the rest (both counts are the step count c)."""
+def _muon_states(opt_state: Any) -> tuple[Any, Any]:
+  """``(MuonState, ScaleByAdamState)`` of ``optax.contrib.muon``'s state.
+
+  Raises:
+    ValueError: either is missing.
+  """
   muon, adam = _find_nested(opt_state, MuonState), _find_nested(opt_state, optax.ScaleByAdamState)
   if muon is None or adam is None:
     raise ValueError("weight_prediction: optimizer 'muon' without Muon's and Adam's moments in its state")
+  return muon, adam
+
+
+def _predict_muon(opt: OptimizerStep, params: Any, opt_state: Any, rate: jax.Array) -> Any:
+  """Ŵ = W − rate · d for ``optax.contrib.muon``'s state: Muon's direction on the leaves its ``MuonState`` holds
+  (the others are ``MaskedNode`` there), the Adam part's on the rest (both counts are the step count c)."""
+  muon, adam = _muon_states(opt_state)
 
   def orthogonalize(x):  # optax's Newton-Schulz steps as ``contrib.muon`` runs them (its defaults, its coefficients)
     return orthogonalize_via_newton_schulz(x, muon.ns_coeffs, 5, "frobenius", 1e-8, MuonDimensionNumbers(0, 1))
@@ -111,7 +122,7 @@ def predict(opt: OptimizerStep, params: Any, opt_state: Any, s: jax.Array, back:
     Ŵ, ``params``' structure, shapes and dtypes.
   """
   if opt.name == "muon":
-    count, mu, nu = _find_nested(opt_state, MuonState).count, None, None
+    count, mu, nu = _muon_states(opt_state)[0].count, None, None
   else:
     count, mu, nu = moments(opt, opt_state)
   c = jnp.zeros((), jnp.int32) if count is None else count.astype(jnp.int32)
