@@ -36,15 +36,11 @@ OptimizerStep = rules_wp.OptimizerStep
 
 
 def _find(state: Any, cls: type) -> Any:
-  """The first ``cls`` node of an optax chain's state (tuples of states, depth first), or None."""
-  if isinstance(state, cls):
-    return state
-  if isinstance(state, (tuple, list)) and not hasattr(state, "_fields"):
-    for part in state:
-      found = _find(part, cls)
-      if found is not None:
-        return found
-  return None
+  """The first ``cls`` node of an optax state, depth first (a chain's tuples, ``partition``'s and ``masked``'s states
+  included), or None."""
+  found = []
+  jax.tree.map(lambda x: x, state, is_leaf=lambda x: isinstance(x, cls) and not found.append(x))
+  return found[0] if found else None
 
 
 def moments(opt: OptimizerStep, opt_state: Any) -> tuple[Any, Any, Any]:
@@ -66,14 +62,6 @@ def moments(opt: OptimizerStep, opt_state: Any) -> tuple[Any, Any, Any]:
   return adam.count, adam.mu, adam.nu
 
 
-def _find_nested(state: Any, cls: type) -> Any:
-  """The first ``cls`` node anywhere in an optax state (inside ``partition``'s and ``masked``'s states too), or
-  None."""
-  found = []
-  jax.tree.map(lambda x: x, state, is_leaf=lambda x: isinstance(x, cls) and not found.append(x))
-  return found[0] if found else None
-
-
 def _is_masked(x: Any) -> bool:
   return isinstance(x, MaskedNode)
 
@@ -84,7 +72,7 @@ def _muon_states(opt_state: Any) -> tuple[Any, Any]:
   Raises:
     ValueError: either is missing.
   """
-  muon, adam = _find_nested(opt_state, MuonState), _find_nested(opt_state, optax.ScaleByAdamState)
+  muon, adam = _find(opt_state, MuonState), _find(opt_state, optax.ScaleByAdamState)
   if muon is None or adam is None:
     raise ValueError("weight_prediction: optimizer 'muon' without Muon's and Adam's moments in its state")
   return muon, adam
