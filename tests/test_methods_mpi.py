@@ -61,6 +61,9 @@ def test_allreduce_methods_equal_single_device_training(tmp_path, synthetic_data
   assert summary["num_minibatches"] == num_vws * steps and summary["num_microbatches_per_vw"] == steps * m
   assert summary["checkpoint_every_waves"] == 0
   metrics = [l for l in read_jsonl(workdir / "metrics.jsonl") if "wave" in l]
+  final = read_jsonl(workdir / "metrics.jsonl")[-1]  # the run's final line, the PS methods' form
+  assert "wave" not in final and final["global_clock"] == steps and final["minibatches"] == num_vws * steps
+  assert {"loss", "wall_time_s", "minibatches_per_s", "test_accuracy"} <= set(final)
   np.testing.assert_allclose([l["loss"] for l in metrics], losses, rtol=1e-5)
   records = read_jsonl(workdir / "minibatches.jsonl")
   assert len(records) == num_vws * steps * m

@@ -70,8 +70,11 @@ def test_three_rank_run_writes_every_output(three_rank_run):
   assert set(summary["wait_s"]) == set(summary["idle_s"]) == {"0", "1"}
   metrics = read_jsonl(workdir / "metrics.jsonl")
   assert metrics[-1]["test_accuracy"] == summary["test_accuracy"]
-  for line in metrics:
+  for line in metrics[:-1]:
     assert {"minibatches", "wave", "global_clock", "loss", "wall_time_s", "minibatches_per_s"} <= set(line)
+  # the run's final line (runtime/clock_log.py, every driver's): after the final evaluation, not a wave's end
+  assert "wave" not in metrics[-1] and metrics[-1]["minibatches"] == 48 and metrics[-1]["global_clock"] == 12
+  assert {"loss", "wall_time_s", "minibatches_per_s", "test_loss"} <= set(metrics[-1])
   # Every stage function compiled once on every VW.
   for vw_counts in summary["trace_counts"].values():
     assert all(c == 1 for stage in vw_counts.values() for c in stage.values()), vw_counts

@@ -118,7 +118,7 @@ def test_sharded_lead_evaluates_the_slices_every_shard_held_when_its_clock_reach
   assert not errors and not lead_thread.is_alive() and not shard1_thread.is_alive()
   assert [line["global_clock"] for line in lines] == [1, 2, 3, 4]
   assert [line["global_clock"] for line in lines if "test_accuracy" in line] == [2, 4]
-  assert [e["global_clock"] for e in lead.evals] == [2, 4] and len(evaluated) == 2
+  assert [e["global_clock"] for e in lead.log.evals] == [2, 4] and len(evaluated) == 2
   for shard, server in ((0, lead_server), (1, shard1_server)):
     log = list(server.state.applied)  # (wave, vw) in application order
     for flat, clock in zip(evaluated, (2, 4)):

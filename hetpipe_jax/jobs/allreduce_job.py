@@ -18,7 +18,6 @@ Validation happens on every rank before any work, as in the HetPipe job. Not sup
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from absl import logging
 import numpy as np
@@ -30,6 +29,7 @@ from hetpipe_jax.jobs.outputs import check_replicas_identical, weights_sha256
 from hetpipe_jax.jobs.run_context import set_up
 from hetpipe_jax.jobs.summary import Summary, allreduce_results, rates, settings_summary
 from hetpipe_jax.rules import allreduce
+from hetpipe_jax.runtime.clock_log import ClockLog
 from hetpipe_jax.runtime.param_layout import ParamLayout
 from hetpipe_jax.runtime import virtual_worker as vw_lib
 
@@ -88,19 +88,17 @@ def run(job: Job, workdir: str, comm) -> dict | None:
   micro = sharding.MicroBatches(source.get_with_ids, m)  # records carry each micro-batch's example ids
   reducer = MPIAllReducer(comm, segment_offsets(layout, segments))
 
-  outputs = evaluator = bar = None
-  evals: list[dict] = []
-  state: dict[str, Any] = {"losses": [], "loss": float("nan")}
-  eval_every = ctx.eval_every
+  outputs = log = bar = None
   if rank == 0:
     outputs = ctx.open_outputs()
     outputs.write_config(ctx.config_json(checkpoint_every_waves=0))
     for note in settings.notes:
       logging.info("[VW 0] %s", note)
-    evaluator = ctx.evaluator(devices[0])
     if job.run.progress:
       from tqdm import tqdm  # pylint: disable=g-import-not-at-top
       bar = tqdm(total=steps, desc=f"[{settings.method}] step", unit="step", mininterval=1.0, dynamic_ncols=True)
+    log = ClockLog(outputs.log_metrics, ctx.evaluator(devices[0]).evaluate, ctx.eval_every, job.run.log_every_waves,
+                   eval_before=steps, name="[VW 0]", bar=bar)
     logging.info("[VW 0] %s: %d VWs x %d steps of %d micro-batches (all-reduce BSP over %d segments), model %s "
                  "with %d parameters", settings.method, n, steps, m, len(segments), spec.name, layout.num_params)
   t0 = [time.perf_counter()]
@@ -108,23 +106,10 @@ def run(job: Job, workdir: str, comm) -> dict | None:
   def on_step(step: int, loss: float) -> None:
     if rank != 0:
       return
-    state["losses"].append(loss)
-    clock = step + 1
-    evaluated = eval_every > 0 and clock % eval_every == 0 and clock < steps
+    log.losses.append(loss)
     if bar is not None:
       bar.update(1)
-    if clock % max(1, job.run.log_every_waves) and not evaluated:
-      return
-    state["loss"] = float(np.mean(state["losses"]))
-    state["losses"] = []
-    wall = time.perf_counter() - t0[0]
-    line = {"minibatches": clock * n, "wave": step, "global_clock": clock, "loss": state["loss"], "wall_time_s": wall,
-            "minibatches_per_s": clock * n / wall}
-    if evaluated:
-      line.update(evaluator.evaluate(layout.flatten(vw.layer_params())))
-      evals.append({"global_clock": clock, "wall_time_s": wall, "test_accuracy": line["test_accuracy"],
-                    "test_loss": line["test_loss"]})
-    outputs.log_metrics(line)
+    log.tick(step + 1, (step + 1) * n, time.perf_counter() - t0[0], lambda: layout.flatten(vw.layer_params()))
 
   vw = vw_lib.VirtualWorker(stages, layout, layout.unflatten(flat0),
                             vw_lib.WSPSettings(vw_id, n, m, settings.staleness_bound),
@@ -153,11 +138,8 @@ def run(job: Job, workdir: str, comm) -> dict | None:
     return None
 
   reports = dict(enumerate(reports))
-  final = evaluator.evaluate(final_flat)
-  if state["losses"]:
-    state["loss"] = float(np.mean(state["losses"]))
-  outputs.log_metrics({"minibatches": steps * n, "global_clock": steps, "loss": state["loss"], "wall_time_s": wall,
-                       **final})
+  final = log.evaluate(final_flat)
+  log.line(steps, steps * n, wall, final, final=True)
   records = [r for v in sorted(reports) for r in reports[v]["records"]]
   extra = outputs.write_minibatches(records)
   if job.run.save_task_trace:
@@ -169,7 +151,7 @@ def run(job: Job, workdir: str, comm) -> dict | None:
                                                             "stage_devices": rep["stage_devices"]}
             for v, rep in sorted(reports.items())}
   total_mb = n * steps
-  summary = Summary("mpi", allreduce_results(final, state["loss"], steps, n, m),
+  summary = Summary("mpi", allreduce_results(final, log.loss, steps, n, m),
                     rates("mpi", wall, total_mb, job.batch_size), settings_summary(job, partitions, spec), steps, {
       "allreduce": {"segments": [list(s) for s in segments], "steps": steps,
                     "seconds_per_vw": {str(v): rep["allreduce_s"] for v, rep in sorted(reports.items())},
@@ -177,7 +159,7 @@ def run(job: Job, workdir: str, comm) -> dict | None:
                     "replica_sha256": {str(v): rep["digest"] for v, rep in sorted(reports.items())}},
       **extra,
       "trace_counts": {str(v): rep["trace_counts"] for v, rep in sorted(reports.items())},
-      "evaluations": evals + [{"global_clock": steps, "wall_time_s": wall, **final}],
+      "evaluations": log.evals + [{"global_clock": steps, "wall_time_s": wall, **final}],
       "per_vw": per_vw,
       "wait_s": {v: s["wait_s"] for v, s in per_vw.items()},
       "idle_s": {v: s["idle_s"] for v, s in per_vw.items()},

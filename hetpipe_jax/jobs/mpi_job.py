@@ -272,9 +272,7 @@ def _run_ps(ctx: RunContext) -> dict:
                                    parts=parts, shard=0, watchdog_s=settings.ps.watchdog_s,
                                    eval_shards=shards if settings.num_ps_shards > 1 else None)
   service.minibatches_done = [start_mb] * n
-  service.evals = list(meta.get("evals", []))
-  service.last_loss = meta.get("last_loss", float("nan"))
-  service.recent_losses = list(meta.get("pending_losses", []))
+  service.log.restore(meta)
   service.time_offset_s = float(meta.get("time_s", 0.0))
   if service._bar is not None:  # pylint: disable=protected-access
     service._bar.update(start_mb * n)  # pylint: disable=protected-access
@@ -304,9 +302,8 @@ def _run_ps(ctx: RunContext) -> dict:
         step=end, settings=settings, partitions=partitions, model_name=spec.name, num_layers=spec.num_layers,
         opt_parts_per_layer=len(opt_states[0][1][0]) if opt_states[0][1] else 0,
         minibatches_done=start_mb + (end - clock0) * nm, applied=applied, records=records,
-        metrics=resume_lib.read_lines(outputs.dir / "metrics.jsonl"), evals=service.evals,
-        time_s=service.time_offset_s + time.perf_counter() - service.t0, config_json=config_json, resumes=resumes,
-        version_ids=version_ids, last_loss=service.last_loss, pending_losses=service.recent_losses,
+        metrics=resume_lib.read_lines(outputs.dir / "metrics.jsonl"), time_s=service.wall_s(),
+        config_json=config_json, resumes=resumes, version_ids=version_ids, **service.log.state(),
         extra={"mode": "mpi", "start_unix_s": start_unix, "applied_staleness": staleness,
                "num_ps_shards": settings.num_ps_shards, "shard_applied": shard_applied,
                "stage_groups": [[list(g) for g in groups] for groups in settings.stage_groups]})
@@ -341,8 +338,7 @@ def _run_ps(ctx: RunContext) -> dict:
   final_flat, shard_logs = cut_flat, [applied, *shard_applied]
   byte_matrix = ps_shards.ps_byte_matrix(comm)
   final = evaluator.evaluate(final_flat)
-  service.last_eval = final
-  service.log_metrics(total, evaluated=True)
+  service.log.line(total, sum(service.minibatches_done), service.wall_s(), final, final=True)
   extra = outputs.write_minibatches(records)
   applied_fields = outputs.write_ps_applied(applied, n, shard_logs, settings.ps.staleness_log(staleness))
   if settings.run.save_task_trace:
@@ -356,7 +352,7 @@ def _run_ps(ctx: RunContext) -> dict:
                                                    "start_unix_s", "barrier_s", "ps_channel", "ps_channel_s")}
             | {"stage_devices": rep["stage_devices"]}
             for vw, rep in sorted(service.reports.items())}
-  summary = Summary("mpi", wsp_results(final, config_json, service.last_loss, total_mb, num_mb),
+  summary = Summary("mpi", wsp_results(final, config_json, service.log.loss, total_mb, num_mb),
                     rates("mpi", wall, trained_mb, settings.batch_size), settings_summary(settings, partitions, spec),
                     total, {
       **applied_fields,
@@ -372,7 +368,7 @@ def _run_ps(ctx: RunContext) -> dict:
          if settings.stage_groups else {}),
       **extra,
       "trace_counts": {str(vw): rep["trace_counts"] for vw, rep in sorted(service.reports.items())},
-      "evaluations": service.evals,
+      "evaluations": service.log.evals,
       "per_vw": per_vw,
       "wait_s": {vw: v["wait_s"] for vw, v in per_vw.items()},
       "idle_s": {vw: v["idle_s"] for vw, v in per_vw.items()},

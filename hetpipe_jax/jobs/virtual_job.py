@@ -8,11 +8,9 @@ simulated seconds (labelled ``simulated_*``) from the cost model's task duration
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from absl import logging
 import jax
-import numpy as np
 
 from hetpipe_jax.data import sharding
 from hetpipe_jax.jobs import resume as resume_lib
@@ -24,6 +22,7 @@ from hetpipe_jax.jobs.run_context import RunContext, set_up
 from hetpipe_jax.jobs.summary import Summary, allreduce_results, rates, settings_summary, wsp_results
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.runtime import virtual_time
+from hetpipe_jax.runtime.clock_log import ClockLog
 from hetpipe_jax.runtime import virtual_worker as vw_lib
 from hetpipe_jax.sim import engine as engine_lib
 from hetpipe_jax.sim import engine_report
@@ -94,33 +93,18 @@ def _run_wsp(ctx: RunContext) -> dict:
     from tqdm import tqdm
     bar = tqdm(total=total_waves, initial=clock0, desc="[virtual] global clock", unit="wave", mininterval=1.0,
                dynamic_ncols=True)
-  state: dict[str, Any] = {"loss": meta.get("last_loss", float("nan")), "losses": list(meta.get("pending_losses", [])),
-                           "evals": list(meta.get("evals", []))}
+  log = ClockLog(outputs.log_metrics, evaluator.evaluate, eval_every, settings.run.log_every_waves, simulated=True,
+                 name="[virtual]", bar=bar)
+  log.restore(meta)
   records, applied, staleness, resumes = ctx.resumed_logs()  # staleness: (tau, scale) per applied wave
-  host_t0 = time.perf_counter()
+  host_t0 = log.host_t0
 
   def on_clock(clock: int, t: float, losses: list) -> None:
     clock += off.clock
-    t += off.time_s
-    state["losses"] += [s / max(k, 1) for _, s, k in losses]
-    evaluated = eval_every > 0 and clock % eval_every == 0
-    if clock % max(1, settings.run.log_every_waves) and not evaluated:
-      return
-    if state["losses"]:
-      state["loss"] = float(np.mean(state["losses"]))
-      state["losses"] = []
-    done = (start_mb + (clock - clock0) * nm) * n
-    line = {"minibatches": done, "wave": clock - 1, "global_clock": clock, "loss": state["loss"],
-            "simulated_time_s": t, "minibatches_per_simulated_s": done / t,
-            "host_wall_time_s": time.perf_counter() - host_t0}
-    if evaluated:
-      line.update(evaluator.evaluate(server.weights))
-      state["evals"].append({"global_clock": clock, "simulated_time_s": t, **{k: line[k] for k in
-                                                                             ("test_accuracy", "test_loss")}})
-    outputs.log_metrics(line)
+    log.losses += [s / max(k, 1) for _, s, k in losses]
+    log.tick(clock, (start_mb + (clock - clock0) * nm) * n, t + off.time_s, lambda: server.weights)
     if bar is not None:
       bar.update(clock - bar.n)
-      bar.set_postfix({"loss": f"{state['loss']:.3f}", "sim_s": f"{t:.1f}"}, refresh=False)
 
   logging.info("[virtual] %d VWs x %d minibatches (Nm=%d, D=%d, ps_apply=%s) of %s in simulated time%s", n, num_mb,
                nm, settings.staleness_bound, settings.wsp.ps_apply, spec.name,
@@ -163,9 +147,8 @@ def _run_wsp(ctx: RunContext) -> dict:
             step=end, settings=settings, partitions=partitions, model_name=spec.name, num_layers=spec.num_layers,
             opt_parts_per_layer=len(vws[0].opt_state_by_layer()[1][0]), minibatches_done=off.minibatch + (end - first) * nm,
             applied=applied, records=records, metrics=resume_lib.read_lines(outputs.dir / "metrics.jsonl"),
-            evals=state["evals"], time_s=off.time_s, config_json=config_json, resumes=resumes,
-            version_ids=[vw.version.version_id for vw in vws], last_loss=state["loss"],
-            pending_losses=state["losses"],
+            time_s=off.time_s, config_json=config_json, resumes=resumes,
+            version_ids=[vw.version.version_id for vw in vws], **log.state(),
             extra={"mode": "virtual", "wait_s": wait_s, "idle_s": idle_s, "max_clock_distance": max_distance,
                    "applied_staleness": staleness})
         ckpt_stats.append(resume_lib.save_training_checkpoint(store, end, layout.unflatten(server.weights),
@@ -178,8 +161,7 @@ def _run_wsp(ctx: RunContext) -> dict:
     bar.close()
   final = evaluator.evaluate(server.weights)
   total = num_mb * n
-  outputs.log_metrics({"minibatches": total, "global_clock": total_waves, "loss": state["loss"],
-                       "simulated_time_s": off.time_s, **final})
+  log.line(total_waves, total, off.time_s, final, final=True)
   extra = outputs.write_minibatches(records)
   applied_fields = outputs.write_ps_applied(applied, n, staleness=settings.ps.staleness_log(staleness))
   if settings.run.save_task_trace:
@@ -188,7 +170,7 @@ def _run_wsp(ctx: RunContext) -> dict:
     gantt.plot_report(report, str(outputs.dir / "gantt.png"))
   ckpt = outputs.save_checkpoint(layout.unflatten(server.weights))
   sim_time = off.time_s
-  summary = Summary("virtual", wsp_results(final, config_json, state["loss"], total, num_mb), {
+  summary = Summary("virtual", wsp_results(final, config_json, log.loss, total, num_mb), {
       # The engine's network rule (rules/network: VWs on one node share its NIC), as it ran.
       **rates("virtual", sim_time, total, settings.batch_size,
               shared_nic=engine_lib.EngineConfig.shared_nic if report is None else report.config["shared_nic"]),
@@ -199,7 +181,7 @@ def _run_wsp(ctx: RunContext) -> dict:
   }, settings_summary(settings, partitions, spec), total_waves, {
       **applied_fields,
       **extra,
-      "evaluations": state["evals"],
+      "evaluations": log.evals,
       "wait_s": {str(v): w for v, w in enumerate(wait_s)},
       "idle_s": {str(v): w for v, w in enumerate(idle_s)},
       "max_clock_distance": max_distance,
@@ -242,42 +224,27 @@ def _run_allreduce(ctx: RunContext) -> dict:
     from tqdm import tqdm
     bar = tqdm(total=steps, desc=f"[virtual {settings.method}] step", unit="step", mininterval=1.0,
                dynamic_ncols=True)
-  state: dict[str, Any] = {"loss": float("nan"), "losses": [], "evals": []}
-  host_t0 = time.perf_counter()
+  log = ClockLog(outputs.log_metrics, evaluator.evaluate, eval_every, settings.run.log_every_waves, simulated=True,
+                 eval_before=steps, name=f"[virtual {settings.method}]", bar=bar)
+  host_t0 = log.host_t0
 
   def on_step(step: int, t: float, loss: float) -> None:
-    clock = step + 1
-    state["losses"].append(loss)
+    log.losses.append(loss)
     if bar is not None:
       bar.update(1)
-    evaluated = eval_every > 0 and clock % eval_every == 0 and clock < steps
-    if clock % max(1, settings.run.log_every_waves) and not evaluated:
-      return
-    state["loss"] = float(np.mean(state["losses"]))
-    state["losses"] = []
-    line = {"minibatches": clock * n, "wave": step, "global_clock": clock, "loss": state["loss"],
-            "simulated_time_s": t, "minibatches_per_simulated_s": clock * n / t if t > 0 else float("nan"),
-            "host_wall_time_s": time.perf_counter() - host_t0}
-    if evaluated:
-      line.update(evaluator.evaluate(layout.flatten(vws[0].layer_params())))
-      state["evals"].append({"global_clock": clock, "simulated_time_s": t,
-                             **{k: line[k] for k in ("test_accuracy", "test_loss")}})
-    outputs.log_metrics(line)
+    log.tick(step + 1, (step + 1) * n, t, lambda: layout.flatten(vws[0].layer_params()))
 
   logging.info("[virtual] %s: %d VWs x %d steps of %d micro-batches of %s in simulated time", settings.method, n,
                steps, m, spec.name)
   report, _ = virtual_time.run_allreduce(vws, outbox, times, steps, on_step)
   if bar is not None:
     bar.close()
-  if state["losses"]:
-    state["loss"] = float(np.mean(state["losses"]))
   final_flat = layout.flatten(vws[0].layer_params())
   digests = {vw.vw_id: weights_sha256(layout.flatten(vw.layer_params())) for vw in vws}
   identical = len(set(digests.values())) == 1
   final = evaluator.evaluate(final_flat)
   sim_time = report.makespan_s
-  outputs.log_metrics({"minibatches": steps * n, "global_clock": steps, "loss": state["loss"],
-                       "simulated_time_s": sim_time, **final})
+  log.line(steps, steps * n, sim_time, final, final=True)
   records = [dict(rec.__dict__) for vw in vws for rec in vw.records]
   extra = outputs.write_minibatches(records)
   if settings.run.save_task_trace:
@@ -286,7 +253,7 @@ def _run_allreduce(ctx: RunContext) -> dict:
     gantt.plot_report(report, str(outputs.dir / "gantt.png"))
   ckpt = outputs.save_checkpoint(layout.unflatten(final_flat))
   total = steps * n
-  summary = Summary("virtual", allreduce_results(final, state["loss"], steps, n, m), {
+  summary = Summary("virtual", allreduce_results(final, log.loss, steps, n, m), {
       **rates("virtual", sim_time, total, settings.batch_size),
       "steady_minibatches_per_s": report.total_minibatches_per_s / m,
       "host_wall_time_s": time.perf_counter() - host_t0,
@@ -297,7 +264,7 @@ def _run_allreduce(ctx: RunContext) -> dict:
                     "replicas_identical": identical,
                     "replica_sha256": {str(v): d for v, d in sorted(digests.items())}},
       **extra,
-      "evaluations": state["evals"] + [{"global_clock": steps, "simulated_time_s": sim_time, **final}],
+      "evaluations": log.evals + [{"global_clock": steps, "simulated_time_s": sim_time, **final}],
       "wait_s": {str(r.vw_id): r.wait_s for r in report.vws},
       "idle_s": {str(r.vw_id): r.idle_s for r in report.vws},
       "checkpoint": str(ckpt),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from absl import logging
 import numpy as np
@@ -27,6 +27,7 @@ from hetpipe_jax.mpi.wire import Kind
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.ps.shards import WaveAssembler
 from hetpipe_jax.rules import watchdog
+from hetpipe_jax.runtime.clock_log import ClockLog
 
 WATCH_EVERY_S = 1.0  # the watchdog looks at most this often (the idle loop polls every 20 µs to 0.5 ms)
 IDLE_MAX_S = 5e-4  # the service's longest poll pause while no message arrives (the cores belong to the VWs)
@@ -95,15 +96,9 @@ class ParameterServerService:
     self.num_inflight = num_inflight
     self.evaluate = evaluate
     self.eval_every_waves = eval_every_waves
-    self.log_every_waves = max(1, log_every_waves)
-    self._write_metrics = log_metrics
     self.sends: list = []
     self.reports: dict[int, dict] = {}
     self.minibatches_done = [0] * self.n
-    self.recent_losses: list[float] = []
-    self.last_loss = float("nan")
-    self.last_eval: dict[str, float] = {}
-    self.evals: list[dict] = []
     self.t0 = time.perf_counter()
     self._logged_clock = 0
     self.clock_offset = 0  # the segment's first global clock (checkpoint segments, jobs/resume.py)
@@ -116,6 +111,8 @@ class ParameterServerService:
       from tqdm import tqdm
       self._bar = tqdm(total=self.n * num_minibatches_per_vw, initial=sum(self.minibatches_done),
                        desc="[PS] minibatches", unit="mb", mininterval=1.0, dynamic_ncols=True)
+    # the lead's metrics lines and evaluations (the rule every driver shares)
+    self.log = ClockLog(log_metrics, evaluate, eval_every_waves, log_every_waves, bar=self._bar)
 
   def run(self) -> None:
     """Serves one segment: until every VW has sent DONE or SEGMENT (a checkpoint barrier; see
@@ -184,7 +181,7 @@ class ParameterServerService:
       elif kind is Kind.METRICS:
         loss_sum, count, _ = payload
         self.minibatches_done[vw] += int(count)
-        self.recent_losses.append(loss_sum / max(count, 1))
+        self.log.losses.append(loss_sum / max(count, 1))
         if self._bar is not None:
           self._bar.update(int(count))
       elif kind is Kind.PULL:
@@ -272,8 +269,9 @@ class ParameterServerService:
 
   def eval_due(self, clock: int) -> bool:
     """Whether the global weights are evaluated at (absolute) global clock ``clock``: a multiple of
-    ``eval_every_waves`` (never when it is 0). The one rule of the lead and of every shard."""
-    return self.eval_every_waves > 0 and clock % self.eval_every_waves == 0
+    ``eval_every_waves`` (never when it is 0). The one rule of the lead and of every shard
+    (:meth:`hetpipe_jax.runtime.clock_log.ClockLog.eval_due`)."""
+    return self.log.eval_due(clock)
 
   def _send_eval_slice(self, clock: int) -> None:
     """A non-lead shard whose global clock just reached ``clock``: when an evaluation is due there, sends rank 0 a
@@ -325,10 +323,8 @@ class ParameterServerService:
         for shard, part in slices.items():
           layout.scatter(flat, shard, part)
         del self._eval_slices[clock]
-        self.last_eval = self.evaluate(flat)
-        self.evals.append({"global_clock": clock, **self.last_eval})
       self._eval_lines.pop(0)
-      self.log_metrics(clock, evaluated)
+      self.log.line(clock, sum(self.minibatches_done), self.wall_s(), self.evaluate(flat) if evaluated else None)
 
   def _await_evals(self, status, any_source: int, backoff) -> None:
     """The sharded lead at the end of a segment (every VW sent DONE or SEGMENT, so every shard reaches every clock
@@ -344,36 +340,12 @@ class ParameterServerService:
       due = self.evaluate is not None and self.eval_due(clock)
       if due:
         self._eval_slices.setdefault(clock, {})[self.shard] = self.server.weights.copy()
-      if clock % self.log_every_waves == 0 or due:
+      if self.log.line_due(clock, due):
         self._eval_lines.append((clock, due))
       self._finish_evals()
       return
-    evaluated = False
-    if self.evaluate is not None and self.eval_due(clock):
-      self.last_eval = self.evaluate(self.server.weights)
-      self.evals.append({"global_clock": clock, **self.last_eval})
-      evaluated = True
-    if clock % self.log_every_waves == 0 or evaluated:
-      self.log_metrics(clock, evaluated)
+    self.log.tick(clock, sum(self.minibatches_done), self.wall_s(), lambda: self.server.weights)
 
-  def log_metrics(self, clock: int, evaluated: bool) -> dict:
-    """Appends one metrics line (minibatches done, wave, global clock, loss, accuracy when evaluated, rates)."""
-    if self.recent_losses:
-      self.last_loss = float(np.mean(self.recent_losses))
-      self.recent_losses = []
-    wall = time.perf_counter() - self.t0 + self.time_offset_s
-    done = sum(self.minibatches_done)
-    line: dict[str, Any] = {"minibatches": done, "wave": clock - 1, "global_clock": clock, "loss": self.last_loss,
-                            "wall_time_s": wall, "minibatches_per_s": done / wall if wall > 0 else 0.0}
-    if evaluated:
-      line.update(self.last_eval)
-    self._write_metrics(line)
-    if self._bar is not None:
-      post = {"loss": f"{self.last_loss:.3f}", "clock": clock}
-      if "test_accuracy" in self.last_eval:
-        post["acc"] = f"{self.last_eval['test_accuracy']:.3f}"
-      self._bar.set_postfix(post, refresh=False)
-    if evaluated:
-      logging.info("[PS] global clock %d: loss %.4f, test accuracy %.4f", clock, self.last_loss,
-                   self.last_eval["test_accuracy"])
-    return line
+  def wall_s(self) -> float:
+    """Wall seconds of the run so far (a resumed run's earlier part included)."""
+    return time.perf_counter() - self.t0 + self.time_offset_s
