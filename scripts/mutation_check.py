@@ -1496,6 +1496,21 @@ MUTATIONS = (
              "muon_consistent_rms=0.0)",
              ("tests/test_delay_sweep.py::test_the_closed_form_delay_is_a_hetpipe_vw_in_virtual_time",),
              "the job predicts Muon's step with width scaling while its optimizer uses the consistent RMS"),
+    Mutation("clock_log_loss_not_averaged", "ClockLog.line",
+             "self.loss = float(np.mean(self.losses))",
+             "self.loss = float(self.losses[-1])",
+             ("tests/test_clock_log.py::test_lines_and_evaluations_follow_the_clock_rule",),
+             "a metrics line's loss is the last wave's, not the mean since the previous line"),
+    Mutation("clock_log_eval_at_the_final_step", "ClockLog.eval_due",
+             "return self.eval_every > 0 and clock % self.eval_every == 0 and (self.eval_before is None or clock < self.eval_before)",
+             "return self.eval_every > 0 and clock % self.eval_every == 0 and (self.eval_before is None or clock <= self.eval_before)",
+             ("tests/test_clock_log.py::test_a_line_without_new_losses_keeps_the_last_loss_and_eval_before_stops_evaluations",),
+             "the flush methods evaluate their last step twice (in the loop and as the run's final evaluation)"),
+    Mutation("clock_log_final_line_as_a_wave", "ClockLog.line",
+             "    if not final:\n      line[\"wave\"] = clock - 1",
+             "    if True:\n      line[\"wave\"] = clock - 1",
+             ("tests/test_mpi_job.py::test_three_rank_run_writes_every_output",),
+             "the run's final line looks like a wave's line (a reader counting waves counts it twice)"),
 )
 
 
