@@ -22,8 +22,7 @@ import time
 from absl import logging
 import numpy as np
 
-from hetpipe_jax.data import sharding
-from hetpipe_jax.jobs import mpi_job, rank_setup
+from hetpipe_jax.jobs import mpi_job, rank_setup, vw_role
 from hetpipe_jax.jobs.job import Job
 from hetpipe_jax.jobs.outputs import check_replicas_identical, weights_sha256
 from hetpipe_jax.jobs.run_context import set_up
@@ -31,7 +30,6 @@ from hetpipe_jax.jobs.summary import Summary, allreduce_results, rates, settings
 from hetpipe_jax.rules import allreduce
 from hetpipe_jax.runtime.clock_log import ClockLog
 from hetpipe_jax.runtime.param_layout import ParamLayout
-from hetpipe_jax.runtime import virtual_worker as vw_lib
 
 
 class MPIAllReducer:
@@ -75,17 +73,13 @@ def run(job: Job, workdir: str, comm) -> dict | None:
     fashion_mnist.DataError: missing or corrupt dataset files.
   """
   ctx = set_up(job, workdir, comm)  # ends with every rank's barrier and rank 0's W0 on every rank
-  settings, spec, layout, flat0, partitions = job, ctx.spec, ctx.layout, ctx.flat0, ctx.partitions
+  settings, spec, layout, partitions = job, ctx.spec, ctx.layout, ctx.partitions
   rank, steps, restricted, emulated = comm.Get_rank(), ctx.num_minibatches, ctx.restricted, ctx.task_times
   segments = allreduce.reduce_segments(partitions)
 
   n, m = settings.num_virtual_workers, settings.num_inflight
   vw_id = rank
   devices = rank_setup.stage_devices(settings, vw_id, None, restricted)
-  optimizer = ctx.optimizer()  # one optimizer step per training step
-  stages = ctx.stages(vw_id, devices, optimizer, remat=job.pipeline.remat)
-  source = ctx.minibatches(vw_id)
-  micro = sharding.MicroBatches(source.get_with_ids, m)  # records carry each micro-batch's example ids
   reducer = MPIAllReducer(comm, segment_offsets(layout, segments))
 
   outputs = log = bar = None
@@ -111,11 +105,9 @@ def run(job: Job, workdir: str, comm) -> dict | None:
       bar.update(1)
     log.tick(step + 1, (step + 1) * n, time.perf_counter() - t0[0], lambda: layout.flatten(vw.layer_params()))
 
-  vw = vw_lib.VirtualWorker(stages, layout, layout.unflatten(flat0),
-                            vw_lib.WSPSettings(vw_id, n, m, settings.staleness_bound),
-                            vw_lib.UpdateSettings(optimizer, settings.method, reducer=reducer, on_step=on_step),
-                            vw_lib.VWHooks(micro.get),
-                            host=vw_lib.HostSettings(task_time_s=emulated[vw_id].task_duration_s if emulated else None))
+  vw = vw_role.flush_vw(ctx, vw_id, devices, reducer, on_step,
+                        task_time_s=emulated[vw_id].task_duration_s if emulated else None)
+  stages = vw.stages
   logging.info("[VW %d] %d stages %s on %s, %d steps x %d micro-batches", vw_id, len(stages), partitions[vw_id],
                [str(d) for d in devices], steps, m)
   comm.Barrier()

@@ -22,7 +22,7 @@ import numpy as np
 from hetpipe_jax.jobs import opt_checkpoint
 from hetpipe_jax.jobs import rank_setup
 from hetpipe_jax.jobs import resume as resume_lib
-from hetpipe_jax.jobs import training_setup
+from hetpipe_jax.jobs import vw_role
 from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
 from hetpipe_jax.jobs.job import Job
 from hetpipe_jax.jobs.job_config import ConfigError
@@ -36,8 +36,6 @@ from hetpipe_jax.mpi.stage_client import RemoteStages
 from hetpipe_jax.mpi.stage_server import StageRankServer
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.runtime import placement as placement_lib
-from hetpipe_jax.runtime import update_rules
-from hetpipe_jax.runtime import virtual_worker as vw_lib
 from hetpipe_jax.sim import trace
 
 
@@ -77,29 +75,6 @@ def run(job: Job, workdir: str, comm) -> dict | None:
   return None
 
 
-def _wsp_settings(settings: Job, vw_id: int, pull_every_wave: bool = True):
-  """VW ``vw_id``'s :class:`~hetpipe_jax.runtime.virtual_worker.WSPSettings` (its index, N, Nm, D and pulls)."""
-  return vw_lib.WSPSettings(vw_id, settings.num_virtual_workers, settings.num_inflight, settings.staleness_bound,
-                     pull_every_wave)
-
-
-def update_settings(settings: Job, optimizer, vw_id: int, num_minibatches: int = 0, **options):
-  """VW ``vw_id``'s :class:`~hetpipe_jax.runtime.update_rules.UpdateSettings`: the method, the optimizer and the
-  update-rule options the job sets (``vertical_sync``, ``delay_compensation`` and ``dc_lambda``,
-  ``weight_prediction`` with the optimizer's hyperparameters (its schedule over ``num_minibatches``),
-  ``delay_scaled_lr`` and ``pipemare_warmup_minibatches``; the plan's memory caps as ``max_held``), plus ``options``
-  (the flush methods' ``reducer`` and ``on_step``)."""
-  optim = settings.optim
-  return update_rules.UpdateSettings(optimizer, settings.method, vertical_sync=settings.pipeline.vertical_sync,
-                        delay_compensation=optim.delay_compensation,
-                        dc_lambda=float(optim.dc_lambda),
-                        weight_prediction=optim.weight_prediction,
-                        optimizer_step=training_setup.optimizer_step(optim, num_minibatches),
-                        delay_scaled_lr=optim.delay_scaled_lr,
-                        pipemare_warmup_minibatches=optim.pipemare_warmup_minibatches,
-                        max_held=settings.memory_caps[vw_id] if settings.memory_caps else None, **options)
-
-
 def _run_stage_rank(ctx: RunContext, vw_id: int) -> None:
   """A stage rank: runs its stages of VW ``vw_id`` as the VW's driver commands
   (:class:`hetpipe_jax.mpi.stage_server.StageRankServer`), pushes and pulls its stages' parts of every shard
@@ -109,16 +84,10 @@ def _run_stage_rank(ctx: RunContext, vw_id: int) -> None:
   sends its stages' optimizer state to the lead shard when a checkpoint is due (a rank holding parameters), takes its
   parts of the barrier's global weights from its shards and serves the next segment from them. A resumed run starts
   from the checkpoint's optimizer state and version numbering, as the driver does."""
-  settings, layout, comm, shards, point = ctx.job, ctx.layout, ctx.comm, ctx.shards, ctx.point
+  settings, layout, comm, shards = ctx.job, ctx.layout, ctx.comm, ctx.shards
   link = rank_setup.stage_link(settings, ctx.spec, ctx.partitions[vw_id], vw_id, ctx.num_minibatches, comm)
   devices = rank_setup.stage_devices(settings, vw_id, link, ctx.restricted)
-  optimizer = ctx.optimizer()
-  stages = ctx.stages(vw_id, devices, optimizer)
-  vw = vw_lib.VirtualWorker(stages, layout, layout.unflatten(ctx.flat0), _wsp_settings(settings, vw_id),
-                            vw_lib.UpdateSettings(optimizer, settings.method), placement=placement_lib.LinkedStages(link))
-  if point is not None:
-    vw.load_opt_state(*point.opt_states[vw_id])
-    vw.set_version_id(point.meta["version_ids"][vw_id % len(point.meta["version_ids"])])
+  vw = vw_role.stage_rank_vw(ctx, vw_id, devices, link)
   labels = ctx.minibatches(vw_id).get(0)[1]
   local_index = StageRankServer.local_index_of(vw)
   ps = StageRankPSClient(comm, ps_shards.vw_parts(settings, shards, ctx.partitions, layout.layer_offsets)[vw_id],
@@ -156,9 +125,6 @@ def _run_vw(ctx: RunContext, vw_id: int) -> None:
     remote = RemoteStages(comm, vw_id, link)
     placement = placement_lib.LinkedStages(link, remote)
   devices = rank_setup.stage_devices(settings, vw_id, link, ctx.restricted)
-  optimizer = ctx.optimizer()
-  stages = ctx.stages(vw_id, devices, optimizer)
-  source = ctx.minibatches(vw_id)
   sharded = shards if settings.num_ps_shards > 1 else None
   parts = ps_shards.vw_parts(settings, shards, partitions, layout.layer_offsets)
   client = MPIPSClient(comm, vw_id, layout.num_params, settings.num_virtual_workers, shards=sharded,
@@ -167,16 +133,11 @@ def _run_vw(ctx: RunContext, vw_id: int) -> None:
   clock0, total, segs = ctx.clock0, ctx.total_waves, ctx.segments()
   start_mb = ctx.start_minibatch
   off = resume_lib.Offsets(clock0, start_mb, 0.0)
-  vw = vw_lib.VirtualWorker(
-      stages, layout, layout.unflatten(ctx.flat0), _wsp_settings(settings, vw_id, settings.wsp.pull_every_wave),
-      update_settings(settings, optimizer, vw_id, num_mb),
-      vw_lib.VWHooks(lambda p: source.get_with_ids(off.minibatch + p), client, sharded,
-                     corrupt_update=resume_lib.nan_injector(settings.run.debug_nan_update, vw_id, off)),
-      placement, vw_lib.HostSettings(task_time_s=task_times.task_duration_s if task_times else None))
+  vw = vw_role.wsp_vw(ctx, vw_id, devices, client, off, ps_shards=sharded, placement=placement,
+                      task_time_s=task_times.task_duration_s if task_times else None)
+  stages = vw.stages
   first_start = None
   if point is not None:
-    vw.load_opt_state(*point.opt_states[vw_id])
-    vw.set_version_id(point.meta["version_ids"][vw_id % len(point.meta["version_ids"])])
     first_start = point.meta.get("start_unix_s", {}).get(str(vw_id % int(point.meta["num_virtual_workers"])))
   logging.info("[VW %d] %d stages %s on %s, %d minibatches", vw_id, len(stages), partition,
                [str(d) for d in devices], num_mb)

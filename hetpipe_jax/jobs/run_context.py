@@ -47,7 +47,7 @@ class RunContext:
     spec: the model; partitions: per VW its stages' layer ranges.
     dataset: the training and evaluation data; num_minibatches: minibatches per VW (flush methods: steps).
     layout: the flat parameter layout; flat0: float32 ``[num_params]``, the weights the run starts from (W0, or the
-      resume point's); params0: virtual time: W0 per layer as initialised (None under MPI).
+      resume point's).
     task_times: per VW the emulated task times (virtual time: the simulated ones), or None.
     emulate_plan: virtual time: whether the times are the plan's (config.json's ``emulate_plan``).
     shards: the PS shards' layer layout (MPI, parameter-server methods), else None.
@@ -64,7 +64,6 @@ class RunContext:
   num_minibatches: int
   layout: ParamLayout
   flat0: np.ndarray
-  params0: Any
   task_times: list | None
   emulate_plan: bool | None
   shards: ShardLayout | None
@@ -176,7 +175,6 @@ def set_up(job: Job, workdir: str, comm: Any = None) -> RunContext:
   check_workdir(workdir)
   if wsp:
     resume_lib.check_resume_workdir(workdir, job.resume)
-  params0 = None
   if comm is None:
     params0 = jax.device_get(models.init_layer_params(spec, jax.random.key(job.seed)))
     layout = ParamLayout.from_layer_params(params0)
@@ -212,7 +210,7 @@ def set_up(job: Job, workdir: str, comm: Any = None) -> RunContext:
       else:
         flat0 = np.empty(layout.num_params, np.float32)
       wire.idle_collective(comm.Ibcast(flat0, root=0))  # every VW starts from rank 0's W0, bit for bit
-  return RunContext(job, str(workdir), spec, partitions, dataset, num_mb, layout, flat0, params0, times,
+  return RunContext(job, str(workdir), spec, partitions, dataset, num_mb, layout, flat0, times,
                     emulate_plan, shards, point, restricted, comm)
 
 

@@ -12,18 +12,16 @@ import time
 from absl import logging
 import jax
 
-from hetpipe_jax.data import sharding
 from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
 from hetpipe_jax.jobs.job import Job
-from hetpipe_jax.jobs.mpi_job import update_settings
+from hetpipe_jax.jobs import vw_role
 from hetpipe_jax.jobs.outputs import check_replicas_identical, weights_sha256
 from hetpipe_jax.jobs.run_context import RunContext, set_up
 from hetpipe_jax.jobs.summary import Summary, allreduce_results, rates, settings_summary, wsp_results
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.runtime import virtual_time
 from hetpipe_jax.runtime.clock_log import ClockLog
-from hetpipe_jax.runtime import virtual_worker as vw_lib
 from hetpipe_jax.sim import engine as engine_lib
 from hetpipe_jax.sim import engine_report
 from hetpipe_jax.sim import trace
@@ -64,26 +62,11 @@ def _run_wsp(ctx: RunContext) -> dict:
   server = ParameterServer(ctx.flat0, n, settings.wsp.ps_apply, **settings.ps.scaling_kwargs())
   devices = jax.local_devices()
   outbox: dict = {}
-  vws, next_device = [], 0
-  data_offset = [start_mb] * n  # per VW: minibatches done before the current segment
   meta = point.meta if point else {}
+  # every VW's minibatch p of a segment is the data's off.minibatch + p
   off = resume_lib.Offsets(clock0, start_mb, float(meta.get("time_s", 0.0)))
-  for v, partition in enumerate(partitions):
-    stage_devices = [devices[(next_device + s) % len(devices)] for s in range(len(partition))]
-    next_device += len(partition)
-    optimizer = ctx.optimizer()
-    stages = ctx.stages(v, stage_devices, optimizer)
-    source = ctx.minibatches(v)
-    vw = vw_lib.VirtualWorker(stages, layout, layout.unflatten(server.weights),
-                              vw_lib.WSPSettings(v, n, nm, settings.staleness_bound, settings.wsp.pull_every_wave),
-                              update_settings(settings, optimizer, v, ctx.num_minibatches),
-                              vw_lib.VWHooks(lambda p, get=source.get_with_ids, v=v: get(data_offset[v] + p),
-                                             virtual_time.RecordingPSClient(v, outbox),
-                                             corrupt_update=resume_lib.nan_injector(settings.run.debug_nan_update, v, off)))
-    if point:
-      vw.load_opt_state(*point.opt_states[v])
-      vw.set_version_id(point.meta["version_ids"][v % len(point.meta["version_ids"])])
-    vws.append(vw)
+  vws = [vw_role.wsp_vw(ctx, v, stage_devices, virtual_time.RecordingPSClient(v, outbox), off)
+         for v, stage_devices in enumerate(_stage_devices(partitions, devices))]
 
   evaluator = ctx.evaluator(devices[0])
   eval_every = ctx.eval_every
@@ -124,8 +107,6 @@ def _run_wsp(ctx: RunContext) -> dict:
           vw.begin_segment(server.weights)
       off.clock, off.minibatch = first, start_mb + (first - clock0) * nm
       server.wave_offset = first
-      for v in range(n):
-        data_offset[v] = off.minibatch
       marks = [len(vw.records) for vw in vws]
       report, _ = virtual_time.run(vws, server, outbox, times, end - first, settings.staleness_bound,
                                    settings.wsp.pull_every_wave, on_clock)
@@ -196,7 +177,7 @@ def _run_wsp(ctx: RunContext) -> dict:
 def _run_allreduce(ctx: RunContext) -> dict:
   """``--mode=virtual`` for the all-reduce methods (gpipe, 1f1b_flush, horovod): every VW in one process, the
   engine's all-reduce BSP schedule (:func:`hetpipe_jax.runtime.virtual_time.run_allreduce`), real numerics."""
-  settings, spec, partitions, layout, params0 = ctx.job, ctx.spec, ctx.partitions, ctx.layout, ctx.params0
+  settings, spec, partitions, layout = ctx.job, ctx.spec, ctx.partitions, ctx.layout
   workdir, times, steps = ctx.workdir, ctx.task_times, ctx.num_minibatches
   n, m = settings.num_virtual_workers, settings.num_inflight
   outputs = ctx.open_outputs()
@@ -205,18 +186,8 @@ def _run_allreduce(ctx: RunContext) -> dict:
     logging.info("[virtual] %s", note)
   devices = jax.local_devices()
   outbox: dict = {}
-  vws, next_device = [], 0
-  for v, partition in enumerate(partitions):
-    stage_devices = [devices[(next_device + s) % len(devices)] for s in range(len(partition))]
-    next_device += len(partition)
-    optimizer = ctx.optimizer()
-    stages = ctx.stages(v, stage_devices, optimizer, remat=settings.pipeline.remat)
-    source = ctx.minibatches(v)
-    micro = sharding.MicroBatches(source.get_with_ids, m)  # records carry each micro-batch's example ids
-    vws.append(vw_lib.VirtualWorker(
-        stages, layout, params0, vw_lib.WSPSettings(v, n, m, settings.staleness_bound),
-        vw_lib.UpdateSettings(optimizer, settings.method, reducer=virtual_time.HeldReducer(v, outbox)),
-        vw_lib.VWHooks(micro.get)))
+  vws = [vw_role.flush_vw(ctx, v, stage_devices, virtual_time.HeldReducer(v, outbox))
+         for v, stage_devices in enumerate(_stage_devices(partitions, devices))]
   evaluator = ctx.evaluator(devices[0])
   eval_every = ctx.eval_every
   bar = None
@@ -274,6 +245,15 @@ def _run_allreduce(ctx: RunContext) -> dict:
   logging.info("[virtual] done: test accuracy %.4f, %d minibatches in %.1f simulated s (%.1f host s)",
                final["test_accuracy"], total, sim_time, summary["host_wall_time_s"])
   return summary
+
+
+def _stage_devices(partitions: list, devices: list) -> list[list]:
+  """Per VW its stages' devices: this host's devices in turn, VW after VW (wrapping around)."""
+  out, nxt = [], 0
+  for partition in partitions:
+    out.append([devices[(nxt + s) % len(devices)] for s in range(len(partition))])
+    nxt += len(partition)
+  return out
 
 
 _RUNS = {"wsp": _run_wsp, "allreduce": _run_allreduce}  # the methods table's ``sync`` -> its run
