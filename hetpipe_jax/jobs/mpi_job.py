@@ -258,18 +258,12 @@ def _run_ps(ctx: RunContext) -> dict:
       start_unix.setdefault(str(vw), rep["start_unix_s"])
 
   def save(end: int, cut_flat: np.ndarray, opt_buffers: dict) -> None:
-    opt_states = opt_checkpoint.merge_states(templates, opt_buffers, n)
-    ckpt_meta = resume_lib.checkpoint_meta(
-        step=end, settings=settings, partitions=partitions, model_name=spec.name, num_layers=spec.num_layers,
-        opt_parts_per_layer=len(opt_states[0][1][0]) if opt_states[0][1] else 0,
-        minibatches_done=start_mb + (end - clock0) * nm, applied=applied, records=records,
-        metrics=resume_lib.read_lines(outputs.dir / "metrics.jsonl"), time_s=service.wall_s(),
-        config_json=config_json, resumes=resumes, version_ids=version_ids, **service.log.state(),
+    ckpt_stats.append(ctx.save_checkpoint(
+        store, end, cut_flat, opt_checkpoint.merge_states(templates, opt_buffers, n), service.log, applied=applied,
+        records=records, time_s=service.wall_s(), config_json=config_json, resumes=resumes, version_ids=version_ids,
         extra={"mode": "mpi", "start_unix_s": start_unix, "applied_staleness": staleness,
                "num_ps_shards": settings.num_ps_shards, "shard_applied": shard_applied,
-               "stage_groups": [[list(g) for g in groups] for groups in settings.stage_groups]})
-    ckpt_stats.append(resume_lib.save_training_checkpoint(store, end, layout.unflatten(cut_flat), opt_states,
-                                                          ckpt_meta))
+               "stage_groups": [[list(g) for g in groups] for groups in settings.stage_groups]}))
 
   try:
     for i, (first, end) in enumerate(segs):

@@ -137,6 +137,30 @@ class RunContext:
                       "notes": self.point.notes})
     return records, applied, staleness, resumes
 
+  def save_checkpoint(self, store: Any, end: int, flat: np.ndarray, opt_states: dict, log: Any, *,
+                      applied: list, records: list, time_s: float, config_json: dict, resumes: list,
+                      version_ids: list, extra: dict) -> dict[str, float]:
+    """The lead's training checkpoint at global clock ``end`` (a segment's barrier: the PS holds every VW's waves
+    below it), the same for every transport; returns its save statistics.
+
+    Args:
+      store: the run's :class:`hetpipe_jax.jobs.checkpoint.TrainingCheckpoints`.
+      end: the global clock; flat: the global weights there, float32 ``[num_params]``.
+      opt_states: per VW its stages' optimizer state by layer (``VirtualWorker.opt_state_by_layer``).
+      log: the run's :class:`hetpipe_jax.runtime.clock_log.ClockLog` (its loss window and evaluations go along).
+      applied, records, resumes: the run's ``(wave, vw)`` applications, minibatch records and resumes so far.
+      time_s: the run's time at ``end`` (wall or simulated seconds).
+      config_json: ``config.json``; version_ids: per VW its newest weight version's id; extra: the transport's own
+        fields (``mode`` and what its resume reads).
+    """
+    meta = resume_lib.checkpoint_meta(
+        step=end, settings=self.job, partitions=self.partitions, model_name=self.spec.name,
+        num_layers=self.spec.num_layers, opt_parts_per_layer=len(opt_states[0][1][0]) if opt_states[0][1] else 0,
+        minibatches_done=self.start_minibatch + (end - self.clock0) * self.job.num_inflight, applied=applied,
+        records=records, metrics=resume_lib.read_lines(pathlib.Path(self.workdir) / "metrics.jsonl"), time_s=time_s,
+        config_json=config_json, resumes=resumes, version_ids=version_ids, **log.state(), extra=extra)
+    return resume_lib.save_training_checkpoint(store, end, self.layout.unflatten(flat), opt_states, meta)
+
   @property
   def eval_every(self) -> int:
     """Global-clock ticks between evaluations (0: only at the end)."""

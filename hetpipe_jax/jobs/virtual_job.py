@@ -124,16 +124,12 @@ def _run_wsp(ctx: RunContext) -> dict:
       # After the last segment there is none: the run ends when its last minibatch completes, as in the engine.
       off.time_s += report.makespan_s + (max(t.push_s + t.pull_s for t in times) if end < total_waves else 0.0)
       if store is not None and settings.checkpoint.due(end, total_waves):
-        ckpt_meta = resume_lib.checkpoint_meta(
-            step=end, settings=settings, partitions=partitions, model_name=spec.name, num_layers=spec.num_layers,
-            opt_parts_per_layer=len(vws[0].opt_state_by_layer()[1][0]), minibatches_done=off.minibatch + (end - first) * nm,
-            applied=applied, records=records, metrics=resume_lib.read_lines(outputs.dir / "metrics.jsonl"),
-            time_s=off.time_s, config_json=config_json, resumes=resumes,
-            version_ids=[vw.version.version_id for vw in vws], **log.state(),
+        ckpt_stats.append(ctx.save_checkpoint(
+            store, end, server.weights, {v: vw.opt_state_by_layer() for v, vw in enumerate(vws)}, log,
+            applied=applied, records=records, time_s=off.time_s, config_json=config_json, resumes=resumes,
+            version_ids=[vw.version.version_id for vw in vws],
             extra={"mode": "virtual", "wait_s": wait_s, "idle_s": idle_s, "max_clock_distance": max_distance,
-                   "applied_staleness": staleness})
-        ckpt_stats.append(resume_lib.save_training_checkpoint(store, end, layout.unflatten(server.weights),
-                                                   {v: vw.opt_state_by_layer() for v, vw in enumerate(vws)}, ckpt_meta))
+                   "applied_staleness": staleness}))
   finally:
     if store is not None:
       store.close()
