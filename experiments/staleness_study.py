@@ -55,8 +55,8 @@ if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a
 
 from absl import app, flags, logging  # noqa: E402
 
-from experiments.staleness_grid import (EXTENSION, GRID, QUICK_GRID, RERUN_COMMAND, VARIANTS, Row, Task,  # noqa: E402
-                                        make_tasks)
+from experiments.staleness_grid import (EXTENSION, GRID, HETPIPE_FIT, QUICK_GRID, RERUN_COMMAND, VARIANTS,  # noqa: E402
+                                        Row, Task, make_tasks)
 from experiments.staleness_report import (aggregate, goals, markdown, paper_results, paper_time_to_target,  # noqa: E402
                                           partial_record, plot, time_to_target, value_at)  # noqa: F401  (re-exported)
 from hetpipe_jax.paths import REPO_ROOT, write_json  # noqa: E402
@@ -234,7 +234,14 @@ def paper_plans(out: pathlib.Path, rows) -> dict[str, dict]:
   if not want:
     return {}
   from experiments.paper import timing_plans  # pylint: disable=g-import-not-at-top
-  return timing_plans.vgg19_study_plans(out / "plans", want)
+  plans = {}
+  # a timing key "hetpipe" is the plan on the Horovod-fitted cluster, "hetpipe@hetpipe_fit" on the HetPipe-fitted one
+  for cal, suffix, sub in (("horovod", "", "plans"), ("hetpipe", HETPIPE_FIT, "plans_hetpipe_fit")):
+    names = [w.removesuffix(suffix) for w in want if (w.endswith(suffix) if suffix else "@" not in w)]
+    if names:
+      got = timing_plans.vgg19_study_plans(out / sub, names, calibration=cal)
+      plans.update({n + suffix: v for n, v in got.items()})
+  return plans
 
 
 def main(argv):
@@ -291,7 +298,8 @@ def main(argv):
       raise app.UsageError(f"--at_minibatches: {item!r} is not TASK=N with TASK in {sorted(tasks)}")
     at[name] = int(n)
   table = aggregate(tasks, shown_rows, records, missing, at)
-  paper = paper_time_to_target(table, records, tasks)
+  paper = paper_time_to_target(table, records, tasks, "paper")
+  paper_fit = paper_time_to_target(table, records, tasks, "paper_hetpipe_fit")
   keys = {f"{t['key']}.s{s}" for t in table for s in range(t["seeds_requested"])}
   result = {"experiment": "staleness and its remedies (issue 25 item 5), virtual time", "quick": quick,
             "tasks": {n: {"label": t.label, "metric": t.metric, "config": t.config, "minibatches": t.minibatches,
@@ -300,11 +308,12 @@ def main(argv):
             "rows_requested": [r.key for r in rows], "not_run": {k: v for k, v in missing.items()
                                                                if k in {r.key for r in shown_rows}},
             "plans": plans, "table": table, "paper_time_to_target": paper,
+            "paper_time_to_target_hetpipe_fit": paper_fit,
             "records": {k: v for k, v in sorted(records.items()) if k in keys},
             "host_seconds": time.perf_counter() - t0,
             "command": shlex.join([".venv/bin/python", "experiments/staleness_study.py"] + sys.argv[1:]),
             "rerun_command": RERUN_COMMAND, "at_minibatches": at, "partial": FLAGS.partial}
-  result["goals"] = goals(table, paper)
+  result["goals"] = goals(table, paper, paper_fit)
   md = markdown(result)
   (out / "staleness_study.md").write_text(md)
   plot(result, out / "staleness_study.png")
@@ -315,6 +324,7 @@ def main(argv):
   # The last JSON document of stdout (scripts/record.py keeps it as a dated record): the goals and the table.
   print(json.dumps({"output": str(out / "staleness_study.json"), "command": result["command"],
                     "goals": result["goals"], "paper_time_to_target": paper,
+                    "paper_time_to_target_hetpipe_fit": paper_fit,
                     "table": [{k: t[k] for k in ("key", "seeds_run", "seeds_requested", "quality",
                                                    "gap_to_reference", "not_run")} for t in table]}, indent=1))
 

@@ -1507,6 +1507,16 @@ MUTATIONS = (
              "    if True:\n      line[\"wave\"] = clock - 1",
              ("tests/test_mpi_job.py::test_three_rank_run_writes_every_output",),
              "the run's final line looks like a wave's line (a reader counting waves counts it twice)"),
+    Mutation("hetpipe_fit_takes_the_low_end", "fit",
+             "      e, reached = math.exp(hi), True",
+             "      e, reached = math.exp(lo), True",
+             ("tests/test_calibration_hetpipe.py::test_fit_recovers_known_efficiencies_from_hetpipe_rates",),
+             "the HetPipe-cell fit returns an efficiency whose rate falls short of the paper's (the bracket's low end)"),
+    Mutation("hetpipe_fit_ignores_an_unreachable_cell", "fit",
+             "    if r_hi < want:",
+             "    if False:",
+             ("tests/test_calibration_hetpipe.py::test_a_cell_out_of_reach_is_recorded_at_efficiency_one_not_reached",),
+             "a cell even efficiency 1 cannot reach is bisected anyway and reported as reached"),
 )
 
 

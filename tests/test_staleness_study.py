@@ -54,6 +54,24 @@ def test_vgg19_timing_plans_have_the_rows_layouts(tmp_path):
   assert plans["hetpipe"]["num_stages"] == [4, 4, 4, 4] and plans["horovod"]["num_stages"] == [1] * 16
 
 
+def test_hetpipe_fit_timing_plans_run_on_the_saved_second_calibration(tmp_path):
+  """The ``paper_hetpipe_fit`` rows' plans: the same layouts, on a cluster whose efficiencies are the saved fit on
+  VGG-19's HetPipe cells (experiments/paper/results/calibration_hetpipe.json), so they predict a faster HetPipe."""
+  from experiments.paper import calibration_hetpipe, timing_plans
+  from hetpipe_jax.costs import cluster as cluster_lib
+  saved = calibration_hetpipe.saved_calibration()
+  assert saved is not None and set(saved.efficiency) == {"TITAN V", "TITAN RTX", "Quadro P4000", "GeForce RTX 2060"}
+  fit = timing_plans.vgg19_study_plans(tmp_path / "fit", ["hetpipe"], calibration="hetpipe")["hetpipe"]
+  first = timing_plans.vgg19_study_plans(tmp_path / "first", ["hetpipe"])["hetpipe"]
+  row = next(r for r in study.GRID if r.timing == "hetpipe" + study.HETPIPE_FIT and r.variant == "sgd" and r.d == 0)
+  assert (fit["num_vws"], fit["num_inflight"]) == (row.num_vws, row.nm) and row.group == "paper_hetpipe_fit"
+  cluster = cluster_lib.load_cluster(str(tmp_path / "plans" / "hetpipe_paper_hetpipe_fit.json"))
+  assert {n: t.roofline_efficiency for n, t in cluster.gpu_types.items()} == saved.efficiency
+  assert fit["predicted_minibatches_per_s"] > 1.2 * first["predicted_minibatches_per_s"]
+  with pytest.raises(ValueError, match="calibration='paper'"):
+    timing_plans.vgg19_study_plans(tmp_path / "bad", ["hetpipe"], calibration="paper")
+
+
 def test_staleness_study_quick(tmp_path, synthetic_data_dir):
   text = tmp_path / "text"
   text.mkdir()

@@ -50,20 +50,32 @@ def horovod_plan(cluster, profile, nodes: tuple[str, ...], by: str = "experiment
   return plan, ours, list(base.notes)
 
 
-def timing_clusters(out_dir: pathlib.Path, calibrated: bool,
-                    names: Sequence[str]) -> tuple[dict[str, str], dict[str, float] | None]:
+CALIBRATIONS = ("horovod", "hetpipe")  # the fits a timing cluster can use (module docstring)
+
+
+def timing_clusters(out_dir: pathlib.Path, calibrated: bool, names: Sequence[str],
+                    calibration: str = "horovod") -> tuple[dict[str, str], dict[str, float] | None]:
   """The timing clusters as files under ``out_dir/plans`` (a plan names its cluster, which the job loads): per
   cluster name of ``names`` (``hetpipe_paper``, ``hetpipe_paper_vrq``) the file's absolute path (also its ``name``), and the fitted efficiencies.
 
-  ``calibrated``: every GPU type's ``roofline_efficiency`` as :mod:`experiments.paper.calibration` fits it on the
-  paper's Horovod throughputs (Table 4), as the throughput experiments use; else the cost model's defaults.
-  ``hetpipe_paper_vrq`` is ``hetpipe_paper`` without node G (its four RTX 2060s), Figure 5's 12 GPUs.
+  ``calibrated``: every GPU type's ``roofline_efficiency`` as fitted on the paper's Table 4 (``calibration``:
+  ``"horovod"``, :mod:`experiments.paper.calibration` on its Horovod cells, as the throughput experiments use;
+  ``"hetpipe"``, :mod:`experiments.paper.calibration_hetpipe` on VGG-19's HetPipe cells); else the cost model's
+  defaults. ``hetpipe_paper_vrq`` is ``hetpipe_paper`` without node G (its four RTX 2060s), Figure 5's 12 GPUs.
+
+  Raises:
+    ValueError: an unknown ``calibration``.
   """
   from hetpipe_jax.costs import cluster as cluster_lib
+  if calibration not in CALIBRATIONS:
+    raise ValueError(f"calibration={calibration!r}: one of {', '.join(CALIBRATIONS)}")
   efficiency = None
-  if calibrated:
-    from experiments.paper import calibration  # pylint: disable=g-import-not-at-top
-    efficiency = dict(calibration.calibrate()[1].efficiency)
+  if calibrated and calibration == "hetpipe":
+    from experiments.paper import calibration_hetpipe  # pylint: disable=g-import-not-at-top
+    efficiency = dict(calibration_hetpipe.calibrated_cluster(refit=False)[1].efficiency)  # the saved fit
+  elif calibrated:
+    from experiments.paper import calibration as calibration_lib  # pylint: disable=g-import-not-at-top
+    efficiency = dict(calibration_lib.calibrate()[1].efficiency)
   out = {}
   for name in names:
     d = json.loads((pathlib.Path(cluster_lib.CLUSTER_DIR) / "hetpipe_paper.json").read_text())
@@ -72,7 +84,8 @@ def timing_clusters(out_dir: pathlib.Path, calibrated: bool,
     if efficiency:
       for t in d["gpu_types"]:
         t["roofline_efficiency"] = efficiency[t["name"]]
-    path = (out_dir / "plans" / f"{name}{'_calibrated' if calibrated else ''}.json").resolve()
+    suffix = ("_calibrated" if calibration == "horovod" else "_hetpipe_fit") if calibrated else ""
+    path = (out_dir / "plans" / f"{name}{suffix}.json").resolve()
     # A path is loaded as it is (cluster.load_cluster): relative to the repository root when run from it, so the
     # committed plans name no machine's paths.
     d["name"] = str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) and \
@@ -101,11 +114,12 @@ def plan_info(plan, path: pathlib.Path, profile, cluster) -> dict:
           "push_s": max(t.push_s for t in times), "allreduce_s": max(t.allreduce_s for t in times)}
 
 
-def vgg19_study_plans(out_dir: pathlib.Path, which: Sequence[str], calibrated: bool = True) -> dict[str, dict]:
-  """VGG-19 (batch 32) timing plans on ``hetpipe_paper`` (calibrated on the paper's Horovod cells), written to
-  ``out_dir``: ``hetpipe`` (ED, 4 VWs, ``local`` placement, the planner's Nm: §8.4's "HetPipe with ED-local"),
-  ``horovod`` (the paper's 16 GPUs, :func:`horovod_plan`) and ``1f1b_flush`` (ED, 4 pipelines, the planner's M, as
-  ``python -m hetpipe_jax.compare`` plans it).
+def vgg19_study_plans(out_dir: pathlib.Path, which: Sequence[str], calibrated: bool = True,
+                      calibration: str = "horovod") -> dict[str, dict]:
+  """VGG-19 (batch 32) timing plans on ``hetpipe_paper`` (calibrated on the paper's ``calibration`` cells:
+  :func:`timing_clusters`), written to ``out_dir``: ``hetpipe`` (ED, 4 VWs, ``local`` placement, the planner's Nm:
+  §8.4's "HetPipe with ED-local"), ``horovod`` (the paper's 16 GPUs, :func:`horovod_plan`) and ``1f1b_flush`` (ED, 4
+  pipelines, the planner's M, as ``python -m hetpipe_jax.compare`` plans it).
 
   Returns:
     Per name in ``which``: :func:`plan_info` of its plan.
@@ -119,7 +133,7 @@ def vgg19_study_plans(out_dir: pathlib.Path, which: Sequence[str], calibrated: b
   unknown = sorted(set(which) - {"hetpipe", "horovod", "1f1b_flush"})
   if unknown:
     raise ValueError(f"unknown timing plans {unknown}; known: hetpipe, horovod, 1f1b_flush")
-  clusters, _ = timing_clusters(out_dir.parent, calibrated, ["hetpipe_paper"])
+  clusters, _ = timing_clusters(out_dir.parent, calibrated, ["hetpipe_paper"], calibration)
   cluster = cluster_lib.load_cluster(clusters["hetpipe_paper"])
   profile = profiles.get_profile("vgg19_imagenet", 32, cluster, None)
   out = {}
