@@ -179,6 +179,9 @@ EXTENSION = tuple(
     # Muon at Adam's RMS, the LM's best setting (docs/measurements/lm_delay_sweep.md), on the CNN.
     + _rows("cnn", "cnn", "hetpipe", ["muon_rms"], 2, [1], [0], 2)
     + _rows("cnn", "cnn", "hetpipe", ["muon_rms", "muon_rms_wp"], 2, [4], [4], 2)
+    # lm.py's default (Muon at Adam's RMS, weight prediction) across 2 VWs, in virtual time (exact numerics).
+    + _rows("lm_cross_vw", "lm", "hetpipe", ["muon_rms"], 2, [1], [0], 2)
+    + _rows("lm_cross_vw", "lm", "hetpipe", ["muon_rms", "muon_rms_wp"], 2, [2], [1], 2)
 )
 
 QUICK_GRID = tuple(
