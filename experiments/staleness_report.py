@@ -252,6 +252,14 @@ WHY: dict[str, str] = {
         "tolerant of the lag (within 1% of its own Nm=1, one seed) but about 1 bit/byte behind Adam b1 0.9 at 150 "
         "minibatches: a 0.99 momentum averages ~100 steps and delays early progress; whether it catches up by 600 "
         "was not measured (runs unfinished)"),
+    "lm_cross_vw.lm.hetpipe.muon_rms.v2.nm2.d1": (
+        "after 600 minibatches (300 per VW) each gradient is one local update old and the other VW's last wave may be "
+        "missing (D=1); early in training both cost most: under MPI over 1,000 minibatches per VW the gap is 8.0% "
+        "(experiments/lm_check.py, docs/measurements/lm_fortunes.md), and inside one VW the delay's cost falls from "
+        "+3.6% at 600 to +0.9% at 2,400 (with prediction; docs/measurements/lm_delay_sweep.md)"),
+    "lm_cross_vw.lm.hetpipe.muon_rms_wp.v2.nm2.d1": (
+        "prediction removes the in-VW lag (the gap falls from +12.1% to +10.0%); the drift between the VWs at D=1 "
+        "stays. Under MPI over 1,000 minibatches per VW: 4.9% (lm.py's default, docs/measurements/lm_fortunes.md)"),
     "cnn.cnn.hetpipe.adam.v2.nm4.d4": (
         "Nm=4 and D=4 with 2 VWs: gradients up to 3 local updates old and up to 4 waves (16 minibatches) of the "
         "other VW missing; the gap is largest early (-21 points at 234 minibatches) and narrows to -7 after the "
