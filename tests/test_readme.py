@@ -138,6 +138,8 @@ HOW = (
     How(r"experiments/paper/reproduction\.py --run_all$", "run",
         ("--norun_all", "--quick", "--results_dir={tmp}/results", "--output={tmp}/REPRODUCTION.md")),
     How(r"experiments/paper/table4\.py$", "run", ("--quick", "--results_dir={tmp}/results")),
+    How(r"experiments/paper/calibration_hetpipe\.py$", "skip",
+        why="its --quick mode: tests/test_calibration_hetpipe.py::test_calibration_hetpipe_quick_writes_its_results_and_names_every_cell"),
     How(r"experiments/fsdp_validate\.py --num_devices=4", "skip",
         why="its --quick mode: tests/test_fsdp.py::test_fsdp_validate_quick_end_to_end"),
     How(r"experiments/paper/fsdp_compare\.py", "skip",
