@@ -148,7 +148,7 @@ def _run_vw(ctx: RunContext, vw_id: int) -> None:
   sent = 0  # records already sent to the PS
   stage_reports: dict[int, dict] = {}  # stage rank -> its reports summed over segments
   for i, (first, end) in enumerate(segs):
-    off.clock, off.minibatch = first, start_mb + (first - clock0) * nm
+    off.clock, off.minibatch = first, ctx.minibatches_at(first)
     mark = len(vw.records)
     before = dict(vw.stats.__dict__)
     stats = vw.run((end - first) * nm)

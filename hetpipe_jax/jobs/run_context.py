@@ -86,6 +86,11 @@ class RunContext:
     """The global clock this run ends at."""
     return self.clock0 + (self.num_minibatches - self.start_minibatch) // self.job.num_inflight
 
+  def minibatches_at(self, clock: int) -> int:
+    """Minibatches each VW has trained when the global clock reaches ``clock`` (a resumed run's earlier part
+    included): where a checkpoint segment starting at ``clock`` reads its data from (WSP methods: a wave is Nm)."""
+    return self.start_minibatch + (clock - self.clock0) * self.job.num_inflight
+
   def segments(self) -> list[tuple[int, int]]:
     """``(first, end)`` global clocks of each checkpoint segment (:func:`hetpipe_jax.jobs.resume.segments`)."""
     return resume_lib.segments(self.clock0, self.total_waves, self.job.checkpoint.every_waves)
@@ -156,7 +161,7 @@ class RunContext:
     meta = resume_lib.checkpoint_meta(
         step=end, settings=self.job, partitions=self.partitions, model_name=self.spec.name,
         num_layers=self.spec.num_layers, opt_parts_per_layer=len(opt_states[0][1][0]) if opt_states[0][1] else 0,
-        minibatches_done=self.start_minibatch + (end - self.clock0) * self.job.num_inflight, applied=applied,
+        minibatches_done=self.minibatches_at(end), applied=applied,
         records=records, metrics=resume_lib.read_lines(pathlib.Path(self.workdir) / "metrics.jsonl"), time_s=time_s,
         config_json=config_json, resumes=resumes, version_ids=version_ids, **log.state(), extra=extra)
     return resume_lib.save_training_checkpoint(store, end, self.layout.unflatten(flat), opt_states, meta)

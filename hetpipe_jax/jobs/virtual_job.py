@@ -85,7 +85,7 @@ def _run_wsp(ctx: RunContext) -> dict:
   def on_clock(clock: int, t: float, losses: list) -> None:
     clock += off.clock
     log.losses += [s / max(k, 1) for _, s, k in losses]
-    log.tick(clock, (start_mb + (clock - clock0) * nm) * n, t + off.time_s, lambda: server.weights)
+    log.tick(clock, ctx.minibatches_at(clock) * n, t + off.time_s, lambda: server.weights)
     if bar is not None:
       bar.update(clock - bar.n)
 
@@ -105,7 +105,7 @@ def _run_wsp(ctx: RunContext) -> dict:
         server.state = server.state.fresh()
         for vw in vws:
           vw.begin_segment(server.weights)
-      off.clock, off.minibatch = first, start_mb + (first - clock0) * nm
+      off.clock, off.minibatch = first, ctx.minibatches_at(first)
       server.wave_offset = first
       marks = [len(vw.records) for vw in vws]
       report, _ = virtual_time.run(vws, server, outbox, times, end - first, settings.staleness_bound,
