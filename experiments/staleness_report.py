@@ -241,7 +241,8 @@ def goals(table: list[dict], paper: dict, paper_fit: dict | None = None) -> list
 # Why a row measured what it did: the analysis of the full run (REPRODUCTION.md's "why" column; by row key).
 WHY: dict[str, str] = {
     "lm_in_vw.lm.hetpipe.adam.v1.nm2.d0": (
-        "each gradient is taken at weights one Adam update old: +16% bits/byte at 150 minibatches, +24% at 600. "
+        "each gradient is taken at weights one Adam update old: +24% and +20% bits/byte after 600 minibatches (seeds 0 "
+        "and 1). "
         "experiments/delay_sweep.py trains with the same delay sequentially and matches these runs to 4 decimals, so "
         "it is the optimizer's response to the delay; Muon (consistent RMS 0.2) with weight prediction loses 2.0% "
         "there (docs/measurements/lm_delay_sweep.md)"),
@@ -249,9 +250,22 @@ WHY: dict[str, str] = {
         "prediction extrapolates Adam's momentum and closes a tenth of the gap; for Muon it closes 45% "
         "(docs/measurements/lm_delay_sweep.md)"),
     "lm_in_vw.lm.hetpipe.nadam99.v1.nm2.d0": (
-        "tolerant of the lag (within 1% of its own Nm=1, one seed) but about 1 bit/byte behind Adam b1 0.9 at 150 "
-        "minibatches: a 0.99 momentum averages ~100 steps and delays early progress; whether it catches up by 600 "
-        "was not measured (runs unfinished)"),
+        "a 0.99 momentum averages ~100 steps: in a 600-minibatch run with a 100-step warm-up it learns slowly even "
+        "without staleness (4.18 bits/byte at Nm=1 against Adam's 3.14) and the lag still costs 14% (4.76)"),
+    "lm_in_vw.lm.hetpipe.adam_dc.v1.nm2.d0": (
+        "the same run as Adam without compensation to 6 digits: λ·g⊙g⊙(W − W_p) with λ 0.04 is far below Adam's "
+        "step at these gradient sizes (as on the CNN)"),
+    "lm_cross_vw.lm.hetpipe.adam.v2.nm2.d1": (
+        "two VWs' Adam steps add up at the PS, and at D=1 with Nm=2 each VW's steps are taken on weights missing "
+        "the other's last wave and its own in-flight update: seed 0 does not learn (4.78 bits/byte, the unigram "
+        "entropy), seed 1 barely (4.34); at Nm=1, D=0 the same two VWs reach 3.24. Muon takes the same setting with "
+        "+12% (+10% with prediction)"),
+    "lm_cross_vw.lm.hetpipe.adam_ps_inverse.v2.nm2.d1": (
+        "scaling a wave by 1/(1 + τ) at the PS halves the late waves but does not stop the divergence: 4.07 and "
+        "4.76 bits/byte (seeds 0, 1)"),
+    "cnn.cnn.hetpipe.adam_ps_inverse.v2.nm4.d4": (
+        "the PS's 1/(1 + τ) scaling of late waves recovers 2.1 of Adam's 7.2 points (0.839 against 0.818); it "
+        "shrinks the other VW's stale waves, not the in-VW lag, so it would stack with weight prediction (not run)"),
     "lm_cross_vw.lm.hetpipe.muon_rms.v2.nm2.d1": (
         "after 600 minibatches (300 per VW) each gradient is one local update old and the other VW's last wave may be "
         "missing (D=1); early in training both cost most: under MPI over 1,000 minibatches per VW the gap is 8.0% "
@@ -265,7 +279,7 @@ WHY: dict[str, str] = {
         "other VW missing; the gap is largest early (-21 points at 234 minibatches) and narrows to -7 after the "
         "epoch"),
     "cnn.cnn.hetpipe.adam_dc.v2.nm4.d4": (
-        "indistinguishable from no compensation (0.6373 vs 0.6375 at 234 minibatches): with λ = 0.04 the term "
+        "indistinguishable from no compensation (0.8181 against 0.8179 after the epoch): with λ = 0.04 the term "
         "λ·g⊙g⊙(W − W_p) is orders of magnitude below g at these gradient sizes; DC-ASGD's adaptive λ "
         "(λ0/√E[g²]) was not tried"),
     "cnn.cnn.hetpipe.adam_wp.v2.nm4.d4": (
