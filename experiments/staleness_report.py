@@ -299,6 +299,18 @@ WHY: dict[str, str] = {
         "reaches 60% 41% sooner than Horovod, but 1F1B-flush is faster still (13.4 against 17.8 s): the fitted "
         "efficiencies speed up every pipeline, and 1F1B-flush's have no staleness. That fit predicts ResNet-152's "
         "Table 4 cells +54 to +130% too fast, so it is a bound on HetPipe's case, not a model of the cluster"),
+    "cnn.cnn.hetpipe.adam_ps_exp.v2.nm4.d4": (
+        "the PS's e^(−ατ) scaling of late waves recovers 2.8 of Adam's 7.2 points (0.846), a little more than "
+        "1/(1 + τ) (0.839); like it, it acts on the other VW's stale waves only"),
+    "cnn.cnn.hetpipe.adam_pipemare.v2.nm4.d4": (
+        "PipeMare's rescheduling (the step × τ^−(1 − t/T) inside the VW) recovers 1.0 point (0.828)"),
+    "cnn.cnn.hetpipe.adam_wp_pipemare.v2.nm4.d4": (
+        "weight prediction and PipeMare together: 0.866, the best Adam setting (prediction alone: 0.852), still "
+        "2.5 points behind Adam at Nm=1, D=0; Muon with prediction alone reaches 0.884"),
+    "cnn.cnn.pipedream.adam.v2.nm4.d4": (
+        "PipeDream's per-stage updates with weight stashing at Nm=4, D=4 lose 4.1 points (0.849) where HetPipe's "
+        "per-minibatch rule loses 7.2: its stages update as soon as their backward ends, so a forward sees fewer "
+        "missing updates"),
     "cnn.cnn.hetpipe.muon_rms_wp.v2.nm4.d4": (
         "the best remedy measured: a fifth of Adam's gap (-1.4 points), 0.884 against Adam's 0.890 at "
         "Nm=1, D=0; still outside the 0.5-point goal against its own reference"),
