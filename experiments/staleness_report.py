@@ -255,6 +255,17 @@ WHY: dict[str, str] = {
     "lm_in_vw.lm.hetpipe.adam_dc.v1.nm2.d0": (
         "the same run as Adam without compensation to 6 digits: λ·g⊙g⊙(W − W_p) with λ 0.04 is far below Adam's "
         "step at these gradient sizes (as on the CNN)"),
+    "lm_in_vw.lm.hetpipe.adam.v1.nm4.d0": (
+        "three Adam updates of lag: 4.14 and 4.36 bits/byte after 600 minibatches (+35%)"),
+    "lm_in_vw.lm.hetpipe.adam_wp.v1.nm4.d0": (
+        "prediction over 3 steps makes Adam worse, not better: neither seed learns (4.78, the unigram entropy); "
+        "extrapolating m̂/(√v̂ + ε) three steps ahead early in training overshoots. Muon's prediction at delay 3 loses "
+        "13.5% instead (docs/measurements/lm_delay_sweep.md)"),
+    "lm_in_vw.lm.hetpipe.adam_pipemare.v1.nm4.d0": (
+        "PipeMare's rescheduling at τ=3 does not rescue Adam here: 4.78 and 4.55 bits/byte (no learning on seed 0)"),
+    "lm_in_vw.lm.pipedream.adam.v1.nm2.d0": (
+        "PipeDream's per-stage updates with weight stashing lose less than HetPipe's per-minibatch rule at Nm=2 "
+        "(3.69 against 3.84 bits/byte, +17% against +22%), as on the CNN: a stage's forward misses fewer updates"),
     "lm_cross_vw.lm.hetpipe.adam.v2.nm2.d1": (
         "two VWs' Adam steps add up at the PS, and at D=1 with Nm=2 each VW's steps are taken on weights missing "
         "the other's last wave and its own in-flight update: seed 0 does not learn (4.78 bits/byte, the unigram "
