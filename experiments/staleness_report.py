@@ -266,6 +266,10 @@ WHY: dict[str, str] = {
     "lm_in_vw.lm.pipedream.adam.v1.nm2.d0": (
         "PipeDream's per-stage updates with weight stashing lose less than HetPipe's per-minibatch rule at Nm=2 "
         "(3.69 against 3.84 bits/byte, +17% against +22%), as on the CNN: a stage's forward misses fewer updates"),
+    "lm_in_vw.lm.hetpipe.muon.v1.nm2.d0": (
+        "Muon with optax's width scaling (no consistent RMS) at lr 1e-3 takes the lag with +2.1% (seed 0: 3.495 "
+        "against 3.423) but starts 0.28 bits/byte behind Adam; at consistent RMS 0.2 it is both better and as "
+        "tolerant (docs/measurements/lm_delay_sweep.md)"),
     "lm_cross_vw.lm.hetpipe.adam.v2.nm2.d1": (
         "two VWs' Adam steps add up at the PS, and at D=1 with Nm=2 each VW's steps are taken on weights missing "
         "the other's last wave and its own in-flight update: seed 0 does not learn (4.78 bits/byte, the unigram "
