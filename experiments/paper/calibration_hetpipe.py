@@ -89,8 +89,12 @@ def fit(cluster: ClusterSpec, profile, table: dict[str, float], config, columns=
     new_type = pt.NODE_TYPES[new_node]
     want = table[col]
 
-    def rate(e: float, t=new_type, c=col) -> float:
-      return hetpipe_images_per_s(_with(cluster, {**eff, t: e}), profile, c, config, max_nm)
+    seen: dict[float, float] = {}  # e -> the engine's rate (each e is run once)
+
+    def rate(e: float, t=new_type, c=col, seen=seen) -> float:
+      if e not in seen:
+        seen[e] = hetpipe_images_per_s(_with(cluster, {**eff, t: e}), profile, c, config, max_nm)
+      return seen[e]
 
     lo, hi = math.log(E_MIN), 0.0
     r_lo, r_hi = rate(E_MIN), rate(1.0)
@@ -144,7 +148,8 @@ def calibrated_cluster(cluster: ClusterSpec | None = None, model: str = FIT_MODE
     return _with(cluster, saved.efficiency), saved
   cal = fit(cluster, common.load_profile(model), paper_table(model), common.compare_config(quick),
             pt.TABLE4_COLUMNS[:2] if quick else pt.TABLE4_COLUMNS, 3 if quick else None, 4 if quick else BISECT_STEPS)
-  full = {t: cal.efficiency.get(t, 0.5) for t in cluster.gpu_types}  # quick: unfitted types at the default
+  # quick: the types no column fitted keep the cluster file's efficiency
+  full = {n: cal.efficiency.get(n, t.roofline_efficiency) for n, t in cluster.gpu_types.items()}
   return _with(cluster, full), dataclasses.replace(cal, efficiency=full)
 
 
