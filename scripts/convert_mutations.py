@@ -14,7 +14,7 @@ Given several files (``--old=a.py,b.py``, e.g. each branch's mutation_check.py a
 different code), each entry takes the first of its versions that applies to the current code; entries only later
 files have come after the first file's.
 
-  .venv/bin/python scripts/convert_mutations.py --old=OLD_mutation_check.py[,...] [--into=scripts/mutation_check.py]
+  .venv/bin/python scripts/convert_mutations.py --old=OLD_mutation_check.py[,...] [--into=scripts/mutation_table.py]
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 from hetpipe_jax.paths import REPO_ROOT  # pylint: disable=wrong-import-position
 from scripts import mutation_check as mc  # pylint: disable=wrong-import-position
 
-_OLD = flags.DEFINE_list("old", ["scripts/mutation_check.py"], "mutation_check.py files with old-format (or new) "
+_OLD = flags.DEFINE_list("old", ["scripts/mutation_table.py"], "mutation_check.py files with old-format (or new) "
                          "MUTATIONS: each entry takes the first of its versions that applies to the code (merges: "
                          "one file per branch).")
-_OUT = flags.DEFINE_string("into", "scripts/mutation_check.py", "The new-format mutation_check.py whose MUTATIONS "
+_OUT = flags.DEFINE_string("into", "scripts/mutation_table.py", "The new-format mutation_check.py whose MUTATIONS "
                            "statement is replaced ('-': print the statement).")
 _ROOT = flags.DEFINE_string("root", str(REPO_ROOT), "The repository whose code the old entries apply to.")
 
