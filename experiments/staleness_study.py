@@ -120,11 +120,12 @@ def command(task: Task, fields: dict, workdir: pathlib.Path) -> list[str]:
 
 
 def run_one(task: Task, row: Row, seed: int, fields: dict, out: pathlib.Path, rerun: bool, timeout_s: int,
-            start: bool = True) -> dict:
+            start: bool = True, kept: dict | None = None) -> dict:
   """Runs (or reuses) one seed of ``row``; returns its record (the command, the config, the curve, the result).
 
-  Reused: a record with the same command, or a finished run directory (``summary.json``) whose ``<key>.cmd`` is the
-  same command (a run that outlived the study process that started it; while its ``<key>.pid`` runs, this waits).
+  Reused: a finished record with the same command (``out/runs/<key>.json``, else ``kept``: the one the results file
+  keeps, :func:`kept_records`), or a finished run directory (``summary.json``) whose ``<key>.cmd`` is the same command
+  (a run that outlived the study process that started it; while its ``<key>.pid`` runs, this waits).
   """
   key = f"{row.key}.s{seed}"
   record_path = out / "runs" / f"{key}.json"
@@ -135,6 +136,8 @@ def run_one(task: Task, row: Row, seed: int, fields: dict, out: pathlib.Path, re
     rec = json.loads(record_path.read_text())
     if rec["command"] == shlex.join(cmd):
       return rec
+  elif kept is not None and not rerun and kept.get("returncode") == 0 and kept.get("command") == shlex.join(cmd):
+    return kept
   pid_path = out / "runs" / f"{key}.pid"
   same = not rerun and cmd_path.exists() and cmd_path.read_text() == shlex.join(cmd)
   if same and pid_path.exists():  # started by an earlier study process and maybe still running: wait for it
@@ -244,6 +247,29 @@ def paper_plans(out: pathlib.Path, rows) -> dict[str, dict]:
   return plans
 
 
+def kept_records(out: pathlib.Path, quick: bool) -> dict[str, dict]:
+  """The finished runs' records by key: those ``out/staleness_study.json`` keeps (of the same mode, ``quick``), then
+  each ``out/runs/<key>.json``, which replaces its key's. The results file keeps every run's record, so a fresh
+  clone (whose ``runs/`` folders are not committed) rebuilds the tables and adds runs to them.
+
+  Raises:
+    ValueError: ``out/staleness_study.json`` is not JSON (a run stopped while writing it: remove it to start afresh).
+  """
+  records: dict[str, dict] = {}
+  kept = out / "staleness_study.json"
+  if kept.exists():
+    try:
+      prev = json.loads(kept.read_text())
+    except ValueError as e:
+      raise ValueError(f"{kept} is not JSON ({e}): remove it to rebuild the tables from {out / 'runs'} alone") from e
+    if prev.get("quick") == quick:
+      records.update(prev.get("records", {}))
+  for p in sorted((out / "runs").glob("*.json")) if (out / "runs").exists() else []:
+    rec = json.loads(p.read_text())
+    records[rec["key"]] = rec
+  return records
+
+
 def main(argv):
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
@@ -270,14 +296,12 @@ def main(argv):
   jobs = sorted(((r, s) for r in todo for s in range(r.seeds)), key=lambda j: j[1])  # every row's seed 0 first
   if FLAGS.wait_only:  # only the runs an earlier study process started (their <key>.pid): wait, then read them
     jobs = [(r, s) for r, s in jobs if (out / "runs" / f"{r.key}.s{s}.pid").exists()]
-  records: dict[str, dict] = {}
-  for p in sorted((out / "runs").glob("*.json")) if (out / "runs").exists() else []:
-    rec = json.loads(p.read_text())
-    records[rec["key"]] = rec
+  records = kept_records(out, quick)
   if not FLAGS.aggregate_only:
     with concurrent.futures.ThreadPoolExecutor(max(1, FLAGS.jobs)) as pool:
       futures = {pool.submit(run_one, tasks[r.task], r, s, run_config(tasks[r.task], r, s, plans, n_train[r.task]),
-                             out, FLAGS.rerun, FLAGS.timeout_s, not FLAGS.wait_only): (r, s) for r, s in jobs}
+                             out, FLAGS.rerun, FLAGS.timeout_s, not FLAGS.wait_only, records.get(f"{r.key}.s{s}")):
+                 (r, s) for r, s in jobs}
       for f in concurrent.futures.as_completed(futures):
         rec = f.result()
         if rec["returncode"] is not None:
@@ -300,7 +324,7 @@ def main(argv):
   table = aggregate(tasks, shown_rows, records, missing, at)
   paper = paper_time_to_target(table, records, tasks, "paper")
   paper_fit = paper_time_to_target(table, records, tasks, "paper_hetpipe_fit")
-  keys = {f"{t['key']}.s{s}" for t in table for s in range(t["seeds_requested"])}
+  keys = {f"{r.key}.s{s}" for r in grid for s in range(r.seeds)}  # every row's runs: a subset's run keeps the rest
   result = {"experiment": "staleness and its remedies (issue 25 item 5), virtual time", "quick": quick,
             "tasks": {n: {"label": t.label, "metric": t.metric, "config": t.config, "minibatches": t.minibatches,
                           "overrides": t.overrides} for n, t in tasks.items()},

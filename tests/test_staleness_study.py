@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,6 +119,17 @@ def test_staleness_study_quick(tmp_path, synthetic_data_dir):
   md = (out / "staleness_study.md").read_text()
   assert md == r["markdown"] and "## Goals (issue 25)" in md and "| lm_in_vw | hetpipe | Adam + DC" in md
   assert (out / "staleness_study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  # A fresh clone has the results file but not the runs' folders: the tables rebuild from the records it keeps, and a
+  # second study run reuses them instead of running again.
+  shutil.rmtree(out / "runs")
+  for extra in (["--aggregate_only"], []):
+    again = subprocess.run([sys.executable, "experiments/staleness_study.py", "--quick", "--jobs=2", *extra,
+                            f"--text_dir={text}", f"--fashion_dir={synthetic_data_dir}", f"--output_dir={out}"],
+                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "[staleness] run " not in again.stderr, extra
+    r2 = json.loads((out / "staleness_study.json").read_text())
+    assert r2["table"] == r["table"] and r2["records"] == r["records"] and r2["goals"] == r["goals"], extra
 
 
 def test_reproduction_shows_beside_rows_under_another_section(tmp_path):
