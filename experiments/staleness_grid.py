@@ -93,6 +93,13 @@ VARIANTS = {v.name: v for v in (
     Variant("sgd_ps_inverse", "SGD + PS 1/(1+τ)", {"optimizer": "sgd", "learning_rate": 0.01,
                                                    "lr_schedule": "constant", "ps_staleness_scaling": "inverse"},
             "sgd"),
+    # The proxy with momentum SGD (μ 0.9, lr 0.001: the SGD rows' long-run step, lr / (1 − μ) = 0.01): an optimizer
+    # with a direction of its own, so that weight prediction has a time-to-target row (plain SGD has none).
+    Variant("momentum", "Momentum SGD (μ 0.9, lr 0.001 per VW)",
+            {"optimizer": "momentum", "momentum": 0.9, "learning_rate": 0.001, "lr_schedule": "constant"}, "momentum"),
+    Variant("momentum_wp", "Momentum SGD + weight prediction",
+            {"optimizer": "momentum", "momentum": 0.9, "learning_rate": 0.001, "lr_schedule": "constant",
+             "weight_prediction": "optimizer"}, "momentum", needs="weight_prediction"),
 )}
 
 
@@ -101,7 +108,8 @@ class Row:
   """One configuration of the grid, run for ``seeds`` seeds (0 .. seeds - 1).
 
   Attributes:
-    group: the goal the row measures (``lm_in_vw``, ``lm_cross_vw``, ``cnn``, ``paper``, ``paper_hetpipe_fit``).
+    group: the goal the row measures (``lm_in_vw``, ``lm_cross_vw``, ``cnn``, or a time-to-target group of
+      ``staleness_report.PAPER_GROUPS``: ``paper``, ``paper_hetpipe_fit``, ``paper_momentum``, ...).
     task: a key of the tasks.
     method: ``hetpipe``, ``pipedream``, or a reference (``horovod``, ``1f1b_flush``: Nm = 1, D = 0).
     variant: a key of :data:`VARIANTS`.
@@ -182,6 +190,11 @@ EXTENSION = tuple(
     # lm.py's default (Muon at Adam's RMS, weight prediction) across 2 VWs, in virtual time (exact numerics).
     + _rows("lm_cross_vw", "lm", "hetpipe", ["muon_rms"], 2, [1], [0], 2)
     + _rows("lm_cross_vw", "lm", "hetpipe", ["muon_rms", "muon_rms_wp"], 2, [2], [1], 2)
+    # Time to target with weight prediction: the paper rows' proxy on momentum SGD, under both calibrations.
+    + [r for g, fit in (("paper_momentum", ""), ("paper_momentum_hetpipe_fit", HETPIPE_FIT)) for r in (
+        _rows(g, "paper", "horovod", ["momentum"], 16, [1], [0], 2, "horovod" + fit)
+        + _rows(g, "paper", "1f1b_flush", ["momentum"], 4, [32], [0], 2, "1f1b_flush" + fit)
+        + _rows(g, "paper", "hetpipe", ["momentum", "momentum_wp"], 4, [4], [0, 4], 2, "hetpipe" + fit))]
 )
 
 QUICK_GRID = tuple(

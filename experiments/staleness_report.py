@@ -101,18 +101,27 @@ def partial_record(task: Task, row: Row, seed: int, out: pathlib.Path) -> dict |
           "returncode": "partial", "curve": curve, "num_minibatches": curve[-1][0]}
 
 
-# The paper rows' groups: the cluster's calibration each is timed on (experiments/paper/calibration*.py).
-CALIBRATIONS = {
-    "paper": ("Horovod cells", "roofline efficiency per GPU type fitted on the paper's Horovod Table 4 cells "
-                               "(experiments/paper/calibration.py)"),
-    "paper_hetpipe_fit": ("VGG-19's HetPipe cells", "roofline efficiency per GPU type fitted on the paper's VGG-19 "
-                                                    "HetPipe Table 4 cells (experiments/paper/calibration_hetpipe.py)"),
+# The time-to-target groups (rows timed on the paper's cluster), in the order they are reported: per group the
+# calibration its cluster is fitted on (experiments/paper/calibration*.py; label, description) and the proxy's
+# optimizer. Each proxy family's uncompensated HetPipe is its variant that is its own reference (``sgd``,
+# ``momentum``); the others of the group are its compensated ones.
+_HOROVOD_FIT = ("Horovod cells", "roofline efficiency per GPU type fitted on the paper's Horovod Table 4 cells "
+                                 "(experiments/paper/calibration.py)")
+_HETPIPE_FIT = ("VGG-19's HetPipe cells", "roofline efficiency per GPU type fitted on the paper's VGG-19 HetPipe "
+                                          "Table 4 cells (experiments/paper/calibration_hetpipe.py)")
+PAPER_GROUPS = {
+    "paper": (*_HOROVOD_FIT, "SGD"),
+    "paper_hetpipe_fit": (*_HETPIPE_FIT, "SGD"),
+    "paper_momentum": (*_HOROVOD_FIT, "momentum SGD"),
+    "paper_momentum_hetpipe_fit": (*_HETPIPE_FIT, "momentum SGD"),
 }
 
 
 def paper_time_to_target(table: list[dict], records: dict, tasks: dict, group: str = "paper") -> dict:
-  """Time to the proxy's target on the paper's cluster for the rows of ``group`` (a key of :data:`CALIBRATIONS`):
-  the highest multiple of 5% (at most 70%) every run of the group reaches."""
+  """Time to the proxy's target on the paper's cluster for the rows of ``group`` (a key of :data:`PAPER_GROUPS`):
+  the highest multiple of 5% (at most 70%) every run of the group reaches. Each seed's time is compared with the same
+  seed's of Horovod, 1F1B-flush and uncompensated HetPipe D = 0 (the group's variant that is its own reference) for
+  the compensated HetPipe row with the least mean time."""
   runs = {t["key"]: [records[f"{t['key']}.s{s}"] for s in range(t["seeds_requested"])
                      if records.get(f"{t['key']}.s{s}", {}).get("returncode") in (0, "partial")]
           for t in table if t["task"] == "paper" and t["group"] == group}
@@ -130,9 +139,11 @@ def paper_time_to_target(table: list[dict], records: dict, tasks: dict, group: s
                      "method": t["method"],
                      "variant": t["variant"], "nm": t["nm"], "d": t["d"], "per_seed": tt, **common.stats(tt),
                      "seeds": [x["seed"] for x in runs[t["key"]]]}
-  comp = {k: v for k, v in per.items() if v["method"] == "hetpipe" and v["variant"] != "sgd" and v["mean"]}
-  uncomp_d0 = next((v for v in per.values() if v["method"] == "hetpipe" and v["variant"] == "sgd" and v["d"] == 0),
-                   None)
+  def plain(v):  # the group's uncompensated variant: its own reference
+    return VARIANTS[v["variant"]].reference == v["variant"]
+
+  comp = {k: v for k, v in per.items() if v["method"] == "hetpipe" and not plain(v) and v["mean"]}
+  uncomp_d0 = next((v for v in per.values() if v["method"] == "hetpipe" and plain(v) and v["d"] == 0), None)
   best_comp = min(comp.items(), key=lambda kv: kv[1]["mean"]) if comp else None
   versus = []
   if best_comp:
@@ -147,7 +158,7 @@ def paper_time_to_target(table: list[dict], records: dict, tasks: dict, group: s
       versus.append({"against": name, "time_reduction_per_seed": red, **common.stats(red),
                      "goal": 0.25, "met": bool(red) and float(np.mean(red)) >= 0.25})
   return {"target_accuracy": target, "per_row": per, "best_compensated": best_comp[0] if best_comp else None,
-          "versus": versus, "group": group, "calibration": CALIBRATIONS[group][1]}
+          "versus": versus, "group": group, "calibration": PAPER_GROUPS[group][1], "optimizer": PAPER_GROUPS[group][2]}
 
 
 def _row(table, **kw):
@@ -160,8 +171,10 @@ def _gap(g) -> str:
   return f"{100 * g['mean']:+.1f}%" if g["kind"] == "relative" else f"{100 * g['mean']:+.2f} points"
 
 
-def goals(table: list[dict], paper: dict, paper_fit: dict | None = None) -> list[dict]:
-  """Issue 25's goals, each met or missed with the measured numbers (a goal without its rows: not measured)."""
+def goals(table: list[dict], paper: dict[str, dict]) -> list[dict]:
+  """Issue 25's goals, each met or missed with the measured numbers (a goal without its rows: not measured).
+  ``paper``: :func:`paper_time_to_target` per group of :data:`PAPER_GROUPS` that has rows (the SGD groups are
+  reported also when they have none)."""
   out = []
 
   def fmt(t):
@@ -197,10 +210,12 @@ def goals(table: list[dict], paper: dict, paper_fit: dict | None = None) -> list
                         "one epoch", "row": t["key"], "met": bool(g and g["mean"] >= -0.005),
                 "measured": f"{fmt(t)} test accuracy; reference {fmt(ref) if ref else 'not run'}; gap "
                             f"{_gap(g)}"})
-  for p, cal in ((paper, CALIBRATIONS["paper"][0]), (paper_fit or {}, CALIBRATIONS["paper_hetpipe_fit"][0])):
+  for group, (cal, _, opt) in PAPER_GROUPS.items():
+    p = paper.get(group, {})
     for v in p.get("versus", []):
-      out.append({"goal": f"Time to target on the paper's cluster (VGG-19 timing, calibrated on {cal}): "
-                          f"best compensated HetPipe >= 25% sooner than {v['against']}", "row": p["best_compensated"],
+      out.append({"goal": f"Time to target on the paper's cluster (VGG-19 timing, calibrated on {cal}, {opt} "
+                          f"proxy): best compensated HetPipe >= 25% sooner than {v['against']}",
+                  "row": p["best_compensated"],
                   "met": v["met"], "measured": f"time reduction {100 * v['mean']:+.1f}% ± {100 * v['std']:.1f} over "
                                                f"{v['n']} seeds (target {p['target_accuracy']:.0%})"})
       if any("unfinished" in x["label"] for x in p["per_row"].values()):
@@ -213,11 +228,13 @@ def goals(table: list[dict], paper: dict, paper_fit: dict | None = None) -> list
                 "evaluation (compute: see the tables). Under MPI, not in this study (experiments/lm_check.py, "
                 "docs/measurements/lm_fortunes.md, 1 run each): Muon at Nm=2, D=1 is 8.0% behind Muon at Nm=1, D=0 "
                 "(2.617 against 2.424 bits/byte after 1,000 minibatches per VW), 4.9% with weight prediction: missed"})
-  for p, cal in ((paper, CALIBRATIONS["paper"][0]), (paper_fit or {}, CALIBRATIONS["paper_hetpipe_fit"][0])):
-    if not p.get("versus"):
+  for group, (cal, _, opt) in PAPER_GROUPS.items():
+    p = paper.get(group, {})
+    if not p.get("versus") and (p or opt == "SGD"):
       done = sorted(v["label"] for v in p.get("per_row", {}).values())
-      out.append({"goal": f"Time to target on the paper's cluster (VGG-19 timing, calibrated on {cal}): best "
-                          "compensated HetPipe >= 25% sooner than Horovod, 1F1B-flush and uncompensated HetPipe D=0",
+      out.append({"goal": f"Time to target on the paper's cluster (VGG-19 timing, calibrated on {cal}, {opt} proxy): "
+                          "best compensated HetPipe >= 25% sooner than Horovod, 1F1B-flush and uncompensated HetPipe "
+                          "D=0",
                   "row": None, "met": False, "status": "not measured",
                   "measured": "the compensated HetPipe runs did not reach an evaluation; runs with a curve: "
                               + (", ".join(done) or "none")})
@@ -270,11 +287,9 @@ def markdown(result: dict) -> str:
                    f"{t['seeds_run']}/{t['seeds_requested']} | {qs} | "
                    f"{', '.join(f'{x:.4f}' for x in t['per_seed'])} | {gs} | {t['minibatches'] or ''} |")
     lines.append("")
-  for p in (result.get("paper_time_to_target"), result.get("paper_time_to_target_hetpipe_fit")):
-    if not p:
-      continue
+  for group, p in result.get("paper_time_to_target", {}).items():
     lines += [f"## Time to {p['target_accuracy']:.0%} test accuracy on the paper's cluster (simulated s), calibrated "
-              f"on {CALIBRATIONS[p.get('group', 'paper')][0]}", "",
+              f"on {PAPER_GROUPS[group][0]}, {PAPER_GROUPS[group][2]} proxy", "",
               f"Timing: VGG-19 plans on hetpipe_paper; cost model: {p['calibration']}.", "",
               "| config | time to target (s) | per seed |", "|---|---|---|"]
     for v in p["per_row"].values():
@@ -298,20 +313,23 @@ def paper_results(result: dict, png: pathlib.Path) -> dict:
              "why": g.get("why", ""), "command": result["rerun_command"], "calibrated": False}
             for g in result["goals"]]
   beside = []
-  p = result.get("paper_time_to_target")
-  fit = result.get("paper_time_to_target_hetpipe_fit") or {}
-  if p:
-    beside = [f"Beside them, from `{result['rerun_command']}` (same proxy and timing; target "
-              f"{p['target_accuracy']:.0%}, {len(next(iter(p['per_row'].values()))['per_seed'])} seeds): time to "
-              "the target in simulated seconds of the paper's cluster, mean ± sd, under the calibration on the "
-              "Horovod cells and (last column, target "
-              f"{fit.get('target_accuracy', 0):.0%}) on VGG-19's HetPipe cells (experiments/paper/"
-              "calibration_hetpipe.py).", "",
-              "| config (VGG-19 timing) | to target (s) | on the HetPipe fit (s) |", "|---|---|---|"]
+  by_group = result.get("paper_time_to_target", {})
+  for group in ("paper", "paper_momentum"):  # per proxy family: the Horovod fit's rows, the HetPipe fit beside
+    p, fit = by_group.get(group), by_group.get(f"{group}_hetpipe_fit") or {}
+    if not p:
+      continue
+    beside += [f"Beside them, from `{result['rerun_command']}` (same timing, the proxy on {PAPER_GROUPS[group][2]}; "
+               f"target {p['target_accuracy']:.0%}, {len(next(iter(p['per_row'].values()))['per_seed'])} seeds): "
+               "time to the target in simulated seconds of the paper's cluster, mean ± sd, under the calibration on "
+               f"the Horovod cells and (last column, target {fit.get('target_accuracy', 0):.0%}) on VGG-19's HetPipe "
+               "cells (experiments/paper/calibration_hetpipe.py).", "",
+               "| config (VGG-19 timing) | to target (s) | on the HetPipe fit (s) |", "|---|---|---|"]
     others = {(v["method"], v["variant"], v["nm"], v["d"]): v for v in fit.get("per_row", {}).values()}
     for v in p["per_row"].values():
       o = others.get((v["method"], v["variant"], v["nm"], v["d"]))
       beside.append(f"| {v['label']} | {_mean_sd(v)} | {_mean_sd(o) if o else 'not run'} |")
+    beside.append("")
+  beside = beside[:-1]  # no blank line after the last table
   try:
     shown = str(png.resolve().relative_to(REPO_ROOT))
   except ValueError:

@@ -57,8 +57,8 @@ from absl import app, flags, logging  # noqa: E402
 
 from experiments.staleness_grid import (EXTENSION, GRID, HETPIPE_FIT, QUICK_GRID, RERUN_COMMAND, VARIANTS,  # noqa: E402
                                         Row, Task, make_tasks)
-from experiments.staleness_report import (aggregate, goals, markdown, paper_results, paper_time_to_target,  # noqa: E402
-                                          partial_record, plot, time_to_target, value_at)  # noqa: F401  (re-exported)
+from experiments.staleness_report import (PAPER_GROUPS, aggregate, goals, markdown, paper_results,  # noqa: E402
+                                          paper_time_to_target, partial_record, plot, time_to_target, value_at)  # noqa: F401  (re-exported)
 from hetpipe_jax.paths import REPO_ROOT, write_json  # noqa: E402
 
 
@@ -322,8 +322,7 @@ def main(argv):
       raise app.UsageError(f"--at_minibatches: {item!r} is not TASK=N with TASK in {sorted(tasks)}")
     at[name] = int(n)
   table = aggregate(tasks, shown_rows, records, missing, at)
-  paper = paper_time_to_target(table, records, tasks, "paper")
-  paper_fit = paper_time_to_target(table, records, tasks, "paper_hetpipe_fit")
+  paper = {g: p for g in PAPER_GROUPS if (p := paper_time_to_target(table, records, tasks, g))}
   keys = {f"{r.key}.s{s}" for r in grid for s in range(r.seeds)}  # every row's runs: a subset's run keeps the rest
   result = {"experiment": "staleness and its remedies (issue 25 item 5), virtual time", "quick": quick,
             "tasks": {n: {"label": t.label, "metric": t.metric, "config": t.config, "minibatches": t.minibatches,
@@ -332,12 +331,11 @@ def main(argv):
             "rows_requested": [r.key for r in rows], "not_run": {k: v for k, v in missing.items()
                                                                if k in {r.key for r in shown_rows}},
             "plans": plans, "table": table, "paper_time_to_target": paper,
-            "paper_time_to_target_hetpipe_fit": paper_fit,
             "records": {k: v for k, v in sorted(records.items()) if k in keys},
             "host_seconds": time.perf_counter() - t0,
             "command": shlex.join([".venv/bin/python", "experiments/staleness_study.py"] + sys.argv[1:]),
             "rerun_command": RERUN_COMMAND, "at_minibatches": at, "partial": FLAGS.partial}
-  result["goals"] = goals(table, paper, paper_fit)
+  result["goals"] = goals(table, paper)
   md = markdown(result)
   (out / "staleness_study.md").write_text(md)
   plot(result, out / "staleness_study.png")
@@ -348,7 +346,6 @@ def main(argv):
   # The last JSON document of stdout (scripts/record.py keeps it as a dated record): the goals and the table.
   print(json.dumps({"output": str(out / "staleness_study.json"), "command": result["command"],
                     "goals": result["goals"], "paper_time_to_target": paper,
-                    "paper_time_to_target_hetpipe_fit": paper_fit,
                     "table": [{k: t[k] for k in ("key", "seeds_run", "seeds_requested", "quality",
                                                    "gap_to_reference", "not_run")} for t in table]}, indent=1))
 

@@ -1304,4 +1304,9 @@ MUTATIONS = (
              "    pass",
              ("tests/test_staleness_study.py::test_staleness_study_quick",),
              "on a fresh clone the study runs again every row the results file already holds"),
+    Mutation("time_to_target_takes_sgd_as_the_only_plain_variant", "paper_time_to_target",
+             "    return VARIANTS[v[\"variant\"]].reference == v[\"variant\"]",
+             "    return v[\"variant\"] == \"sgd\"",
+             ("tests/test_staleness_study.py::test_time_to_target_compares_the_best_compensated_row_per_seed_within_its_proxy_family",),
+             "the momentum proxy's uncompensated HetPipe counts as compensated, and no row is its D = 0 baseline"),
 )
