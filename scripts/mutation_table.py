@@ -1309,4 +1309,10 @@ MUTATIONS = (
              "    return v[\"variant\"] == \"sgd\"",
              ("tests/test_staleness_study.py::test_time_to_target_compares_the_best_compensated_row_per_seed_within_its_proxy_family",),
              "the momentum proxy's uncompensated HetPipe counts as compensated, and no row is its D = 0 baseline"),
+    Mutation("lead_forgets_the_segment_offset", "Lead.end_segment",
+             "    self.applied += [(first + w, v) for w, v in state.applied]",
+             "    self.applied += [(w, v) for w, v in state.applied]",
+             ("tests/test_resume.py::test_virtual_run_interrupted_and_resumed_is_bit_identical_to_the_uninterrupted_run",
+              "tests/test_resume_mpi.py::test_kill_a_vw_after_a_checkpoint_then_resume_to_the_end"),
+             "the lead logs every segment's waves from clock 0 (ps_applied.jsonl repeats waves after a checkpoint)"),
 )

@@ -174,6 +174,10 @@ def test_virtual_run_interrupted_and_resumed_is_bit_identical_to_the_uninterrupt
                        checkpoint.restore_weights(part / "checkpoint"))
   for name in ("minibatches.jsonl", "ps_applied.jsonl"):
     assert (tmp_path / "full" / name).read_text() == (part / name).read_text(), name
+  # Across checkpoint segments the PS applied every VW's waves 0..11 once each (24 minibatches, Nm 2), in order.
+  applied = [(r["vw_id"], r["wave_id"]) for r in read_jsonl(tmp_path / "full" / "ps_applied.jsonl")]
+  assert sorted(applied) == [(v, w) for v in range(3) for w in range(12)]
+  assert all([w for v2, w in applied if v2 == v] == list(range(12)) for v in range(3))
   strip = lambda rows: [{k: v for k, v in r.items() if k != "host_wall_time_s"} for r in rows]  # noqa: E731
   assert strip(read_jsonl(tmp_path / "full" / "metrics.jsonl")) == strip(read_jsonl(part / "metrics.jsonl"))
   for key in ("test_accuracy", "test_loss", "simulated_time_s", "applied_waves_count", "extra_updates",

@@ -23,9 +23,9 @@ from hetpipe_jax.jobs import opt_checkpoint
 from hetpipe_jax.jobs import rank_setup
 from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs import vw_role
-from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
 from hetpipe_jax.jobs.job import Job
 from hetpipe_jax.jobs.job_config import ConfigError
+from hetpipe_jax.jobs.lead_role import Lead
 from hetpipe_jax.jobs.run_context import RunContext, set_up
 from hetpipe_jax.jobs.summary import Summary, rates, settings_summary, wsp_results
 from hetpipe_jax.mpi import ps_shards
@@ -209,8 +209,7 @@ def _add_stage_reports(into: dict[int, dict], reports: dict[int, dict]) -> None:
 
 def _run_ps(ctx: RunContext) -> dict:
   settings, spec, layout, flat0 = ctx.job, ctx.spec, ctx.layout, ctx.flat0
-  num_mb, partitions, workdir, comm, point, shards = (ctx.num_minibatches, ctx.partitions, ctx.workdir, ctx.comm,
-                                                      ctx.point, ctx.shards)
+  num_mb, partitions, comm, point, shards = ctx.num_minibatches, ctx.partitions, ctx.comm, ctx.point, ctx.shards
   n, nm = settings.num_virtual_workers, settings.num_inflight
   meta = point.meta if point else {}
   outputs = ctx.open_outputs()
@@ -240,30 +239,26 @@ def _run_ps(ctx: RunContext) -> dict:
   logging.info("[PS] %d VWs x %d minibatches (Nm=%d, D=%d, ps_apply=%s), model %s with %d parameters%s", n, num_mb, nm,
                settings.staleness_bound, settings.wsp.ps_apply, spec.name, layout.num_params,
                f", resumed at global clock {clock0}" if point else "")
-  records, applied, staleness, resumes = ctx.resumed_logs()  # staleness: (tau, scale) per applied wave
+  lead = Lead(ctx, service.log, config_json)
   start_unix = dict(meta.get("start_unix_s", {}))
   version_ids = list(meta.get("version_ids", [0] * n))
-  shard_applied = resume_lib.resumed_shard_logs(meta, settings.num_ps_shards, applied)  # shards 1..S-1
-  every = settings.checkpoint
+  shard_applied = resume_lib.resumed_shard_logs(meta, settings.num_ps_shards, lead.applied)  # shards 1..S-1
   # per VW rank, the structure of its stages' optimizer state (to read its bytes); only a run that checkpoints needs it
-  templates = opt_checkpoint.rank_templates(ctx) if every.every_waves > 0 else {}
-  store = TrainingCheckpoints(workdir, every.max_to_keep) if every.every_waves > 0 else None
-  ckpt_stats: list[dict] = []
+  templates = opt_checkpoint.rank_templates(ctx) if lead.store is not None else {}
   t0 = time.perf_counter()
 
   def take_reports(reps: dict) -> None:
     for vw, rep in sorted(reps.items()):
-      records.extend(rep["records"])
+      lead.records.extend(rep["records"])
       version_ids[vw] = rep["version_id"]
       start_unix.setdefault(str(vw), rep["start_unix_s"])
 
   def save(end: int, cut_flat: np.ndarray, opt_buffers: dict) -> None:
-    ckpt_stats.append(ctx.save_checkpoint(
-        store, end, cut_flat, opt_checkpoint.merge_states(templates, opt_buffers, n), service.log, applied=applied,
-        records=records, time_s=service.wall_s(), config_json=config_json, resumes=resumes, version_ids=version_ids,
-        extra={"mode": "mpi", "start_unix_s": start_unix, "applied_staleness": staleness,
-               "num_ps_shards": settings.num_ps_shards, "shard_applied": shard_applied,
-               "stage_groups": [[list(g) for g in groups] for groups in settings.stage_groups]}))
+    lead.save(end, cut_flat, opt_checkpoint.merge_states(templates, opt_buffers, n), time_s=service.wall_s(),
+              version_ids=version_ids,
+              extra={"mode": "mpi", "start_unix_s": start_unix, "applied_staleness": lead.staleness,
+                     "num_ps_shards": settings.num_ps_shards, "shard_applied": shard_applied,
+                     "stage_groups": [[list(g) for g in groups] for groups in settings.stage_groups]})
 
   try:
     for i, (first, end) in enumerate(segs):
@@ -272,8 +267,7 @@ def _run_ps(ctx: RunContext) -> dict:
       service.clock_offset = first
       service.expect_opt_state = settings.checkpoint.due(end, total)
       service.run()
-      applied += [(first + w, v) for w, v in server.state.applied]
-      staleness += server.state.staleness
+      lead.end_segment(first, server.state)
       # the cut: every shard's slice and log (each shard has every VW's waves of the segment: none starts the next)
       cut_flat, logs = ps_shards.gather_shards(comm, shards, flat0, server.weights, [])
       for log, seg_log in zip(shard_applied, logs[1:]):
@@ -283,22 +277,16 @@ def _run_ps(ctx: RunContext) -> dict:
         if service.expect_opt_state:
           save(end, cut_flat, service.segment_opt)
         service.release_barrier()
-    if store is not None and service.expect_opt_state:
+    if lead.store is not None and service.expect_opt_state:
       save(total, cut_flat, service.segment_opt)
   finally:
-    if store is not None:
-      store.close()
+    lead.close()
     service.close()
   wall = time.perf_counter() - t0
-  final_flat, shard_logs = cut_flat, [applied, *shard_applied]
   byte_matrix = ps_shards.ps_byte_matrix(comm)
-  final = evaluator.evaluate(final_flat)
-  service.log.line(total, sum(service.minibatches_done), service.wall_s(), final, final=True)
-  extra = outputs.write_minibatches(records)
-  applied_fields = outputs.write_ps_applied(applied, n, shard_logs, settings.ps.staleness_log(staleness))
-  if settings.run.save_task_trace:
-    _write_runtime_trace(service.reports, nm, outputs.dir)
-  ckpt = outputs.save_checkpoint(layout.unflatten(final_flat))
+  final, lead_fields = lead.finish(outputs, evaluator.evaluate, cut_flat, total, sum(service.minibatches_done),
+                                   service.wall_s(), shard_logs=[lead.applied, *shard_applied],
+                                   write_trace=lambda: _write_runtime_trace(service.reports, nm, outputs.dir))
   total_mb = n * num_mb
   trained_mb = n * (num_mb - start_mb)
   per_vw = {str(vw): {k: rep["stats"][k] for k in ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes",
@@ -310,7 +298,7 @@ def _run_ps(ctx: RunContext) -> dict:
   summary = Summary("mpi", wsp_results(final, config_json, service.log.loss, total_mb, num_mb),
                     rates("mpi", wall, trained_mb, settings.batch_size), settings_summary(settings, partitions, spec),
                     total, {
-      **applied_fields,
+      **lead_fields,
       "num_ps_shards": settings.num_ps_shards,
       "ps_placement": settings.ps_placement,
       "ps_shards": {"layer_shards": list(shards.layer_shards), "shard_nodes": list(settings.shard_nodes),
@@ -321,15 +309,11 @@ def _run_ps(ctx: RunContext) -> dict:
       **rank_setup.stage_rank_fields(settings),
       **({"stage_rank_stats": {str(vw): rep["stage_ranks"] for vw, rep in sorted(service.reports.items())}}
          if settings.stage_groups else {}),
-      **extra,
       "trace_counts": {str(vw): rep["trace_counts"] for vw, rep in sorted(service.reports.items())},
-      "evaluations": service.log.evals,
       "per_vw": per_vw,
       "wait_s": {vw: v["wait_s"] for vw, v in per_vw.items()},
       "idle_s": {vw: v["idle_s"] for vw, v in per_vw.items()},
-      "checkpoint": str(ckpt),
       "ps_service": _service_times(service.push_service_s),
-      **resume_lib.checkpoint_summary(settings.checkpoint, ckpt_stats, resumes),
       # The slowest VW's seconds in checkpoint barriers (send its state, wait for the others and the save) over the
       # run's wall time: what checkpoints cost beyond the pipeline drain at each barrier.
       "checkpoint_barrier_fraction": max(v["barrier_s"] for v in per_vw.values()) / wall,

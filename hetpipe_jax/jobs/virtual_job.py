@@ -13,8 +13,8 @@ from absl import logging
 import jax
 
 from hetpipe_jax.jobs import resume as resume_lib
-from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
 from hetpipe_jax.jobs.job import Job
+from hetpipe_jax.jobs.lead_role import Lead
 from hetpipe_jax.jobs import vw_role
 from hetpipe_jax.jobs.outputs import check_replicas_identical, weights_sha256
 from hetpipe_jax.jobs.run_context import RunContext, set_up
@@ -47,8 +47,8 @@ def run(job: Job, workdir: str) -> dict:
 
 def _run_wsp(ctx: RunContext) -> dict:
   """:func:`run` for the parameter-server methods (hetpipe, pipedream)."""
-  settings, spec, partitions, layout, point = ctx.job, ctx.spec, ctx.partitions, ctx.layout, ctx.point
-  workdir, times, num_mb = ctx.workdir, ctx.task_times, ctx.num_minibatches
+  settings, spec, partitions, point = ctx.job, ctx.spec, ctx.partitions, ctx.point
+  times, num_mb = ctx.task_times, ctx.num_minibatches
   nm, n = settings.num_inflight, settings.num_virtual_workers
   start_mb = ctx.start_minibatch
   num_waves = (num_mb - start_mb) // nm  # waves of this run (after the resume point)
@@ -79,7 +79,8 @@ def _run_wsp(ctx: RunContext) -> dict:
   log = ClockLog(outputs.log_metrics, evaluator.evaluate, eval_every, settings.run.log_every_waves, simulated=True,
                  name="[virtual]", bar=bar)
   log.restore(meta)
-  records, applied, staleness, resumes = ctx.resumed_logs()  # staleness: (tau, scale) per applied wave
+  lead = Lead(ctx, log, config_json)
+  records = lead.records
   host_t0 = log.host_t0
 
   def on_clock(clock: int, t: float, losses: list) -> None:
@@ -92,9 +93,6 @@ def _run_wsp(ctx: RunContext) -> dict:
   logging.info("[virtual] %d VWs x %d minibatches (Nm=%d, D=%d, ps_apply=%s) of %s in simulated time%s", n, num_mb,
                nm, settings.staleness_bound, settings.wsp.ps_apply, spec.name,
                f", resumed at global clock {clock0}" if point else "")
-  every = settings.checkpoint.every_waves
-  store = TrainingCheckpoints(workdir, settings.checkpoint.max_to_keep) if every > 0 else None
-  ckpt_stats: list[dict] = []
   report = None
   wait_s = (list(meta.get("wait_s", [])) + [0.0] * n)[:n]  # per VW, over the whole run (a new plan may change N)
   idle_s = (list(meta.get("idle_s", [])) + [0.0] * n)[:n]
@@ -114,8 +112,7 @@ def _run_wsp(ctx: RunContext) -> dict:
         for rec in vw.records[mark:]:
           resume_lib.shift_record(rec, off)
           records.append(dict(rec.__dict__))
-      applied += [(first + w, v) for w, v in server.state.applied]
-      staleness += server.state.staleness
+      lead.end_segment(first, server.state)
       for r in report.vws:
         wait_s[r.vw_id] += r.wait_s
         idle_s[r.vw_id] += r.idle_s
@@ -123,29 +120,19 @@ def _run_wsp(ctx: RunContext) -> dict:
       # The barrier: the last pushes reach the PS and its weights reach every VW before the next segment starts.
       # After the last segment there is none: the run ends when its last minibatch completes, as in the engine.
       off.time_s += report.makespan_s + (max(t.push_s + t.pull_s for t in times) if end < total_waves else 0.0)
-      if store is not None and settings.checkpoint.due(end, total_waves):
-        ckpt_stats.append(ctx.save_checkpoint(
-            store, end, server.weights, {v: vw.opt_state_by_layer() for v, vw in enumerate(vws)}, log,
-            applied=applied, records=records, time_s=off.time_s, config_json=config_json, resumes=resumes,
-            version_ids=[vw.version.version_id for vw in vws],
-            extra={"mode": "virtual", "wait_s": wait_s, "idle_s": idle_s, "max_clock_distance": max_distance,
-                   "applied_staleness": staleness}))
+      if lead.store is not None and settings.checkpoint.due(end, total_waves):
+        lead.save(end, server.weights, {v: vw.opt_state_by_layer() for v, vw in enumerate(vws)}, time_s=off.time_s,
+                  version_ids=[vw.version.version_id for vw in vws],
+                  extra={"mode": "virtual", "wait_s": wait_s, "idle_s": idle_s, "max_clock_distance": max_distance,
+                         "applied_staleness": lead.staleness})
   finally:
-    if store is not None:
-      store.close()
+    lead.close()
   if bar is not None:
     bar.update(total_waves - bar.n)
     bar.close()
-  final = evaluator.evaluate(server.weights)
   total = num_mb * n
-  log.line(total_waves, total, off.time_s, final, final=True)
-  extra = outputs.write_minibatches(records)
-  applied_fields = outputs.write_ps_applied(applied, n, staleness=settings.ps.staleness_log(staleness))
-  if settings.run.save_task_trace:
-    from hetpipe_jax.sim import gantt  # matplotlib only when drawing
-    trace.write_trace(trace.report_trace(report), str(outputs.dir / "trace.json"))
-    gantt.plot_report(report, str(outputs.dir / "gantt.png"))
-  ckpt = outputs.save_checkpoint(layout.unflatten(server.weights))
+  final, lead_fields = lead.finish(outputs, evaluator.evaluate, server.weights, total_waves, total, off.time_s,
+                                   write_trace=lambda: _write_trace(report, outputs.dir))
   sim_time = off.time_s
   summary = Summary("virtual", wsp_results(final, config_json, log.loss, total, num_mb), {
       # The engine's network rule (rules/network: VWs on one node share its NIC), as it ran.
@@ -156,14 +143,10 @@ def _run_wsp(ctx: RunContext) -> dict:
            for v in range(n)], nm, warmup_waves=1)[1],
       "host_wall_time_s": time.perf_counter() - host_t0,
   }, settings_summary(settings, partitions, spec), total_waves, {
-      **applied_fields,
-      **extra,
-      "evaluations": log.evals,
+      **lead_fields,
       "wait_s": {str(v): w for v, w in enumerate(wait_s)},
       "idle_s": {str(v): w for v, w in enumerate(idle_s)},
       "max_clock_distance": max_distance,
-      "checkpoint": str(ckpt),
-      **resume_lib.checkpoint_summary(settings.checkpoint, ckpt_stats, resumes),
   }).write(outputs)
   logging.info("[virtual] done: test accuracy %.4f, %d minibatches in %.1f simulated s (%.1f host s)",
                final["test_accuracy"], total, sim_time, summary["host_wall_time_s"])
@@ -215,9 +198,7 @@ def _run_allreduce(ctx: RunContext) -> dict:
   records = [dict(rec.__dict__) for vw in vws for rec in vw.records]
   extra = outputs.write_minibatches(records)
   if settings.run.save_task_trace:
-    from hetpipe_jax.sim import gantt  # matplotlib only when drawing
-    trace.write_trace(trace.report_trace(report), str(outputs.dir / "trace.json"))
-    gantt.plot_report(report, str(outputs.dir / "gantt.png"))
+    _write_trace(report, outputs.dir)
   ckpt = outputs.save_checkpoint(layout.unflatten(final_flat))
   total = steps * n
   summary = Summary("virtual", allreduce_results(final, log.loss, steps, n, m), {
@@ -241,6 +222,13 @@ def _run_allreduce(ctx: RunContext) -> dict:
   logging.info("[virtual] done: test accuracy %.4f, %d minibatches in %.1f simulated s (%.1f host s)",
                final["test_accuracy"], total, sim_time, summary["host_wall_time_s"])
   return summary
+
+
+def _write_trace(report, out) -> None:
+  """The engine report's Chrome trace (``trace.json``) and Gantt chart (``gantt.png``) in the run's directory."""
+  from hetpipe_jax.sim import gantt  # matplotlib only when drawing
+  trace.write_trace(trace.report_trace(report), str(out / "trace.json"))
+  gantt.plot_report(report, str(out / "gantt.png"))
 
 
 def _stage_devices(partitions: list, devices: list) -> list[list]:

@@ -1,0 +1,91 @@
+"""The lead role of the parameter-server methods (hetpipe, pipedream): what a run keeps over its checkpoint segments
+and writes at its end, the same under MPI (the lead PS shard, :func:`hetpipe_jax.jobs.mpi_job.run`) and in virtual
+time (:func:`hetpipe_jax.jobs.virtual_job.run`).
+
+Jobs layer. The transports differ in how a segment runs (MPI messages to a PS service, or the engine driving
+in-process VWs) and in their own summary fields; the lead's bookkeeping is this one class: the minibatch records,
+the PS's ``(wave, vw)`` application order and each application's ``(tau, scale)`` over segments (continued from a
+resume point), the training checkpoints at segment ends, and the run's final evaluation, metrics line, outputs and
+checkpoint-related summary fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from hetpipe_jax.jobs import resume as resume_lib
+from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
+from hetpipe_jax.jobs.outputs import RunOutputs
+from hetpipe_jax.jobs.run_context import RunContext
+from hetpipe_jax.runtime.clock_log import ClockLog
+
+
+class Lead:
+  """The run's lead (module docstring): its logs over segments, checkpoints and final outputs.
+
+  Args:
+    ctx: the run's :class:`~hetpipe_jax.jobs.run_context.RunContext` (its resume point's logs are continued).
+    log: the run's :class:`~hetpipe_jax.runtime.clock_log.ClockLog` (metrics lines and evaluations).
+    config_json: ``config.json`` as written (a checkpoint keeps it).
+
+  Attributes:
+    records: the minibatch records (dicts, ``minibatches.jsonl``'s rows) of the run so far.
+    applied: the lead PS's ``(wave, vw)`` applications, waves counted from the run's first clock.
+    staleness: per application its ``(tau, scale)`` (:class:`hetpipe_jax.rules.wsp.ParameterServerState`).
+    resumes: the run's resumes (this one included).
+    store: the run's :class:`~hetpipe_jax.jobs.checkpoint.TrainingCheckpoints` (None: no checkpoints).
+  """
+
+  def __init__(self, ctx: RunContext, log: ClockLog, config_json: dict):
+    self.ctx, self.log, self.config_json = ctx, log, config_json
+    self.records, self.applied, self.staleness, self.resumes = ctx.resumed_logs()
+    every = ctx.job.checkpoint
+    self.store = TrainingCheckpoints(ctx.workdir, every.max_to_keep) if every.every_waves > 0 else None
+    self._ckpt_stats: list[dict] = []
+
+  def end_segment(self, first: int, state: Any) -> None:
+    """Adds a segment's applications: ``state`` the PS's :class:`~hetpipe_jax.rules.wsp.ParameterServerState` of
+    the segment that started at global clock ``first`` (its waves counted from there)."""
+    self.applied += [(first + w, v) for w, v in state.applied]
+    self.staleness += state.staleness
+
+  def save(self, clock: int, flat: np.ndarray, opt_states: dict, *, time_s: float, version_ids: list,
+           extra: dict) -> None:
+    """The training checkpoint at global clock ``clock`` (:meth:`RunContext.save_checkpoint`, with this run's logs):
+    ``flat`` the global weights there, float32 ``[num_params]``; ``opt_states`` per VW its stages' optimizer state by
+    layer; ``time_s`` the run's time there (wall or simulated seconds); ``version_ids`` per VW its newest weight
+    version's id; ``extra`` the transport's own fields (``mode`` and what its resume reads)."""
+    self._ckpt_stats.append(self.ctx.save_checkpoint(
+        self.store, clock, flat, opt_states, self.log, applied=self.applied, records=self.records, time_s=time_s,
+        config_json=self.config_json, resumes=self.resumes, version_ids=version_ids, extra=extra))
+
+  def close(self) -> None:
+    """Closes the checkpoint store (waits for an asynchronous save); also after an error."""
+    if self.store is not None:
+      self.store.close()
+
+  def finish(self, outputs: RunOutputs, evaluate: Callable[[np.ndarray], dict], flat: np.ndarray, clock: int,
+             minibatches: int, time_s: float, *, shard_logs: list | None = None,
+             write_trace: Callable[[], None] | None = None) -> tuple[dict, dict[str, Any]]:
+    """The run's end: evaluates the final global weights ``flat`` (float32 ``[num_params]``), writes the final
+    metrics line (at global clock ``clock``, ``minibatches`` in all, ``time_s``), ``minibatches.jsonl``,
+    ``ps_applied.jsonl`` (``shard_logs``: per PS shard its application order, sharded PS only), the task trace
+    (``write_trace``, when ``config.save_task_trace``) and the final weights' checkpoint.
+
+    Returns:
+      ``(final evaluation, the summary fields every transport writes)``: the application order's and the records'
+      fields, ``evaluations``, ``checkpoint`` (the final weights' path) and the checkpoint segments' fields.
+    """
+    job = self.ctx.job
+    final = evaluate(flat)
+    self.log.line(clock, minibatches, time_s, final, final=True)
+    record_fields = outputs.write_minibatches(self.records)
+    applied_fields = outputs.write_ps_applied(self.applied, job.num_virtual_workers, shard_logs,
+                                              job.ps.staleness_log(self.staleness))
+    if job.run.save_task_trace and write_trace is not None:
+      write_trace()
+    ckpt = outputs.save_checkpoint(self.ctx.layout.unflatten(flat))
+    return final, {**applied_fields, **record_fields, "evaluations": self.log.evals, "checkpoint": str(ckpt),
+                   **resume_lib.checkpoint_summary(job.checkpoint, self._ckpt_stats, self.resumes)}
