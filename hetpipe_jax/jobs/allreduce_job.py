@@ -1,7 +1,7 @@
 """One all-reduce BSP training job over MPI (gpipe, 1f1b_flush, horovod): one rank per VW, no parameter server.
 
 Runtime layer; ``hetpipe_jax.train`` runs these methods here (:func:`run`); the PS methods' job is
-:mod:`hetpipe_jax.jobs.mpi_job`, whose set-up helpers this job shares. Rank r runs VW r: every step its pipeline
+:mod:`hetpipe_jax.jobs.mpi_job`; both set up through :func:`hetpipe_jax.jobs.run_context.set_up`. Rank r runs VW r: every step its pipeline
 runs M micro-batches in the method's order (:mod:`hetpipe_jax.rules.methods`), then its accumulated
 gradients (one contiguous float32 buffer in layer order, the step's loss sum last) are summed over all ranks with
 ``MPI.Allreduce`` on each reduction segment (:func:`hetpipe_jax.rules.allreduce.reduce_segments`: the stages when
@@ -22,9 +22,9 @@ import time
 from absl import logging
 import numpy as np
 
-from hetpipe_jax.jobs import mpi_job, rank_setup, vw_role
+from hetpipe_jax.jobs import rank_setup, vw_role
 from hetpipe_jax.jobs.job import Job
-from hetpipe_jax.jobs.outputs import check_replicas_identical, weights_sha256
+from hetpipe_jax.jobs.outputs import check_replicas_identical, weights_sha256, write_runtime_trace
 from hetpipe_jax.jobs.run_context import set_up
 from hetpipe_jax.jobs.summary import Summary, allreduce_results, rates, settings_summary
 from hetpipe_jax.rules import allreduce
@@ -135,7 +135,7 @@ def run(job: Job, workdir: str, comm) -> dict | None:
   records = [r for v in sorted(reports) for r in reports[v]["records"]]
   extra = outputs.write_minibatches(records)
   if job.run.save_task_trace:
-    mpi_job._write_runtime_trace(reports, m, outputs.dir)  # pylint: disable=protected-access
+    write_runtime_trace(reports, m, outputs.dir)
   ckpt = outputs.save_checkpoint(layout.unflatten(final_flat))
   keys = ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes", "peak_inflight_per_stage",
           "max_concurrent_tasks", "num_tasks", "num_overruns", "overrun_s", "host_busy_s", "start_unix_s")

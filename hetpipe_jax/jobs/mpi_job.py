@@ -9,9 +9,7 @@ rank with the same clear message and no rank waits on another.
 
 from __future__ import annotations
 
-import json
 import math
-import pathlib
 import time
 from typing import Any
 
@@ -26,6 +24,7 @@ from hetpipe_jax.jobs import vw_role
 from hetpipe_jax.jobs.job import Job
 from hetpipe_jax.jobs.job_config import ConfigError
 from hetpipe_jax.jobs.lead_role import Lead
+from hetpipe_jax.jobs.outputs import write_runtime_trace
 from hetpipe_jax.jobs.run_context import RunContext, set_up
 from hetpipe_jax.jobs.summary import Summary, rates, settings_summary, wsp_results
 from hetpipe_jax.mpi import ps_shards
@@ -36,7 +35,6 @@ from hetpipe_jax.mpi.stage_client import RemoteStages
 from hetpipe_jax.mpi.stage_server import StageRankServer
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.runtime import placement as placement_lib
-from hetpipe_jax.sim import trace
 
 
 def run(job: Job, workdir: str, comm) -> dict | None:
@@ -286,7 +284,7 @@ def _run_ps(ctx: RunContext) -> dict:
   byte_matrix = ps_shards.ps_byte_matrix(comm)
   final, lead_fields = lead.finish(outputs, evaluator.evaluate, cut_flat, total, sum(service.minibatches_done),
                                    service.wall_s(), shard_logs=[lead.applied, *shard_applied],
-                                   write_trace=lambda: _write_runtime_trace(service.reports, nm, outputs.dir))
+                                   write_trace=lambda: write_runtime_trace(service.reports, nm, outputs.dir))
   total_mb = n * num_mb
   trained_mb = n * (num_mb - start_mb)
   per_vw = {str(vw): {k: rep["stats"][k] for k in ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes",
@@ -335,21 +333,3 @@ def _service_times(seconds: list[float]) -> dict[str, Any]:
     return {"waves": 0}
   return {"waves": int(ms.size), "mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
           "p95_ms": float(np.percentile(ms, 95)), "max_ms": float(ms.max())}
-
-
-def _write_runtime_trace(reports: dict, num_inflight: int, out: pathlib.Path) -> None:
-  """tasks.jsonl, a Chrome trace (Perfetto) and a Figure-1-style Gantt PNG of every VW's measured tasks."""
-  from hetpipe_jax.sim import gantt  # matplotlib only when drawing
-  events = []
-  with open(out / "tasks.jsonl", "w", encoding="utf-8") as f:
-    for vw in sorted(reports):
-      for task, start_s, end_s in reports[vw]["tasks"]:
-        f.write(json.dumps({"vw_id": vw, "task": task, "start_s": start_s, "end_s": end_s}) + "\n")
-      events += trace.runtime_events(reports[vw]["tasks"], vw, num_inflight)
-  trace.write_trace(trace.chrome_trace(events), str(out / "trace.json"))
-  # About a second from the middle of the run (the first waves include JIT compilation).
-  starts = sorted(e.start_s for e in events)
-  start = starts[len(starts) // 2]
-  end = min(max(e.end_s for e in events), start + 1.0)
-  gantt.plot_gantt(events, str(out / "gantt.png"), num_inflight=num_inflight, time_window_s=(start, end),
-                   title="runtime (wall time, middle of the run)")

@@ -27,6 +27,7 @@ import numpy as np
 from hetpipe_jax.jobs import checkpoint
 from hetpipe_jax.jobs.job_config import ConfigError, config_to_json
 from hetpipe_jax.rules import records as records_lib
+from hetpipe_jax.sim import trace
 from hetpipe_jax.sim.engine_report import json_safe
 
 FINISHED_MARKERS = ("summary.json", "checkpoint")
@@ -226,3 +227,23 @@ def plot_metrics(metrics_path: str | pathlib.Path, png_path: str | pathlib.Path)
   fig.savefig(png_path, dpi=90)
   plt.close(fig)
   return pathlib.Path(png_path)
+
+
+def write_runtime_trace(reports: dict, num_inflight: int, out: pathlib.Path) -> None:
+  """A runtime run's task trace (``config.save_task_trace``, both MPI jobs): ``tasks.jsonl``, a Chrome trace
+  (Perfetto) and a Figure-1-style Gantt PNG of every VW's measured tasks (``reports``: per VW its report, whose
+  ``tasks`` are ``(task name, start s, end s)``)."""
+  from hetpipe_jax.sim import gantt  # matplotlib only when drawing
+  events = []
+  with open(out / "tasks.jsonl", "w", encoding="utf-8") as f:
+    for vw in sorted(reports):
+      for task, start_s, end_s in reports[vw]["tasks"]:
+        f.write(json.dumps({"vw_id": vw, "task": task, "start_s": start_s, "end_s": end_s}) + "\n")
+      events += trace.runtime_events(reports[vw]["tasks"], vw, num_inflight)
+  trace.write_trace(trace.chrome_trace(events), str(out / "trace.json"))
+  # About a second from the middle of the run (the first waves include JIT compilation).
+  starts = sorted(e.start_s for e in events)
+  start = starts[len(starts) // 2]
+  end = min(max(e.end_s for e in events), start + 1.0)
+  gantt.plot_gantt(events, str(out / "gantt.png"), num_inflight=num_inflight, time_window_s=(start, end),
+                   title="runtime (wall time, middle of the run)")
