@@ -1,4 +1,4 @@
-"""The mutation check: every small semantic bug in scripts/mutation_check.py applies, anchored on code.
+"""The mutation check: every small semantic bug of the table (scripts/mutation_table.py) applies, anchored on code.
 
 Whether every mutation is caught is CI's own step (``.ci/run``); here, marked ``mutation``, it is left out of the
 default run (``pytest -m mutation`` runs it).
