@@ -318,7 +318,9 @@ def paper_results(result: dict, png: pathlib.Path) -> dict:
     p, fit = by_group.get(group), by_group.get(f"{group}_hetpipe_fit") or {}
     if not p:
       continue
-    beside += [f"Beside them, from `{result['rerun_command']}` (same timing, the proxy on {PAPER_GROUPS[group][2]}; "
+    cmd = result["rerun_command"] + ("" if group == "paper" else
+                                     f" --extensions --groups={group},{group}_hetpipe_fit")  # extension rows
+    beside += [f"Beside them, from `{cmd}` (same timing, the proxy on {PAPER_GROUPS[group][2]}; "
                f"target {p['target_accuracy']:.0%}, {len(next(iter(p['per_row'].values()))['per_seed'])} seeds): "
                "time to the target in simulated seconds of the paper's cluster, mean ± sd, under the calibration on "
                f"the Horovod cells and (last column, target {fit.get('target_accuracy', 0):.0%}) on VGG-19's HetPipe "
