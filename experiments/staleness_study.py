@@ -124,7 +124,7 @@ def run_one(task: Task, row: Row, seed: int, fields: dict, out: pathlib.Path, re
   """Runs (or reuses) one seed of ``row``; returns its record (the command, the config, the curve, the result).
 
   Reused: a finished record with the same command (``out/runs/<key>.json``, else ``kept``: the one the results file
-  keeps, :func:`kept_records`), or a finished run directory (``summary.json``) whose ``<key>.cmd`` is the same command
+  keeps, :func:`kept_records`; a failed run runs again), or a finished run directory (``summary.json``) whose ``<key>.cmd`` is the same command
   (a run that outlived the study process that started it; while its ``<key>.pid`` runs, this waits).
   """
   key = f"{row.key}.s{seed}"
@@ -134,7 +134,7 @@ def run_one(task: Task, row: Row, seed: int, fields: dict, out: pathlib.Path, re
   cmd = command(task, fields, workdir)
   if record_path.exists() and not rerun:
     rec = json.loads(record_path.read_text())
-    if rec["command"] == shlex.join(cmd):
+    if rec["command"] == shlex.join(cmd) and rec["returncode"] == 0:
       return rec
   elif kept is not None and not rerun and kept.get("returncode") == 0 and kept.get("command") == shlex.join(cmd):
     return kept

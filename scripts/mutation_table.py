@@ -1315,4 +1315,9 @@ MUTATIONS = (
              ("tests/test_resume.py::test_virtual_run_interrupted_and_resumed_is_bit_identical_to_the_uninterrupted_run",
               "tests/test_resume_mpi.py::test_kill_a_vw_after_a_checkpoint_then_resume_to_the_end"),
              "the lead logs every segment's waves from clock 0 (ps_applied.jsonl repeats waves after a checkpoint)"),
+    Mutation("staleness_study_reuses_a_failed_run", "run_one",
+             "    if rec[\"command\"] == shlex.join(cmd) and rec[\"returncode\"] == 0:",
+             "    if rec[\"command\"] == shlex.join(cmd):",
+             ("tests/test_staleness_study.py::test_a_failed_run_is_not_reused_but_a_finished_one_is",),
+             "a study run that failed (a missing package, a timeout) is reported as failed again instead of rerun"),
 )

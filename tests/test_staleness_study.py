@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shlex
 import shutil
 import signal
 import subprocess
@@ -71,6 +72,21 @@ def test_time_to_target_compares_the_best_compensated_row_per_seed_within_its_pr
   assert all(v["met"] for v in versus.values())
   goals = [g for g in report.goals(table, {"paper_momentum": p}) if "momentum SGD proxy" in g["goal"]]
   assert len(goals) == 3 and all(g["status"] == "met" for g in goals)
+
+
+def test_a_failed_run_is_not_reused_but_a_finished_one_is(tmp_path):
+  tasks = grid.make_tasks(True, 0, "", "")
+  row = grid.QUICK_GRID[0]
+  fields = study.run_config(tasks[row.task], row, 0, {}, 512)
+  key = f"{row.key}.s0"
+  (tmp_path / "runs").mkdir()
+  cmd = shlex.join(study.command(tasks[row.task], fields, tmp_path / "runs" / key))
+  for returncode, reused in ((1, False), (0, True)):
+    rec = {"key": key, "command": cmd, "returncode": returncode, "final": 3.0}
+    (tmp_path / "runs" / f"{key}.json").write_text(json.dumps(rec))
+    # start=False (--wait_only): a run that is not reused is reported as not run (returncode None), not started
+    got = study.run_one(tasks[row.task], row, 0, fields, tmp_path, False, 10, start=False)
+    assert (got == rec) if reused else (got["returncode"] is None), (returncode, got)
 
 
 def test_vgg19_timing_plans_have_the_rows_layouts(tmp_path):
