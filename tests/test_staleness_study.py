@@ -74,6 +74,14 @@ def test_time_to_target_compares_the_best_compensated_row_per_seed_within_its_pr
   assert len(goals) == 3 and all(g["status"] == "met" for g in goals)
 
 
+def test_headline_rows_run_on_three_seeds_and_every_other_row_on_two():
+  rows = grid.GRID + grid.EXTENSION
+  headline = {r.key for r in rows if r.seeds == 3}
+  assert headline == grid.HEADLINE  # every headline key names a row of the grid
+  assert all(r.seeds == 2 for r in rows if r.key not in headline)
+  assert len({r.key for r in rows}) == len(rows)
+
+
 def test_a_failed_run_is_not_reused_but_a_finished_one_is(tmp_path):
   tasks = grid.make_tasks(True, 0, "", "")
   row = grid.QUICK_GRID[0]
