@@ -94,8 +94,6 @@ class ParameterServerService:
     self.unheard = set(range(self.n))  # VWs not heard from since this process started (the watchdog's start-up limit)
     self.num_minibatches_per_vw = num_minibatches_per_vw
     self.num_inflight = num_inflight
-    self.evaluate = evaluate
-    self.eval_every_waves = eval_every_waves
     self.sends: list = []
     self.reports: dict[int, dict] = {}
     self.minibatches_done = [0] * self.n
@@ -175,7 +173,7 @@ class ParameterServerService:
           if self.lead:
             for clock in range(before + 1, self.server.global_clock + 1):
               self._on_clock(self.clock_offset + clock)
-          elif self.eval_every_waves > 0:
+          elif self.log.eval_every > 0:
             for clock in range(before + 1, self.server.global_clock + 1):
               self._send_eval_slice(self.clock_offset + clock)
       elif kind is Kind.METRICS:
@@ -305,7 +303,7 @@ class ParameterServerService:
       slices = self._eval_slices.setdefault(h.wave, {})
       if not self.eval_due(h.wave) or src in slices:
         raise wire.ProtocolError(f"rank 0 received shard {src}'s slice for an evaluation at global clock {h.wave} "
-                                 f"{'twice' if src in slices else f'(evaluations every {self.eval_every_waves})'}")
+                                 f"{'twice' if src in slices else f'(evaluations every {self.log.eval_every})'}")
       slices[src] = part
     self._finish_evals()
 
@@ -324,7 +322,7 @@ class ParameterServerService:
           layout.scatter(flat, shard, part)
         del self._eval_slices[clock]
       self._eval_lines.pop(0)
-      self.log.line(clock, sum(self.minibatches_done), self.wall_s(), self.evaluate(flat) if evaluated else None)
+      self.log.line(clock, sum(self.minibatches_done), self.wall_s(), self.log.evaluate(flat) if evaluated else None)
 
   def _await_evals(self, status, any_source: int, backoff) -> None:
     """The sharded lead at the end of a segment (every VW sent DONE or SEGMENT, so every shard reaches every clock
@@ -337,7 +335,7 @@ class ParameterServerService:
 
   def _on_clock(self, clock: int) -> None:
     if self.eval_shards is not None:  # several shards: the evaluation waits for every shard's slice of this clock
-      due = self.evaluate is not None and self.eval_due(clock)
+      due = self.log.evaluate is not None and self.eval_due(clock)
       if due:
         self._eval_slices.setdefault(clock, {})[self.shard] = self.server.weights.copy()
       if self.log.line_due(clock, due):
