@@ -8,8 +8,8 @@ from __future__ import annotations
 # Why a row measured what it did: the analysis of the full run (REPRODUCTION.md's "why" column; by row key).
 WHY: dict[str, str] = {
     "lm_in_vw.lm.hetpipe.adam.v1.nm2.d0": (
-        "each gradient is taken at weights one Adam update old: +24% and +20% bits/byte after 600 minibatches (seeds 0 "
-        "and 1). "
+        "each gradient is taken at weights one Adam update old: +24%, +20% and +16% bits/byte after 600 minibatches "
+        "(seeds 0, 1 and 2). "
         "experiments/delay_sweep.py trains with the same delay sequentially and matches these runs to 4 decimals, so "
         "it is the optimizer's response to the delay; Muon (consistent RMS 0.2) with weight prediction loses 2.0% "
         "there (docs/measurements/lm_delay_sweep.md)"),
@@ -54,7 +54,8 @@ WHY: dict[str, str] = {
         "(experiments/lm_check.py, docs/measurements/lm_fortunes.md), and inside one VW the delay's cost falls from "
         "+3.6% at 600 to +0.9% at 2,400 (with prediction; docs/measurements/lm_delay_sweep.md)"),
     "lm_cross_vw.lm.hetpipe.muon_rms_wp.v2.nm2.d1": (
-        "prediction removes the in-VW lag (the gap falls from +12.1% to +10.0%); the drift between the VWs at D=1 "
+        "prediction removes the in-VW lag (the gap falls from +12.1% to +9.8%, 3 seeds); the drift between the VWs "
+        "at D=1 "
         "stays. Under MPI over 1,000 minibatches per VW: 4.9% (lm.py's default, docs/measurements/lm_fortunes.md); "
         "after 2,400 minibatches in virtual time (on an H200, numerics checked against this machine's): +4.3% ± 0.4 "
         "on 2 seeds, +7.3% without prediction (docs/measurements/lm_cross_vw_2400.md)"),
@@ -78,9 +79,16 @@ WHY: dict[str, str] = {
         "the Horovod-fitted cost model HetPipe's 4 pipelines are no faster per epoch than Horovod's 16 replicas "
         "(177 s each), so the in-VW staleness (Nm=4) only costs; 1F1B-flush (4 pipelines, M=32, no staleness) is "
         "the fastest to the target"),
+    "paper_momentum.paper.hetpipe.momentum_wp.v4.nm4.d0": (
+        "the proxy on momentum SGD, so that weight prediction has a direction: prediction at D=0 is 1.4% sooner than "
+        "without (55.0 against 55.7 s), at D=4 31% sooner (101.7 against 147.2 s), but D=4 stays far behind D=0 and "
+        "1F1B-flush (42.0 s) is the fastest, as on SGD"),
+    "paper_momentum_hetpipe_fit.paper.hetpipe.momentum_wp.v4.nm4.d0": (
+        "on the HetPipe-fitted cluster the same order as on SGD: HetPipe with prediction 40% sooner than Horovod "
+        "(35.5 against 60.2 s), 1F1B-flush sooner still (27.9 s); prediction itself buys 1.2% at D=0"),
     "paper_hetpipe_fit.paper.hetpipe.sgd_dc.v4.nm4.d0": (
         "on the cluster fitted to HetPipe's own VGG-19 speed (experiments/paper/calibration_hetpipe.py) HetPipe "
-        "reaches 60% 41% sooner than Horovod, but 1F1B-flush is faster still (13.4 against 17.8 s): the fitted "
+        "reaches 60% 34% sooner than Horovod, but 1F1B-flush is faster still (13.5 against 18.3 s): the fitted "
         "efficiencies speed up every pipeline, and 1F1B-flush's have no staleness. That fit predicts ResNet-152's "
         "Table 4 cells +54 to +130% too fast, so it is a bound on HetPipe's case, not a model of the cluster"),
     "cnn.cnn.hetpipe.adam_ps_exp.v2.nm4.d4": (
@@ -96,7 +104,7 @@ WHY: dict[str, str] = {
         "per-minibatch rule loses 7.2: its stages update as soon as their backward ends, so a forward sees fewer "
         "missing updates"),
     "cnn.cnn.hetpipe.muon_rms_wp.v2.nm4.d4": (
-        "the best remedy measured: a fifth of Adam's gap (-1.4 points), 0.884 against Adam's 0.890 at "
+        "the best remedy measured: a fifth of Adam's gap (-1.3 points on 3 seeds), 0.885 against Adam's 0.889 at "
         "Nm=1, D=0; still outside the 0.5-point goal against its own reference"),
 }
 
@@ -108,7 +116,8 @@ NOT_MEASURED = (
     ("LM, inside a VW, after 2,400 minibatches", "not a row of this study (rerun with --lm_minibatches=2400); its "
      "stand-in experiments/delay_sweep.py, which reproduces the 600-minibatch rows to 4 decimals, measured Muon "
      "(consistent RMS 0.2) with weight prediction at Nm=2 +0.81% behind Nm=1 (2.3242 against 2.3054 bits/byte, seeds "
-     "0 and 1: +0.86%, +0.77%; docs/measurements/lm_delay_sweep.md): within 2% on both seeds. Nm=4 at 2,400: not run"),
+     "0 and 1: +0.86%, +0.77%; docs/measurements/lm_delay_sweep.md): within 2% on both seeds. At Nm=4 (delay 3) with "
+     "prediction: 2.4025 against 2.3054, +4.2% (+4.0%, +4.4%): missed"),
     ("The LM config goes back on a pipeline: experiments/configs/lm.py at Nm >= 2, D >= 1 reaches >= 40% below the "
      "unigram entropy within 15 minutes with set-up", "an MPI run of lm.py, not a virtual-time row of this study; "
      "measured by experiments/lm_check.py (docs/measurements/lm_fortunes.md, 2026-11-27): met with Muon and weight prediction, "
