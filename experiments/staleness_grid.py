@@ -85,6 +85,14 @@ VARIANTS = {v.name: v for v in (
     Variant("muon_rms", "Muon, consistent RMS 0.2", {"optimizer": "muon", "muon_consistent_rms": 0.2}, "muon_rms"),
     Variant("muon_rms_wp", "Muon, consistent RMS 0.2 + weight prediction",
             {"optimizer": "muon", "muon_consistent_rms": 0.2, "weight_prediction": "optimizer"}, "muon_rms"),
+    # Muon with prediction (the in-VW lag) plus a remedy for the drift between VWs (the PS's e^(−τ) scaling) or
+    # PipeMare's in-VW rescheduling: the remedies that each helped Adam, stacked on the best setting.
+    Variant("muon_rms_wp_ps_exp", "Muon RMS 0.2 + prediction + PS e^(−τ)",
+            {"optimizer": "muon", "muon_consistent_rms": 0.2, "weight_prediction": "optimizer",
+             "ps_staleness_scaling": "exp"}, "muon_rms"),
+    Variant("muon_rms_wp_pipemare", "Muon RMS 0.2 + prediction + PipeMare",
+            {"optimizer": "muon", "muon_consistent_rms": 0.2, "weight_prediction": "optimizer",
+             "delay_scaled_lr": "pipemare"}, "muon_rms", needs="delay_scaled_lr"),
     # The paper-timing proxy: SGD as experiments/paper/convergence.py trains it (lr 0.01 per VW).
     Variant("sgd", "SGD (lr 0.01 per VW)", {"optimizer": "sgd", "learning_rate": 0.01, "lr_schedule": "constant"},
             "sgd"),
@@ -207,6 +215,9 @@ EXTENSION = _headline(
     # lm.py's default (Muon at Adam's RMS, weight prediction) across 2 VWs, in virtual time (exact numerics).
     + _rows("lm_cross_vw", "lm", "hetpipe", ["muon_rms"], 2, [1], [0], 2)
     + _rows("lm_cross_vw", "lm", "hetpipe", ["muon_rms", "muon_rms_wp"], 2, [2], [1], 2)
+    # The best setting with a remedy for the drift between VWs stacked on it.
+    + _rows("cnn", "cnn", "hetpipe", ["muon_rms_wp_ps_exp", "muon_rms_wp_pipemare"], 2, [4], [4], 2)
+    + _rows("lm_cross_vw", "lm", "hetpipe", ["muon_rms_wp_ps_exp"], 2, [2], [1], 2)
     # Time to target with weight prediction: the paper rows' proxy on momentum SGD, under both calibrations.
     + [r for g, fit in (("paper_momentum", ""), ("paper_momentum_hetpipe_fit", HETPIPE_FIT)) for r in (
         _rows(g, "paper", "horovod", ["momentum"], 16, [1], [0], 2, "horovod" + fit)
