@@ -79,6 +79,16 @@ WHY: dict[str, str] = {
         "the Horovod-fitted cost model HetPipe's 4 pipelines are no faster per epoch than Horovod's 16 replicas "
         "(177 s each), so the in-VW staleness (Nm=4) only costs; 1F1B-flush (4 pipelines, M=32, no staleness) is "
         "the fastest to the target"),
+    "cnn.cnn.hetpipe.muon_rms_wp_ps_exp.v2.nm4.d4": (
+        "the PS's e^(−τ) scaling, which gave Adam 2.8 points, costs Muon with prediction 1.2 (-2.54 against -1.29 "
+        "points): shrinking the other VW's late waves also shrinks Muon's already-normalised steps, and the run "
+        "learns slower than the drift costs"),
+    "cnn.cnn.hetpipe.muon_rms_wp_pipemare.v2.nm4.d4": (
+        "PipeMare on top of prediction costs 0.6 points (-1.91 against -1.29): once prediction has removed the in-VW "
+        "lag, scaling stale steps down only slows the early epoch; for Adam, whose prediction removes less, the two "
+        "stacked (+1.3 points over prediction alone)"),
+    "lm_cross_vw.lm.hetpipe.muon_rms_wp_ps_exp.v2.nm2.d1": (
+        "the PS's e^(−τ) scaling does not shrink the cross-VW gap of Muon with prediction (+10.3% against +9.8%)"),
     "paper_momentum.paper.hetpipe.momentum_wp.v4.nm4.d0": (
         "the proxy on momentum SGD, so that weight prediction has a direction: prediction at D=0 is 1.4% sooner than "
         "without (55.0 against 55.7 s), at D=4 31% sooner (101.7 against 147.2 s), but D=4 stays far behind D=0 and "
