@@ -58,7 +58,8 @@ from absl import app, flags, logging  # noqa: E402
 from experiments.staleness_grid import (EXTENSION, GRID, HETPIPE_FIT, QUICK_GRID, RERUN_COMMAND, VARIANTS,  # noqa: E402
                                         Row, Task, make_tasks)
 from experiments.staleness_report import (PAPER_GROUPS, aggregate, goals, markdown, paper_results,  # noqa: E402
-                                          paper_time_to_target, partial_record, plot, time_to_target, value_at)  # noqa: F401  (re-exported)
+                                          paper_time_to_target, partial_record, plot,
+                                          time_to_target, value_at)  # noqa: F401  (re-exported)
 from hetpipe_jax.paths import REPO_ROOT, write_json  # noqa: E402
 
 
@@ -124,8 +125,9 @@ def run_one(task: Task, row: Row, seed: int, fields: dict, out: pathlib.Path, re
   """Runs (or reuses) one seed of ``row``; returns its record (the command, the config, the curve, the result).
 
   Reused: a finished record with the same command (``out/runs/<key>.json``, else ``kept``: the one the results file
-  keeps, :func:`kept_records`; a failed run runs again), or a finished run directory (``summary.json``) whose ``<key>.cmd`` is the same command
-  (a run that outlived the study process that started it; while its ``<key>.pid`` runs, this waits).
+  keeps, :func:`kept_records`; a failed run runs again), or a finished run directory (``summary.json``) whose
+  ``<key>.cmd`` is the same command (a run that outlived the study process that started it; while its ``<key>.pid``
+  runs, this waits).
   """
   key = f"{row.key}.s{seed}"
   record_path = out / "runs" / f"{key}.json"

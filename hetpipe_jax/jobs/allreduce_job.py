@@ -1,15 +1,15 @@
 """One all-reduce BSP training job over MPI (gpipe, 1f1b_flush, horovod): one rank per VW, no parameter server.
 
 Runtime layer; ``hetpipe_jax.train`` runs these methods here (:func:`run`); the PS methods' job is
-:mod:`hetpipe_jax.jobs.mpi_job`; both set up through :func:`hetpipe_jax.jobs.run_context.set_up`. Rank r runs VW r: every step its pipeline
-runs M micro-batches in the method's order (:mod:`hetpipe_jax.rules.methods`), then its accumulated
-gradients (one contiguous float32 buffer in layer order, the step's loss sum last) are summed over all ranks with
-``MPI.Allreduce`` on each reduction segment (:func:`hetpipe_jax.rules.allreduce.reduce_segments`: the stages when
-every VW has the same partition; MPICH's collective, in place on contiguous slices), and every rank applies the
-same update with the mean gradient
-(:meth:`hetpipe_jax.runtime.flush_step.FlushUpdate.apply_reduced`). Rank 0 also writes the run's outputs
-(:mod:`hetpipe_jax.jobs.outputs`): metrics per logged step, evaluations, every rank's records (gathered at the end),
-summary.json and the final weights; the final weights of every rank are checked to be identical.
+:mod:`hetpipe_jax.jobs.mpi_job`; both set up through :func:`hetpipe_jax.jobs.run_context.set_up`. Rank r runs VW r:
+every step its pipeline runs M micro-batches in the method's order (:mod:`hetpipe_jax.rules.methods`), then its
+accumulated gradients (one contiguous float32 buffer in layer order, the step's loss sum last) are summed over all
+ranks with ``MPI.Allreduce`` on each reduction segment (:func:`hetpipe_jax.rules.allreduce.reduce_segments`: the
+stages when every VW has the same partition; MPICH's collective, in place on contiguous slices), and every rank
+applies the same update with the mean gradient (:meth:`hetpipe_jax.runtime.flush_step.FlushUpdate.apply_reduced`).
+Rank 0 also writes the run's outputs (:mod:`hetpipe_jax.jobs.outputs`): metrics per logged step, evaluations, every
+rank's records (gathered at the end), summary.json and the final weights; the final weights of every rank are
+checked to be identical.
 
 Validation happens on every rank before any work, as in the HetPipe job. Not supported (refused with one message):
 ``--resume``; training checkpoints (``checkpoint_every_waves`` is recorded as 0: only the final weights are saved).
