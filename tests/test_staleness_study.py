@@ -82,6 +82,15 @@ def test_headline_rows_run_on_three_seeds_and_every_other_row_on_two():
   assert len({r.key for r in rows}) == len(rows)
 
 
+def test_the_analysis_texts_name_rows_of_the_grid():
+  # experiments/staleness_why.py is data: a WHY key that names no row (a renamed variant) would never be shown
+  from experiments import staleness_why as why
+  keys = {r.key for r in grid.GRID + grid.EXTENSION}
+  assert why.WHY and set(why.WHY) <= keys, sorted(set(why.WHY) - keys)
+  assert all(text for text in why.WHY.values())
+  assert why.ELSEWHERE and all(met in (True, False, None) and goal and text for goal, met, text in why.ELSEWHERE)
+
+
 def test_a_failed_run_is_not_reused_but_a_finished_one_is(tmp_path):
   tasks = grid.make_tasks(True, 0, "", "")
   row = grid.QUICK_GRID[0]
