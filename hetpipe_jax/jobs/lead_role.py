@@ -56,10 +56,12 @@ class Lead:
     """The training checkpoint at global clock ``clock`` (:meth:`RunContext.save_checkpoint`, with this run's logs):
     ``flat`` the global weights there, float32 ``[num_params]``; ``opt_states`` per VW its stages' optimizer state by
     layer; ``time_s`` the run's time there (wall or simulated seconds); ``version_ids`` per VW its newest weight
-    version's id; ``extra`` the transport's own fields (``mode`` and what its resume reads)."""
+    version's id; ``extra`` the transport's own fields (``mode`` and what its resume reads). The staleness log goes
+    along as ``applied_staleness`` (:meth:`RunContext.resumed_logs` reads it back)."""
     self._ckpt_stats.append(self.ctx.save_checkpoint(
         self.store, clock, flat, opt_states, self.log, applied=self.applied, records=self.records, time_s=time_s,
-        config_json=self.config_json, resumes=self.resumes, version_ids=version_ids, extra=extra))
+        config_json=self.config_json, resumes=self.resumes, version_ids=version_ids,
+        extra={**extra, "applied_staleness": self.staleness}))
 
   def close(self) -> None:
     """Closes the checkpoint store (waits for an asynchronous save); also after an error."""

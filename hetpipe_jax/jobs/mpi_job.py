@@ -254,8 +254,8 @@ def _run_ps(ctx: RunContext) -> dict:
   def save(end: int, cut_flat: np.ndarray, opt_buffers: dict) -> None:
     lead.save(end, cut_flat, opt_checkpoint.merge_states(templates, opt_buffers, n), time_s=service.wall_s(),
               version_ids=version_ids,
-              extra={"mode": "mpi", "start_unix_s": start_unix, "applied_staleness": lead.staleness,
-                     "num_ps_shards": settings.num_ps_shards, "shard_applied": shard_applied,
+              extra={"mode": "mpi", "start_unix_s": start_unix, "num_ps_shards": settings.num_ps_shards,
+                     "shard_applied": shard_applied,
                      "stage_groups": [[list(g) for g in groups] for groups in settings.stage_groups]})
 
   try:

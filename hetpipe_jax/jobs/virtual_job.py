@@ -123,8 +123,7 @@ def _run_wsp(ctx: RunContext) -> dict:
       if lead.store is not None and settings.checkpoint.due(end, total_waves):
         lead.save(end, server.weights, {v: vw.opt_state_by_layer() for v, vw in enumerate(vws)}, time_s=off.time_s,
                   version_ids=[vw.version.version_id for vw in vws],
-                  extra={"mode": "virtual", "wait_s": wait_s, "idle_s": idle_s, "max_clock_distance": max_distance,
-                         "applied_staleness": lead.staleness})
+                  extra={"mode": "virtual", "wait_s": wait_s, "idle_s": idle_s, "max_clock_distance": max_distance})
   finally:
     lead.close()
   if bar is not None:
