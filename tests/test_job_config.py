@@ -324,3 +324,20 @@ def test_the_job_holds_every_flat_setting_as_given():
   assert (job.seed, job.batch_size, job.model) == (5, 16, "mlp_tiny")
   assert job.run.debug_nan_update == (1, 2) and job.resume is False and job.mode == "virtual"
   assert dict(job.flat) == c.to_dict()
+
+
+def test_the_job_reads_every_layout_field_of_its_settings_through_its_sections():
+  """The MPI helpers take a JobSettings or a Job: each layout field of JobSettings (every field but the model, plan,
+  sources and notes) reads the same on the Job, and an MPI job's PS shards and placement are its ``ps`` section's."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from hetpipe_jax.jobs import job_ranks  # pylint: disable=g-import-not-at-top
+  from hetpipe_jax.jobs.job import JobSettings  # pylint: disable=g-import-not-at-top
+  c = _tiny(num_virtual_workers=2, num_inflight=3, staleness_bound=2, num_ps_shards=2)
+  settings = job_ranks.with_stage_ranks(c, job_ranks.with_ps_shards(c, resolve_settings(c)))
+  job = job_config.resolve_job(c, "mpi")
+  layout = [f.name for f in dataclasses.fields(JobSettings) if f.name not in ("model", "plan", "sources", "notes")]
+  assert len(layout) == 12
+  for name in layout:
+    assert getattr(job, name) == getattr(settings, name), name
+  assert (job.num_ps_shards, job.ps_placement) == (job.ps.num_shards, job.ps.placement) == (2, settings.ps_placement)
+  assert (job.world_size, job.num_ps_ranks) == (settings.world_size, 2)

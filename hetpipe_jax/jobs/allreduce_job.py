@@ -24,11 +24,12 @@ import numpy as np
 
 from hetpipe_jax.jobs import rank_setup, vw_role
 from hetpipe_jax.jobs.job import Job
+from hetpipe_jax.jobs.lead_role import finish_allreduce
 from hetpipe_jax.jobs.outputs import check_replicas_identical, weights_sha256, write_runtime_trace
 from hetpipe_jax.jobs.run_context import set_up
 from hetpipe_jax.jobs.summary import Summary, allreduce_results, rates, settings_summary
 from hetpipe_jax.rules import allreduce
-from hetpipe_jax.runtime.clock_log import ClockLog
+from hetpipe_jax.runtime.clock_log import ClockLog, progress_bar
 from hetpipe_jax.runtime.param_layout import ParamLayout
 
 
@@ -84,15 +85,12 @@ def run(job: Job, workdir: str, comm) -> dict | None:
 
   outputs = log = bar = None
   if rank == 0:
-    outputs = ctx.open_outputs()
-    outputs.write_config(ctx.config_json(checkpoint_every_waves=0))
-    for note in settings.notes:
-      logging.info("[VW 0] %s", note)
+    outputs = ctx.start_outputs(ctx.config_json(checkpoint_every_waves=0), "[VW 0]")
     if job.run.progress:
-      from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-      bar = tqdm(total=steps, desc=f"[{settings.method}] step", unit="step", mininterval=1.0, dynamic_ncols=True)
-    log = ClockLog(outputs.log_metrics, ctx.evaluator(devices[0]).evaluate, ctx.eval_every, job.run.log_every_waves,
-                   eval_before=steps, name="[VW 0]", bar=bar)
+      bar = progress_bar(steps, f"[{settings.method}] step", "step")
+    evaluate = ctx.evaluator(devices[0]).evaluate
+    log = ClockLog(outputs.log_metrics, evaluate, ctx.eval_every, job.run.log_every_waves, eval_before=steps,
+                   name="[VW 0]", bar=bar)
     logging.info("[VW 0] %s: %d VWs x %d steps of %d micro-batches (all-reduce BSP over %d segments), model %s "
                  "with %d parameters", settings.method, n, steps, m, len(segments), spec.name, layout.num_params)
   t0 = [time.perf_counter()]
@@ -130,13 +128,12 @@ def run(job: Job, workdir: str, comm) -> dict | None:
     return None
 
   reports = dict(enumerate(reports))
-  final = log.evaluate(final_flat)
-  log.line(steps, steps * n, wall, final, final=True)
-  records = [r for v in sorted(reports) for r in reports[v]["records"]]
-  extra = outputs.write_minibatches(records)
-  if job.run.save_task_trace:
-    write_runtime_trace(reports, m, outputs.dir)
-  ckpt = outputs.save_checkpoint(layout.unflatten(final_flat))
+  digests = {v: rep["digest"] for v, rep in sorted(reports.items())}
+  final, lead_fields = finish_allreduce(
+      ctx, outputs, log, evaluate, final_flat, digests, [r for v in sorted(reports) for r in reports[v]["records"]],
+      wall, allreduce={"segments": [list(s) for s in segments], "steps": steps,
+                       "seconds_per_vw": {str(v): rep["allreduce_s"] for v, rep in sorted(reports.items())}},
+      write_trace=lambda: write_runtime_trace(reports, m, outputs.dir))
   keys = ("wait_s", "idle_s", "wall_time_s", "num_pulls", "num_pushes", "peak_inflight_per_stage",
           "max_concurrent_tasks", "num_tasks", "num_overruns", "overrun_s", "host_busy_s", "start_unix_s")
   per_vw = {str(v): {k: rep["stats"][k] for k in keys} | {"allreduce_s": rep["allreduce_s"],
@@ -145,20 +142,13 @@ def run(job: Job, workdir: str, comm) -> dict | None:
   total_mb = n * steps
   summary = Summary("mpi", allreduce_results(final, log.loss, steps, n, m),
                     rates("mpi", wall, total_mb, job.batch_size), settings_summary(job, partitions, spec), steps, {
-      "allreduce": {"segments": [list(s) for s in segments], "steps": steps,
-                    "seconds_per_vw": {str(v): rep["allreduce_s"] for v, rep in sorted(reports.items())},
-                    "replicas_identical": len({rep["digest"] for rep in reports.values()}) == 1,
-                    "replica_sha256": {str(v): rep["digest"] for v, rep in sorted(reports.items())}},
-      **extra,
+      **lead_fields,
       "trace_counts": {str(v): rep["trace_counts"] for v, rep in sorted(reports.items())},
-      "evaluations": log.evals + [{"global_clock": steps, "wall_time_s": wall, **final}],
       "per_vw": per_vw,
       "wait_s": {v: s["wait_s"] for v, s in per_vw.items()},
       "idle_s": {v: s["idle_s"] for v, s in per_vw.items()},
-      "checkpoint": str(ckpt),
-      "checkpoint_every_waves": 0,
   }).write(outputs)
-  check_replicas_identical({v: rep["digest"] for v, rep in reports.items()}, workdir)  # a non-zero exit
+  check_replicas_identical(digests, workdir)  # a non-zero exit
   logging.info("[VW 0] done: test accuracy %.4f, %d minibatches in %.1f s (%.1f images/s)", final["test_accuracy"],
                total_mb, wall, summary["images_per_s"])
   return summary

@@ -12,6 +12,7 @@ every function after it (the drivers, the outputs, resume, the data loader) take
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Mapping
 
 from hetpipe_jax.data.dataset import DataSettings
@@ -266,6 +267,10 @@ class Job(_RankLayout):
     notes: log lines about overrides.
     mode: ``"mpi"`` or ``"virtual"``; resume: continue from the newest checkpoint.
     flat: the config as given, flat (``config.json``'s fields before resolution).
+
+  Also :class:`JobSettings`' layout fields, read through the sections (``_LAYOUT_FIELDS`` below): ``method``,
+  ``num_virtual_workers``, ``num_inflight``, ``vws``, ``memory_caps``, ``stage_groups``, ``platform``,
+  ``staleness_bound``, ``num_ps_shards``, ``ps_placement``, ``shard_nodes``, ``vw_stage_nodes``.
   """
 
   model: str
@@ -287,21 +292,18 @@ class Job(_RankLayout):
   resume: bool
   flat: Mapping[str, Any]
 
-  # The layout's shortcuts (the MPI helpers, rank layouts and checks read them).
-  method = property(lambda self: self.pipeline.method)
-  num_virtual_workers = property(lambda self: self.pipeline.num_virtual_workers)
-  num_inflight = property(lambda self: self.pipeline.num_inflight)
-  vws = property(lambda self: self.pipeline.vws)
-  memory_caps = property(lambda self: self.pipeline.memory_caps)
-  stage_groups = property(lambda self: self.pipeline.stage_groups)
-  platform = property(lambda self: self.pipeline.platform)
-  staleness_bound = property(lambda self: self.wsp.staleness_bound)
-  num_ps_shards = property(lambda self: self.ps.num_shards)
-  ps_placement = property(lambda self: self.ps.placement)
-  shard_nodes = property(lambda self: self.ps.shard_nodes)
-  vw_stage_nodes = property(lambda self: self.ps.vw_stage_nodes)
-
   @property
   def minibatches_per_wave(self) -> int:
     """Nm (WSP methods), or 1 for the flush methods (a step is one minibatch of M micro-batches)."""
     return methods.minibatches_per_wave(methods.get_method(self.method), self.num_inflight)
+
+
+# :class:`JobSettings`' layout fields, read on a Job through its sections (the MPI helpers, rank layouts and checks
+# take either): ``job.method`` is ``job.pipeline.method``, ``job.num_ps_shards`` is ``job.ps.num_shards``, ...
+_LAYOUT_FIELDS = {"pipeline": ("method", "num_virtual_workers", "num_inflight", "vws", "memory_caps", "stage_groups",
+                               "platform"),
+                  "wsp": ("staleness_bound",), "ps": ("num_shards", "placement", "shard_nodes", "vw_stage_nodes")}
+_LAYOUT_NAMES = {("ps", "num_shards"): "num_ps_shards", ("ps", "placement"): "ps_placement"}
+for _section, _names in _LAYOUT_FIELDS.items():
+  for _name in _names:
+    setattr(Job, _LAYOUT_NAMES.get((_section, _name), _name), property(operator.attrgetter(f"{_section}.{_name}")))

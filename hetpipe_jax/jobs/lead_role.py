@@ -1,12 +1,16 @@
-"""The lead role of the parameter-server methods (hetpipe, pipedream): what a run keeps over its checkpoint segments
-and writes at its end, the same under MPI (the lead PS shard, :func:`hetpipe_jax.jobs.mpi_job.run`) and in virtual
-time (:func:`hetpipe_jax.jobs.virtual_job.run`).
+"""The lead role: what a run keeps and writes at its end, the same under MPI and in virtual time.
 
-Jobs layer. The transports differ in how a segment runs (MPI messages to a PS service, or the engine driving
-in-process VWs) and in their own summary fields; the lead's bookkeeping is this one class: the minibatch records,
-the PS's ``(wave, vw)`` application order and each application's ``(tau, scale)`` over segments (continued from a
-resume point), the training checkpoints at segment ends, and the run's final evaluation, metrics line, outputs and
-checkpoint-related summary fields.
+Jobs layer. The transports differ in how the training runs (MPI messages, or the engine driving in-process VWs) and
+in their own summary fields; the lead's bookkeeping is here, once per synchronisation (the methods table's ``sync``):
+- :class:`Lead`, the parameter-server methods (hetpipe, pipedream: the lead PS shard of
+  :func:`hetpipe_jax.jobs.mpi_job.run`, or :func:`hetpipe_jax.jobs.virtual_job.run`): the minibatch records, the
+  PS's ``(wave, vw)`` application order and each application's ``(tau, scale)`` over checkpoint segments (continued
+  from a resume point), the training checkpoints at segment ends, and the run's end.
+- :func:`finish_allreduce`, the all-reduce methods (gpipe, 1f1b_flush, horovod: rank 0 of
+  :func:`hetpipe_jax.jobs.allreduce_job.run`, or virtual time): the run's end; no parameter server, no checkpoints.
+
+Both ends evaluate the final weights, write the final metrics line, ``minibatches.jsonl``, the task trace when asked
+and the final weights' checkpoint, and return the summary fields every transport writes.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs.checkpoint import TrainingCheckpoints
 from hetpipe_jax.jobs.outputs import RunOutputs
 from hetpipe_jax.jobs.run_context import RunContext
-from hetpipe_jax.runtime.clock_log import ClockLog
+from hetpipe_jax.runtime.clock_log import TIME_KEYS, ClockLog
 
 
 class Lead:
@@ -91,3 +95,34 @@ class Lead:
     ckpt = outputs.save_checkpoint(self.ctx.layout.unflatten(flat))
     return final, {**applied_fields, **record_fields, "evaluations": self.log.evals, "checkpoint": str(ckpt),
                    **resume_lib.checkpoint_summary(job.checkpoint, self._ckpt_stats, self.resumes)}
+
+
+def finish_allreduce(ctx: RunContext, outputs: RunOutputs, log: ClockLog, evaluate: Callable[[np.ndarray], dict],
+                     flat: np.ndarray, digests: dict[int, str], records: list[dict], time_s: float, *,
+                     allreduce: dict[str, Any], write_trace: Callable[[], None] | None = None
+                     ) -> tuple[dict, dict[str, Any]]:
+  """The end of an all-reduce run (module docstring): evaluates the final weights ``flat`` (VW 0's, float32
+  ``[num_params]``), writes the final metrics line (at global clock = steps, every VW's minibatches, ``time_s``: wall
+  or simulated seconds as ``log`` keeps them), ``minibatches.jsonl`` (``records``: every VW's rows), the task trace
+  (``write_trace``, when ``config.save_task_trace``) and the final weights' checkpoint.
+
+  Args:
+    digests: per VW :func:`hetpipe_jax.jobs.outputs.weights_sha256` of its final weights; the caller checks them
+      (:func:`hetpipe_jax.jobs.outputs.check_replicas_identical`) after writing the summary.
+    allreduce: the transport's ``allreduce`` summary fields; the replicas' digests are added to them.
+
+  Returns:
+    ``(final evaluation, the summary fields every transport writes)``.
+  """
+  job, steps = ctx.job, ctx.num_minibatches
+  final = evaluate(flat)
+  log.line(steps, steps * job.num_virtual_workers, time_s, final, final=True)
+  record_fields = outputs.write_minibatches(records)
+  if job.run.save_task_trace and write_trace is not None:
+    write_trace()
+  ckpt = outputs.save_checkpoint(ctx.layout.unflatten(flat))
+  return final, {"allreduce": {**allreduce, "replicas_identical": len(set(digests.values())) == 1,
+                               "replica_sha256": {str(v): d for v, d in sorted(digests.items())}},
+                 **record_fields,
+                 "evaluations": log.evals + [{"global_clock": steps, TIME_KEYS[log.simulated][0]: time_s, **final}],
+                 "checkpoint": str(ckpt), "checkpoint_every_waves": 0}

@@ -210,13 +210,10 @@ def _run_ps(ctx: RunContext) -> dict:
   num_mb, partitions, comm, point, shards = ctx.num_minibatches, ctx.partitions, ctx.comm, ctx.point, ctx.shards
   n, nm = settings.num_virtual_workers, settings.num_inflight
   meta = point.meta if point else {}
-  outputs = ctx.open_outputs()
   config_json = ctx.config_json(num_ps_shards=settings.num_ps_shards, ps_placement=settings.ps_placement,
                                 **rank_setup.stage_rank_fields(settings),
                                 **rank_setup.rank_device_fields(ctx.restricted))
-  outputs.write_config(config_json)
-  for note in settings.notes:
-    logging.info("[PS] %s", note)
+  outputs = ctx.start_outputs(config_json, "[PS]")
   evaluator = ctx.evaluator(jax.local_devices()[0])
   eval_every = ctx.eval_every
   server = ParameterServer(shards.gather(flat0, 0), n, settings.wsp.ps_apply, **settings.ps.scaling_kwargs())  # shard 0's slice (all of it when S = 1)

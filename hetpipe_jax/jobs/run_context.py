@@ -126,6 +126,15 @@ class RunContext:
       resume_lib.rewrite_lines(pathlib.Path(self.workdir) / "metrics.jsonl", self.point.meta["metrics"])
     return RunOutputs(self.workdir)
 
+  def start_outputs(self, config_json: dict, name: str) -> RunOutputs:
+    """:meth:`open_outputs` with ``config.json`` written (``config_json``: :meth:`config_json`'s) and the job's notes
+    logged, each line prefixed with ``name`` (``"[PS]"``); the lead of every driver starts so."""
+    outputs = self.open_outputs()
+    outputs.write_config(config_json)
+    for note in self.job.notes:
+      logging.info("%s %s", name, note)
+    return outputs
+
   def resumed_logs(self) -> tuple[list[dict], list[tuple[int, int]], list[tuple], list[dict]]:
     """``(records, applied, staleness, resumes)`` the run continues: the resume point's minibatch records, the PS's
     ``(wave, vw)`` applications, ``(tau, scale)`` per applied wave and the earlier resumes plus this one (all empty

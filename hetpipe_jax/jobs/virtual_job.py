@@ -14,14 +14,14 @@ import jax
 
 from hetpipe_jax.jobs import resume as resume_lib
 from hetpipe_jax.jobs.job import Job
-from hetpipe_jax.jobs.lead_role import Lead
+from hetpipe_jax.jobs.lead_role import Lead, finish_allreduce
 from hetpipe_jax.jobs import vw_role
 from hetpipe_jax.jobs.outputs import check_replicas_identical, weights_sha256
 from hetpipe_jax.jobs.run_context import RunContext, set_up
 from hetpipe_jax.jobs.summary import Summary, allreduce_results, rates, settings_summary, wsp_results
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.runtime import virtual_time
-from hetpipe_jax.runtime.clock_log import ClockLog
+from hetpipe_jax.runtime.clock_log import ClockLog, progress_bar
 from hetpipe_jax.sim import engine as engine_lib
 from hetpipe_jax.sim import engine_report
 from hetpipe_jax.sim import trace
@@ -53,11 +53,8 @@ def _run_wsp(ctx: RunContext) -> dict:
   start_mb = ctx.start_minibatch
   num_waves = (num_mb - start_mb) // nm  # waves of this run (after the resume point)
   clock0 = ctx.clock0
-  outputs = ctx.open_outputs()
   config_json = ctx.config_json(emulate_plan=ctx.emulate_plan)
-  outputs.write_config(config_json)
-  for note in settings.notes:
-    logging.info("[virtual] %s", note)
+  outputs = ctx.start_outputs(config_json, "[virtual]")
 
   server = ParameterServer(ctx.flat0, n, settings.wsp.ps_apply, **settings.ps.scaling_kwargs())
   devices = jax.local_devices()
@@ -73,9 +70,7 @@ def _run_wsp(ctx: RunContext) -> dict:
   total_waves = clock0 + num_waves
   bar = None
   if settings.run.progress:
-    from tqdm import tqdm
-    bar = tqdm(total=total_waves, initial=clock0, desc="[virtual] global clock", unit="wave", mininterval=1.0,
-               dynamic_ncols=True)
+    bar = progress_bar(total_waves, "[virtual] global clock", "wave", initial=clock0)
   log = ClockLog(outputs.log_metrics, evaluator.evaluate, eval_every, settings.run.log_every_waves, simulated=True,
                  name="[virtual]", bar=bar)
   log.restore(meta)
@@ -158,10 +153,7 @@ def _run_allreduce(ctx: RunContext) -> dict:
   settings, spec, partitions, layout = ctx.job, ctx.spec, ctx.partitions, ctx.layout
   workdir, times, steps = ctx.workdir, ctx.task_times, ctx.num_minibatches
   n, m = settings.num_virtual_workers, settings.num_inflight
-  outputs = ctx.open_outputs()
-  outputs.write_config(ctx.config_json(emulate_plan=ctx.emulate_plan, checkpoint_every_waves=0))
-  for note in settings.notes:
-    logging.info("[virtual] %s", note)
+  outputs = ctx.start_outputs(ctx.config_json(emulate_plan=ctx.emulate_plan, checkpoint_every_waves=0), "[virtual]")
   devices = jax.local_devices()
   outbox: dict = {}
   vws = [vw_role.flush_vw(ctx, v, stage_devices, virtual_time.HeldReducer(v, outbox))
@@ -170,9 +162,7 @@ def _run_allreduce(ctx: RunContext) -> dict:
   eval_every = ctx.eval_every
   bar = None
   if settings.run.progress:
-    from tqdm import tqdm
-    bar = tqdm(total=steps, desc=f"[virtual {settings.method}] step", unit="step", mininterval=1.0,
-               dynamic_ncols=True)
+    bar = progress_bar(steps, f"[virtual {settings.method}] step", "step")
   log = ClockLog(outputs.log_metrics, evaluator.evaluate, eval_every, settings.run.log_every_waves, simulated=True,
                  eval_before=steps, name=f"[virtual {settings.method}]", bar=bar)
   host_t0 = log.host_t0
@@ -188,34 +178,24 @@ def _run_allreduce(ctx: RunContext) -> dict:
   report, _ = virtual_time.run_allreduce(vws, outbox, times, steps, on_step)
   if bar is not None:
     bar.close()
-  final_flat = layout.flatten(vws[0].layer_params())
-  digests = {vw.vw_id: weights_sha256(layout.flatten(vw.layer_params())) for vw in vws}
-  identical = len(set(digests.values())) == 1
-  final = evaluator.evaluate(final_flat)
   sim_time = report.makespan_s
-  log.line(steps, steps * n, sim_time, final, final=True)
-  records = [dict(rec.__dict__) for vw in vws for rec in vw.records]
-  extra = outputs.write_minibatches(records)
-  if settings.run.save_task_trace:
-    _write_trace(report, outputs.dir)
-  ckpt = outputs.save_checkpoint(layout.unflatten(final_flat))
+  shared_nic = report.config["shared_nic"]  # the engine's network rule, as it ran
+  digests = {vw.vw_id: weights_sha256(layout.flatten(vw.layer_params())) for vw in vws}
+  final, lead_fields = finish_allreduce(
+      ctx, outputs, log, evaluator.evaluate, layout.flatten(vws[0].layer_params()), digests, [dict(rec.__dict__) for vw in vws for rec in vw.records], sim_time,
+      allreduce={"steps": report.final_global_clock,
+                 "allreduce_s_per_step": max(t.allreduce_time_s(shared_nic) for t in times)},
+      write_trace=lambda: _write_trace(report, outputs.dir))
   total = steps * n
   summary = Summary("virtual", allreduce_results(final, log.loss, steps, n, m), {
       **rates("virtual", sim_time, total, settings.batch_size),
       "steady_minibatches_per_s": report.total_minibatches_per_s / m,
       "host_wall_time_s": time.perf_counter() - host_t0,
   }, settings_summary(settings, partitions, spec), steps, {
-      "shared_nic": report.config["shared_nic"],  # the engine's network rule, as it ran
-      "allreduce": {"steps": report.final_global_clock,
-                    "allreduce_s_per_step": max(t.allreduce_time_s(report.config["shared_nic"]) for t in times),
-                    "replicas_identical": identical,
-                    "replica_sha256": {str(v): d for v, d in sorted(digests.items())}},
-      **extra,
-      "evaluations": log.evals + [{"global_clock": steps, "simulated_time_s": sim_time, **final}],
+      "shared_nic": shared_nic,
+      **lead_fields,
       "wait_s": {str(r.vw_id): r.wait_s for r in report.vws},
       "idle_s": {str(r.vw_id): r.idle_s for r in report.vws},
-      "checkpoint": str(ckpt),
-      "checkpoint_every_waves": 0,
   }).write(outputs)
   check_replicas_identical(digests, workdir)  # a non-zero exit
   logging.info("[virtual] done: test accuracy %.4f, %d minibatches in %.1f simulated s (%.1f host s)",

@@ -27,7 +27,7 @@ from hetpipe_jax.mpi.wire import Kind
 from hetpipe_jax.ps.param_server import ParameterServer
 from hetpipe_jax.ps.shards import WaveAssembler
 from hetpipe_jax.rules import watchdog
-from hetpipe_jax.runtime.clock_log import ClockLog
+from hetpipe_jax.runtime.clock_log import ClockLog, progress_bar
 
 WATCH_EVERY_S = 1.0  # the watchdog looks at most this often (the idle loop polls every 20 µs to 0.5 ms)
 IDLE_MAX_S = 5e-4  # the service's longest poll pause while no message arrives (the cores belong to the VWs)
@@ -106,9 +106,8 @@ class ParameterServerService:
     self.segment_opt: dict[int, np.ndarray] = {}
     self._bar = None
     if progress and lead:
-      from tqdm import tqdm
-      self._bar = tqdm(total=self.n * num_minibatches_per_vw, initial=sum(self.minibatches_done),
-                       desc="[PS] minibatches", unit="mb", mininterval=1.0, dynamic_ncols=True)
+      self._bar = progress_bar(self.n * num_minibatches_per_vw, "[PS] minibatches", "mb",
+                               initial=sum(self.minibatches_done))
     # the lead's metrics lines and evaluations (the rule every driver shares)
     self.log = ClockLog(log_metrics, evaluate, eval_every_waves, log_every_waves, bar=self._bar)
 

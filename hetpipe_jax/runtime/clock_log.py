@@ -24,6 +24,13 @@ import numpy as np
 TIME_KEYS = {False: ("wall_time_s", "minibatches_per_s"), True: ("simulated_time_s", "minibatches_per_simulated_s")}
 
 
+def progress_bar(total: int, desc: str, unit: str, initial: int = 0) -> Any:
+  """The run's tqdm bar, as every driver shows it: ``total`` units of ``unit``, ``initial`` of them done (a resumed
+  run's), redrawn at most once a second. tqdm is imported only when a bar is shown."""
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  return tqdm(total=total, initial=initial, desc=desc, unit=unit, mininterval=1.0, dynamic_ncols=True)
+
+
 @dataclasses.dataclass
 class ClockLog:
   """The metrics lines and evaluations of one run, at its global-clock ticks.
