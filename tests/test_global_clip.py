@@ -244,6 +244,9 @@ def test_virtual_time_replicas_that_diverge_fail_the_run(tmp_path, synthetic_dat
   summary = virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path / "ok"))
   assert summary["allreduce"]["replicas_identical"]
   assert len(set(summary["allreduce"]["replica_sha256"].values())) == 1
+  last = summary["evaluations"][-1]  # the all-reduce methods' list ends with the run's final evaluation
+  assert (last["global_clock"], last["simulated_time_s"]) == (3, summary["simulated_time_s"])
+  assert last["test_accuracy"] == summary["test_accuracy"] and "wall_time_s" not in last
   _diverging_vw1(monkeypatch)
   with pytest.raises(ReplicasDivergedError, match=r"replicas' final weights differ \(VWs \[0\] \w+; VWs \[1\]"):
     virtual_job.run(job_config.resolve_job(c, "virtual"), str(tmp_path / "bad"))

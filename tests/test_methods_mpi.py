@@ -64,6 +64,9 @@ def test_allreduce_methods_equal_single_device_training(tmp_path, synthetic_data
   final = read_jsonl(workdir / "metrics.jsonl")[-1]  # the run's final line, the PS methods' form
   assert "wave" not in final and final["global_clock"] == steps and final["minibatches"] == num_vws * steps
   assert {"loss", "wall_time_s", "minibatches_per_s", "test_accuracy"} <= set(final)
+  last = summary["evaluations"][-1]  # the all-reduce methods' list ends with the run's final evaluation
+  assert (last["global_clock"], last["wall_time_s"]) == (steps, summary["wall_time_s"])
+  assert (last["test_accuracy"], last["test_loss"]) == (final["test_accuracy"], final["test_loss"])
   np.testing.assert_allclose([l["loss"] for l in metrics], losses, rtol=1e-5)
   records = read_jsonl(workdir / "minibatches.jsonl")
   assert len(records) == num_vws * steps * m
