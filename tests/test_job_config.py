@@ -208,6 +208,7 @@ METHOD_SETTING_CASES = [
     ("delay_compensation", "dc", {"hetpipe", "pipedream"}),
     ("stage_ranks", True, {"hetpipe"}),
     ("remat", True, {"gpipe", "1f1b_flush", "horovod"}),
+    ("checkpoint_every_waves", 4, {"hetpipe", "pipedream"}),  # gpipe used to run without and record 0
 ]
 
 
@@ -221,7 +222,7 @@ def test_every_method_refuses_the_settings_it_does_not_use(method, name, value, 
   if method == "horovod":
     base["num_stages"] = 1
   _validated(_tiny(**base))  # the defaults are accepted by every method
-  c = _tiny(**base, **{name: value})
+  c = _tiny(**{**base, name: value})
   if method not in accepted_by:
     with pytest.raises(ConfigError, match=rf"^config\.{name}={value!r}") as e:
       _validated(c)
@@ -341,3 +342,27 @@ def test_the_job_reads_every_layout_field_of_its_settings_through_its_sections()
     assert getattr(job, name) == getattr(settings, name), name
   assert (job.num_ps_shards, job.ps_placement) == (job.ps.num_shards, job.ps.placement) == (2, settings.ps_placement)
   assert (job.world_size, job.num_ps_ranks) == (settings.world_size, 2)
+
+
+@pytest.mark.parametrize("method,want", [("hetpipe", 100), ("pipedream", 100), ("gpipe", 0), ("1f1b_flush", 0),
+                                         ("horovod", 0)])
+def test_unset_checkpoint_every_waves_runs_the_methods_default_and_is_recorded_as_it_runs(method, want):
+  """Unset, the PS methods checkpoint every 100 global-clock ticks and the all-reduce methods only save the final
+  weights; config.json records the value that runs, from "default". Given, 0 runs for every method; above 0 the
+  all-reduce methods refuse it, saying how to fix it (they used to run without checkpoints and record 0)."""
+  extra = {"num_stages": 1} if method == "horovod" else {}
+  c = _tiny(method=method, **extra)
+  assert c.checkpoint_every_waves is None
+  for config, every, source in ((c, want, "default"), (_tiny(method=method, checkpoint_every_waves=0, **extra), 0,
+                                                       "config")):
+    job = _validated(config)
+    recorded = resolved_config(job, job_config.check_partitions(job, 4))
+    assert job.checkpoint.every_waves == recorded["checkpoint_every_waves"] == every
+    assert recorded["setting_sources"]["checkpoint_every_waves"] == source
+  given = _tiny(method=method, checkpoint_every_waves=7, **extra)
+  if want:
+    assert _validated(given).checkpoint.every_waves == 7
+    return
+  with pytest.raises(ConfigError, match=r"^config\.checkpoint_every_waves=7 writes training checkpoints") as e:
+    _validated(given)
+  assert str(e.value).endswith("leave it unset or set --config.checkpoint_every_waves=0")

@@ -90,7 +90,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Stage ranks (MPI jobs): a VW's stages on separate MPI ranks. False: one process per VW (ranks S..S+N-1). True:
   # rank S+v is VW v's driver and runs its first stage(s); one rank per further stage (grouping "gpu") or per further
   # plan node of the VW (grouping "node") follows the drivers, VW by VW. `python -m hetpipe_jax.launch --stage_ranks`
-  # places them; config.json records both fields. Needs checkpoint_every_waves = 0.
+  # places them; config.json records both fields.
   c.stage_ranks = False
   c.stage_rank_grouping = "gpu"  # "gpu" (one rank per stage) | "node" (a VW's stages on one plan node share a rank)
   # Optimizer (optax), applied by every VW to its own minibatches.
@@ -124,8 +124,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.progress = True  # progress bar on rank 0
   c.save_task_trace = False  # write per-task dispatch/completion times (tasks.jsonl)
   # Checkpoints (orbax, under <workdir>/checkpoints/): every this many global-clock ticks a consistent cut (a WSP
-  # barrier, docs/design.md) and at the end; 0: only the final weights. `--resume` continues from the newest.
-  c.checkpoint_every_waves = 100
+  # barrier, docs/design.md) and at the end; 0: only the final weights. `--resume` continues from the newest. Unset:
+  # 100 for the PS methods (hetpipe, pipedream), 0 for the all-reduce methods (they refuse a value above 0).
+  c.checkpoint_every_waves = config_dict.placeholder(int)
   c.checkpoint_max_to_keep = 3
   # Progress watchdog on the PS (MPI jobs of the PS methods): a VW silent this many seconds while the PS owes it
   # nothing (hetpipe_jax/rules/watchdog.py) is hung; the job stops with an error naming it, so that

@@ -12,7 +12,8 @@ rank's records (gathered at the end), summary.json and the final weights; the fi
 checked to be identical.
 
 Validation happens on every rank before any work, as in the HetPipe job. Not supported (refused with one message):
-``--resume``; training checkpoints (``checkpoint_every_waves`` is recorded as 0: only the final weights are saved).
+``--resume``; training checkpoints (``checkpoint_every_waves`` above 0; unset, it runs and is recorded as 0: only the
+final weights are saved).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def run(job: Job, workdir: str, comm) -> dict | None:
 
   outputs = log = bar = None
   if rank == 0:
-    outputs = ctx.start_outputs(ctx.config_json(checkpoint_every_waves=0), "[VW 0]")
+    outputs = ctx.start_outputs(ctx.config_json(), "[VW 0]")
     if job.run.progress:
       bar = progress_bar(steps, f"[{settings.method}] step", "step")
     evaluate = ctx.evaluator(devices[0]).evaluate

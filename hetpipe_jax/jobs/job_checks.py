@@ -126,9 +126,9 @@ def _check_scalars(config: Any) -> None:
                       "silent; 0: off)")
   if not config.learning_rate > 0:
     raise ConfigError(f"config.learning_rate={config.learning_rate} must be > 0")
-  if config.checkpoint_every_waves < 0:
+  if config.get("checkpoint_every_waves") is not None and config.checkpoint_every_waves < 0:
     raise ConfigError(f"config.checkpoint_every_waves={config.checkpoint_every_waves} must be >= 0 (0: only the "
-                      "final weights)")
+                      "final weights; unset: the method's default)")
   if config.checkpoint_max_to_keep < 1:
     raise ConfigError(f"config.checkpoint_max_to_keep={config.checkpoint_max_to_keep} must be >= 1")
   parse_debug_nan_update(config.debug_nan_update)
@@ -204,12 +204,14 @@ class MethodSetting:
     default: its value when unused (``None``: unset).
     methods: the methods that use it.
     what: what it sets, as the error says it (``config.<name>=<value> <what>, ...``).
+    off: further values that mean "not used", accepted by every method (``checkpoint_every_waves=0``).
   """
 
   name: str
   default: Any
   methods: tuple[str, ...]
   what: str
+  off: tuple[Any, ...] = ()
 
 
 _PS_METHODS = methods.PS_METHODS
@@ -235,7 +237,21 @@ METHOD_SETTINGS = (
     MethodSetting("ps_watchdog_s", 0.0, _PS_METHODS, "is the parameter server's progress watchdog"),
     MethodSetting("stage_ranks", False, ("hetpipe",), "runs HetPipe's pipeline with a VW's stages on separate ranks"),
     MethodSetting("remat", False, _FLUSH_METHODS, "rematerialises the flush methods' activations"),
+    MethodSetting("checkpoint_every_waves", None, _PS_METHODS,
+                  "writes training checkpoints (the all-reduce methods save only the final weights)", off=(0,)),
 )
+# config.checkpoint_every_waves unset: the PS methods checkpoint every this many global-clock ticks, the others never.
+DEFAULT_CHECKPOINT_EVERY_WAVES = 100
+
+
+def checkpoint_every_waves(config: Any, method: str) -> int:
+  """The global-clock ticks between training checkpoints that run (0: only the final weights): the config's, or
+  unset :data:`DEFAULT_CHECKPOINT_EVERY_WAVES` for the PS methods and 0 for the others (checked first by
+  :func:`check_method_settings`)."""
+  every = config.get("checkpoint_every_waves")
+  if every is not None:
+    return int(every)
+  return DEFAULT_CHECKPOINT_EVERY_WAVES if method in _PS_METHODS else 0
 
 
 def check_method_settings(config: Any, method: str) -> None:
@@ -246,9 +262,10 @@ def check_method_settings(config: Any, method: str) -> None:
   """
   for s in METHOD_SETTINGS:
     value = config.get(s.name, s.default)
-    if method in s.methods or value == s.default:
+    if method in s.methods or value == s.default or value in s.off:
       continue
     fix = ("leave it unset" if s.default is None else
            f"set --config.{s.name}={s.default} (the default)")
+    fix += "".join(f" or set --config.{s.name}={v}" for v in s.off)
     raise ConfigError(f"config.{s.name}={value!r} {s.what}, which config.method={method!r} does not use (used by "
                       f"{', '.join(s.methods)}): {fix}")

@@ -21,6 +21,7 @@ from hetpipe_jax.jobs import job as job_lib
 from hetpipe_jax.jobs.job import Job, JobSettings, VWLayout  # noqa: F401  (VWLayout: re-exported)
 from hetpipe_jax.jobs.job_checks import (METHOD_SETTINGS, OPTIMIZER_SETTINGS, OPTIMIZERS,  # noqa: F401  (re-exported)
                                          ConfigError, MethodSetting, _check_scalars, check_method_settings,
+                                         checkpoint_every_waves,
                                          optimizer_summary, parse_debug_nan_update)
 from hetpipe_jax.jobs.job_ranks import (plan_nodes, ps_layer_shards, with_ps_shards,  # noqa: F401  (re-exported)
                                         with_stage_ranks)
@@ -269,7 +270,8 @@ def resolved_config(job: Job, partitions: Sequence[Partition], **overrides: Any)
   """
   d = dict(job.flat)
   d.update(num_virtual_workers=job.num_virtual_workers, num_stages=job.num_stages,
-           partition=format_partitions(partitions), num_inflight=job.num_inflight, **overrides)
+           partition=format_partitions(partitions), num_inflight=job.num_inflight,
+           checkpoint_every_waves=job.checkpoint.every_waves, **overrides)
   d["setting_sources"] = dict(job.sources)
   d["memory_caps"] = None if job.memory_caps is None else [list(c) for c in job.memory_caps]
   return d
@@ -356,11 +358,14 @@ def _build_job(config: Any, settings: JobSettings, mode: str, resume: bool) -> J
           get("delay_scaled_lr", "none"),
           get("pipemare_warmup_minibatches", weight_prediction.DEFAULT_PIPEMARE_WARMUP),
           muon_consistent_rms=opt["muon_consistent_rms"]),
-      checkpoint=job_lib.CheckpointSettings(config.checkpoint_every_waves, config.checkpoint_max_to_keep),
+      checkpoint=job_lib.CheckpointSettings(checkpoint_every_waves(config, settings.method),
+                                            config.checkpoint_max_to_keep),
       emulation=job_lib.EmulationSettings(config.emulate_stage_ms, config.emulate_plan, get("timing_plan", "")),
       run=job_lib.RunSettings(config.num_epochs, config.num_minibatches, config.log_every_waves,
                               config.eval_every_epochs, config.eval_batch_size, config.progress,
                               config.save_task_trace, parse_debug_nan_update(config.debug_nan_update)),
-      plan=settings.plan, plan_path=config.plan or "", sources=types.MappingProxyType(dict(settings.sources)),
+      plan=settings.plan, plan_path=config.plan or "",
+      sources=types.MappingProxyType({**settings.sources, "checkpoint_every_waves": (
+          "default" if config.get("checkpoint_every_waves") is None else "config")}),
       notes=tuple(settings.notes), mode=mode, resume=resume,
       flat=types.MappingProxyType(config.to_dict()))

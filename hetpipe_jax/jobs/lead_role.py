@@ -125,4 +125,4 @@ def finish_allreduce(ctx: RunContext, outputs: RunOutputs, log: ClockLog, evalua
                                "replica_sha256": {str(v): d for v, d in sorted(digests.items())}},
                  **record_fields,
                  "evaluations": log.evals + [{"global_clock": steps, TIME_KEYS[log.simulated][0]: time_s, **final}],
-                 "checkpoint": str(ckpt), "checkpoint_every_waves": 0}
+                 "checkpoint": str(ckpt), "checkpoint_every_waves": job.checkpoint.every_waves}

@@ -153,7 +153,7 @@ def _run_allreduce(ctx: RunContext) -> dict:
   settings, spec, partitions, layout = ctx.job, ctx.spec, ctx.partitions, ctx.layout
   workdir, times, steps = ctx.workdir, ctx.task_times, ctx.num_minibatches
   n, m = settings.num_virtual_workers, settings.num_inflight
-  outputs = ctx.start_outputs(ctx.config_json(emulate_plan=ctx.emulate_plan, checkpoint_every_waves=0), "[virtual]")
+  outputs = ctx.start_outputs(ctx.config_json(emulate_plan=ctx.emulate_plan), "[virtual]")
   devices = jax.local_devices()
   outbox: dict = {}
   vws = [vw_role.flush_vw(ctx, v, stage_devices, virtual_time.HeldReducer(v, outbox))
@@ -182,7 +182,8 @@ def _run_allreduce(ctx: RunContext) -> dict:
   shared_nic = report.config["shared_nic"]  # the engine's network rule, as it ran
   digests = {vw.vw_id: weights_sha256(layout.flatten(vw.layer_params())) for vw in vws}
   final, lead_fields = finish_allreduce(
-      ctx, outputs, log, evaluator.evaluate, layout.flatten(vws[0].layer_params()), digests, [dict(rec.__dict__) for vw in vws for rec in vw.records], sim_time,
+      ctx, outputs, log, evaluator.evaluate, layout.flatten(vws[0].layer_params()), digests,
+      [dict(rec.__dict__) for vw in vws for rec in vw.records], sim_time,
       allreduce={"steps": report.final_global_clock,
                  "allreduce_s_per_step": max(t.allreduce_time_s(shared_nic) for t in times)},
       write_trace=lambda: _write_trace(report, outputs.dir))
