@@ -78,6 +78,21 @@ _COMPILATION_CACHE = flags.DEFINE_string(
     "restart's ranks load their stage programs instead of compiling them again); 'auto' = $JAX_COMPILATION_CACHE_DIR "
     "when set, else <workdir>/jax_cache; '' = none.")
 flags.mark_flags_as_required(["plan"])
+# Flags that mean something only with another one: given without it, the launch is refused (never silently unused).
+_ONLY_WITH = ((_GROUPING, _STAGE_RANKS, "--stage_ranks"), (_WATCHDOG_S, _MAX_RESTARTS, "--max_restarts=K"),
+              (_NODE_PROBE, _MAX_RESTARTS, "--max_restarts=K"), (_CLUSTER, _MAX_RESTARTS, "--max_restarts=K"),
+              (_COMPILATION_CACHE, _MAX_RESTARTS, "--max_restarts=K"))
+
+
+def check_flag_pairs() -> None:
+  """Refuses a flag of ``_ONLY_WITH`` given without the flag that makes it mean something.
+
+  Raises:
+    LaunchError: naming the flag and what it needs.
+  """
+  for flag, needed, name in _ONLY_WITH:
+    if flags.FLAGS[flag.name].present and not needed.value:
+      raise LaunchError(f"--{flag.name}={flag.value} is used only with {name}: add it, or leave --{flag.name} out")
 
 
 def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_ps_shards: int | None,
@@ -143,6 +158,7 @@ def main(argv) -> None:
   extra = [a for a in argv[1:] if a != "--"]
   workdir = _WORKDIR.value or f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}"
   try:
+    check_flag_pairs()
     table, hostlines, command = build_command(_PLAN.value, _HOSTFILE.value, _CONFIG.value, workdir,
                                               _NUM_PS_SHARDS.value, extra, _MPIEXEC.value,
                                               _GROUPING.value if _STAGE_RANKS.value else None,

@@ -228,6 +228,8 @@ def test_every_method_refuses_the_settings_it_does_not_use(method, name, value, 
       _validated(c)
     assert f"config.method={method!r}" in str(e.value)
     return
+  if name == "ps_staleness_alpha":  # read only by the "exp" scaling (DEPENDENT_CASES)
+    c = _tiny(**{**base, name: value, "ps_staleness_scaling": "exp"})
   s = _validated(c)
   recorded = resolved_config(s, job_config.check_partitions(s, 4))  # mlp_tiny: 4 layers
   assert recorded[name] == value and recorded["method"] == method
@@ -366,3 +368,28 @@ def test_unset_checkpoint_every_waves_runs_the_methods_default_and_is_recorded_a
   with pytest.raises(ConfigError, match=r"^config\.checkpoint_every_waves=7 writes training checkpoints") as e:
     _validated(given)
   assert str(e.value).endswith("leave it unset or set --config.checkpoint_every_waves=0")
+
+
+# Per setting that only a feature reads, written out by hand (not from job_checks.DEPENDENT_SETTINGS): a value away
+# from its default, the settings that turn the feature off, and those that turn it on.
+DEPENDENT_CASES = [
+    ("dc_lambda", 0.5, {}, {"delay_compensation": "dc"}),
+    ("ps_staleness_alpha", 0.5, {"ps_staleness_scaling": "inverse"}, {"ps_staleness_scaling": "exp"}),
+    ("pipemare_warmup_minibatches", 7, {}, {"delay_scaled_lr": "pipemare"}),
+    ("stage_rank_grouping", "node", {}, {"stage_ranks": True, "num_stages": 2}),
+    ("checkpoint_max_to_keep", 2, {"checkpoint_every_waves": 0}, {"checkpoint_every_waves": 4}),
+    ("checkpoint_max_to_keep", 2, {"method": "gpipe"}, {}),
+]
+
+
+@pytest.mark.parametrize("name,value,off,on", DEPENDENT_CASES)
+def test_a_setting_given_while_the_feature_reading_it_is_off_is_refused(name, value, off, on):
+  """These used to be accepted and recorded in config.json while nothing read them (``dc_lambda`` without
+  delay compensation, ...): now they are refused naming the setting and what uses it; with the feature on they run
+  as given."""
+  with pytest.raises(ConfigError, match=rf"^config\.{name}={value!r} is used only with ") as e:
+    _validated(_tiny(**{**off, name: value}))
+  assert f"leave config.{name} at its default" in str(e.value)
+  if on:
+    job = _validated(_tiny(**{**on, name: value}))
+    assert dict(job.flat)[name] == value

@@ -166,6 +166,18 @@ def test_bad_hostfile_is_one_error_line(tmp_path):
   assert proc.returncode == 2 and "error: --plan=missing.json" in proc.stderr
 
 
+@pytest.mark.parametrize("flag,needs", [("--stage_rank_grouping=node", "--stage_ranks"),
+                                        ("--watchdog_s=60.5", "--max_restarts=K"),
+                                        ("--cluster=hetpipe_paper", "--max_restarts=K")])
+def test_a_flag_given_without_the_flag_it_needs_is_refused(tmp_path, flag, needs):
+  """The launcher used to drop ``--stage_rank_grouping=node`` without ``--stage_ranks`` (and the recovery flags
+  without ``--max_restarts``) and run without them; now it exits 2 naming both, before printing any command."""
+  proc = _launch(f"--plan={ED_LOCAL}", "--dry_run", flag, f"--workdir={tmp_path / 'run'}")
+  name = flag.split("=")[0]
+  assert proc.returncode == 2 and proc.stderr.startswith(f"error: {flag} is used only with {needs}"), proc.stderr
+  assert f"leave {name} out" in proc.stderr and "command:" not in proc.stdout
+
+
 @pytest.mark.mpi
 def test_launch_runs_an_ed_plan_with_local_placement_and_no_cross_node_ps_bytes(tmp_path, synthetic_data_dir):
   """ED + local (HetPipe §8.1), launched on one machine: each layer's shard is on the node that runs it, so no PS

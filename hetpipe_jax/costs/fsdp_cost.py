@@ -79,11 +79,16 @@ class FsdpInfeasibleError(ValueError):
 class FsdpPlan:
   """One fsdp configuration and its closed-form costs (module docstring).
 
-  Attributes:
+  Attributes (the configuration and the step's totals first, then per GPU ``[N]`` and per layer ``[L]``):
     variant: one of :data:`VARIANTS`.
     remat: activation checkpointing per layer.
-    gpus: every GPU of the cluster, in ``cluster.gpus()`` order.
     batch_size: the profile's batch (the per-GPU batch of the even variant).
+    step_s: one step under the overlap assumption (shared NICs), seconds.
+    step_no_overlap_s: the no-overlap bound (shared NICs), seconds.
+    step_no_shared_nic_s: ``step_s`` with every ring at full link speed.
+    bytes_sent_per_gpu: bytes each GPU sends per step (two all-gathers and a reduce-scatter of every layer).
+    cross_node_bytes: bytes crossing nodes per step.
+    gpus: every GPU of the cluster, in ``cluster.gpus()`` order.
     examples: ``b_g`` per GPU; they sum to ``global_batch``.
     shards: ``f_g`` per GPU; they sum to 1.
     memory_bytes, capacity_bytes: per GPU, its memory need and its usable memory.
@@ -92,17 +97,17 @@ class FsdpPlan:
     allgather_s: per layer, one all-gather of its (padded) parameters, seconds (= one reduce-scatter), with the
       shared-NIC rule. ``[L]``.
     allgather_no_shared_nic_s: the same, every ring at full link speed.
-    step_s: one step under the overlap assumption (shared NICs), seconds.
-    step_no_overlap_s: the no-overlap bound (shared NICs), seconds.
-    step_no_shared_nic_s: ``step_s`` with every ring at full link speed.
-    bytes_sent_per_gpu: bytes each GPU sends per step (two all-gathers and a reduce-scatter of every layer).
-    cross_node_bytes: bytes crossing nodes per step.
   """
 
   variant: str
   remat: bool
-  gpus: tuple[Gpu, ...]
   batch_size: int
+  step_s: float
+  step_no_overlap_s: float
+  step_no_shared_nic_s: float
+  bytes_sent_per_gpu: float
+  cross_node_bytes: float
+  gpus: tuple[Gpu, ...]
   examples: tuple[int, ...]
   shards: tuple[float, ...]
   memory_bytes: tuple[float, ...]
@@ -112,11 +117,6 @@ class FsdpPlan:
   layer_backward_s: tuple[float, ...]
   allgather_s: tuple[float, ...]
   allgather_no_shared_nic_s: tuple[float, ...]
-  step_s: float
-  step_no_overlap_s: float
-  step_no_shared_nic_s: float
-  bytes_sent_per_gpu: float
-  cross_node_bytes: float
 
   @property
   def global_batch(self) -> int:

@@ -152,6 +152,7 @@ def _check_scalars(config: Any) -> None:
     raise ConfigError(f"config.stage_rank_grouping={grouping!r} must be 'gpu' (one rank per stage) or 'node' (a "
                       "VW's stages on one plan node share a rank)")
   check_method_settings(config, method)
+  check_dependent_settings(config, method)
 
 
 def _check_delay_compensation(config: Any) -> None:
@@ -269,3 +270,50 @@ def check_method_settings(config: Any, method: str) -> None:
     fix += "".join(f" or set --config.{s.name}={v}" for v in s.off)
     raise ConfigError(f"config.{s.name}={value!r} {s.what}, which config.method={method!r} does not use (used by "
                       f"{', '.join(s.methods)}): {fix}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DependentSetting:
+  """A setting used only when another one turns its feature on (:data:`DEPENDENT_SETTINGS`).
+
+  Attributes:
+    name: the config field.
+    default: its value in ``experiments/configs/default.py`` (accepted always: the user did not give it).
+    used_by: what uses it, as the error says it (``config.delay_compensation='dc'``).
+    used: ``(config, method) -> bool``, whether the config turns that feature on.
+  """
+
+  name: str
+  default: Any
+  used_by: str
+  used: Any
+
+
+# Every setting a feature reads, refused when given (away from its default) while the feature is off, instead of
+# being recorded in config.json as if it ran (the optimizer's own settings: OPTIMIZER_SETTINGS; the methods':
+# METHOD_SETTINGS).
+DEPENDENT_SETTINGS = (
+    DependentSetting("dc_lambda", delay_compensation.DEFAULT_DC_LAMBDA, "config.delay_compensation='dc'",
+                     lambda c, m: c.get("delay_compensation", "none") != "none"),
+    DependentSetting("ps_staleness_alpha", 1.0, "config.ps_staleness_scaling='exp'",
+                     lambda c, m: c.get("ps_staleness_scaling", "none") == "exp"),
+    DependentSetting("pipemare_warmup_minibatches", weight_prediction.DEFAULT_PIPEMARE_WARMUP,
+                     "config.delay_scaled_lr='pipemare'", lambda c, m: c.get("delay_scaled_lr", "none") != "none"),
+    DependentSetting("stage_rank_grouping", "gpu", "config.stage_ranks=True",
+                     lambda c, m: bool(c.get("stage_ranks", False))),
+    DependentSetting("checkpoint_max_to_keep", 3, "training checkpoints (config.checkpoint_every_waves > 0)",
+                     lambda c, m: checkpoint_every_waves(c, m) > 0),
+)
+
+
+def check_dependent_settings(config: Any, method: str) -> None:
+  """Refuses a setting of :data:`DEPENDENT_SETTINGS` given while the feature that reads it is off.
+
+  Raises:
+    ConfigError: naming the setting, what uses it and the fix.
+  """
+  for s in DEPENDENT_SETTINGS:
+    value = config.get(s.name, s.default)
+    if value != s.default and not s.used(config, method):
+      raise ConfigError(f"config.{s.name}={value!r} is used only with {s.used_by}, which this run does not have: "
+                        f"turn that on, or leave config.{s.name} at its default ({s.default!r})")
