@@ -21,6 +21,7 @@ from hetpipe_jax.planning import allocator
 from hetpipe_jax.planning import partitioner
 from hetpipe_jax.planning import plan_format
 from hetpipe_jax.planning import planner
+from hetpipe_jax.rules import methods
 
 _CLUSTER = flags.DEFINE_string("cluster", "local_cpu", "Cluster name (experiments/clusters/<name>.json) or path.")
 _MODEL = flags.DEFINE_string("model", None, "Registered model name.")
@@ -53,17 +54,47 @@ def get_profile(model: str, batch_size: int, cluster: cluster_lib.ClusterSpec,
   return profiles.get_profile(model, batch_size, cluster, path)
 
 
+class FlagError(ValueError):
+  """A flag is invalid, or not used by the method; the message names it and the fix."""
+
+
+def check_flags() -> None:
+  """The flags' checks, before any planning: values in range, and no flag the method does not use (it used to be
+  dropped, or recorded without running): ``--remat`` but for the flush methods, ``--ps_placement`` but for the PS
+  methods, ``--policy`` and ``--num_vws`` with Horovod (every GPU that holds the model is one worker).
+
+  Raises:
+    FlagError: naming the flag and the fix.
+  """
+  method = _METHOD.value
+  if _BATCH.value <= 0:
+    raise FlagError(f"--batch_size must be positive, got {_BATCH.value}")
+  if _INFLIGHT_MEMORY.value == "schedule" and method != "hetpipe":
+    raise FlagError(f"--inflight_memory=schedule is for --method=hetpipe (FIFO rule); --method={method} has a "
+                    "closed-form held count: use --inflight_memory=conservative")
+  if _MAX_VW_GPUS.value is not None and _POLICY.value != "auto":
+    raise FlagError(f"--max_vw_gpus applies to --policy=auto only, not --policy={_POLICY.value}")
+  if _MAX_VW_GPUS.value is not None and _MAX_VW_GPUS.value < 1:
+    raise FlagError(f"--max_vw_gpus must be >= 1, got {_MAX_VW_GPUS.value}")
+  unused = set()
+  if method not in methods.FLUSH_METHODS:
+    unused.add("remat")
+  if method not in methods.PS_METHODS:
+    unused.add("ps_placement")
+  if method == "horovod":
+    unused |= {"policy", "num_vws"}
+  for name in sorted(unused):
+    if flags.FLAGS[name].present and (name != "remat" or _REMAT.value):  # --noremat asks for what runs
+      raise FlagError(f"--{name}={flags.FLAGS[name].value} is not used by --method={method}: leave it out")
+
+
 def main(argv):
   del argv
-  if _BATCH.value <= 0:
-    raise app.UsageError(f"--batch_size must be positive, got {_BATCH.value}")
-  if _INFLIGHT_MEMORY.value == "schedule" and _METHOD.value != "hetpipe":
-    raise app.UsageError(f"--inflight_memory=schedule is for --method=hetpipe (FIFO rule); --method={_METHOD.value} "
-                         "has a closed-form held count: use --inflight_memory=conservative")
-  if _MAX_VW_GPUS.value is not None and _POLICY.value != "auto":
-    raise app.UsageError(f"--max_vw_gpus applies to --policy=auto only, not --policy={_POLICY.value}")
-  if _MAX_VW_GPUS.value is not None and _MAX_VW_GPUS.value < 1:
-    raise app.UsageError(f"--max_vw_gpus must be >= 1, got {_MAX_VW_GPUS.value}")
+  try:
+    check_flags()
+  except FlagError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   cluster = cluster_lib.load_cluster(_CLUSTER.value)
   profile = get_profile(_MODEL.value, _BATCH.value, cluster, _PROFILE.value)
   config = planner.PlannerConfig(policy=_POLICY.value, num_vws=_NUM_VWS.value, ps_placement=_PLACEMENT.value,
@@ -72,7 +103,7 @@ def main(argv):
                                  cost=cost_model.CostModelConfig(inflight_memory=_INFLIGHT_MEMORY.value))
   try:
     plan = planner.make_plan(cluster, profile, config)
-  except (allocator.AllocationError, partitioner.InfeasiblePartitionError) as e:
+  except (allocator.AllocationError, partitioner.InfeasiblePartitionError, ValueError) as e:
     # No plan for these settings (a model too large for some VW's GPUs, ...): one line, exit 2, no traceback.
     print(f"error: no plan for --cluster={_CLUSTER.value} --model={_MODEL.value} --batch_size={_BATCH.value} "
           f"--policy={_POLICY.value} --num_vws={_NUM_VWS.value}: {e}", file=sys.stderr)

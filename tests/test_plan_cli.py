@@ -162,3 +162,31 @@ def test_max_vw_gpus_flag_is_used_and_recorded(tmp_path):
                         (["--policy=auto", "--max_vw_gpus=0"], "--max_vw_gpus must be >= 1")):
     r = run_plan("--cluster=hetpipe_paper", "--model=resnet152_imagenet", "--num_vws=4", *args)
     assert r.returncode != 0 and message in r.stderr
+
+
+@pytest.mark.parametrize("method,flag", [("hetpipe", "--remat"), ("pipedream", "--remat"),
+                                         ("gpipe", "--ps_placement=local"), ("horovod", "--ps_placement=default"),
+                                         ("horovod", "--policy=HD"), ("horovod", "--num_vws=2")])
+def test_a_flag_the_method_does_not_use_is_one_error_line(tmp_path, method, flag):
+  """``--remat`` with hetpipe used to be dropped (the plan's memory without it, ``remat: false``), with pipedream
+  recorded as ``remat: true`` without changing the plan; ``--ps_placement`` with an all-reduce method and
+  ``--policy``/``--num_vws`` with Horovod were dropped. Now: one ``error:`` line naming the flag, exit 2, no plan."""
+  out = tmp_path / "plan.json"
+  r = run_plan("--model=cnn", "--batch_size=64", f"--method={method}", flag, f"--output={out}")
+  name = flag.split("=")[0]
+  assert r.returncode == 2 and r.stderr.startswith(f"error: {name}="), r.stderr[-2000:]
+  assert f"is not used by --method={method}: leave it out" in r.stderr and not out.exists()
+
+
+def test_flags_a_method_uses_still_run():
+  """The same flags where the method uses them (and ``--noremat`` anywhere) are accepted."""
+  for args in (("--method=gpipe", "--remat"), ("--method=horovod", "--remat"), ("--method=hetpipe", "--noremat"),
+               ("--method=pipedream", "--ps_placement=local"), ("--method=gpipe", "--num_vws=2")):
+    r = run_plan("--model=cnn", "--batch_size=64", *args)
+    assert r.returncode == 0, (args, r.stderr[-2000:])
+
+
+def test_an_invalid_micro_batch_count_is_one_error_line():
+  r = run_plan("--model=cnn", "--batch_size=64", "--method=horovod", "--num_inflight=3")
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert "error: no plan for" in r.stderr and "num_microbatches=3 must be >= 1 and divide the batch size 64" in r.stderr
