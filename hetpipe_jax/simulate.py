@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -19,6 +20,7 @@ from absl import flags
 from hetpipe_jax.costs import cluster as cluster_lib
 from hetpipe_jax.planning import plan_format
 from hetpipe_jax.planning import plan_times
+from hetpipe_jax.rules import methods
 from hetpipe_jax.sim import engine
 from hetpipe_jax.sim import engine_report
 from hetpipe_jax.sim import trace
@@ -45,23 +47,49 @@ _RECORDS = flags.DEFINE_bool("records", False, "Keep per-minibatch and per-task 
 flags.mark_flags_as_required(["plan"])
 
 
+# The parameter server's flags: an all-reduce method's plan (gpipe, 1f1b_flush, horovod) has no PS to use them.
+_PS_FLAGS = (_D, _PULL_EVERY_WAVE, _PS_APPLY, _CONTENTION)
+
+
+def check_flags_for_plan(method: str) -> None:
+  """Refuses a flag the plan's method does not use (it used to be recorded in the report as if it ran): the PS
+  flags for the all-reduce methods, ``--gantt_waves`` without ``--gantt``.
+
+  Raises:
+    ValueError: naming the flag and the fix.
+  """
+  unused = [f for f in _PS_FLAGS if method not in methods.PS_METHODS] + ([] if _GANTT.value else [_GANTT_WAVES])
+  for flag in unused:
+    if flags.FLAGS[flag.name].present:
+      why = "--gantt" if flag is _GANTT_WAVES else f"a parameter-server method's plan, not method={method!r}"
+      raise ValueError(f"--{flag.name}={flag.value} is used only with {why}: leave it out")
+
+
 def main(argv):
   del argv
   plan = plan_format.load_plan(_PLAN.value)
+  try:
+    check_flags_for_plan(plan.method)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   cluster = cluster_lib.load_cluster(_CLUSTER.value or plan.cluster)
   profile = plan_times.profile_for_plan(plan, _PROFILE.value)
   times = plan_times.task_times_from_plan(plan, profile, cluster)
   records = bool(_RECORDS.value or _TRACE.value or _GANTT.value)
-  config = engine.EngineConfig(num_waves=_NUM_WAVES.value, num_inflight=plan.num_inflight,
-                               staleness_bound=_D.value, pull_every_wave=_PULL_EVERY_WAVE.value, records=records,
-                               ps_link_contention=_CONTENTION.value, ps_apply=_PS_APPLY.value, method=plan.method,
-                               shared_nic=_SHARED_NIC.value,
-                               max_held=plan_format.memory_caps(plan, plan.num_inflight))
+  wsp = {}  # the PS's settings, for the PS methods (the all-reduce methods run the engine's defaults: no PS)
+  if plan.method in methods.PS_METHODS:
+    wsp = {"staleness_bound": _D.value, "pull_every_wave": _PULL_EVERY_WAVE.value, "ps_apply": _PS_APPLY.value,
+           "ps_link_contention": _CONTENTION.value}
+  config = engine.EngineConfig(num_waves=_NUM_WAVES.value, num_inflight=plan.num_inflight, records=records,
+                               method=plan.method, shared_nic=_SHARED_NIC.value,
+                               max_held=plan_format.memory_caps(plan, plan.num_inflight), **wsp)
   gpu_ids = [list(vw.gpus) for vw in plan.virtual_workers]
   report = engine.run(times, config, gpu_ids=gpu_ids)
+  settings = (f"Nm={plan.num_inflight} D={_D.value} ps_apply={_PS_APPLY.value} "
+              f"pull_every_wave={_PULL_EVERY_WAVE.value}" if wsp else f"method={plan.method} M={plan.num_inflight}")
   print(f"plan {_PLAN.value}: model={plan.model} batch_size={plan.batch_size} cluster={plan.cluster} "
-        f"policy={plan.policy} Nm={plan.num_inflight} D={_D.value} ps_apply={_PS_APPLY.value} "
-        f"pull_every_wave={_PULL_EVERY_WAVE.value} shared_nic={_SHARED_NIC.value}; planner predicted "
+        f"policy={plan.policy} {settings} shared_nic={_SHARED_NIC.value}; planner predicted "
         f"{plan.predicted_total_minibatches_per_s:.3f} minibatches/s")
   print(engine_report.format_table(report))
   if _OUTPUT.value:
@@ -79,8 +107,9 @@ def main(argv):
     k = min(_GANTT_WAVES.value, _NUM_WAVES.value) * nm - 1
     end = max(r.complete_time_s for r in report.minibatch_records if r.minibatch_id == k)
     gantt.plot_report(report, _GANTT.value, time_window_s=(0.0, end),
-                      title=f"{plan.model} b{plan.batch_size} on {plan.cluster} ({plan.policy}), Nm={nm}, "
-                            f"D={_D.value}: first {k // nm + 1} waves")
+                      title=f"{plan.model} b{plan.batch_size} on {plan.cluster} ({plan.policy}), "
+                            f"{f'Nm={nm}, D={_D.value}' if wsp else f'{plan.method}, M={nm}'}: first {k // nm + 1} "
+                            f"{'waves' if wsp else 'steps'}")
     print(f"wrote {_GANTT.value}")
 
 

@@ -1372,4 +1372,9 @@ MUTATIONS = (
              "unused |= {\"policy\"}",
              ("tests/test_plan_cli.py::test_a_flag_the_method_does_not_use_is_one_error_line",),
              "plan --method=horovod --num_vws=2 plans every GPU as a worker and drops the flag"),
+    Mutation("simulate_records_ps_flags_of_an_allreduce_plan", "check_flags_for_plan",
+             "unused = [f for f in _PS_FLAGS if method not in methods.PS_METHODS] + ([] if _GANTT.value else [_GANTT_WAVES])",
+             "unused = [] if _GANTT.value else [_GANTT_WAVES]",
+             ("tests/test_trace.py::test_simulate_refuses_the_ps_flags_for_an_all_reduce_plan_and_records_what_ran",),
+             "simulate --staleness_bound=3 on a gpipe plan runs without a PS and says nothing"),
 )

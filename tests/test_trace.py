@@ -105,3 +105,32 @@ def test_simulate_cli_ps_link_contention_slows_a_plan_whose_ps_traffic_matters(t
   assert shared["makespan_s"] > own["makespan_s"]
   assert 0 < shared["total_minibatches_per_s"] < own["total_minibatches_per_s"]
   assert sum(v["wait_s"] for v in shared["vws"]) > sum(v["wait_s"] for v in own["vws"])
+
+
+def _simulate(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
+  return subprocess.run([sys.executable, "-m", "hetpipe_jax.simulate", *args], cwd=REPO_ROOT, env=env,
+                        capture_output=True, text=True, timeout=120)
+
+
+def test_simulate_refuses_the_ps_flags_for_an_all_reduce_plan_and_records_what_ran(tmp_path):
+  """A gpipe plan has no parameter server: ``--staleness_bound=3`` (and the other PS flags) used to run unused and
+  be recorded in the report as the engine's config; ``--gantt_waves`` without ``--gantt`` was dropped. Each is
+  now one ``error:`` line and exit 2; without them the report records D = 0 (no PS) and the line names M."""
+  plan = tmp_path / "gpipe.json"
+  r = subprocess.run([sys.executable, "-m", "hetpipe_jax.plan", "--model=cnn", "--batch_size=64", "--method=gpipe",
+                      "--num_vws=2", f"--output={plan}"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT)))
+  assert r.returncode == 0, r.stderr[-2000:]
+  for flag in ("--staleness_bound=3", "--ps_apply=clock_aligned", "--nopull_every_wave", "--ps_link_contention"):
+    out = _simulate(f"--plan={plan}", "--num_waves=4", flag)
+    name = flag.lstrip("-").removeprefix("no").split("=")[0]
+    assert out.returncode == 2 and out.stderr.startswith(f"error: --{name}="), out.stderr[-2000:]
+    assert "parameter-server method's plan, not method='gpipe'" in out.stderr
+  out = _simulate("--plan=experiments/plans/local_cpu_cnn_b64.json", "--num_waves=4", "--gantt_waves=2")
+  assert out.returncode == 2 and out.stderr.startswith("error: --gantt_waves=2 is used only with --gantt")
+  out = _simulate(f"--plan={plan}", "--num_waves=4", f"--output={tmp_path}/r.json")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "method=gpipe M=" in out.stdout and "D=" not in out.stdout.splitlines()[0]
+  config = json.loads((tmp_path / "r.json").read_text())["config"]
+  assert (config["staleness_bound"], config["ps_link_contention"], config["method"]) == (0, False, "gpipe")
