@@ -1377,4 +1377,9 @@ MUTATIONS = (
              "unused = [] if _GANTT.value else [_GANTT_WAVES]",
              ("tests/test_trace.py::test_simulate_refuses_the_ps_flags_for_an_all_reduce_plan_and_records_what_ran",),
              "simulate --staleness_bound=3 on a gpipe plan runs without a PS and says nothing"),
+    Mutation("compare_smoke_replaces_given_settings", "main",
+             "given = [f\"--{f.name}\" for f in (_CLUSTER, _MODEL, _BATCH, _NUM_VWS, _WAVES) if flags.FLAGS[f.name].present]",
+             "given = []",
+             ("tests/test_methods.py::test_compare_smoke_refuses_the_settings_it_replaces",),
+             "compare --smoke --model=vgg19_imagenet compares the CNN and records it without a word"),
 )

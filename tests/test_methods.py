@@ -355,6 +355,17 @@ def test_compare_cli_smoke(tmp_path):
   assert rates["hetpipe ED/default"] > 0 and np.isfinite(list(rates.values())).all()
 
 
+def test_compare_smoke_refuses_the_settings_it_replaces(tmp_path):
+  """``--smoke`` runs its own cluster, model, batch, VWs and waves: given beside it they used to be replaced silently
+  (``--smoke --model=vgg19_imagenet`` compared the CNN); now one ``error:`` line names them, exit 2, nothing written."""
+  out = tmp_path / "cmp"
+  proc = subprocess.run([sys.executable, "-m", "hetpipe_jax.compare", "--smoke", "--model=vgg19_imagenet",
+                         "--num_vws=3", f"--output={out}"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and proc.stderr.startswith("error: --smoke sets --cluster"), proc.stderr[-2000:]
+  assert "--model, --num_vws would not run: leave them out, or drop --smoke" in proc.stderr
+  assert not (tmp_path / "cmp.json").exists()
+
+
 def test_compare_gpt2_medium_on_the_paper_cluster_reports_sequences():
   """GPT-2 medium (batch 2 x 1,024 tokens) in compare: HetPipe ED fits the paper's cluster, Horovod leaves out every GPU
   that cannot hold the whole model (21 GiB at batch 2: all but the 24 GiB TITAN RTXs), and rates are sequences/s."""
