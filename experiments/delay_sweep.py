@@ -33,6 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # pylint: disable=wrong-import-position
 
+from hetpipe_jax import flag_checks  # pylint: disable=wrong-import-position
+
 FLAGS = flags.FLAGS
 
 PRESETS = {  # name -> (optimizer, settings); the LM config's Adam is "adam"
@@ -215,6 +217,7 @@ def main(argv):
   model, minibatches, every = FLAGS.model, FLAGS.minibatches, FLAGS.eval_every
   variant_texts, warmup = FLAGS.variants, FLAGS.warmup_minibatches
   if FLAGS.smoke:
+    flag_checks.refuse_replaced("--smoke", ["model", "minibatches", "eval_every", "warmup_minibatches", "variants"])
     model, minibatches, every, warmup = "gpt_tiny", 6, 3, 2
     variant_texts = ["adam:0", "adam:1", "adam:1:predict=1", "adam:0:lr=0"]
   try:

@@ -29,6 +29,7 @@ if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a
 
 from absl import app, flags  # noqa: E402
 
+from hetpipe_jax import flag_checks  # noqa: E402
 from hetpipe_jax.paths import REPO_ROOT  # noqa: E402
 
 CONFIG = "experiments/configs/lm.py"
@@ -111,6 +112,8 @@ def run_one(text: str, overrides: dict, workdir: pathlib.Path) -> dict:
 
 def main(argv):
   del argv
+  if flags.FLAGS.smoke:
+    flag_checks.refuse_replaced("--smoke", ["runs"])
   texts = ["muon_nm2_d1:learning_rate=0.002"] if flags.FLAGS.smoke else flags.FLAGS.runs
   try:
     runs = [parse_run(t) for t in texts]  # every error before any work

@@ -34,6 +34,7 @@ if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a
 
 from absl import app, flags, logging  # noqa: E402
 
+from hetpipe_jax import flag_checks  # noqa: E402
 from hetpipe_jax.paths import REPO_ROOT  # noqa: E402
 from hetpipe_jax.rules import methods  # noqa: E402
 from hetpipe_jax.sim import engine_report  # noqa: E402
@@ -125,6 +126,7 @@ def main(argv):
   extra: dict = {}
   num_mb = _NUM_MB.value
   if _SMOKE.value:
+    flag_checks.refuse_replaced("--smoke", ["num_minibatches", "warmup_waves"])
     from hetpipe_jax.data import synthetic  # pylint: disable=g-import-not-at-top
     data = synthetic.write_synthetic_fashion_mnist(root / "data", 1024, 64)
     extra = {"data_dir": str(data), "check_counts": False}

@@ -33,6 +33,7 @@ if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a
 from absl import app, flags  # noqa: E402
 
 from experiments.run_checks import applied_once, max_staleness, output_and_data, read_jsonl, wsp_violations  # noqa: E402
+from hetpipe_jax import flag_checks  # noqa: E402
 from hetpipe_jax.paths import REPO_ROOT  # noqa: E402
 
 _NUM_VWS = flags.DEFINE_integer("num_vws", 16, "Virtual workers (one MPI rank each).")
@@ -96,6 +97,7 @@ def main(argv) -> None:
   del argv
   out, data_dir = output_and_data(_OUTPUT_DIR.value, _DATA_DIR.value)
   if _SMOKE.value:
+    flag_checks.refuse_replaced("--smoke", ["shards", "bounds", "num_vws", "num_minibatches", "checkpoint_every_waves"])
     cases, num_vws, num_mb = [(2, 4)], 4, 12
   else:
     cases = [(int(s), int(d)) for s in _SHARDS.value for d in _BOUNDS.value]

@@ -49,6 +49,7 @@ if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a
 from absl import app, flags  # noqa: E402
 
 from experiments.run_checks import applied_once, loss_jump, output_and_data, read_jsonl, wsp_violations  # noqa: E402
+from hetpipe_jax import flag_checks  # noqa: E402
 from hetpipe_jax.jobs.job_config import plan_nodes  # noqa: E402
 from hetpipe_jax.mpi import rank_records  # noqa: E402
 from hetpipe_jax.planning.plan_format import load_plan  # noqa: E402
@@ -176,6 +177,8 @@ def procs_expected(procs: dict) -> int:
 
 def main(argv) -> None:
   del argv
+  if _SMOKE.value:
+    flag_checks.refuse_replaced("--smoke", ["drills", "num_minibatches", "checkpoint_every_waves", "sequence"])
   out, data_dir = output_and_data(_OUTPUT_DIR.value, _DATA_DIR.value)
   drills = SMOKE_FAULTS if _SMOKE.value else list(_DRILLS.value)
   unknown = sorted(set(drills) - set(DRILLS))

@@ -52,6 +52,7 @@ if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a
 
 from absl import app, flags, logging  # noqa: E402
 
+from hetpipe_jax import flag_checks  # noqa: E402
 from hetpipe_jax.costs import task_times  # noqa: E402
 from hetpipe_jax.jobs.emulation import parse_stage_ms  # noqa: E402
 from hetpipe_jax.paths import REPO_ROOT  # noqa: E402
@@ -343,9 +344,8 @@ def main(argv):
   root.mkdir(parents=True, exist_ok=True)
   data_dir = synthetic.write_synthetic_fashion_mnist(root / "data", 2048, 64)
   length = "smoke" if _SMOKE.value else "quick" if _QUICK.value else "full"
-  if _SMOKE.value:
-    if _CASES.value:
-      raise app.UsageError("--smoke runs only the SMOKE case; drop --cases")
+  if _SMOKE.value:  # only the SMOKE case, without the latency probe
+    flag_checks.refuse_replaced("--smoke", ["cases", "methods", "quick", "latency"])
     cases = [SMOKE]
   else:
     cases = [c for c in CASES if (c.name in _CASES.value if _CASES.value else c.in_quick or not _QUICK.value)]

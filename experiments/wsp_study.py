@@ -36,6 +36,7 @@ if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a
 
 from absl import app, flags, logging  # noqa: E402
 
+from hetpipe_jax import flag_checks  # noqa: E402
 from hetpipe_jax.paths import REPO_ROOT, write_json  # noqa: E402
 
 _CASES = flags.DEFINE_list("cases", ["default", "het3_d2"], "Cases to run (see the module docstring).")
@@ -205,6 +206,8 @@ def plot(result: dict, path: pathlib.Path) -> None:
 def main(argv):
   del argv
   smoke = _SMOKE.value
+  if smoke:  # the smoke cases run a few minibatches each
+    flag_checks.refuse_replaced("--smoke", ["het3_epochs"])
   cases = make_cases(smoke, _DATA_DIR.value, _HET3_EPOCHS.value)
   unknown = [c for c in _CASES.value if c not in cases]
   if unknown:

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 from absl import app
 from absl import flags
 
+from hetpipe_jax import flag_checks
 from hetpipe_jax import models
 from hetpipe_jax.costs import cluster as cluster_lib
 from hetpipe_jax.planning import compare as compare_lib
@@ -54,12 +54,7 @@ def main(argv):
   cluster_name, model, batch, num_vws, waves = (_CLUSTER.value, _MODEL.value, _BATCH.value, _NUM_VWS.value,
                                                 _WAVES.value)
   if _SMOKE.value:
-    given = [f"--{f.name}" for f in (_CLUSTER, _MODEL, _BATCH, _NUM_VWS, _WAVES) if flags.FLAGS[f.name].present]
-    if given:  # the smoke check sets them itself: a value given beside it would not run
-      print(f"error: --smoke sets --cluster, --model, --batch_size, --num_vws and --num_waves itself; "
-            f"{', '.join(given)} would not run: leave {'it' if len(given) == 1 else 'them'} out, or drop --smoke",
-            file=sys.stderr)
-      sys.exit(2)
+    flag_checks.refuse_replaced("--smoke", [f.name for f in (_CLUSTER, _MODEL, _BATCH, _NUM_VWS, _WAVES)])
     cluster_name, model, batch, num_vws, waves = "local_cpu", "cnn", 64, 2, 10
   cluster = cluster_lib.load_cluster(cluster_name)
   profile = get_profile(model, batch, cluster, _PROFILE.value)

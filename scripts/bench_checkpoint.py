@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # pylint: disable=wrong-import-position
 
+from hetpipe_jax import flag_checks  # pylint: disable=wrong-import-position
 from hetpipe_jax.paths import REPO_ROOT  # pylint: disable=wrong-import-position
 
 _REPEATS = flags.DEFINE_integer("repeats", 1, "Pairs of runs (with, without checkpoints).")
@@ -72,6 +73,7 @@ def main(argv):
   del argv
   extra = []
   if _SMOKE.value:
+    flag_checks.refuse_replaced("--smoke", ["num_minibatches"])
     extra += ["--config.num_minibatches=8", "--config.eval_every_epochs=0", "--config.check_counts=False"]
   elif _MINIBATCHES.value:
     extra.append(f"--config.num_minibatches={_MINIBATCHES.value}")
