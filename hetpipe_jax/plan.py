@@ -61,15 +61,16 @@ class FlagError(ValueError):
 def check_flags() -> None:
   """The flags' checks, before any planning: values in range, and no flag the method does not use (it used to be
   dropped, or recorded without running): ``--remat`` but for the flush methods, ``--ps_placement`` but for the PS
-  methods, ``--policy`` and ``--num_vws`` with Horovod (every GPU that holds the model is one worker).
+  methods, ``--policy`` and ``--num_vws`` with the single-stage methods (Horovod: every GPU that holds the model
+  is one worker).
 
   Raises:
     FlagError: naming the flag and the fix.
   """
-  method = _METHOD.value
+  method, spec = _METHOD.value, methods.get_method(_METHOD.value)
   if _BATCH.value <= 0:
     raise FlagError(f"--batch_size must be positive, got {_BATCH.value}")
-  if _INFLIGHT_MEMORY.value == "schedule" and method != "hetpipe":
+  if _INFLIGHT_MEMORY.value == "schedule" and not spec.schedule_peaks:
     raise FlagError(f"--inflight_memory=schedule is for --method=hetpipe (FIFO rule); --method={method} has a "
                     "closed-form held count: use --inflight_memory=conservative")
   if _MAX_VW_GPUS.value is not None and _POLICY.value != "auto":
@@ -81,7 +82,7 @@ def check_flags() -> None:
     unused.add("remat")
   if method not in methods.PS_METHODS:
     unused.add("ps_placement")
-  if method == "horovod":
+  if spec.single_stage:  # every GPU that holds the model is one worker
     unused |= {"policy", "num_vws"}
   for name in sorted(unused):
     if flags.FLAGS[name].present and (name != "remat" or _REMAT.value):  # --noremat asks for what runs

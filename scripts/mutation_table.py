@@ -1351,7 +1351,7 @@ MUTATIONS = (
              "if value != s.default and not s.used(config, method):",
              "if False:",
              ("tests/test_job_config.py::test_a_setting_given_while_the_feature_reading_it_is_off_is_refused",),
-             "dc_lambda=0.5 without delay compensation is accepted and recorded in config.json though nothing reads it"),
+             "dc_lambda=0.5 without delay compensation is accepted and recorded in config.json, never read"),
     Mutation("ps_staleness_alpha_read_by_every_scaling", "DEPENDENT_SETTINGS",
              "lambda c, m: c.get(\"ps_staleness_scaling\", \"none\") == \"exp\"),",
              "lambda c, m: c.get(\"ps_staleness_scaling\", \"none\") != \"none\"),",
