@@ -5,12 +5,15 @@ further stages on ranks S+N.., see ``python -m hetpipe_jax.launch``).
   mpiexec -n <1+N> python -m mpi4py -m hetpipe_jax.train --config=experiments/configs/default.py \
       --workdir=runs/default [--config.staleness_bound=2 ...] [--resume]
 
-jax is imported only after the config is read, so the forced host-device count for CPU stages is set first.
+jax is imported only after the config is read, so the forced host-device count for CPU stages is set first. A rank
+that seems hung prints every thread's Python stack to its stderr on ``kill -USR1 <pid>`` (``faulthandler``).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import time
 
@@ -54,6 +57,7 @@ def _set_platform(job) -> None:
 
 def main(argv) -> None:
   del argv
+  faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks, on demand (module docstring)
   from mpi4py import MPI
   comm = MPI.COMM_WORLD
   rank = comm.Get_rank()

@@ -6,8 +6,10 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import time
 
 from hetpipe_jax.paths import REPO_ROOT
 
@@ -51,7 +53,56 @@ def run_job(workdir, num_ranks: int, overrides: dict, config: str = "experiments
   args += [f"--config.{k}={v}" for k, v in overrides.items()] + list(extra_args)
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
   env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-  return subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+  proc = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
+  try:
+    out, err = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    # A hang: every rank prints its threads' stacks (hetpipe_jax.train registers faulthandler on SIGUSR1), then the
+    # whole launch is killed and the stacks are in the error.
+    for pid in descendants(proc.pid):
+      try:
+        os.kill(pid, signal.SIGUSR1)
+      except OSError:
+        pass
+    time.sleep(3.0)
+    os.killpg(proc.pid, signal.SIGKILL)
+    out, err = proc.communicate()
+    deadline = time.monotonic() + 10.0
+    while _group_alive(proc.pid) and time.monotonic() < deadline:  # the killed ranks gone before the error
+      time.sleep(0.1)
+    raise AssertionError(f"{' '.join(args[:3])} ... timed out after {timeout} s; its stderr, with the ranks' stacks "
+                         f"(faulthandler):\n{err[-12000:]}") from None
+  return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def _group_alive(pgid: int) -> bool:
+  """Whether a process of process group ``pgid`` is alive (not a zombie), from ``/proc``."""
+  for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+    try:
+      fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+      continue
+    if int(fields[2]) == pgid and fields[0] != "Z":
+      return True
+  return False
+
+
+def descendants(pid: int) -> list[int]:
+  """Every live process below ``pid`` (children, grandchildren, ...), from ``/proc``; Linux only."""
+  parents: dict[int, list[int]] = {}
+  for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+    try:
+      fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+      continue
+    parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+  found, todo = [], [pid]
+  while todo:
+    for child in parents.get(todo.pop(), []):
+      found.append(child)
+      todo.append(child)
+  return found
 
 
 def read_jsonl(path) -> list[dict]:

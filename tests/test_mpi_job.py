@@ -1,6 +1,7 @@
 """End-to-end MPI runs of ``hetpipe_jax.train``: outputs, WSP guarantees, the BSP oracle, and bad input."""
 
 import json
+import pathlib
 
 import jax
 import numpy as np
@@ -285,3 +286,28 @@ def test_an_exception_on_a_vw_rank_ends_the_job(tmp_path, synthetic_data_dir):
   assert proc.returncode != 0
   assert "training diverged" in proc.stderr, proc.stderr[-3000:]
   assert not (workdir / "summary.json").exists()
+
+
+def test_a_launch_past_its_timeout_is_killed_and_its_error_holds_every_ranks_stacks(tmp_path, synthetic_data_dir):
+  """The tests' launcher on a hang (here: a run much longer than its limit): every rank prints its threads' Python
+  stacks (``hetpipe_jax.train`` registers faulthandler on SIGUSR1), the launch is killed, and the error carries the
+  stacks, so a rare hang in CI can be read from its log; no rank outlives it."""
+  from tests.mpi_util import descendants, run_job  # pylint: disable=g-import-not-at-top
+  with pytest.raises(AssertionError, match=r"timed out after 12 s; its stderr, with the ranks' stacks") as e:
+    run_job(tmp_path / "run", 3, {"data_dir": synthetic_data_dir, "num_minibatches": 2000, "num_inflight": 1,
+                                  "emulate_stage_ms": "50,50", "checkpoint_every_waves": 0}, timeout=12)
+  text = str(e.value)
+  assert text.count("Current thread") + text.count("Thread 0x") >= 3, text[-3000:]  # at least one per rank
+  assert "hetpipe_jax" in text and 'File "' in text
+  assert not [p for p in descendants(1) if str(tmp_path / "run") in _cmdline(p)]  # this launch's ranks
+
+
+def _cmdline(pid: int) -> str:
+  """The command line of a live process ("" for a zombie or a process gone)."""
+  try:
+    stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    if stat.rsplit(")", 1)[1].split()[0] == "Z":
+      return ""
+    return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+  except OSError:
+    return ""
