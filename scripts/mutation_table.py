@@ -1388,4 +1388,10 @@ MUTATIONS = (
              "pass",
              ("tests/test_mpi_job.py::test_a_launch_past_its_timeout_is_killed_and_its_error_holds_every_ranks_stacks",),
              "kill -USR1 ends a seemingly hung rank instead of printing its threads' stacks (CI hangs unreadable)"),
+    Mutation("virtual_time_overrides_emulate_plan_false", "virtual_task_times",
+             "if use_plan and emu.emulate_plan is False:",
+             "if False:",
+             ("tests/test_job_config.py::test_emulate_plan_unset_true_and_false_in_virtual_time",
+              "tests/test_entry_points.py::test_train_virtual_mode_cli_smoke"),
+             "--mode=virtual with emulate_plan=False runs the plan's times and records emulate_plan=True"),
 )

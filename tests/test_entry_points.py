@@ -57,15 +57,20 @@ def test_run_main_script_smoke(tmp_path, synthetic_data_dir):
 
 
 def test_train_virtual_mode_cli_smoke(tmp_path, synthetic_data_dir):
-  """`python -m hetpipe_jax.train --mode=virtual` with the paper's 16-GPU plan: the plan's task times are used
-  (recorded as emulate_plan=True) without the user's config being changed behind their back."""
+  """`python -m hetpipe_jax.train --mode=virtual` with the paper's 16-GPU plan (paper_virtual.py: emulate_plan=True):
+  the plan's task times are used and recorded. Given ``emulate_plan=False`` with no other times, the run used to take
+  the plan's times anyway and record True; now it is refused naming the setting (unset, virtual time takes them:
+  tests/test_job_config.py)."""
+  args = [sys.executable, "-m", "hetpipe_jax.train", "--mode=virtual", "--config=experiments/configs/paper_virtual.py",
+          f"--config.data_dir={synthetic_data_dir}", "--config.check_counts=False", "--config.progress=False",
+          "--config.num_minibatches=6", "--config.eval_every_epochs=0"]
+  refused = subprocess.run(args + [f"--workdir={tmp_path / 'refused'}", "--config.emulate_plan=False"], cwd=REPO_ROOT,
+                           env=_env(), capture_output=True, text=True, timeout=300)
+  assert refused.returncode == 2, refused.stderr[-3000:]
+  assert "error: config.emulate_plan=False leaves --mode=virtual without task durations" in refused.stderr
   workdir = tmp_path / "virtual"
-  proc = subprocess.run(
-      [sys.executable, "-m", "hetpipe_jax.train", "--mode=virtual", "--config=experiments/configs/paper_virtual.py",
-       f"--workdir={workdir}", f"--config.data_dir={synthetic_data_dir}", "--config.check_counts=False",
-       "--config.progress=False", "--config.emulate_plan=False", "--config.num_minibatches=6",
-       "--config.eval_every_epochs=0"],
-      cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(args + [f"--workdir={workdir}"], cwd=REPO_ROOT, env=_env(), capture_output=True, text=True,
+                        timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   config, summary = _check_outputs(workdir)
   plan = json.loads((REPO_ROOT / config["plan"]).read_text())

@@ -393,3 +393,20 @@ def test_a_setting_given_while_the_feature_reading_it_is_off_is_refused(name, va
   if on:
     job = _validated(_tiny(**{**on, name: value}))
     assert dict(job.flat)[name] == value
+
+
+def test_emulate_plan_unset_true_and_false_in_virtual_time():
+  """Virtual time needs task durations. Unset, it takes the plan's (recorded emulate_plan=True); True, the same;
+  False with no emulate_stage_ms or timing_plan leaves none and is refused (it used to run the plan's times and
+  record True); False beside emulate_stage_ms runs those. Under MPI unset is recorded as False (no emulation)."""
+  for given, recorded in ((None, True), (True, True)):
+    job = job_config.resolve_job(_default(**({} if given is None else {"emulate_plan": given})), "virtual")
+    times, emulate_plan = emulation.virtual_task_times(job)
+    assert emulate_plan is recorded and len(times) == 2
+  with pytest.raises(ConfigError, match=r"^config\.emulate_plan=False leaves --mode=virtual without task durations"):
+    emulation.virtual_task_times(job_config.resolve_job(_default(emulate_plan=False), "virtual"))
+  job = job_config.resolve_job(_default(emulate_plan=False, emulate_stage_ms="10,20"), "virtual")
+  times, emulate_plan = emulation.virtual_task_times(job)
+  assert emulate_plan is False and len(times) == 2
+  mpi = job_config.resolve_job(_default(), "mpi")
+  assert resolved_config(mpi, job_config.check_partitions(mpi, 7))["emulate_plan"] is False

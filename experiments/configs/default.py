@@ -40,7 +40,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.num_cpu_devices = 0  # host devices per process on "cpu"; 0 -> as many as the stages need
   # Emulated heterogeneous devices: pad every task to the time it would take on the GPU its device stands in for.
   c.emulate_stage_ms = ""  # e.g. "20,80" (ms per minibatch per stage, every VW) or "20,80;40,40" (per VW)
-  c.emulate_plan = False  # True: the cost model's times for the plan's GPU types (needs config.plan)
+  # True: the cost model's times for the plan's GPU types (needs config.plan). Unset: --mode=virtual takes them when
+  # neither emulate_stage_ms nor timing_plan is given (it needs some times); under MPI, off. False: never.
+  c.emulate_plan = config_dict.placeholder(bool)
   # --mode=virtual only: another plan whose cost-model times drive simulated time (e.g. the paper-scale ResNet-152
   # on hetpipe_paper) while config.model's numerics run on the config's layout, which must match it (method, VWs,
   # stages per VW, num_inflight, batch size). Needs config.plan = "". experiments/paper/convergence.py uses it.

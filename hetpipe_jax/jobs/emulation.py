@@ -132,10 +132,13 @@ def virtual_task_times(job: Job) -> tuple[list, bool]:
   config.json records as ``emulate_plan``).
 
   Raises:
-    ConfigError: none of the three is given.
+    ConfigError: none of the three is given, or ``emulate_plan=False`` leaves none.
   """
   emu = job.emulation
   use_plan = not emu.emulate_stage_ms.strip() and not emu.timing_plan
+  if use_plan and emu.emulate_plan is False:
+    raise ConfigError("config.emulate_plan=False leaves --mode=virtual without task durations (no emulate_stage_ms "
+                      "or timing_plan): set one of them, or leave config.emulate_plan unset to use the plan's")
   if use_plan and job.plan is None:
     raise ConfigError("--mode=virtual needs task durations: set config.emulate_stage_ms, config.plan or "
                       "config.timing_plan")

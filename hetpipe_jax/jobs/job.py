@@ -224,10 +224,11 @@ class CheckpointSettings:
 @dataclasses.dataclass(frozen=True)
 class EmulationSettings:
   """Emulated device times: synthetic per-stage milliseconds, the plan's cost-model times, or (virtual time) another
-  plan's (``timing_plan``); :mod:`hetpipe_jax.jobs.emulation` turns them into task times."""
+  plan's (``timing_plan``); :mod:`hetpipe_jax.jobs.emulation` turns them into task times. ``emulate_plan``: the
+  config's (None: unset, so virtual time takes the plan's times when no other source is given)."""
 
   emulate_stage_ms: str
-  emulate_plan: bool
+  emulate_plan: bool | None
   timing_plan: str
 
 

@@ -269,9 +269,10 @@ def resolved_config(job: Job, partitions: Sequence[Partition], **overrides: Any)
   values (e.g. ``emulate_plan=True`` in virtual mode).
   """
   d = dict(job.flat)
-  d.update(num_virtual_workers=job.num_virtual_workers, num_stages=job.num_stages,
-           partition=format_partitions(partitions), num_inflight=job.num_inflight,
-           checkpoint_every_waves=job.checkpoint.every_waves, **overrides)
+  d.update({"num_virtual_workers": job.num_virtual_workers, "num_stages": job.num_stages,
+            "partition": format_partitions(partitions), "num_inflight": job.num_inflight,
+            "checkpoint_every_waves": job.checkpoint.every_waves, "emulate_plan": bool(job.emulation.emulate_plan),
+            **overrides})
   d["setting_sources"] = dict(job.sources)
   d["memory_caps"] = None if job.memory_caps is None else [list(c) for c in job.memory_caps]
   return d
