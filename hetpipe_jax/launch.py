@@ -106,7 +106,7 @@ def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_
     hetpipe_jax.mpi.rank_layout.LaunchError: unreadable plan or hostfile, or a mapping that cannot run (too few
       hosts, a VW across hosts without stage ranks, more ranks on a host than its slots).
   """
-  slots, shards = rank_slots(plan_path, hostfile, num_ps_shards, stage_rank_grouping, oversubscribe)
+  slots, shards, _ = rank_slots(plan_path, hostfile, num_ps_shards, stage_rank_grouping, oversubscribe)
   if not mpiexec:
     local = pathlib.Path(sys.executable).parent / "mpiexec"
     mpiexec = str(local) if local.exists() else "mpiexec"
@@ -115,7 +115,9 @@ def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_
   if guard:
     argv += [sys.executable, "-m", "hetpipe_jax.mpi.rank_guard", f"--workdir={workdir}", "--"]
   argv += [sys.executable, "-m", "mpi4py", "-m", "hetpipe_jax.train", f"--config={config}", f"--workdir={workdir}",
-          f"--config.plan={plan_path}", f"--config.num_ps_shards={shards}"]
+          f"--config.plan={plan_path}"]
+  if shards:  # the PS methods (an all-reduce plan has no parameter server; the job checks config.method against it)
+    argv.append(f"--config.num_ps_shards={shards}")
   if stage_rank_grouping is not None:
     argv += ["--config.stage_ranks=True", f"--config.stage_rank_grouping={stage_rank_grouping}"]
   argv += extra
@@ -123,9 +125,10 @@ def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_
 
 
 def rank_slots(plan_path: str, hostfile: str, num_ps_shards: int | None, stage_rank_grouping: str | None = None,
-               oversubscribe: bool = False) -> tuple[list[rank_layout.RankSlot], int]:
-  """The rank table of a plan on a hostfile (:func:`hetpipe_jax.mpi.rank_layout.map_ranks`) and the PS shard count
-  (``num_ps_shards``, or None: one per plan node).
+               oversubscribe: bool = False) -> tuple[list[rank_layout.RankSlot], int, str]:
+  """The rank table of a plan on a hostfile (:func:`hetpipe_jax.mpi.rank_layout.map_ranks`), the PS shard count
+  (``num_ps_shards``, or None: one per plan node for the PS methods, 0 for the all-reduce methods) and the plan's
+  method.
 
   Raises:
     hetpipe_jax.mpi.rank_layout.LaunchError: as :func:`build_command`.
@@ -141,10 +144,11 @@ def rank_slots(plan_path: str, hostfile: str, num_ps_shards: int | None, stage_r
     except OSError as e:
       raise rank_layout.LaunchError(f"--hostfile={hostfile}: {e}") from None
   nodes = plan_nodes(plan)
-  shards = len(nodes) if num_ps_shards is None else num_ps_shards
-  slots = rank_layout.map_ranks(plan, nodes, shards, list(host_slots), stage_rank_grouping)
+  if num_ps_shards is None:
+    num_ps_shards = len(nodes) if methods.get_method(plan.method).uses_ps else 0
+  slots = rank_layout.map_ranks(plan, nodes, num_ps_shards, list(host_slots), stage_rank_grouping)
   rank_layout.check_slots(slots, host_slots, oversubscribe)
-  return slots, shards
+  return slots, num_ps_shards, plan.method
 
 
 def device_table(slots) -> str:

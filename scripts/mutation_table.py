@@ -1394,4 +1394,9 @@ MUTATIONS = (
              ("tests/test_job_config.py::test_emulate_plan_unset_true_and_false_in_virtual_time",
               "tests/test_entry_points.py::test_train_virtual_mode_cli_smoke"),
              "--mode=virtual with emulate_plan=False runs the plan's times and records emulate_plan=True"),
+    Mutation("launch_gives_an_allreduce_plan_a_ps", "rank_slots",
+             "num_ps_shards = len(nodes) if methods.get_method(plan.method).uses_ps else 0",
+             "num_ps_shards = len(nodes)",
+             ("tests/test_launch.py::test_launch_runs_an_all_reduce_plan_without_a_ps_rank",),
+             "launch lays out a PS rank for a gpipe plan and passes num_ps_shards, which the job refuses"),
 )

@@ -198,6 +198,33 @@ def test_launch_runs_an_ed_plan_with_local_placement_and_no_cross_node_ps_bytes(
   assert summary["applied_waves_count_per_shard"] == [8, 8]  # 2 VWs x 4 waves on each shard
 
 
+@pytest.mark.mpi
+def test_launch_runs_an_all_reduce_plan_without_a_ps_rank(tmp_path, synthetic_data_dir):
+  """A gpipe plan has no parameter server: the launcher used to lay out a PS shard rank and pass
+  ``--config.num_ps_shards=1``, which the job refuses for gpipe, so no all-reduce plan could be launched. Now its
+  rank table is the VWs alone and the run trains; ``--num_ps_shards`` with it is one error line."""
+  plan = tmp_path / "gpipe.json"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = str(REPO_ROOT)
+  made = subprocess.run([sys.executable, "-m", "hetpipe_jax.plan", "--cluster=local_cpu", "--model=mlp_tiny",
+                         "--batch_size=32", "--num_vws=2", "--method=gpipe", "--num_inflight=2", f"--output={plan}"],
+                        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert made.returncode == 0, made.stderr[-3000:]
+  refused = _launch(f"--plan={plan}", "--dry_run", "--num_ps_shards=2", f"--workdir={tmp_path / 'no'}")
+  assert refused.returncode == 2, refused.stderr[-3000:]
+  assert "error: --num_ps_shards=2: the plan's method 'gpipe' has no parameter server" in refused.stderr
+  workdir = tmp_path / "run"
+  proc = _launch(f"--plan={plan}", "--config=experiments/configs/tiny.py", f"--workdir={workdir}", "--",
+                 "--config.method=gpipe", f"--config.data_dir={synthetic_data_dir}", "--config.check_counts=False",
+                 "--config.progress=False", "--config.num_minibatches=4", "--config.eval_every_epochs=0")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "ps shard" not in proc.stdout and "num_ps_shards" not in proc.stdout.split("command:")[1]
+  assert (workdir / "ranks.hosts").read_text() == "localhost:1\n" * 2
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["method"] == "gpipe" and summary["allreduce"]["replicas_identical"]
+  assert summary["num_minibatches"] == 2 * 4 and summary["checkpoint_every_waves"] == 0
+
+
 def _check_stage_rank_run(workdir, plan_path, grouping, num_minibatches):
   """A launched run with stage ranks and one PS shard per node: outputs, ranks per stage, every shard applied every
   wave once, WSP's bounds, and the final weights equal the per-shard replay of the recorded versions."""

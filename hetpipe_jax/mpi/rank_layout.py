@@ -21,6 +21,7 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from hetpipe_jax.planning.ps_placement import gpu_node
+from hetpipe_jax.rules import methods
 
 
 class LaunchError(ValueError):
@@ -173,16 +174,20 @@ def map_ranks(plan: Any, nodes: Sequence[str], num_ps_shards: int, hosts: Sequen
   Args:
     plan: a :class:`hetpipe_jax.planning.plan_format.Plan`.
     nodes: the plan's nodes in shard order (:func:`hetpipe_jax.jobs.job_config.plan_nodes`).
-    num_ps_shards: S >= 1.
+    num_ps_shards: S >= 1 for the PS methods; 0 for the all-reduce methods (no PS: VW v is rank v).
     hosts: the hostfile's hosts (:func:`read_hostfile`).
     grouping: stage ranks (``"gpu"`` or ``"node"``, :func:`stage_groups`); None: one process per VW.
 
   Raises:
-    LaunchError: ``num_ps_shards < 1``, too few hosts, or (without stage ranks) a VW whose stages' nodes map to
-      different hosts.
+    LaunchError: ``num_ps_shards < 1`` for a PS method or above 0 for an all-reduce one, too few hosts, or (without
+      stage ranks) a VW whose stages' nodes map to different hosts.
   """
-  if num_ps_shards < 1:
+  uses_ps = methods.get_method(plan.method).uses_ps
+  if uses_ps and num_ps_shards < 1:
     raise LaunchError(f"--num_ps_shards={num_ps_shards} must be >= 1")
+  if not uses_ps and num_ps_shards:
+    raise LaunchError(f"--num_ps_shards={num_ps_shards}: the plan's method {plan.method!r} has no parameter server "
+                      "(all-reduce): leave it out")
   host_of = node_hosts(nodes, hosts)
   slots = []
   for i in range(num_ps_shards):
