@@ -45,6 +45,7 @@ if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from absl import app, flags  # noqa: E402
+from hetpipe_jax import flag_checks  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", "cnn", "Registered classification model.")
 _N = flags.DEFINE_integer("num_devices", 4, "CPU devices of the data axis (N).")
@@ -195,6 +196,7 @@ def main(argv) -> None:
   del argv
   model, n, batch, steps, warmup = _MODEL.value, _N.value, _BATCH.value, _STEPS.value, _WARMUP.value
   if _QUICK.value:
+    flag_checks.refuse_replaced("--quick", ["model", "num_devices", "batch_size", "steps", "warmup"])
     model, n, batch, steps, warmup = "mlp_tiny", 2, 8, 3, 1
   if n < 1 or batch < 1 or steps < 1 or warmup < 0 or _CHECK_STEPS.value < 1:
     sys.exit(f"error: --num_devices={n}, --batch_size={batch}, --steps={steps}, --check_steps={_CHECK_STEPS.value} "

@@ -29,6 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # pylint: disable=wrong-import-position
+from hetpipe_jax import flag_checks  # pylint: disable=wrong-import-position
 
 import numpy as np  # pylint: disable=wrong-import-position
 
@@ -108,6 +109,8 @@ def compare(other: str, quick: bool, repeats: int) -> dict:
 
 def main(argv):
   del argv
+  if _QUICK.value:  # one run per case
+    flag_checks.refuse_replaced("--quick", ["repeats"])
   if _COMPARE_WITH.value:
     print(json.dumps(compare(_COMPARE_WITH.value, _QUICK.value, 1 if _QUICK.value else _REPEATS.value), indent=1))
     return

@@ -28,6 +28,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+from hetpipe_jax import flag_checks  # noqa: E402
 
 _SIZES_KB = flags.DEFINE_list("sizes_kb", ["1", "16", "256", "1024", "16384", "65536"], "Model sizes in KiB.")
 _SHARDS = flags.DEFINE_list("shards", ["1", "2"], "PS shard counts.")
@@ -113,6 +114,8 @@ def _worker(sizes_kb: list[int], seconds: float) -> None:
 
 def main(argv) -> None:
   del argv
+  if _QUICK.value:
+    flag_checks.refuse_replaced("--quick", ["sizes_kb", "seconds"])
   sizes = [1, 1024] if _QUICK.value else [int(s) for s in _SIZES_KB.value]
   seconds = 0.05 if _QUICK.value else _SECONDS.value
   if _WORKER.value:

@@ -67,6 +67,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from absl import app, flags  # noqa: E402
+from hetpipe_jax import flag_checks  # noqa: E402
 
 import bench_util  # noqa: E402  # pylint: disable=wrong-import-position
 
@@ -454,6 +455,9 @@ def main(argv):
   from hetpipe_jax.data import synthetic
   nm = _NUM_INFLIGHT.value
   quick = _QUICK.value
+  if quick:  # a seconds-long run: its own run lengths and one run per case
+    flag_checks.refuse_replaced("--quick", ["minibatches", "emulated_minibatches", "case_minibatches", "runs",
+                                            "stage_ranks_minibatches"])
   load = bench_util.MachineLoad()
   if _STAGE_RANKS.value:
     snm = _STAGE_RANKS_NM.value

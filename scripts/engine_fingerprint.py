@@ -30,6 +30,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # pylint: disable=wrong-import-position
+from hetpipe_jax import flag_checks  # pylint: disable=wrong-import-position
 
 from hetpipe_jax.rules.records import MinibatchRecord  # pylint: disable=wrong-import-position
 from hetpipe_jax.rules import wsp  # pylint: disable=wrong-import-position
@@ -168,6 +169,8 @@ def run_case(case: dict) -> str:
 
 def main(argv):
   del argv
+  if _QUICK.value:
+    flag_checks.refuse_replaced("--quick", ["num_cases"])
   rng = random.Random(_SEED.value)
   cases = [_random_case(rng, i) for i in range(16 if _QUICK.value else _NUM_CASES.value)]
   if not _QUICK.value:

@@ -204,25 +204,31 @@ def test_bench_ps_quick():
     assert r["waves"] >= 3 and 0 < r["ratio"] < 50 and r["ps_s_per_wave"] > 0 and r["raw_s_per_wave"] > 0
 
 
-@pytest.mark.parametrize("script,flag", [
-    ("experiments/methods_throughput.py", "--num_minibatches=5"),
-    ("experiments/validate_engine.py", "--cases=pipedream_2x2"),
-    ("experiments/validate_engine.py", "--nolatency"),
-    ("experiments/ps_load.py", "--num_vws=3"),
-    ("experiments/recovery_drill.py", "--drills=vw"),
-    ("experiments/wsp_study.py", "--het3_epochs=1"),
-    ("experiments/delay_sweep.py", "--minibatches=3"),
-    ("experiments/lm_check.py", "--runs=config"),
-    ("scripts/bench_checkpoint.py", "--num_minibatches=3"),
+@pytest.mark.parametrize("script,flag,mode", [
+    ("experiments/methods_throughput.py", "--num_minibatches=5", "--smoke"),
+    ("experiments/validate_engine.py", "--cases=pipedream_2x2", "--smoke"),
+    ("experiments/validate_engine.py", "--nolatency", "--smoke"),
+    ("experiments/ps_load.py", "--num_vws=3", "--smoke"),
+    ("experiments/recovery_drill.py", "--drills=vw", "--smoke"),
+    ("experiments/wsp_study.py", "--het3_epochs=1", "--smoke"),
+    ("experiments/delay_sweep.py", "--minibatches=3", "--smoke"),
+    ("experiments/lm_check.py", "--runs=config", "--smoke"),
+    ("scripts/bench_checkpoint.py", "--num_minibatches=3", "--smoke"),
+    ("experiments/fsdp_validate.py", "--steps=5", "--quick"),
+    ("scripts/bench_engine.py", "--repeats=2", "--quick"),
+    ("scripts/engine_fingerprint.py", "--num_cases=4", "--quick"),
+    ("scripts/bench_ps.py", "--sizes_kb=4", "--quick"),
+    ("scripts/bench_runtime.py", "--runs=2", "--quick"),
 ])
-def test_a_smoke_mode_refuses_a_flag_it_replaces(tmp_path, script, flag):
-  """Each --smoke mode picks its own run length, cases or model: a flag it replaces, given beside it, used to be
-  dropped (the run recorded the smoke's values); now one ``error:`` line names it, exit 2, before any work."""
+def test_a_smoke_mode_refuses_a_flag_it_replaces(tmp_path, script, flag, mode):
+  """Each --smoke (or --quick) mode picks its own run length, cases or model: a flag it replaces, given beside it,
+  used to be dropped (the run recorded the mode's values); now one ``error:`` line names it, exit 2, before any
+  work."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = str(REPO_ROOT)
-  proc = subprocess.run([sys.executable, str(REPO_ROOT / script), "--smoke", flag], cwd=tmp_path, env=env,
+  proc = subprocess.run([sys.executable, str(REPO_ROOT / script), mode, flag], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=120, check=False)
   name = flag.split("=")[0].replace("--no", "--")
   assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
-  assert proc.stderr.startswith("error: --smoke sets ") and f"; {name} would not run: leave it out" in proc.stderr
+  assert proc.stderr.startswith(f"error: {mode} sets ") and f"; {name} would not run: leave it out" in proc.stderr
   assert list(tmp_path.iterdir()) == []  # nothing written (the scripts' outputs default to paths under the cwd)
