@@ -57,7 +57,8 @@ def _set_platform(job) -> None:
 
 def main(argv) -> None:
   del argv
-  faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks, on demand (module docstring)
+  if sys.__stderr__ is not None:  # a hung rank's stacks, on demand (module docstring), to the process's own stderr
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
   from mpi4py import MPI
   comm = MPI.COMM_WORLD
   rank = comm.Get_rank()

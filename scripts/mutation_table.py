@@ -1384,7 +1384,7 @@ MUTATIONS = (
               "tests/test_scripts_smoke.py::test_a_smoke_mode_refuses_a_flag_it_replaces"),
              "compare --smoke --model=vgg19_imagenet compares the CNN and records it without a word (every --smoke)"),
     Mutation("a_hung_rank_cannot_show_its_stacks", "main",
-             "faulthandler.register(signal.SIGUSR1, all_threads=True)",
+             "faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)",
              "pass",
              ("tests/test_mpi_job.py::test_a_launch_past_its_timeout_is_killed_and_its_error_holds_every_ranks_stacks",),
              "kill -USR1 ends a seemingly hung rank instead of printing its threads' stacks (CI hangs unreadable)"),
