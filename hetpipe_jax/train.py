@@ -64,11 +64,14 @@ def main(argv) -> None:
   rank = comm.Get_rank()
   logging.set_verbosity(logging.INFO if rank == 0 else logging.WARNING)
   config = _CONFIG.value
-  if _PLAN.value is not None:
-    config.plan = _PLAN.value
   if _MODE.value == "mpi":  # who this rank is, for a launcher naming a failed rank (hetpipe_jax.mpi.rank_records)
     rank_records.write_proc(_WORKDIR.value, rank, comm.Get_size())
   try:
+    if _PLAN.value is not None:
+      given = "config.plan" in flags.FLAGS and flags.FLAGS["config.plan"].present
+      if given and config.plan and config.plan != _PLAN.value:  # one of them would be dropped
+        raise ConfigError(f"--plan={_PLAN.value} and --config.plan={config.plan} name different plans: give one")
+      config.plan = _PLAN.value
     job = resolve_job(config, _MODE.value, _RESUME.value)  # the one reading of the config (and the plan)
     try:  # the launcher's per-rank GPUs (HETPIPE_RANK_DEVICES), before jax starts a backend
       rank_devices.apply(rank, comm.Get_size(), job.platform)

@@ -1399,4 +1399,9 @@ MUTATIONS = (
              "num_ps_shards = len(nodes)",
              ("tests/test_launch.py::test_launch_runs_an_all_reduce_plan_without_a_ps_rank",),
              "launch lays out a PS rank for a gpipe plan and passes num_ps_shards, which the job refuses"),
+    Mutation("plan_flag_drops_a_different_config_plan", "main",
+             "if given and config.plan and config.plan != _PLAN.value:",
+             "if False:",
+             ("tests/test_entry_points.py::test_plan_flag_and_config_plan_naming_different_plans_are_refused",),
+             "train --plan=A --config.plan=B runs A and says nothing of B"),
 )

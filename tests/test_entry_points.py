@@ -103,3 +103,18 @@ def test_run_tests_refuses_a_bad_worker_count_before_set_up(workers):
   assert proc.returncode == 2, proc.stderr
   assert f"HETPIPE_TEST_WORKERS={workers} must be a number of workers" in proc.stderr
   assert "setup:" not in proc.stdout + proc.stderr and "passed" not in proc.stdout
+
+
+def test_plan_flag_and_config_plan_naming_different_plans_are_refused(tmp_path):
+  """``--plan`` replaced a ``--config.plan`` given beside it without a word; two different plans are now one
+  ``error:`` line and exit 2 (the same plan twice, or ``--config.plan=`` cleared, still runs from ``--plan``)."""
+  proc = subprocess.run(
+      [sys.executable, "-m", "hetpipe_jax.train", "--mode=virtual", "--config=experiments/configs/tiny.py",
+       f"--workdir={tmp_path / 'run'}", "--plan=experiments/plans/local_cpu_cnn_b64.json",
+       "--config.plan=experiments/plans/local_cpu_2node_mlp_tiny_ed_local.json"],
+      cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert ("error: --plan=experiments/plans/local_cpu_cnn_b64.json and --config.plan=experiments/plans/"
+          "local_cpu_2node_mlp_tiny_ed_local.json name different plans: give one") in proc.stderr
+  assert not (tmp_path / "run" / "summary.json").exists()
+
