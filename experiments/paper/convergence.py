@@ -64,6 +64,7 @@ import numpy as np  # noqa: E402
 from experiments.paper import common  # noqa: E402
 from experiments.paper import timing_plans  # noqa: E402
 from experiments.paper.timing_plans import horovod_plan  # noqa: E402,F401  (re-exported)
+from hetpipe_jax import flag_checks  # noqa: E402
 from hetpipe_jax.paths import REPO_ROOT, write_json  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False, "Seconds-long end-to-end check (CI): 1 seed, a few waves per config.")
@@ -402,6 +403,8 @@ def plot(result: dict, path: pathlib.Path) -> None:
 def main(argv):
   del argv
   quick = _QUICK.value
+  if quick:  # one seed (the other settings it shortens stay the user's when given)
+    flag_checks.refuse_replaced("--quick", ["seeds"])
   seeds = 1 if quick else _SEEDS.value
   if seeds < 1:
     raise app.UsageError(f"--seeds={seeds} must be >= 1 (3 or more for the reported spread)")
