@@ -60,6 +60,7 @@ from experiments.staleness_grid import (EXTENSION, GRID, HETPIPE_FIT, QUICK_GRID
 from experiments.staleness_report import (PAPER_GROUPS, aggregate, goals, markdown, paper_results,  # noqa: E402
                                           paper_time_to_target, partial_record, plot,
                                           time_to_target, value_at)  # noqa: F401  (re-exported)
+from hetpipe_jax import flag_checks  # noqa: E402
 from hetpipe_jax.paths import REPO_ROOT, write_json  # noqa: E402
 
 
@@ -276,6 +277,8 @@ def main(argv):
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   quick = FLAGS.quick
+  if quick:  # its own grid (QUICK_GRID) and run lengths
+    flag_checks.refuse_replaced("--quick", ["lm_minibatches", "extensions"])
   tasks = make_tasks(quick, FLAGS.lm_minibatches, FLAGS.text_dir, FLAGS.fashion_dir)
   grid = QUICK_GRID if quick else GRID + EXTENSION
   groups = sorted({r.group for r in grid})

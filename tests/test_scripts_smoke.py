@@ -220,6 +220,7 @@ def test_bench_ps_quick():
     ("scripts/bench_ps.py", "--sizes_kb=4", "--quick"),
     ("scripts/bench_runtime.py", "--runs=2", "--quick"),
     ("experiments/paper/convergence.py", "--seeds=3", "--quick"),
+    ("experiments/staleness_study.py", "--lm_minibatches=100", "--quick"),
 ])
 def test_a_smoke_mode_refuses_a_flag_it_replaces(tmp_path, script, flag, mode):
   """Each --smoke (or --quick) mode picks its own run length, cases or model: a flag it replaces, given beside it,
