@@ -1404,4 +1404,9 @@ MUTATIONS = (
              "if False:",
              ("tests/test_entry_points.py::test_plan_flag_and_config_plan_naming_different_plans_are_refused",),
              "train --plan=A --config.plan=B runs A and says nothing of B"),
+    Mutation("a_resume_changes_the_training_silently", "load_resume_point",
+             "if changed:",
+             "if False:",
+             ("tests/test_resume.py::test_a_resume_that_changes_the_training_is_refused",),
+             "--resume with a new learning rate or seed runs on while config.json and the records call it one run"),
 )

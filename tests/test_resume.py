@@ -185,6 +185,26 @@ def test_virtual_run_interrupted_and_resumed_is_bit_identical_to_the_uninterrupt
     assert resumed[key] == full[key], key
 
 
+@pytest.mark.parametrize("change,named", [
+    ({"optimizer": "sgd", "learning_rate": 0.5},
+     "config.optimizer='sgd' (the run used 'adam'); config.learning_rate=0.5"),
+    ({"seed": 3}, "config.seed=3 (the run used 0)"),
+    ({"batch_size": 16}, "config.batch_size=16 (the run used 32)"),
+])
+def test_a_resume_that_changes_the_training_is_refused(tmp_path, synthetic_data_dir, change, named):
+  """The layout and the run's length may change on a resume; the training may not: another optimizer used to end in
+  a traceback from deep in the optimizer state, a new learning rate, seed or batch size ran silently while
+  config.json and the records called it one run. Now each is one error naming the settings, before any work."""
+  _run(_config(synthetic_data_dir, checkpoint_every_waves=4, num_minibatches=8), tmp_path / "first")
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  shutil.copytree(tmp_path / "first" / "checkpoints", workdir / "checkpoints")
+  with pytest.raises(ConfigError, match=r"^--resume continues checkpoint 4 of .* with the same training, but ") as e:
+    _run(_config(synthetic_data_dir, checkpoint_every_waves=4, num_minibatches=16, **change), workdir, resume=True)
+  assert named in str(e.value) and "the layout and the run's length may change" in str(e.value)
+  assert sorted(p.name for p in workdir.iterdir()) == ["checkpoints"]  # nothing written
+
+
 @pytest.mark.parametrize("change", [{"partition": "0:1,1:4;0:3,3:4;0:2,2:4"}, {"num_inflight": 3},
                                     {"num_virtual_workers": 2, "emulate_stage_ms": "10,10;20,20"}],
                          ids=["partition", "num_inflight", "num_vws"])

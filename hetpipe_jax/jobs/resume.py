@@ -125,6 +125,13 @@ def check_resume_workdir(workdir: str | pathlib.Path, resume: bool) -> None:
                       "continue it, or choose a new --workdir")
 
 
+# What a resume may not change: the method, the optimizer and its settings, the data order and the minibatch. (The
+# layout, Nm, the VWs, the shards, the stage ranks and the run's length may; so may D and the PS's rules.)
+SAME_ON_RESUME = ("method", "optimizer", "learning_rate", "lr_schedule", "warmup_minibatches", "momentum", "adam_b1",
+                  "adam_b2", "weight_decay", "muon_beta", "muon_consistent_rms", "grad_clip_norm", "seed",
+                  "batch_size", "dataset")
+
+
 def load_resume_point(workdir: str | pathlib.Path, settings: Job, partitions: Sequence[Sequence[Sequence[int]]],
                       layout, num_layers: int, model_name: str) -> ResumePoint:
   """Reads the newest readable checkpoint of ``workdir`` and maps it onto ``settings`` (any plan of the same model).
@@ -133,8 +140,11 @@ def load_resume_point(workdir: str | pathlib.Path, settings: Job, partitions: Se
   this run takes checkpoint VW ``v % N_old``'s state; each VW starts at minibatch ``m_old * N_old // N_new`` of its
   (possibly re-sharded) data, so the examples seen continue (``m_old``: minibatches each old VW completed).
 
+  The training itself continues as it was: the settings of :data:`SAME_ON_RESUME` must equal the checkpoint run's
+  (its ``config.json`` in the checkpoint); the layout and the run's length may change.
+
   Raises:
-    ConfigError: no readable checkpoint, or one from another model.
+    ConfigError: no readable checkpoint, one from another model, or a setting of :data:`SAME_ON_RESUME` changed.
   """
   store = TrainingCheckpoints(workdir)
   try:
@@ -148,6 +158,13 @@ def load_resume_point(workdir: str | pathlib.Path, settings: Job, partitions: Se
     raise ConfigError(f"checkpoint {step} of {workdir} was written for model {meta.get('model')!r} "
                       f"({meta.get('num_layers')} layers); this run's model is {model_name!r} ({num_layers} layers): "
                       "resume with the same config.model, or choose a new --workdir")
+  was = meta.get("config", {})
+  changed = [f"config.{k}={settings.flat.get(k)!r} (the run used {was.get(k)!r})" for k in SAME_ON_RESUME
+             if k in was and settings.flat.get(k) != was.get(k)]
+  if changed:  # the resumed part would train another way than config.json and the records say
+    raise ConfigError(f"--resume continues checkpoint {step} of {workdir} with the same training, but "
+                      f"{'; '.join(changed)}: resume with the run's values (the layout and the run's length may "
+                      "change), or choose a new --workdir")
   try:
     flat = layout.flatten(weights)
   except Exception as e:  # pylint: disable=broad-except
