@@ -1409,4 +1409,9 @@ MUTATIONS = (
              "if False:",
              ("tests/test_resume.py::test_a_resume_that_changes_the_training_is_refused",),
              "--resume with a new learning rate or seed runs on while config.json and the records call it one run"),
+    Mutation("virtual_time_records_stage_ranks_it_never_ran", "resolve_job",
+             "if config.get(\"stage_ranks\", False):",
+             "if False:",
+             ("tests/test_job_config.py::test_mpi_only_layouts_are_refused_in_virtual_time",),
+             "--mode=virtual with stage_ranks=True runs one process and records stage_ranks: true"),
 )

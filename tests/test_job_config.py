@@ -410,3 +410,18 @@ def test_emulate_plan_unset_true_and_false_in_virtual_time():
   assert emulate_plan is False and len(times) == 2
   mpi = job_config.resolve_job(_default(), "mpi")
   assert resolved_config(mpi, job_config.check_partitions(mpi, 7))["emulate_plan"] is False
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"stage_ranks": True, "num_stages": 2}, "config.stage_ranks=True: virtual time runs every VW's stages in its one "
+     "process"),
+    ({"num_ps_shards": 2}, "config.num_ps_shards=2: virtual time runs one in-process PS"),
+])
+def test_mpi_only_layouts_are_refused_in_virtual_time(overrides, message):
+  """Virtual time runs one process and one PS: stage ranks used to be accepted there and recorded as
+  ``stage_ranks: true`` in config.json while every stage ran in the one process. The same settings run under MPI."""
+  with pytest.raises(ConfigError, match="^" + re.escape(message)):
+    job_config.resolve_job(_tiny(**overrides), "virtual")
+  job = job_config.resolve_job(_tiny(**overrides), "mpi")
+  assert job.pipeline.stage_ranks == overrides.get("stage_ranks", False) and job.num_ps_shards == overrides.get(
+      "num_ps_shards", 1)

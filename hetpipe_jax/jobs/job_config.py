@@ -328,6 +328,9 @@ def resolve_job(config: Any, mode: str = "mpi", resume: bool = False) -> Job:
     if config.get("ps_watchdog_s", 0.0):
       raise ConfigError(f"config.ps_watchdog_s={config.ps_watchdog_s}: virtual time has no hung ranks to watch; set "
                         "it to 0 (the watchdog runs under MPI)")
+    if config.get("stage_ranks", False):
+      raise ConfigError("config.stage_ranks=True: virtual time runs every VW's stages in its one process; set it to "
+                        "False (stage ranks run under MPI)")
   elif settings.num_ps_ranks:
     settings = with_ps_shards(config, settings)  # sharded PS: ranks 0..S-1
     settings = with_stage_ranks(config, settings)  # stage ranks: ranks S+N.. (after the VWs' drivers)
