@@ -1414,4 +1414,10 @@ MUTATIONS = (
              "if False:",
              ("tests/test_job_config.py::test_mpi_only_layouts_are_refused_in_virtual_time",),
              "--mode=virtual with stage_ranks=True runs one process and records stage_ranks: true"),
+    Mutation("summary_plan_is_not_config_plan", "settings_summary",
+             "\"plan\": job.plan_path,",
+             "\"plan\": job.plan is not None,",
+             ("tests/test_entry_points.py::test_train_virtual_mode_cli_smoke",
+              "tests/test_methods_mpi.py::test_allreduce_methods_equal_single_device_training"),
+             "summary.json's plan is a boolean where config.json's is the plan's path"),
 )

@@ -31,6 +31,7 @@ def _check_outputs(workdir):
   for name in PLAN_DECIDED:
     assert config[name] == summary[name], name
     assert name in config["setting_sources"]
+  assert summary["plan"] == config["plan"] != ""  # the plan's path in both (summary.json held True here)
   for name in ("metrics.jsonl", "minibatches.jsonl", "ps_applied.jsonl", "metrics.png", "checkpoint"):
     assert (workdir / name).exists(), name
   assert (workdir / "metrics.png").stat().st_size > 5_000

@@ -73,6 +73,7 @@ def test_allreduce_methods_equal_single_device_training(tmp_path, synthetic_data
   assert all(r["version_local_updates"] == r["minibatch_id"] // m for r in records)  # the previous steps' weights
   config = json.loads((workdir / "config.json").read_text())
   assert config["method"] == method and config["num_inflight"] == m
+  assert summary["plan"] == config["plan"] == ""  # no plan: the same value in both files
   # The method's order ran: per stage, the tasks in StageOrder's order.
   from hetpipe_jax.rules import methods
   order = methods.stage_order(methods.get_method(method), stages, m, steps * m)

@@ -131,7 +131,7 @@ def settings_summary(job: Job, partitions: Sequence[Sequence[Sequence[int]]], sp
       "staleness_bound": job.staleness_bound,
       "ps_apply": job.wsp.ps_apply,
       "pull_every_wave": job.wsp.pull_every_wave,
-      "plan": job.plan is not None,
+      "plan": job.plan_path,  # config.json's: the plan file the run resolved from ("" without one)
       "memory_caps": None if job.memory_caps is None else [list(c) for c in job.memory_caps],
       "setting_sources": dict(job.sources),
   }
