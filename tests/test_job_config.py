@@ -312,13 +312,14 @@ JOB_FIELDS = {
 
 
 def test_the_job_holds_every_flat_setting_as_given():
-  """Every section of the Job holds its flat setting as the config gives it (each away from its default here), so
-  config.json (the flat config as it ran) and what runs agree; the fault drill's text is parsed once."""
+  """Every section of the Job holds its flat setting as the config gives it (each away from its default here, but
+  ``num_epochs``: with ``num_minibatches`` set it is not read, and refused), so config.json (the flat config as it
+  ran) and what runs agree; the fault drill's text is parsed once."""
   c = _tiny(staleness_bound=3, pull_every_wave=False, ps_apply="clock_aligned", ps_staleness_scaling="exp",
             ps_staleness_alpha=0.5, optimizer="nadamw", learning_rate=0.02, lr_schedule="warmup_cosine",
             warmup_minibatches=2, adam_b1=0.8, adam_b2=0.99, weight_decay=0.01, grad_clip_norm=0.5,
             delay_compensation="dc", dc_lambda=0.1, checkpoint_every_waves=7, checkpoint_max_to_keep=2,
-            emulate_stage_ms="10,20", num_epochs=2.0, num_minibatches=8, log_every_waves=3, eval_every_epochs=0.5,
+            emulate_stage_ms="10,20", num_minibatches=8, log_every_waves=3, eval_every_epochs=0.5,
             eval_batch_size=100, progress=False, save_task_trace=True, debug_nan_update="1:2", seed=5, batch_size=16,
             num_inflight=4, num_virtual_workers=3, num_cpu_devices=4, data_dir="/x", check_counts=False)
   job = job_config.resolve_job(c, "virtual")
@@ -379,6 +380,8 @@ DEPENDENT_CASES = [
     ("stage_rank_grouping", "node", {}, {"stage_ranks": True, "num_stages": 2}),
     ("checkpoint_max_to_keep", 2, {"checkpoint_every_waves": 0}, {"checkpoint_every_waves": 4}),
     ("checkpoint_max_to_keep", 2, {"method": "gpipe"}, {}),
+    ("num_epochs", 2.0, {"num_minibatches": 8}, {"num_minibatches": 0}),  # tiny.py runs 40 minibatches per VW
+    ("num_epochs", 2.0, {}, {}),
 ]
 
 

@@ -303,6 +303,8 @@ DEPENDENT_SETTINGS = (
                      lambda c, m: bool(c.get("stage_ranks", False))),
     DependentSetting("checkpoint_max_to_keep", 3, "training checkpoints (config.checkpoint_every_waves > 0)",
                      lambda c, m: checkpoint_every_waves(c, m) > 0),
+    DependentSetting("num_epochs", 5.0, "config.num_minibatches=0 (above 0 it sets the run's length instead)",
+                     lambda c, m: c.get("num_minibatches", 0) <= 0),
 )
 
 
