@@ -106,7 +106,7 @@ def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_
     hetpipe_jax.mpi.rank_layout.LaunchError: unreadable plan or hostfile, or a mapping that cannot run (too few
       hosts, a VW across hosts without stage ranks, more ranks on a host than its slots).
   """
-  slots, shards, _ = rank_slots(plan_path, hostfile, num_ps_shards, stage_rank_grouping, oversubscribe)
+  slots, shards = rank_slots(plan_path, hostfile, num_ps_shards, stage_rank_grouping, oversubscribe)
   if not mpiexec:
     local = pathlib.Path(sys.executable).parent / "mpiexec"
     mpiexec = str(local) if local.exists() else "mpiexec"
@@ -125,10 +125,9 @@ def build_command(plan_path: str, hostfile: str, config: str, workdir: str, num_
 
 
 def rank_slots(plan_path: str, hostfile: str, num_ps_shards: int | None, stage_rank_grouping: str | None = None,
-               oversubscribe: bool = False) -> tuple[list[rank_layout.RankSlot], int, str]:
-  """The rank table of a plan on a hostfile (:func:`hetpipe_jax.mpi.rank_layout.map_ranks`), the PS shard count
-  (``num_ps_shards``, or None: one per plan node for the PS methods, 0 for the all-reduce methods) and the plan's
-  method.
+               oversubscribe: bool = False) -> tuple[list[rank_layout.RankSlot], int]:
+  """The rank table of a plan on a hostfile (:func:`hetpipe_jax.mpi.rank_layout.map_ranks`) and the PS shard count
+  (``num_ps_shards``, or None: one per plan node for the PS methods, 0 for the all-reduce methods).
 
   Raises:
     hetpipe_jax.mpi.rank_layout.LaunchError: as :func:`build_command`.
@@ -148,7 +147,7 @@ def rank_slots(plan_path: str, hostfile: str, num_ps_shards: int | None, stage_r
     num_ps_shards = len(nodes) if methods.get_method(plan.method).uses_ps else 0
   slots = rank_layout.map_ranks(plan, nodes, num_ps_shards, list(host_slots), stage_rank_grouping)
   rank_layout.check_slots(slots, host_slots, oversubscribe)
-  return slots, num_ps_shards, plan.method
+  return slots, num_ps_shards
 
 
 def device_table(slots) -> str:

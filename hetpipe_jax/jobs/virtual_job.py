@@ -180,9 +180,10 @@ def _run_allreduce(ctx: RunContext) -> dict:
     bar.close()
   sim_time = report.makespan_s
   shared_nic = report.config["shared_nic"]  # the engine's network rule, as it ran
-  digests = {vw.vw_id: weights_sha256(layout.flatten(vw.layer_params())) for vw in vws}
+  flats = {vw.vw_id: layout.flatten(vw.layer_params()) for vw in vws}  # each replica's final weights, once
+  digests = {v: weights_sha256(flat) for v, flat in flats.items()}
   final, lead_fields = finish_allreduce(
-      ctx, outputs, log, evaluator.evaluate, layout.flatten(vws[0].layer_params()), digests,
+      ctx, outputs, log, evaluator.evaluate, flats[0], digests,
       [dict(rec.__dict__) for vw in vws for rec in vw.records], sim_time,
       allreduce={"steps": report.final_global_clock,
                  "allreduce_s_per_step": max(t.allreduce_time_s(shared_nic) for t in times)},
