@@ -76,30 +76,31 @@ def run_job(workdir, num_ranks: int, overrides: dict, config: str = "experiments
   return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
-def _group_alive(pgid: int) -> bool:
-  """Whether a process of process group ``pgid`` is alive (not a zombie), from ``/proc``."""
+def processes() -> dict[int, tuple[int, int, str]]:
+  """Every process as ``pid -> (parent pid, process group, state)``, from ``/proc/<pid>/stat``; Linux only."""
+  table = {}
   for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
     try:
-      fields = stat.read_text().rsplit(")", 1)[1].split()
-    except OSError:
+      state, ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+    except (OSError, ValueError):
       continue
-    if int(fields[2]) == pgid and fields[0] != "Z":
-      return True
-  return False
+    table[int(stat.parent.name)] = (int(ppid), int(pgrp), state)
+  return table
+
+
+def _group_alive(pgid: int) -> bool:
+  """Whether a process of process group ``pgid`` is alive (not a zombie)."""
+  return any(pgrp == pgid and state != "Z" for _, pgrp, state in processes().values())
 
 
 def descendants(pid: int) -> list[int]:
-  """Every live process below ``pid`` (children, grandchildren, ...), from ``/proc``; Linux only."""
-  parents: dict[int, list[int]] = {}
-  for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-    try:
-      fields = stat.read_text().rsplit(")", 1)[1].split()
-    except OSError:
-      continue
-    parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+  """Every process below ``pid`` (children, grandchildren, ...)."""
+  children: dict[int, list[int]] = {}
+  for child, (ppid, _, _) in processes().items():
+    children.setdefault(ppid, []).append(child)
   found, todo = [], [pid]
   while todo:
-    for child in parents.get(todo.pop(), []):
+    for child in children.get(todo.pop(), []):
       found.append(child)
       todo.append(child)
   return found
